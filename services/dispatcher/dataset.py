@@ -1,0 +1,96 @@
+"""Prompt datasets: Parquet or JSONL files with a `prompt` column, or the synthetic arithmetic task.
+
+A row: `prompt` (a string, or a list of chat messages), optional `label` (reference answer),
+`reward_fn` (built-in reward name), `sandbox_check` (shell command that grades in a sandbox),
+`metadata` (a map). A row without a usable prompt is rejected with an error naming the row.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be used; the message names the file and the row."""
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    messages: list[dict[str, Any]]
+    label: str | None = None
+    reward_fn: str = "exact_match"
+    sandbox_check: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def load_dataset(path: Path) -> list[PromptRow]:
+    if not path.exists():
+        raise DatasetError(f"{path}: no such dataset file")
+    if path.suffix == ".parquet":
+        records = pq.read_table(path).to_pylist()
+    elif path.suffix in (".jsonl", ".json"):
+        records = []
+        for line_number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path} line {line_number}: not JSON ({exc.msg})") from exc
+    else:
+        raise DatasetError(f"{path}: unknown dataset format {path.suffix!r} (use .parquet or .jsonl)")
+    rows = [parse_row(record, f"{path} row {index}") for index, record in enumerate(records)]
+    if not rows:
+        raise DatasetError(f"{path}: the dataset has no rows")
+    return rows
+
+
+def parse_row(record: Any, where: str) -> PromptRow:
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where}: expected an object, got {type(record).__name__}")
+    prompt = record.get("prompt")
+    if prompt is None or prompt == "" or prompt == []:
+        raise DatasetError(f"{where}: missing 'prompt' (columns present: {', '.join(sorted(record)) or 'none'})")
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        raise DatasetError(f"{where}: 'prompt' must be a string or a list of {{role, content}} messages")
+    label = record.get("label", record.get("answer"))
+    metadata = record.get("metadata") or {}
+    if isinstance(metadata, str):
+        metadata = json.loads(metadata)
+    return PromptRow(
+        messages=messages,
+        label=None if label is None else str(label),
+        reward_fn=record.get("reward_fn") or "exact_match",
+        sandbox_check=record.get("sandbox_check") or None,
+        metadata=metadata,
+    )
+
+
+def arithmetic_dataset(size: int, seed: int, sandbox_every: int) -> list[PromptRow]:
+    """'What is a + b?' with its answer; every `sandbox_every`-th row is graded by a shell check."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(size):
+        a, b = rng.randint(0, 50), rng.randint(0, 50)
+        answer = str(a + b)
+        check = None
+        if sandbox_every and index % sandbox_every == sandbox_every - 1:
+            check = f'test "$(grep -Eo "[0-9]+" answer.txt | tail -n 1)" = "{answer}"'
+        rows.append(PromptRow(
+            messages=[{"role": "user", "content": f"What is {a} + {b}?"}],
+            label=answer,
+            reward_fn="exact_match",
+            sandbox_check=check,
+            metadata={"task": "arithmetic", "a": a, "b": b},
+        ))
+    return rows

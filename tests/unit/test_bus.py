@@ -1,0 +1,113 @@
+"""The stream bus on a real Redis 7.0 (the machine's) and a real Valkey (embedded)."""
+
+import time
+
+import pytest
+
+from shared.bus import Keys, run_consumer
+from shared.events import DeadLettered, PromptIssued, encode, make_envelope
+
+
+def prompt(i: int) -> PromptIssued:
+    return PromptIssued(sample_index=i, group_size=1, messages=[{"role": "user", "content": f"q{i}"}], policy_version=0)
+
+
+def test_keys_are_namespaced_per_run():
+    keys = Keys("run1")
+    assert keys.stream("prompts") == "rs:run1:prompts"
+    assert keys.state("reward", "group", "g1") == "rs:run1:state:reward:group:g1"
+    with pytest.raises(ValueError, match="unknown stream"):
+        keys.stream("nope")
+    with pytest.raises(ValueError):
+        Keys("a:b")
+
+
+def test_publish_consume_ack(bus):
+    bus.ensure_group("prompts", "g")
+    for i in range(5):
+        bus.publish("prompts", prompt(i), rollout_id=f"r{i}")
+    got = bus.consume("prompts", "g", "c1")
+    assert [d.event.sample_index for d in got] == [0, 1, 2, 3, 4]
+    assert got[0].envelope.rollout_id == "r0"
+    for d in got:
+        bus.ack(d, "g")
+    assert bus.group_lag("prompts", "g") == (0, 0)
+    assert bus.consume("prompts", "g", "c1", block_ms=10) == []
+
+
+def test_two_groups_each_see_every_entry(bus):
+    for group in ("a", "b"):
+        bus.ensure_group("prompts", group)
+    bus.publish("prompts", prompt(0))
+    assert len(bus.consume("prompts", "a", "c")) == 1
+    assert len(bus.consume("prompts", "b", "c")) == 1
+
+
+def test_entry_of_a_dead_consumer_is_reclaimed(bus):
+    bus.ensure_group("prompts", "g")
+    bus.publish("prompts", prompt(7))
+    first = bus.consume("prompts", "g", "dies")
+    assert len(first) == 1  # delivered, never acknowledged: the consumer died
+    assert bus.consume("prompts", "g", "alive", block_ms=10) == []  # not idle long enough yet
+    time.sleep(bus.settings.reclaim_idle_ms / 1000 + 0.1)
+    again = bus.consume("prompts", "g", "alive")
+    assert [d.event.sample_index for d in again] == [7]
+    bus.ack(again[0], "g")
+    assert bus.group_lag("prompts", "g") == (0, 0)
+
+
+def test_malformed_entry_goes_to_dead_letters_and_the_rest_is_delivered(bus):
+    bus.ensure_group("prompts", "g")
+    bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "1", "body": b"not msgpack"})
+    bus.redis.xadd(bus.keys.stream("prompts"), {"hello": "world"})
+    bus.publish("prompts", prompt(1))
+    got = bus.consume("prompts", "g", "c")
+    assert [d.event.sample_index for d in got] == [1]
+    dead = [d.event for d in bus.read_all("dead")]
+    assert len(dead) == 2 and all(isinstance(e, DeadLettered) for e in dead)
+    assert "not msgpack" in dead[0].error and dead[0].stream == "prompts"
+    assert dead[1].fields == {"hello": "world"} and "no 'type'" in dead[1].error
+    assert bus.group_lag("prompts", "g") == (0, 1)  # only the good one is pending
+
+
+def test_entry_failing_every_delivery_is_dead_lettered_with_the_error(bus):
+    bus.publish("prompts", prompt(3))
+    attempts = []
+
+    def handle(delivery):
+        attempts.append(delivery.entry_id)
+        raise ValueError("handler is broken")
+
+    deadline = time.monotonic() + 10
+    run_consumer(bus, ("prompts",), "g", "c", handle,
+                 should_stop=lambda: bool(bus.read_all("dead")) or time.monotonic() > deadline)
+    dead = bus.read_all("dead")
+    assert len(dead) == 1
+    assert len(attempts) == bus.settings.max_deliveries
+    assert "handler is broken" in dead[0].event.error
+    assert dead[0].event.deliveries == bus.settings.max_deliveries + 1
+    assert bus.group_lag("prompts", "g") == (0, 0)
+
+
+def test_a_handler_that_fails_once_succeeds_on_redelivery(bus):
+    bus.publish("prompts", prompt(4))
+    seen = []
+
+    def handle(delivery):
+        seen.append(delivery.event.sample_index)
+        if len(seen) == 1:
+            raise RuntimeError("transient")
+
+    deadline = time.monotonic() + 10
+    run_consumer(bus, ("prompts",), "g", "c", handle, should_stop=lambda: len(seen) >= 2 or time.monotonic() > deadline)
+    assert seen == [4, 4]
+    assert bus.read_all("dead") == []
+    assert bus.group_lag("prompts", "g") == (0, 0)
+
+
+def test_encoded_fields_go_through_redis_unchanged(bus):
+    envelope = make_envelope(prompt(0), run_id=bus.keys.run_id, event_id="fixed")
+    bus.publish("prompts", envelope)
+    assert bus.last("prompts").envelope == envelope
+    raw = bus.redis.xrange(bus.keys.stream("prompts"))[0][1]
+    assert raw[b"body"] == encode(envelope)["body"]

@@ -1,0 +1,83 @@
+import msgspec
+import pytest
+
+from shared.events import (
+    EVENT_TYPES,
+    EventDecodeError,
+    PromptIssued,
+    TrajectorySegment,
+    decode,
+    encode,
+    make_envelope,
+)
+
+
+def segment(**overrides):
+    fields = dict(segment_index=0, tokens=[5, 6, 7, 8], response_length=2, loss_mask=[0, 0, 1, 1],
+                  rollout_logprobs=[0.0, 0.0, -0.5, -1.25], turn_policy_versions=[3], status="completed",
+                  response_text="42", sample_index=9, group_size=4)
+    return TrajectorySegment(**{**fields, **overrides})
+
+
+def test_round_trip_keeps_every_field_and_the_ids():
+    envelope = make_envelope(segment(), run_id="r1", rollout_id="ro", group_id="g", trajectory_id="t",
+                             session_id="s", event_id="e1")
+    decoded = decode(encode(envelope))
+    assert decoded == envelope
+    assert decoded.payload.tokens == [5, 6, 7, 8]
+    assert decoded.payload.rollout_logprobs == [0.0, 0.0, -0.5, -1.25]
+
+
+def test_token_arrays_are_packed_bytes_on_the_wire():
+    tokens = list(range(1000))
+    fields = encode(make_envelope(segment(tokens=tokens, loss_mask=[1] * 1000, rollout_logprobs=[-1.0] * 1000,
+                                          response_length=1000), run_id="r"))
+    body = msgspec.msgpack.decode(fields["body"])
+    assert body["payload"]["tokens"] == bytes(memoryview(__import__("numpy").arange(1000, dtype="<i4")))
+    assert len(fields["body"]) < 1000 * 4 + 1000 * 4 + 1000 + 500
+
+
+def test_stream_fields_may_arrive_as_bytes():
+    fields = encode(make_envelope(segment(), run_id="r"))
+    as_bytes = {k.encode(): v.encode() if isinstance(v, str) else v for k, v in fields.items()}
+    assert decode(as_bytes).payload == segment()
+
+
+def test_unknown_type_is_rejected_by_name():
+    fields = encode(make_envelope(segment(), run_id="r"))
+    with pytest.raises(EventDecodeError, match="unknown event type 'Nope'"):
+        decode({**fields, "type": "Nope"})
+
+
+def test_unknown_schema_version_is_rejected():
+    fields = encode(make_envelope(segment(), run_id="r"))
+    with pytest.raises(EventDecodeError, match="schema version '7' is not supported"):
+        decode({**fields, "v": "7"})
+
+
+@pytest.mark.parametrize("body", [b"\xc1garbage", msgspec.msgpack.encode([1, 2]), msgspec.msgpack.encode({"x": 1})])
+def test_malformed_body_is_rejected(body):
+    with pytest.raises(EventDecodeError):
+        decode({"type": "TrajectorySegment", "v": "1", "body": body})
+
+
+def test_misaligned_segment_is_rejected():
+    fields = encode(make_envelope(segment(), run_id="r"))
+    body = msgspec.msgpack.decode(fields["body"])
+    body["payload"]["loss_mask"] = b"\x00"
+    with pytest.raises(EventDecodeError, match="same length"):
+        decode({**fields, "body": msgspec.msgpack.encode(body)})
+
+
+def test_extra_payload_fields_are_rejected():
+    envelope = make_envelope(PromptIssued(sample_index=0, group_size=2, messages=[], policy_version=0), run_id="r")
+    fields = encode(envelope)
+    body = msgspec.msgpack.decode(fields["body"])
+    body["payload"]["surprise"] = 1
+    with pytest.raises(EventDecodeError, match="surprise"):
+        decode({**fields, "body": msgspec.msgpack.encode(body)})
+
+
+def test_every_event_type_has_a_unique_name_and_a_version():
+    assert len(EVENT_TYPES) == len({cls.TYPE for cls in EVENT_TYPES.values()})
+    assert all(cls.VERSION >= 1 for cls in EVENT_TYPES.values())
