@@ -58,7 +58,8 @@ def show_config(markdown: Annotated[bool, typer.Option(help="Print the reference
     """Print the resolved configuration (environment RS_*, RS_CONFIG_FILE, defaults)."""
     from shared.config import Settings, reference_markdown
 
-    console.print(reference_markdown() if markdown else Settings().model_dump_json(indent=2), markup=False)
+    # plain print: rich would wrap long table rows
+    print(reference_markdown() if markdown else Settings().model_dump_json(indent=2))
 
 
 @app.command("run")

@@ -197,6 +197,11 @@ class Bus:
         pipe.execute()
         log.warning("dead-lettered entry", extra={"stream": stream, "entry_id": entry_id, "error": error})
 
+    def delete_run(self) -> int:
+        """Delete every key of this run; returns how many."""
+        keys = list(self.redis.scan_iter(match=f"{self.keys.prefix}:*", count=1000))
+        return self.redis.delete(*keys) if keys else 0
+
     # ----------------------------------------------------------------------------------- inspect
     def group_lag(self, stream: StreamName, group: str) -> tuple[int, int]:
         """(entries not yet delivered to the group, entries delivered but not acknowledged)."""

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, SerializationInfo, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, SerializationInfo, SerializeAsAny, ValidationError, model_validator
 
 
 class EventDecodeError(ValueError):
@@ -72,7 +72,7 @@ class Envelope(BaseModel):
     rollout_id: str | None = None
     group_id: str | None = None
     session_id: str | None = None
-    payload: Event
+    payload: SerializeAsAny[Event]
 
 
 # ----------------------------------------------------------------------------------------- prompts
@@ -279,8 +279,7 @@ _decoder = msgspec.msgpack.Decoder()
 
 def encode(envelope: Envelope) -> dict[str, bytes | str]:
     """Stream fields for an envelope."""
-    body = envelope.model_dump(mode="python", exclude={"payload"})
-    body["payload"] = envelope.payload.model_dump(mode="python")
+    body = envelope.model_dump(mode="python")
     return {"type": envelope.type, "v": str(envelope.schema_version), "body": _encoder.encode(body)}
 
 

@@ -41,12 +41,6 @@ def redis_url(request):
     return request.getfixturevalue("machine_redis_url" if request.param == "redis" else "valkey_url")
 
 
-def delete_run(client: redis.Redis, run_id: str) -> None:
-    keys = list(client.scan_iter(match=f"rs:{run_id}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-
-
 @pytest.fixture
 def run_id():
     return f"test-{uuid.uuid4().hex[:10]}"
@@ -55,6 +49,7 @@ def run_id():
 @pytest.fixture
 def bus(redis_url, run_id):
     client = redis.Redis.from_url(redis_url)
-    yield Bus(client, run_id, BusSettings(block_ms=50, reclaim_idle_ms=200, max_deliveries=3))
-    delete_run(client, run_id)
+    bus = Bus(client, run_id, BusSettings(block_ms=50, reclaim_idle_ms=200, max_deliveries=3))
+    yield bus
+    bus.delete_run()
     client.close()

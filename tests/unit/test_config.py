@@ -47,3 +47,10 @@ def test_reference_lists_every_field_with_its_doc():
     table = reference_markdown()
     assert "| `RS_TRAIN__MAX_STALENESS` | `1` | eta: samples may be this many policy versions old" in table
     assert "`RS_BUS__RECLAIM_IDLE_MS`" in table
+
+
+def test_readme_configuration_reference_is_current():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert reference_markdown() in readme, "regenerate it: rollstream config --markdown"

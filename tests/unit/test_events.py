@@ -81,3 +81,8 @@ def test_extra_payload_fields_are_rejected():
 def test_every_event_type_has_a_unique_name_and_a_version():
     assert len(EVENT_TYPES) == len({cls.TYPE for cls in EVENT_TYPES.values()})
     assert all(cls.VERSION >= 1 for cls in EVENT_TYPES.values())
+
+
+def test_envelope_json_shows_the_payload():
+    envelope = make_envelope(segment(), run_id="r")
+    assert '"tokens":[5,6,7,8]' in envelope.model_dump_json()

