@@ -21,22 +21,19 @@ import httpx
 
 from shared.bus import Bus
 from shared.config import Settings
-from shared.events import BatchReady, DeadLettered, PolicyUpdated, PromptIssued, TrajectoryFinished
+from shared.events import BatchReady, DeadLettered, PolicyUpdated, TrajectoryFinished
+from shared.vllm_server import free_port
 
 SERVICES = ("dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer")
 STOP_GRACE_S = 30.0
 
 
+class RunExists(RuntimeError):
+    """The run id is taken in this Redis: a new run would mix its events with the old ones."""
+
+
 class ServiceDied(RuntimeError):
     """A service process exited while the run was going on."""
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def service_command(name: str) -> list[str]:
@@ -117,6 +114,10 @@ class LocalRun:
             self.redis_server = ValkeyServer(data_dir=self.run_dir / "redis", persist=True, appendonly="yes")
             self.redis_server.start()
             settings = settings.model_copy(update={"redis_url": self.redis_server.connection_url})
+        self.bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
+        if self.bus.redis.exists(self.bus.keys.stream("prompts")):
+            raise RunExists(f"run {settings.run_id!r} already has events in {settings.redis}; "
+                            "choose another run id (--run-id), or delete the old run")
         if self.external_fleet:
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": self.external_fleet})})
         else:
@@ -132,7 +133,6 @@ class LocalRun:
             self.vllm_startup_s = time.monotonic() - started
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": [self.vllm.url]})})
         self.settings = settings
-        self.bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
         self.finished_counter = FinishedCounter(self.bus)
         config_file = self.run_dir / "config.json"
         config_file.write_text(settings.model_dump_json(indent=2))
@@ -142,10 +142,10 @@ class LocalRun:
             on_step(f"starting {name}")
             port = free_port()
             self.health_ports[name] = port
-            log = open(self.log_dir / f"{name}.log", "ab")
-            self.processes[name] = subprocess.Popen(
-                service_command(name), env={**env, "RS_HEALTH_PORT": str(port)}, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+            with open(self.log_dir / f"{name}.log", "ab") as log:
+                self.processes[name] = subprocess.Popen(
+                    service_command(name), env={**env, "RS_HEALTH_PORT": str(port)}, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True)
         self.wait_healthy()
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:

@@ -5,12 +5,14 @@ reader never sees half a file."""
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
 
 class Storage:
     def __init__(self, uri: str) -> None:
@@ -44,13 +46,13 @@ class Storage:
     def exists(self, path: str) -> bool:
         return self.fs.get_file_info(path).type != pafs.FileType.NotFound
 
+
 def replace_dir(temp: Path, final: Path) -> None:
-    """Move a fully written directory into place (checkpoints)."""
+    """Move a fully written directory into place (checkpoints), replacing an older one."""
     if final.exists():
         old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex}")
         os.rename(final, old)
         os.rename(temp, final)
-
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(temp, final)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared.batches import read_batch
@@ -26,6 +27,19 @@ from shared.storage import Storage, replace_dir
 GROUP = "trainer"
 PROBE_TOKENS = 256
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class TrainedStep:
+    """A batch trained on and checkpointed, not yet served by the fleet."""
+
+    batch_id: str
+    version: int
+    checkpoint: Path
+    probe: list[int]
+    loss: float
+    trained: int
+    dropped: int
 
 
 class ParityError(RuntimeError):
@@ -51,39 +65,48 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(start, torch_dtype=torch.float32).to(self.device)
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings.train.learning_rate)
+        self.unsynced: TrainedStep | None = None
         self.fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
                                  timeout_s=settings.fleet.request_timeout_s)
-        for url in settings.fleet.urls:
+        for url in self.fleet.urls:
             bus.redis.hsetnx(bus.keys.fleet_versions, url, self.version)
 
     def train_step(self, batch: BatchReady) -> PolicyUpdated:
+        """Train on the batch once, then sync the fleet. A sync that fails is retried on the next
+        delivery of the same batch without training on it again."""
+        if self.unsynced is None or self.unsynced.batch_id != batch.batch_id:
+            self.unsynced = self.train(batch)
+        step = self.unsynced
+        parity = asyncio.run(self.sync_fleet(step.checkpoint, step.probe))
+        self.version = step.version
+        self.unsynced = None
+        for url in self.fleet.urls:
+            self.bus.redis.hset(self.bus.keys.fleet_versions, url, step.version)
+        return PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint), batch_id=batch.batch_id,
+                             servers=list(self.fleet.urls), parity_max_abs_diff=parity, loss=step.loss,
+                             trained_samples=step.trained, dropped_stale=step.dropped)
+
+    def train(self, batch: BatchReady) -> "TrainedStep":
         from services.trainer.ppo import collate, ppo_clip_loss, token_logprobs
 
-        torch = self.torch
         rows = read_batch(self.storage, batch.uri)
         oldest_allowed = self.version - self.settings.train.max_staleness
         fresh = [r for r in rows if r.min_policy_version >= oldest_allowed]
-        dropped = len(rows) - len(fresh)
-        stats = {"loss": 0.0}
+        loss = 0.0
         if fresh:
             self.model.train()
             data = collate(fresh, self.pad_id, self.device)
             logprobs = token_logprobs(self.model, data.tokens, data.attention_mask)
-            loss, stats = ppo_clip_loss(logprobs, data, self.settings.train.clip_eps)
+            objective, stats = ppo_clip_loss(logprobs, data, self.settings.train.clip_eps)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            objective.backward()
+            self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
+            loss = stats["loss"]
         version = self.version + 1
-        checkpoint = self.save_checkpoint(version)
-        probe = (fresh or rows)[0].tokens[:PROBE_TOKENS]
-        parity = asyncio.run(self.sync_fleet(checkpoint, probe))
-        self.version = version
-        for url in self.settings.fleet.urls:
-            self.bus.redis.hset(self.bus.keys.fleet_versions, url, version)
-        return PolicyUpdated(version=version, checkpoint_uri=str(checkpoint), batch_id=batch.batch_id,
-                             servers=list(self.settings.fleet.urls), parity_max_abs_diff=parity,
-                             loss=float(stats["loss"]), trained_samples=len(fresh), dropped_stale=dropped)
+        return TrainedStep(batch_id=batch.batch_id, version=version, checkpoint=self.save_checkpoint(version),
+                           probe=(fresh or rows)[0].tokens[:PROBE_TOKENS], loss=loss, trained=len(fresh),
+                           dropped=len(rows) - len(fresh))
 
     def save_checkpoint(self, version: int) -> Path:
         final = self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
@@ -110,7 +133,7 @@ class Trainer:
         """Reload every server and check its probe logprobs; returns the worst difference."""
         expected = self.trainer_logprobs(probe)
         worst = 0.0
-        for url in self.settings.fleet.urls:
+        for url in self.fleet.urls:
             await self.fleet.reload_weights(url, str(checkpoint))
             served = await self.fleet.prompt_logprobs(url, probe)
             diff = max(abs(a - b) for a, b in zip(served, expected, strict=True))

@@ -6,6 +6,7 @@ One run of 3 policy versions; the tests below read what it left in Redis and in 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def run(tmp_path_factory, machine_redis_url):
 
     root = tmp_path_factory.mktemp("e2e")
     model = build_tiny_model(root / "model")
-    run_id = f"e2e-{root.name}".replace("_", "-")
+    run_id = f"e2e-{uuid.uuid4().hex[:8]}"
     settings = Settings(
         run_id=run_id, redis_url=machine_redis_url, storage_uri=str(root / "runs"),
         model={"path": model}, data={"samples_per_prompt": GROUP, "synthetic_sandbox_every": 2},
@@ -48,7 +49,7 @@ def run(tmp_path_factory, machine_redis_url):
         # Malformed entries on two streams: they must be dead-lettered while the services keep going.
         bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "1", "body": b"\x00garbage"})
         bus.redis.xadd(bus.keys.stream("batches"), {"type": "BatchReady", "v": "99", "body": b""})
-        progress = local.wait_for_version(VERSIONS, timeout_s=900)
+        progress = local.wait_for_version(VERSIONS, timeout_s=600)
         served = asyncio.run(probe_served_logprobs(local, model))
         exit_codes = local.stop()
     except BaseException:
@@ -137,8 +138,11 @@ def test_staleness_bound_was_never_exceeded(run):
     batches = all_batch_rows(local)
     for update in events(local, "policy", PolicyUpdated):
         trained_at = update.event.version - 1
-        for row in batches[update.event.batch_id]:
-            assert trained_at - row.turn_policy_versions[0] <= ETA
+        rows = batches[update.event.batch_id]
+        # A sample that finished late can land in a later batch: the trainer drops it and counts it.
+        stale = [row for row in rows if trained_at - row.turn_policy_versions[0] > ETA]
+        assert update.event.dropped_stale == len(stale)
+        assert update.event.trained_samples == len(rows) - len(stale)
 
 
 def test_vllm_matches_the_trainer_after_every_weight_sync(run):
