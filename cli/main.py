@@ -99,6 +99,7 @@ def run(
     summary = local.summary(progress)
     summary["exit_codes"] = codes
     path = write_summary(local.run_dir, summary)
+    console.print()
     console.print(summary_table(summary))
     console.print(f"run files: {local.run_dir} (summary: {path})")
 

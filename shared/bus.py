@@ -232,6 +232,10 @@ def _show(value: bytes | str) -> str:
 Handler = Callable[[Delivery], None]
 
 
+class StopConsuming(Exception):
+    """Raised by a handler that must not go on to the next entry; the current one stays pending."""
+
+
 def run_consumer(bus: Bus, streams: tuple[StreamName, ...], group: str, consumer: str, handle: Handler,
                  should_stop: Callable[[], bool]) -> None:
     """The consume loop services use: read, handle, ack. A failing handler leaves the entry pending,
@@ -244,6 +248,9 @@ def run_consumer(bus: Bus, streams: tuple[StreamName, ...], group: str, consumer
             for delivery in bus.consume(stream, group, consumer, block_ms=block_ms):
                 try:
                     handle(delivery)
+                except StopConsuming as exc:
+                    bus.record_failure(delivery, group, f"{type(exc).__name__}: {exc}")
+                    raise
                 except Exception as exc:
                     bus.record_failure(delivery, group, f"{type(exc).__name__}: {exc}")
                     log.exception("handler failed; entry stays pending for retry",

@@ -13,19 +13,24 @@ server registry updated and PolicyUpdated published.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.batches import read_batch
-from shared.bus import Bus, Delivery, consumer_name, run_consumer
+from shared.bus import Bus, Delivery, StopConsuming, consumer_name, run_consumer
 from shared.config import Settings
 from shared.events import BatchReady, PolicyUpdated
 from shared.service import ServiceRuntime
 from shared.storage import Storage, replace_dir
 
+log = logging.getLogger("trainer")
+
 GROUP = "trainer"
 PROBE_TOKENS = 256
+SYNC_ATTEMPTS = 3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -62,31 +67,44 @@ class Trainer:
         last = bus.last("policy")
         self.version = last.event.version if last else 0
         start = Path(last.event.checkpoint_uri) if last else settings.model.path
-        self.model = AutoModelForCausalLM.from_pretrained(start, torch_dtype=torch.float32).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).to(self.device)
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings.train.learning_rate)
-        self.unsynced: TrainedStep | None = None
+        # One event loop for the trainer's life: the fleet client's connections belong to it.
+        self.loop = asyncio.Runner()
         self.fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
                                  timeout_s=settings.fleet.request_timeout_s)
         for url in self.fleet.urls:
             bus.redis.hsetnx(bus.keys.fleet_versions, url, self.version)
 
     def train_step(self, batch: BatchReady) -> PolicyUpdated:
-        """Train on the batch once, then sync the fleet. A sync that fails is retried on the next
-        delivery of the same batch without training on it again."""
-        if self.unsynced is None or self.unsynced.batch_id != batch.batch_id:
-            self.unsynced = self.train(batch)
-        step = self.unsynced
-        parity = asyncio.run(self.sync_fleet(step.checkpoint, step.probe))
+        """Train on the batch, then make every server serve the result. The fleet must serve a
+        policy before the next one is trained; a sync that keeps failing stops the trainer."""
+        step = self.train(batch)
+        parity = self.sync_with_retries(step)
         self.version = step.version
-        self.unsynced = None
         for url in self.fleet.urls:
             self.bus.redis.hset(self.bus.keys.fleet_versions, url, step.version)
         return PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint), batch_id=batch.batch_id,
                              servers=list(self.fleet.urls), parity_max_abs_diff=parity, loss=step.loss,
                              trained_samples=step.trained, dropped_stale=step.dropped)
 
-    def train(self, batch: BatchReady) -> "TrainedStep":
+    def sync_with_retries(self, step: TrainedStep) -> float:
+        from shared.fleet import FleetRequestError, WeightSyncError
+
+        for attempt in range(1, SYNC_ATTEMPTS + 1):
+            try:
+                return self.loop.run(self.sync_fleet(step.checkpoint, step.probe))
+            except (WeightSyncError, FleetRequestError, OSError) as exc:
+                if attempt == SYNC_ATTEMPTS:
+                    raise StopConsuming(f"weight sync of v{step.version} failed {attempt} times: {exc}") from exc
+                log.warning("weight sync failed; retrying", extra={"attempt": attempt, "error": str(exc)})
+                time.sleep(2 ** attempt)
+            except ParityError as exc:
+                raise StopConsuming(str(exc)) from exc
+        raise AssertionError("unreachable")
+
+    def train(self, batch: BatchReady) -> TrainedStep:
         from services.trainer.ppo import collate, ppo_clip_loss, token_logprobs
 
         rows = read_batch(self.storage, batch.uri)
@@ -107,6 +125,10 @@ class Trainer:
         return TrainedStep(batch_id=batch.batch_id, version=version, checkpoint=self.save_checkpoint(version),
                            probe=(fresh or rows)[0].tokens[:PROBE_TOKENS], loss=loss, trained=len(fresh),
                            dropped=len(rows) - len(fresh))
+
+    def close(self) -> None:
+        self.loop.run(self.fleet.aclose())
+        self.loop.close()
 
     def save_checkpoint(self, version: int) -> Path:
         final = self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
@@ -166,8 +188,15 @@ def main() -> None:
                                                   "parity_max_abs_diff": update.parity_max_abs_diff,
                                                   "trained": update.trained_samples, "dropped_stale": update.dropped_stale})
 
-    run_consumer(bus, ("batches",), GROUP, consumer_name(GROUP), handle, runtime.should_stop)
-    runtime.close()
+    try:
+        run_consumer(bus, ("batches",), GROUP, consumer_name(GROUP), handle, runtime.should_stop)
+    except StopConsuming as exc:
+        # The batch stays pending; a restarted trainer resumes from the last published checkpoint.
+        runtime.log.critical("trainer stopped", extra={"error": str(exc)})
+        raise SystemExit(1) from exc
+    finally:
+        trainer.close()
+        runtime.close()
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ async def probe_served_logprobs(local: LocalRun, model: Path) -> dict:
     checkpoint = local.progress().updates[-1].checkpoint_uri
 
     def expected(path) -> list[float]:
-        net = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():
             logp = torch.log_softmax(net(torch.tensor([ids])).logits[0, :-1].float(), -1)
         return logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()
@@ -174,3 +174,11 @@ def test_malformed_events_were_dead_lettered_and_services_drained_cleanly(run):
     assert any("not msgpack" in e.error for e in dead)
     assert any("schema version '99'" in e.error for e in dead)
     assert run["exit_codes"] == {name: 0 for name in run["exit_codes"]}
+
+
+def test_services_logged_no_errors(run):
+    local = run["local"]
+    for name in local.processes:
+        errors = [line for line in (local.log_dir / f"{name}.log").read_text().splitlines()
+                  if '"level": "ERROR"' in line or '"level": "CRITICAL"' in line]
+        assert errors == [], f"{name} logged errors"

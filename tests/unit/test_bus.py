@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from shared.bus import Keys, run_consumer
+from shared.bus import Keys, StopConsuming, run_consumer
 from shared.events import DeadLettered, PromptIssued, encode, make_envelope
 
 
@@ -111,3 +111,19 @@ def test_encoded_fields_go_through_redis_unchanged(bus):
     assert bus.last("prompts").envelope == envelope
     raw = bus.redis.xrange(bus.keys.stream("prompts"))[0][1]
     assert raw[b"body"] == encode(envelope)["body"]
+
+
+def test_stop_consuming_leaves_the_entry_and_the_rest_pending(bus):
+    for i in range(3):
+        bus.publish("prompts", prompt(i))
+    handled = []
+
+    def handle(delivery):
+        handled.append(delivery.event.sample_index)
+        if delivery.event.sample_index == 1:
+            raise StopConsuming("must not skip ahead")
+
+    with pytest.raises(StopConsuming):
+        run_consumer(bus, ("prompts",), "g", "c", handle, should_stop=lambda: False)
+    assert handled == [0, 1]
+    assert bus.group_lag("prompts", "g") == (0, 2)  # 1 and 2 wait for the next consumer
