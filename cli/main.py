@@ -70,8 +70,9 @@ def run(
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 1800.0,
 ) -> None:
     """Train locally: embedded Redis (unless RS_REDIS_URL), vLLM on the CPU, every service as a process."""
-    from cli.local_run import LocalRun, write_summary
+    from cli.local_run import LocalRun, RunExists, ServiceDied, write_summary
     from shared.config import Settings
+    from shared.datasets import DatasetError
 
     overrides: dict = {"run_id": run_id or time.strftime("run-%Y%m%d-%H%M%S")}
     settings = Settings(**overrides)
@@ -83,6 +84,7 @@ def run(
 
     local = LocalRun(settings, fleet_urls=fleet_url)
     target = settings.train.total_versions
+    progress = None
     try:
         with console.status("starting") as status:
             local.start(on_step=lambda message: status.update(message))
@@ -91,7 +93,9 @@ def run(
             progress = local.wait_for_version(target, timeout, on_progress=lambda p: live.update(progress_table(p, target)))
     except KeyboardInterrupt:
         console.print("interrupted: stopping every service")
-        progress = None
+    except (DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
+        console.print(f"[bold red]run failed:[/] {exc}", markup=True)
+        raise typer.Exit(1) from None
     finally:
         codes = local.stop() if local.processes or local.vllm or local.redis_server else {}
     if progress is None:

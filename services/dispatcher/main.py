@@ -15,10 +15,9 @@ import uuid
 
 from shared.bus import Bus
 from shared.config import Settings
+from shared.datasets import DatasetError, PromptRow, arithmetic_dataset, load_dataset
 from shared.events import PolicyUpdated, PromptIssued
 from shared.service import ServiceRuntime
-
-from services.dispatcher.dataset import PromptRow, arithmetic_dataset, load_dataset
 
 LOCK_TTL_MS = 15_000
 
@@ -35,6 +34,13 @@ class StalenessGate:
 
     def admits(self, admitted: int, count: int, policy_version: int) -> bool:
         return admitted + count <= self.capacity(policy_version)
+
+
+def prompt_rows(settings: Settings) -> list[PromptRow]:
+    if settings.data.path is None:
+        return arithmetic_dataset(settings.data.synthetic_prompts, settings.data.seed,
+                                  settings.data.synthetic_sandbox_every)
+    return load_dataset(settings.data.path)
 
 
 def current_policy_version(bus: Bus) -> int:
@@ -65,11 +71,12 @@ def main() -> None:
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     log = runtime.log
 
-    if settings.data.path is None:
-        rows = arithmetic_dataset(settings.data.synthetic_prompts, settings.data.seed,
-                                  settings.data.synthetic_sandbox_every)
-    else:
-        rows = load_dataset(settings.data.path)
+    try:
+        rows = prompt_rows(settings)
+    except DatasetError as exc:
+        log.critical("dataset rejected", extra={"error": str(exc)})
+        runtime.close()
+        raise SystemExit(2) from exc
     n = settings.data.samples_per_prompt
     total = settings.train.batch_size * settings.train.total_versions
     gate = StalenessGate(settings.train.max_staleness, settings.train.batch_size)

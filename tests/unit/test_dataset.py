@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.dispatcher.dataset import DatasetError, arithmetic_dataset, load_dataset
+from shared.datasets import DatasetError, arithmetic_dataset, load_dataset
 
 
 def write_jsonl(path, rows):

@@ -1,4 +1,5 @@
 """Prompt datasets: Parquet or JSONL files with a `prompt` column, or the synthetic arithmetic task.
+The dispatcher reads them; the local run checks them before it starts anything.
 
 A row: `prompt` (a string, or a list of chat messages), optional `label` (reference answer),
 `reward_fn` (built-in reward name), `sandbox_check` (shell command that grades in a sandbox),
