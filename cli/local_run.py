@@ -101,6 +101,7 @@ class LocalRun:
         self.health_ports: dict[str, int] = {}
         self.redis_server = None
         self.vllm = None
+        self.vllm_startup_s: float | None = None
         self.bus: Bus | None = None
         self.finished_counter: FinishedCounter | None = None
 
@@ -230,6 +231,7 @@ class LocalRun:
             "batches": len(progress.batches),
             "policy_version": progress.version,
             "dead_letters": len(progress.dead_letters),
+            "vllm_startup_s": None if self.vllm_startup_s is None else round(self.vllm_startup_s, 1),
             "per_version": per_version,
             "run_dir": str(self.run_dir),
         }

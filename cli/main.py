@@ -134,7 +134,8 @@ def summary_table(summary: dict) -> Table:
                       f"{row['parity_max_abs_diff']:.1e}", str(row["trained"]))
     table.caption = (f"{summary['samples_admitted']} samples, {summary['trajectories_finished']} trajectories, "
                      f"{summary['grades']} sandbox grades, {summary['batches']} batches, "
-                     f"{summary['dead_letters']} dead letters")
+                     f"{summary['dead_letters']} dead letters"
+                     + (f", vLLM up in {summary['vllm_startup_s']}s" if summary.get("vllm_startup_s") else ""))
     return table
 
 
