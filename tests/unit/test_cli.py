@@ -26,3 +26,23 @@ def test_config_prints_the_resolved_settings(monkeypatch):
     result = runner.invoke(app, ["config"])
     assert result.exit_code == 0
     assert json.loads(result.output)["train"]["max_staleness"] == 0
+
+
+def test_embedded_redis_keeps_streams_across_a_restart(tmp_path):
+    import redis
+
+    from cli.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    try:
+        redis.Redis.from_url(server.url).xadd("rs:x:prompts", {"a": "1"})
+    finally:
+        server.stop()
+    assert server.process.returncode == 0
+    again = EmbeddedRedis(tmp_path / "redis", port=server.port)
+    again.start()
+    try:
+        assert redis.Redis.from_url(again.url).xlen("rs:x:prompts") == 1  # append-only file replayed
+    finally:
+        again.stop()
