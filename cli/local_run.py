@@ -93,12 +93,16 @@ class FinishedCounter:
 
 
 class LocalRun:
-    def __init__(self, settings: Settings, *, fleet_urls: list[str] | None = None) -> None:
+    def __init__(self, settings: Settings, *, fleet_urls: list[str] | None = None,
+                 replicas: dict[str, int] | None = None) -> None:
         self.settings = settings
+        self.replicas = {name: (replicas or {}).get(name, 1) for name in SERVICES}
         self.external_fleet = fleet_urls
         self.run_dir = settings.run_dir().resolve()
         self.log_dir = self.run_dir / "logs"
         self.processes: dict[str, subprocess.Popen] = {}
+        """Process name (the service, with a replica number when it has several) -> process."""
+        self.killed: dict[str, subprocess.Popen] = {}
         self.health_ports: dict[str, int] = {}
         self.redis_server = None
         self.vllm = None
@@ -141,19 +145,22 @@ class LocalRun:
         config_file.write_text(settings.model_dump_json(indent=2))
         env = {**os.environ, "RS_CONFIG_FILE": str(config_file)}
         env = {k: v for k, v in env.items() if not (k.startswith("RS_") and k != "RS_CONFIG_FILE")}
-        for name in SERVICES:
-            on_step(f"starting {name}")
-            port = free_port()
-            self.health_ports[name] = port
-            with open(self.log_dir / f"{name}.log", "ab") as log:
-                self.processes[name] = subprocess.Popen(
-                    service_command(name), env={**env, "RS_HEALTH_PORT": str(port)}, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True)
+        for service in SERVICES:
+            count = self.replicas[service]
+            for replica in range(1, count + 1):
+                name = service if count == 1 else f"{service}-{replica}"
+                on_step(f"starting {name}")
+                port = free_port()
+                self.health_ports[name] = port
+                with open(self.log_dir / f"{name}.log", "ab") as log:
+                    self.processes[name] = subprocess.Popen(
+                        service_command(service), env={**env, "RS_HEALTH_PORT": str(port)}, stdout=log,
+                        stderr=subprocess.STDOUT, start_new_session=True)
         self.wait_healthy()
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
-        pending = set(SERVICES)
+        pending = set(self.processes)
         while pending:
             self.check_alive()
             for name in list(pending):
@@ -165,6 +172,14 @@ class LocalRun:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"services not healthy after {timeout_s:.0f}s: {', '.join(sorted(pending))}")
             time.sleep(0.3)
+
+    def kill(self, name: str) -> int:
+        """SIGKILL one process (fault tests); the run goes on without it. Returns its pid."""
+        process = self.processes.pop(name)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        self.killed[name] = process
+        return process.pid
 
     # ------------------------------------------------------------------------------------ watch
     def check_alive(self) -> None:

@@ -60,12 +60,31 @@ class DataSettings(Section):
 
 
 class RolloutSettings(Section):
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(24, ge=1)
     """Tokens generated per turn."""
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature."""
     concurrency: int = Field(32, ge=1)
     """Episodes one agent-runner replica runs at once."""
+
+
+class AgentSettings(Section):
+    default: str = "tool_agent"
+    """Agent loop of rows that name none: a registered name or package.module:function."""
+    tool_format: str = "hermes"
+    """How the model writes tool calls (see shared/agent/tool_calls.py)."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per episode."""
+    max_total_tokens: int = Field(1024, ge=16)
+    """Context budget of one segment: prompt, responses and observations."""
+    tool_concurrency: int = Field(8, ge=1)
+    """Tool calls of one episode run at once."""
+    max_tool_output_chars: int = Field(16_384, ge=64)
+    """Tool results are cut to this length before the model sees them."""
+    tool_timeout_s: float = Field(60.0, gt=0)
+    """Time limit of one tool call."""
+    tools_yaml: Path | None = None
+    """Extra tools from a YAML file (see shared/agent/tools.py)."""
 
 
 class TrainSettings(Section):
@@ -79,6 +98,8 @@ class TrainSettings(Section):
     """Adam learning rate."""
     clip_eps: float = Field(0.2, gt=0)
     """PPO clip range."""
+    loss_aggregation: Literal["token", "rollout"] = "token"
+    """token: every sampled token weighs the same; rollout: every rollout (all its segments) weighs the same."""
     parity_tolerance: float = Field(1e-3, gt=0)
     """Max |vLLM - trainer| prompt logprob on the probe after a weight sync."""
     seed: int = 0
@@ -118,6 +139,7 @@ class Settings(BaseSettings):
     fleet: FleetSettings = FleetSettings()
     data: DataSettings = DataSettings()
     rollout: RolloutSettings = RolloutSettings()
+    agent: AgentSettings = AgentSettings()
     train: TrainSettings = TrainSettings()
     grader: GraderSettings = GraderSettings()
 

@@ -27,6 +27,8 @@ class PromptRow:
     label: str | None = None
     reward_fn: str = "exact_match"
     sandbox_check: str | None = None
+    agent: str | None = None
+    tools: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -68,17 +70,23 @@ def parse_row(record: Any, where: str) -> PromptRow:
     metadata = record.get("metadata") or {}
     if isinstance(metadata, str):
         metadata = json.loads(metadata)
+    tools = record.get("tools") or []
+    if isinstance(tools, str) or not all(isinstance(t, str) for t in tools):
+        raise DatasetError(f"{where}: 'tools' must be a list of tool names")
     return PromptRow(
         messages=messages,
         label=None if label is None else str(label),
         reward_fn=record.get("reward_fn") or "exact_match",
         sandbox_check=record.get("sandbox_check") or None,
+        agent=record.get("agent") or None,
+        tools=list(tools),
         metadata=metadata,
     )
 
 
 def arithmetic_dataset(size: int, seed: int, sandbox_every: int) -> list[PromptRow]:
-    """'What is a + b?' with its answer; every `sandbox_every`-th row is graded by a shell check."""
+    """The calculator task: 'What is a + b?' with the calculator tool and the answer as label; every
+    `sandbox_every`-th row is graded by a shell check in a sandbox instead of a rule."""
     rng = random.Random(seed)
     rows = []
     for index in range(size):
@@ -92,6 +100,7 @@ def arithmetic_dataset(size: int, seed: int, sandbox_every: int) -> list[PromptR
             label=answer,
             reward_fn="exact_match",
             sandbox_check=check,
+            tools=["calculator"],
             metadata={"task": "arithmetic", "a": a, "b": b},
         ))
     return rows

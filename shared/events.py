@@ -92,6 +92,10 @@ class PromptIssued(Event):
     """Name of the built-in reward function."""
     sandbox_check: str | None = None
     """Shell command whose exit status grades the sample in a sandbox; None: no sandbox grade."""
+    agent: str | None = None
+    """Agent loop: a registered name or package.module:function; None: the configured default."""
+    tools: list[str] = Field(default_factory=list)
+    """Tools the episode may call: registered names or package.module:attr."""
     policy_version: int
     """The policy version the dispatcher saw when it admitted the sample."""
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -105,11 +109,18 @@ class TrajectoryStarted(Event):
 
 
 class TrajectoryTurn(Event):
-    """One generation: the ids the engine sampled, as sampled, with their logprobs."""
+    """One generation: the ids the engine sampled, as sampled, with their logprobs.
+
+    A segment's tokens are the concatenation, over its turns, of `appended_ids` then
+    `response_ids` (`offset` is where the response starts in the segment).
+    """
 
     TYPE = "TrajectoryTurn"
     turn: int
-    prompt_ids: TokenIds
+    segment_index: int = 0
+    offset: int
+    appended_ids: TokenIds
+    """Tokens added since the previous turn: the prompt, or tool observations and template glue."""
     response_ids: TokenIds
     logprobs: Floats
     policy_version: int
@@ -118,6 +129,19 @@ class TrajectoryTurn(Event):
     """Version it reported after; differs when a weight sync happened mid-turn."""
     finish_reason: str
     server_url: str
+
+
+class TrajectoryTool(Event):
+    """One tool call and what it returned to the model."""
+
+    TYPE = "TrajectoryTool"
+    turn: int
+    call_id: str
+    name: str
+    arguments: dict[str, Any]
+    ok: bool
+    error_kind: str | None = None
+    content: str
 
 
 class TrajectorySegment(Event):
@@ -129,6 +153,8 @@ class TrajectorySegment(Event):
 
     TYPE = "TrajectorySegment"
     segment_index: int
+    attempt: str = ""
+    """Which execution of the rollout produced it (a reclaimed prompt can run twice)."""
     tokens: TokenIds
     response_length: int
     loss_mask: Mask
@@ -158,6 +184,8 @@ class TrajectoryFinished(Event):
 
     TYPE = "TrajectoryFinished"
     status: Status
+    attempt: str = ""
+    """Which execution of the rollout this closes; its segments carry the same attempt."""
     segment_count: int
     group_size: int
     sample_index: int
@@ -237,6 +265,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         PromptIssued,
         TrajectoryStarted,
         TrajectoryTurn,
+        TrajectoryTool,
         TrajectorySegment,
         TrajectoryFinished,
         GradeReported,

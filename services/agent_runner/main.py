@@ -1,11 +1,13 @@
 """Agent-runner: turns admitted prompts into trajectories, token-in/token-out against the fleet.
 
-Consumes `prompts` through the `agent-runner` consumer group (replicas share the work), runs up to
-`rollout.concurrency` episodes at once, and publishes on `trajectories`: TrajectoryStarted, one
-TrajectoryTurn per generation, the trainable TrajectorySegment and TrajectoryFinished. The prompt is
-tokenized once with the chat template (loss_mask 0); the response is exactly the ids vLLM sampled,
-with vLLM's logprobs (loss_mask 1), never re-tokenized from text. A prompt is acknowledged only
-after its trajectory is published, so a replica that dies leaves it to be reclaimed by another.
+Consumes `prompts` through the `agent-runner` consumer group (replicas share the work) and runs up
+to `rollout.concurrency` episodes at once, each with its row's agent loop and tools
+(shared/agent: the built-in `tool_agent` generates, calls tools, appends observations, repeats).
+It publishes on `trajectories`: TrajectoryStarted, a TrajectoryTurn per generation, a
+TrajectoryTool per tool call, the trainable TrajectorySegments and TrajectoryFinished, in one
+transaction. Model tokens are exactly the ids vLLM sampled (loss_mask 1); prompt, template glue and
+observations are tokenized once (loss_mask 0). A prompt is acknowledged only after its trajectory is
+published, so a replica that dies leaves it to be reclaimed by another.
 
     rollstream-agent-runner      # configured by RS_* variables or RS_CONFIG_FILE
 """
@@ -13,10 +15,24 @@ after its trajectory is published, so a replica that dies leaves it to be reclai
 from __future__ import annotations
 
 import asyncio
+import functools
+import uuid
 
+from shared.agent import calculator  # noqa: F401  (registers the calculator tool)
+from shared.agent import coding  # noqa: F401  (registers the coding tools)
+from shared.agent.loop import AgentContext, Limits, Task, resolve_agent
+from shared.agent.tool_calls import get_format
+from shared.agent.tools import Episode, ToolSet, load_tools_yaml, resolve_tools
 from shared.bus import Bus, Delivery, consumer_name
 from shared.config import Settings
-from shared.events import PromptIssued, TrajectoryFinished, TrajectorySegment, TrajectoryStarted, TrajectoryTurn
+from shared.events import (
+    PromptIssued,
+    TrajectoryFinished,
+    TrajectorySegment,
+    TrajectoryStarted,
+    TrajectoryTool,
+    TrajectoryTurn,
+)
 from shared.service import ServiceRuntime
 
 GROUP = "agent-runner"
@@ -24,61 +40,70 @@ DRAIN_TIMEOUT_S = 60.0
 
 
 class EpisodeRunner:
-    """One generation per sample (multi-turn episodes build on this)."""
+    """Runs one prompt's episode with its agent loop and publishes the trajectory."""
 
     def __init__(self, settings: Settings, bus: Bus, fleet, tokenizer) -> None:
         self.settings = settings
         self.bus = bus
         self.fleet = fleet
         self.tokenizer = tokenizer
+        self.tool_format = get_format(settings.agent.tool_format)
+        self.extra_tools = load_tools_yaml(settings.agent.tools_yaml) if settings.agent.tools_yaml else []
+        self.limits = Limits(max_turns=settings.agent.max_turns, max_tokens_per_turn=settings.rollout.max_tokens,
+                             max_total_tokens=settings.agent.max_total_tokens)
 
-    def fleet_versions(self) -> dict[str, int]:
-        raw = self.bus.redis.hgetall(self.bus.keys.fleet_versions)
+    async def fleet_versions(self) -> dict[str, int]:
+        raw = await asyncio.to_thread(self.bus.redis.hgetall, self.bus.keys.fleet_versions)
         return {k.decode(): int(v) for k, v in raw.items()}
 
     async def run(self, delivery: Delivery) -> None:
         prompt: PromptIssued = delivery.event  # type: ignore[assignment]
         ids = {k: getattr(delivery.envelope, k) for k in ("trajectory_id", "rollout_id", "group_id", "session_id")}
         rollout = ids["rollout_id"]
-        prompt_ids = list(self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
-                                                             tokenize=True, return_dict=False))
-        versions_before = await asyncio.to_thread(self.fleet_versions)
-        completion = await self.fleet.complete(prompt_ids, max_tokens=self.settings.rollout.max_tokens,
-                                               temperature=self.settings.rollout.temperature,
-                                               session_id=ids["session_id"])
-        versions_after = await asyncio.to_thread(self.fleet_versions)
-        server = completion.server_url
-        version = versions_before.get(server, 0)
-        response = list(completion.token_ids)
-        status = "truncated" if completion.finish_reason == "length" else "completed"
-        text = self.tokenizer.decode(response, skip_special_tokens=True)
+        agent = resolve_agent(prompt.agent or self.settings.agent.default)
+        tools = ToolSet([*resolve_tools(prompt.tools), *self.extra_tools],
+                        max_concurrency=self.settings.agent.tool_concurrency,
+                        max_output_chars=self.settings.agent.max_tool_output_chars,
+                        timeout_s=self.settings.agent.tool_timeout_s)
+        episode = Episode(episode_id=rollout, run_id=self.settings.run_id, metadata=dict(prompt.metadata),
+                          storage_uri=self.settings.storage_uri)
+        ctx = AgentContext(fleet=self.fleet, tokenizer=self.tokenizer, tools=tools, tool_format=self.tool_format,
+                           limits=self.limits, episode=episode, session_id=ids["session_id"],
+                           temperature=self.settings.rollout.temperature, policy_versions=self.fleet_versions)
+        result = await agent(Task(messages=prompt.messages, label=prompt.label, metadata=dict(prompt.metadata)), ctx)
+        segments = result if isinstance(result, list) else [result]
+        if not segments:
+            raise ValueError(f"agent {prompt.agent or self.settings.agent.default} returned no segment")
+        final = segments[-1]
+        attempt = uuid.uuid4().hex[:12]
 
-        turn = TrajectoryTurn(turn=0, prompt_ids=prompt_ids, response_ids=response,
-                              logprobs=list(completion.logprobs), policy_version=version,
-                              policy_version_end=versions_after.get(server, version),
-                              finish_reason=completion.finish_reason, server_url=server)
-        segment = TrajectorySegment(
-            segment_index=0,
-            tokens=prompt_ids + response,
-            response_length=len(response),
-            loss_mask=[0] * len(prompt_ids) + [1] * len(response),
-            rollout_logprobs=[0.0] * len(prompt_ids) + list(completion.logprobs),
-            turn_policy_versions=[version],
-            status=status,
-            response_text=text,
-            sample_index=prompt.sample_index,
-            group_size=prompt.group_size,
-            metadata={**prompt.metadata, "finish_reason": completion.finish_reason, "server_url": server},
-        )
-        finished = TrajectoryFinished(status=status, segment_count=1, group_size=prompt.group_size,
-                                      sample_index=prompt.sample_index, sandbox_check=prompt.sandbox_check,
-                                      response_text=text, label=prompt.label, reward_fn=prompt.reward_fn)
         pipe = self.bus.redis.pipeline(transaction=True)
-        self.bus.publish("trajectories", TrajectoryStarted(sample_index=prompt.sample_index, server_url=server),
-                         pipe=pipe, event_id=f"{rollout}:started", **ids)
-        self.bus.publish("trajectories", turn, pipe=pipe, event_id=f"{rollout}:turn:0", **ids)
-        self.bus.publish("trajectories", segment, pipe=pipe, event_id=f"{rollout}:segment:0", **ids)
-        self.bus.publish("trajectories", finished, pipe=pipe, event_id=f"{rollout}:finished", **ids)
+        publish = functools.partial(self.bus.publish, "trajectories", pipe=pipe, **ids)
+        server = final.turns[0].server_url if final.turns else None
+        publish(TrajectoryStarted(sample_index=prompt.sample_index, server_url=server), event_id=f"{rollout}:{attempt}:started")
+        for index, segment in enumerate(segments):
+            for number, turn in enumerate(segment.turns):
+                publish(TrajectoryTurn(turn=number, segment_index=index, offset=turn.offset,
+                                       appended_ids=turn.appended_ids, response_ids=turn.response_ids,
+                                       logprobs=turn.logprobs, policy_version=turn.policy_version,
+                                       policy_version_end=turn.policy_version_end, finish_reason=turn.finish_reason,
+                                       server_url=turn.server_url), event_id=f"{rollout}:{attempt}:turn:{index}:{number}")
+            for call in segment.tools:
+                publish(TrajectoryTool(turn=call.turn, call_id=call.call_id, name=call.name, arguments=call.arguments,
+                                       ok=call.ok, error_kind=call.error_kind, content=call.content),
+                        event_id=f"{rollout}:{attempt}:tool:{index}:{call.call_id}")
+            publish(TrajectorySegment(segment_index=index, attempt=attempt, tokens=segment.tokens,
+                                      response_length=segment.response_length, loss_mask=segment.loss_mask,
+                                      rollout_logprobs=segment.rollout_logprobs,
+                                      turn_policy_versions=segment.turn_policy_versions, status=segment.status,
+                                      response_text=segment.response_text, sample_index=prompt.sample_index,
+                                      group_size=prompt.group_size, metadata={**prompt.metadata, **segment.metadata}),
+                    event_id=f"{rollout}:{attempt}:segment:{index}")
+        publish(TrajectoryFinished(status=final.status, attempt=attempt, segment_count=len(segments), group_size=prompt.group_size,
+                                   sample_index=prompt.sample_index, sandbox_check=prompt.sandbox_check,
+                                   response_text=final.response_text, label=prompt.label, reward_fn=prompt.reward_fn,
+                                   error=final.metadata.get("error")),
+                event_id=f"{rollout}:{attempt}:finished")
         await asyncio.to_thread(pipe.execute)
 
 

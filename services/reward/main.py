@@ -60,25 +60,34 @@ class RewardBook:
             return None
         body = encode(envelope)["body"]
         if isinstance(event, TrajectorySegment):
-            field = f"segment:{envelope.rollout_id}:{event.segment_index}"
+            field = f"segment:{envelope.rollout_id}:{event.attempt}:{event.segment_index}"
         elif isinstance(event, TrajectoryFinished):
             field = f"finished:{envelope.rollout_id}"
         elif isinstance(event, GradeReported):
             field = f"grade:{envelope.rollout_id}"
         else:
             return None
-        # hsetnx: the first delivery of a rollout wins; a re-run of the same rollout is ignored.
+        # hsetnx: the first finished attempt of a rollout wins; segments of other attempts are ignored.
         self.bus.redis.hsetnx(self.group_key(group_id), field, body)
         return group_id
 
     def load(self, group_id: str) -> dict[str, dict]:
-        """{'segment': {(rollout, index): event}, 'finished': {rollout: envelope}, 'grade': {...}}"""
+        """{'segment': {(rollout, index): envelope}, 'finished': {rollout: envelope}, 'grade': {rollout: ...}},
+        keeping only the segments of each rollout's finished attempt."""
         out: dict[str, dict] = {"segment": {}, "finished": {}, "grade": {}}
+        segments = {}
         for field, body in self.bus.redis.hgetall(self.group_key(group_id)).items():
             kind, rollout, *rest = field.decode().split(":")
-            type_name = {"segment": TrajectorySegment, "finished": TrajectoryFinished, "grade": GradeReported}[kind]
-            envelope = decode({"type": type_name.TYPE, "v": str(type_name.VERSION), "body": body})
-            out[kind][(rollout, int(rest[0])) if rest else rollout] = envelope
+            event_type = {"segment": TrajectorySegment, "finished": TrajectoryFinished, "grade": GradeReported}[kind]
+            envelope = decode({"type": event_type.TYPE, "v": str(event_type.VERSION), "body": body})
+            if kind == "segment":
+                segments[(rollout, rest[0], int(rest[1]))] = envelope
+            else:
+                out[kind][rollout] = envelope
+        for (rollout, attempt, index), envelope in segments.items():
+            finished = out["finished"].get(rollout)
+            if finished is not None and finished.payload.attempt == attempt:
+                out["segment"][(rollout, index)] = envelope
         return out
 
     def complete_if_ready(self, group_id: str) -> bool:

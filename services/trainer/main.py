@@ -115,7 +115,8 @@ class Trainer:
             self.model.train()
             data = collate(fresh, self.pad_id, self.device)
             logprobs = token_logprobs(self.model, data.tokens, data.attention_mask)
-            objective, stats = ppo_clip_loss(logprobs, data, self.settings.train.clip_eps)
+            objective, stats = ppo_clip_loss(logprobs, data, self.settings.train.clip_eps,
+                                             self.settings.train.loss_aggregation)
             self.optimizer.zero_grad(set_to_none=True)
             objective.backward()
             self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)

@@ -8,15 +8,19 @@ from shared.storage import Storage
 from services.reward.main import RewardBook
 
 
-def deliveries_for(run_id, group, rollout, sample_index, answer, label="7", check=None, group_size=2):
+def deliveries_for(run_id, group, rollout, sample_index, answer, label="7", check=None, group_size=2,
+                   segments=1, attempt="a1"):
     ids = dict(run_id=run_id, group_id=group, rollout_id=rollout, trajectory_id=rollout, session_id=rollout)
-    segment = TrajectorySegment(segment_index=0, tokens=[1, 2, 3], response_length=1, loss_mask=[0, 0, 1],
-                                rollout_logprobs=[0.0, 0.0, -0.3], turn_policy_versions=[0], status="completed",
-                                response_text=answer, sample_index=sample_index, group_size=group_size)
-    finished = TrajectoryFinished(status="completed", segment_count=1, group_size=group_size,
+    out = []
+    for index in range(segments):
+        segment = TrajectorySegment(segment_index=index, attempt=attempt, tokens=[1, 2, 3 + index], response_length=1,
+                                    loss_mask=[0, 0, 1], rollout_logprobs=[0.0, 0.0, -0.3], turn_policy_versions=[0],
+                                    status="completed", response_text=answer, sample_index=sample_index,
+                                    group_size=group_size)
+        out.append(Delivery("trajectories", "0-1", make_envelope(segment, **ids)))
+    finished = TrajectoryFinished(status="completed", attempt=attempt, segment_count=segments, group_size=group_size,
                                   sample_index=sample_index, response_text=answer, label=label, sandbox_check=check)
-    return [Delivery("trajectories", "0-1", make_envelope(segment, **ids)),
-            Delivery("trajectories", "0-2", make_envelope(finished, **ids))]
+    return out + [Delivery("trajectories", "0-2", make_envelope(finished, **ids))]
 
 
 def grade(run_id, group, rollout, score):
@@ -56,3 +60,35 @@ def test_group_completes_once_with_grpo_advantages_and_batches_whole_groups(bus,
     assert rows[0].tokens == [1, 2, 3] and rows[0].loss_mask == [0, 0, 1]
     assert book.flush_batches(run) == []
     assert [d.event.batch_id for d in bus.read_all("batches")] == [batch.batch_id]
+
+
+def test_fan_out_rollouts_get_one_advantage_computed_over_rollouts_not_segments(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=3)
+    deliveries = (deliveries_for(run, "g", "r1", 0, "7", group_size=3, segments=3)
+                  + deliveries_for(run, "g", "r2", 1, "7", group_size=3, segments=1)
+                  + deliveries_for(run, "g", "r3", 2, "nope", group_size=3, segments=1))
+    assert feed(book, deliveries) == ["g"]
+    (batch,) = book.flush_batches(run)
+    rows = read_batch(book.storage, batch.uri)
+    assert [(r.rollout_id, r.segment_index) for r in rows] == [("r1", 0), ("r1", 1), ("r1", 2), ("r2", 0),
+                                                                ("r3", 0)]
+    advantage = {r.rollout_id: r.advantage for r in rows}
+    assert all(r.advantage == advantage[r.rollout_id] for r in rows)
+    # rewards 1, 1, 0 over three rollouts: mean 2/3, so r1 and r2 get the same positive advantage
+    assert advantage["r1"] == advantage["r2"] > 0 > advantage["r3"]
+    assert abs(sum(advantage.values())) < 1e-5
+    assert abs(sum(r.advantage for r in rows)) > 0.1  # per-segment normalisation would have differed
+
+
+def test_only_the_first_finished_attempt_of_a_rollout_is_batched(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2)
+    first = deliveries_for(run, "g", "r1", 0, "7", segments=1, attempt="first")
+    # the prompt was reclaimed and ran again: two segments this time, published after the first attempt
+    second = deliveries_for(run, "g", "r1", 0, "7", segments=2, attempt="second")
+    other = deliveries_for(run, "g", "r2", 1, "3")
+    assert feed(book, first + second + other) == ["g"]
+    (batch,) = book.flush_batches(run)
+    rows = read_batch(book.storage, batch.uri)
+    assert [(r.rollout_id, r.segment_index) for r in rows] == [("r1", 0), ("r2", 0)]

@@ -1,0 +1,295 @@
+"""Agent loops: how an episode turns into trainable samples, token-exactly.
+
+An agent loop is an async function `agent(task, ctx) -> Segment | list[Segment]`. The agent-runner
+picks it per dataset row by the row's `agent` name (`AGENTS`, `register_agent`) or an import path
+(`package.module:function`). A loop that returns several segments (subagent branches, the context
+before a compaction, the final segment) returns one rollout: they share its rollout id, reward and
+advantage.
+
+`TokenTrajectory` keeps the one rule: tokens the model sampled are appended as sampled, with their
+logprobs and loss_mask 1, never re-tokenized; messages appended by the loop (tool results, user
+turns) are tokenized once, as the chat template's delta, with loss_mask 0. At the end the whole
+conversation is re-rendered and compared: a difference is reported (metric and metadata), never
+trained on.
+
+`tool_agent` is the built-in loop: generate, parse tool calls, run them (concurrently, bounded),
+append the observations, repeat until the model answers or a budget ends the episode.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import Counter
+
+from shared.agent.tool_calls import ToolCallFormat
+from shared.agent.tools import Episode, ToolResult, ToolSet
+
+log = logging.getLogger(__name__)
+
+RETOKENIZATION_MISMATCHES = Counter(
+    "rollstream_retokenization_mismatches_total",
+    "Episodes whose token ids differ from a full re-render of their conversation")
+
+
+@dataclass
+class Limits:
+    max_turns: int = 4
+    """Model turns per episode."""
+    max_tokens_per_turn: int = 64
+    """Tokens sampled per turn."""
+    max_total_tokens: int = 1024
+    """Context budget of the whole segment (prompt, responses and observations)."""
+
+
+@dataclass
+class Task:
+    """What the loop gets from the dispatcher's prompt."""
+
+    messages: list[dict[str, Any]]
+    label: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TurnRecord:
+    """One generation, as the engine returned it."""
+
+    segment_index: int
+    offset: int
+    """Where the response starts in the segment's tokens."""
+    appended_ids: list[int]
+    """Tokens added since the previous turn (the prompt, or observations and template glue)."""
+    response_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    policy_version_end: int
+    finish_reason: str
+    server_url: str
+
+
+@dataclass
+class ToolRecord:
+    turn: int
+    call_id: str
+    name: str
+    arguments: dict[str, Any]
+    ok: bool
+    error_kind: str | None
+    content: str
+
+
+@dataclass
+class Segment:
+    """One trainable sample; `loss_mask` and `rollout_logprobs` are aligned with `tokens`."""
+
+    tokens: list[int]
+    prompt_length: int
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    turn_policy_versions: list[int]
+    status: str
+    response_text: str
+    """The final answer's text (what rule-based rewards read)."""
+    turns: list[TurnRecord] = field(default_factory=list)
+    tools: list[ToolRecord] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+
+@dataclass
+class AgentContext:
+    """What a loop may use: the fleet, the tokenizer, the episode's tools, its limits."""
+
+    fleet: Any
+    """shared.fleet.FleetClient"""
+    tokenizer: Any
+    tools: ToolSet
+    tool_format: ToolCallFormat
+    limits: Limits
+    episode: Episode
+    session_id: str
+    temperature: float = 1.0
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Extra sampling parameters for every generation (top_p, stop, logit_bias, ...)."""
+    policy_versions: Callable[[], Awaitable[dict[str, int]]] | None = None
+    """Server url -> policy version it serves, read before and after each turn."""
+
+    async def versions(self) -> dict[str, int]:
+        return await self.policy_versions() if self.policy_versions else {}
+
+
+Agent = Callable[[Task, AgentContext], Awaitable["Segment | list[Segment]"]]
+AGENTS: dict[str, Agent] = {}
+
+
+def register_agent(name: str) -> Callable[[Agent], Agent]:
+    def register(fn: Agent) -> Agent:
+        AGENTS[name] = fn
+        return fn
+
+    return register
+
+
+def resolve_agent(spec: str) -> Agent:
+    """A registered name, or `package.module:function`."""
+    if ":" not in spec:
+        try:
+            return AGENTS[spec]
+        except KeyError:
+            raise ValueError(f"unknown agent {spec!r}; registered: {', '.join(sorted(AGENTS))}; "
+                             "or give an import path package.module:function") from None
+    module_name, _, attr = spec.partition(":")
+    try:
+        agent = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load agent {spec!r}: {exc}") from exc
+    if not callable(agent):
+        raise ValueError(f"agent {spec!r} is not callable")
+    return agent
+
+
+class TemplateError(RuntimeError):
+    """The chat template does not extend the conversation as a prefix: no exact delta exists."""
+
+
+class TokenTrajectory:
+    """The token sequence of one segment, built turn by turn."""
+
+    def __init__(self, tokenizer, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.tool_schemas = tools or None
+        self.messages: list[dict[str, Any]] = [dict(m) for m in messages]
+        self.text = self.render(self.messages, add_generation_prompt=True)
+        ids = self.encode(self.text)
+        self.prompt_length = len(ids)
+        self.tokens = list(ids)
+        self.loss_mask = [0] * len(ids)
+        self.logprobs = [0.0] * len(ids)
+        self.pending_ids: list[int] = list(ids)
+        """Tokens appended since the last sampled turn (reported with the next turn)."""
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tools=self.tool_schemas, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def append_sampled(self, ids: Sequence[int], logprobs: Sequence[float]) -> str:
+        """Add what the model sampled, as sampled; returns its text (special tokens dropped)."""
+        if len(ids) != len(logprobs):
+            raise ValueError(f"{len(ids)} sampled ids but {len(logprobs)} logprobs")
+        self.tokens.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs)
+        self.text += self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        content = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": content})
+        self.pending_ids = []
+        return content
+
+    def append_messages(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Add messages the model did not sample, tokenized as the template's delta (loss_mask 0)."""
+        self.messages.extend(dict(m) for m in messages)
+        target = self.render(self.messages, add_generation_prompt=True)
+        if not target.startswith(self.text):
+            raise TemplateError("the chat template re-renders earlier turns differently; "
+                                f"diverges at character {_first_difference(target, self.text)}")
+        ids = self.encode(target[len(self.text):])
+        self.text = target
+        self.tokens.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.pending_ids.extend(ids)
+        return ids
+
+    def retokenization_mismatch(self) -> dict[str, int] | None:
+        """Compare with a full re-render of the text; None when they agree."""
+        full = self.encode(self.text)
+        if full == self.tokens:
+            return None
+        return {"first_difference": _first_difference(full, self.tokens), "rerendered_length": len(full),
+                "sampled_length": len(self.tokens)}
+
+    def segment(self, status: str, response_text: str, turns: list[TurnRecord], tools: list[ToolRecord],
+                metadata: dict[str, Any]) -> Segment:
+        mismatch = self.retokenization_mismatch()
+        if mismatch:
+            RETOKENIZATION_MISMATCHES.inc()
+            metadata = {**metadata, "retokenization_mismatch": mismatch}
+        return Segment(tokens=list(self.tokens), prompt_length=self.prompt_length, loss_mask=list(self.loss_mask),
+                       rollout_logprobs=list(self.logprobs), turn_policy_versions=[t.policy_version for t in turns],
+                       status=status, response_text=response_text, turns=turns, tools=tools, metadata=metadata)
+
+
+def _first_difference(a: Sequence, b: Sequence) -> int:
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return min(len(a), len(b))
+
+
+def _tool_message(result: ToolResult) -> dict[str, Any]:
+    return {"role": "tool", "name": result.name, "tool_call_id": result.call_id, "content": result.content}
+
+
+@register_agent("tool_agent")
+async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0) -> Segment:
+    """Generate; run the tool calls the model makes; append their results; until it answers."""
+    trajectory = TokenTrajectory(ctx.tokenizer, task.messages, ctx.tools.schemas())
+    turns: list[TurnRecord] = []
+    tool_records: list[ToolRecord] = []
+    status, answer, error = "truncated", "", None
+    metadata: dict[str, Any] = {}
+    await ctx.tools.start(ctx.episode)
+    try:
+        for turn in range(ctx.limits.max_turns):
+            budget = ctx.limits.max_total_tokens - len(trajectory.tokens)
+            if budget <= 0:
+                break
+            before = await ctx.versions()
+            completion = await ctx.fleet.complete(trajectory.tokens, session_id=ctx.session_id,
+                                                  max_tokens=min(ctx.limits.max_tokens_per_turn, budget),
+                                                  temperature=ctx.temperature, extra=ctx.sampling)
+            after = await ctx.versions()
+            appended, offset = trajectory.pending_ids, len(trajectory.tokens)
+            text = trajectory.append_sampled(completion.token_ids, completion.logprobs)
+            version = before.get(completion.server_url, 0)
+            turns.append(TurnRecord(segment_index=segment_index, offset=offset, appended_ids=appended,
+                                    response_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
+                                    policy_version=version, policy_version_end=after.get(completion.server_url, version),
+                                    finish_reason=completion.finish_reason, server_url=completion.server_url))
+            parsed = ctx.tool_format.parse(text, turn)
+            answer = parsed.content
+            if completion.finish_reason == "length":
+                break
+            if not parsed.calls and not parsed.errors:
+                status = "completed"
+                break
+            results = await ctx.tools.execute(parsed.calls, ctx.episode)
+            results += [ctx.tools.malformed(f"call_{turn}_malformed_{i}", problem)
+                        for i, problem in enumerate(parsed.errors)]
+            arguments = {call.id: call.arguments for call in parsed.calls}
+            tool_records += [ToolRecord(turn=turn, call_id=r.call_id, name=r.name, arguments=arguments.get(r.call_id, {}),
+                                        ok=r.ok, error_kind=r.error_kind, content=r.content) for r in results]
+            trajectory.append_messages([_tool_message(r) for r in results])
+    except TemplateError as exc:
+        status, error = "failed", str(exc)
+    finally:
+        await ctx.tools.close(ctx.episode)
+    if error:
+        metadata["error"] = error
+    metadata["turns"] = len(turns)
+    metadata["tool_calls"] = len(tool_records)
+    metadata["tool_errors"] = sum(not r.ok for r in tool_records)
+    if ctx.episode.artifacts:
+        metadata["artifacts"] = dict(ctx.episode.artifacts)
+    return trajectory.segment(status, answer, turns, tool_records, metadata)
