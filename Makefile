@@ -41,6 +41,7 @@ test-unit: setup
 bench: setup
 	$(PY) bench/bench_encoding.py
 	$(PY) bench/bench_bus.py
+	$(PY) bench/bench_agent_runner.py
 
 clean:
 	rm -rf runs models

@@ -177,6 +177,12 @@ class Bus:
     def ack(self, delivery: Delivery, group: str) -> None:
         self.redis.xack(self.keys.stream(delivery.stream), group, delivery.entry_id)
 
+    def keep_alive(self, stream: StreamName, group: str, consumer: str, entry_ids: list[str]) -> None:
+        """Reset the idle time of entries this consumer is still working on, so that live consumers
+        do not reclaim a long episode from a replica that is alive (XCLAIM JUSTID: no delivery counted)."""
+        if entry_ids:
+            self.redis.xclaim(self.keys.stream(stream), group, consumer, 0, entry_ids, justid=True)
+
     def record_failure(self, delivery: Delivery, group: str, error: str) -> None:
         """Keep a handler's error so that the dead letter, if it comes to that, says what failed."""
         self.redis.hset(self._errors_key(delivery.stream, group), delivery.entry_id, error[-2000:])

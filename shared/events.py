@@ -195,6 +195,8 @@ class TrajectoryFinished(Event):
     """The final answer's text, for rule-based rewards."""
     label: str | None = None
     reward_fn: str = "exact_match"
+    artifacts: dict[str, str] = Field(default_factory=dict)
+    """What the episode left in storage, by name (e.g. "diff" of a coding episode)."""
     error: str | None = None
 
 

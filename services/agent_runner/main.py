@@ -102,7 +102,7 @@ class EpisodeRunner:
         publish(TrajectoryFinished(status=final.status, attempt=attempt, segment_count=len(segments), group_size=prompt.group_size,
                                    sample_index=prompt.sample_index, sandbox_check=prompt.sandbox_check,
                                    response_text=final.response_text, label=prompt.label, reward_fn=prompt.reward_fn,
-                                   error=final.metadata.get("error")),
+                                   artifacts=dict(final.metadata.get("artifacts", {})), error=final.metadata.get("error")),
                 event_id=f"{rollout}:{attempt}:finished")
         await asyncio.to_thread(pipe.execute)
 
@@ -119,8 +119,14 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
     fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
                         timeout_s=settings.fleet.request_timeout_s)
     runner = EpisodeRunner(settings, bus, fleet, tokenizer)
-    in_flight: set[asyncio.Task] = set()
+    in_flight: dict[asyncio.Task, str] = {}
     done = 0
+
+    async def keep_claims_fresh() -> None:
+        # Episodes can outlast reclaim_idle_ms; a live replica keeps its prompts from being reclaimed.
+        while True:
+            await asyncio.sleep(settings.bus.reclaim_idle_ms / 3000)
+            await asyncio.to_thread(bus.keep_alive, "prompts", GROUP, consumer, list(in_flight.values()))
 
     async def handle(delivery: Delivery) -> None:
         nonlocal done
@@ -135,6 +141,7 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
         done += 1
         runtime.status["episodes_done"] = done
 
+    heartbeat = asyncio.create_task(keep_claims_fresh())
     while not runtime.stopping:
         free = settings.rollout.concurrency - len(in_flight)
         if free <= 0:
@@ -147,13 +154,14 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
                                 f"agent-runner does not handle {delivery.envelope.type} on prompts")
                 continue
             task = asyncio.create_task(handle(delivery))
-            in_flight.add(task)
-            task.add_done_callback(in_flight.discard)
+            in_flight[task] = delivery.entry_id
+            task.add_done_callback(lambda done_task: in_flight.pop(done_task, None))
         runtime.status["in_flight"] = len(in_flight)
 
     if in_flight:
         runtime.log.info("draining in-flight episodes", extra={"count": len(in_flight)})
         await asyncio.wait(in_flight, timeout=DRAIN_TIMEOUT_S)
+    heartbeat.cancel()
     await fleet.aclose()
 
 

@@ -127,3 +127,15 @@ def test_stop_consuming_leaves_the_entry_and_the_rest_pending(bus):
         run_consumer(bus, ("prompts",), "g", "c", handle, should_stop=lambda: False)
     assert handled == [0, 1]
     assert bus.group_lag("prompts", "g") == (0, 2)  # 1 and 2 wait for the next consumer
+
+
+def test_keep_alive_stops_a_live_consumers_entry_from_being_reclaimed(bus):
+    bus.ensure_group("prompts", "g")
+    bus.publish("prompts", prompt(5))
+    (working,) = bus.consume("prompts", "g", "busy")
+    for _ in range(3):
+        time.sleep(bus.settings.reclaim_idle_ms / 1000 * 0.6)
+        bus.keep_alive("prompts", "g", "busy", [working.entry_id])
+    assert bus.consume("prompts", "g", "other", block_ms=10) == []  # idle time was reset each time
+    time.sleep(bus.settings.reclaim_idle_ms / 1000 + 0.1)  # the busy consumer died
+    assert [d.entry_id for d in bus.consume("prompts", "g", "other")] == [working.entry_id]
