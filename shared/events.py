@@ -223,7 +223,7 @@ class RewardAssigned(Event):
 
 
 class BatchReady(Event):
-    """A reward-complete Parquet batch is in storage (stream `batches`)."""
+    """A reward-complete Parquet batch is in storage (stream `batches`); mean_reward is over its rollouts."""
 
     TYPE = "BatchReady"
     batch_id: str

@@ -45,6 +45,7 @@ class RewardBook:
         self.batch_size = batch_size
         self.done_key = bus.keys.state("reward", "completed-groups")
         self.ready_key = bus.keys.state("reward", "ready-groups")
+        self.ready_rollouts_key = bus.keys.state("reward", "ready-rollouts")
 
     def group_key(self, group_id: str) -> str:
         return self.bus.keys.state("reward", "group", group_id)
@@ -130,6 +131,7 @@ class RewardBook:
             pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
         pipe.sadd(self.done_key, group_id)
         pipe.rpush(self.ready_key, group_id)
+        pipe.incrby(self.ready_rollouts_key, len(rollouts))
         pipe.execute()
         return True
 
@@ -152,7 +154,7 @@ class RewardBook:
     def flush_batches(self, run_id: str) -> list[BatchReady]:
         """Write every full batch of complete groups; returns what was announced."""
         announced = []
-        while True:
+        while int(self.bus.redis.get(self.ready_rollouts_key) or 0) >= self.batch_size:
             groups_needed = None
             ready = [g.decode() for g in self.bus.redis.lrange(self.ready_key, 0, -1)]
             rows: list[BatchRow] = []
@@ -167,19 +169,23 @@ class RewardBook:
                     groups_needed = len(taken)
                     break
             if groups_needed is None:
-                return announced
+                raise RuntimeError(f"ready-rollouts counter says {self.batch_size}+ but the ready groups hold "
+                                   f"{len(rollouts)} rollouts")
             batch_id = "b-" + hashlib.sha1(",".join(taken).encode()).hexdigest()[:16]
             uri = write_batch(self.storage, run_id, batch_id, rows)
+            rewards = {r.rollout_id: r.reward for r in rows}
             event = BatchReady(batch_id=batch_id, uri=uri, sample_count=len(rows), group_ids=taken,
                                min_policy_version=min(r.min_policy_version for r in rows),
-                               mean_reward=sum(r.reward for r in rows) / len(rows))
+                               mean_reward=sum(rewards.values()) / len(rewards))
             pipe = self.bus.redis.pipeline(transaction=True)
             self.bus.publish("batches", event, pipe=pipe, event_id=f"{batch_id}:ready")
             pipe.ltrim(self.ready_key, groups_needed, -1)
+            pipe.decrby(self.ready_rollouts_key, len(rollouts))
             for group_id in taken:
                 pipe.delete(self.group_key(group_id), self.assigned_key(group_id))
             pipe.execute()
             announced.append(event)
+        return announced
 
 
 def main() -> None:

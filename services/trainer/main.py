@@ -38,7 +38,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class TrainedStep:
     """A batch trained on and checkpointed, not yet served by the fleet."""
 
-    batch_id: str
     version: int
     checkpoint: Path
     probe: list[int]
@@ -123,7 +122,7 @@ class Trainer:
             self.optimizer.step()
             loss = stats["loss"]
         version = self.version + 1
-        return TrainedStep(batch_id=batch.batch_id, version=version, checkpoint=self.save_checkpoint(version),
+        return TrainedStep(version=version, checkpoint=self.save_checkpoint(version),
                            probe=(fresh or rows)[0].tokens[:PROBE_TOKENS], loss=loss, trained=len(fresh),
                            dropped=len(rows) - len(fresh))
 

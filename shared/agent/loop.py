@@ -19,7 +19,6 @@ append the observations, repeat until the model answers or a budget ends the epi
 from __future__ import annotations
 
 import importlib
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +27,6 @@ from prometheus_client import Counter
 
 from shared.agent.tool_calls import ToolCallFormat
 from shared.agent.tools import Episode, ToolResult, ToolSet
-
-log = logging.getLogger(__name__)
 
 RETOKENIZATION_MISMATCHES = Counter(
     "rollstream_retokenization_mismatches_total",

@@ -15,7 +15,6 @@ import torch
 
 from cli.local_run import LocalRun
 from shared.batches import read_batch
-from shared.bus import Bus
 from shared.config import Settings
 from shared.events import GradeReported, PolicyUpdated, PromptIssued, RewardAssigned, TrajectoryTurn
 from shared.storage import Storage
