@@ -3,6 +3,7 @@
     rollstream run                 # the local run: Redis, vLLM, every service; trains; summary
     rollstream build-model         # the tiny Llama + tokenizer the local run and the tests use
     rollstream serve-vllm          # a vLLM CPU server for the tiny model
+    rollstream validate TASKS      # reference solutions grade 1, empty diffs 0, in the sandbox
     rollstream config [--markdown] # the resolved configuration, or its reference table
 """
 
@@ -51,6 +52,32 @@ def serve_vllm(
                 time.sleep(1)
         except KeyboardInterrupt:
             pass
+
+
+@app.command("validate")
+def validate(
+    tasks: Annotated[Path, typer.Argument(help="A Harbor task directory, a directory of them, or a SWE-bench .jsonl/.parquet.")],
+    backend: Annotated[str, typer.Option(help="Sandbox backend: bubblewrap or docker.")] = "bubblewrap",
+) -> None:
+    """Check a task set: each task's reference solution must grade 1 and an empty diff 0."""
+    from shared.grading import get_backend, validate_tasks
+    from shared.tasks import TaskError, load_harbor_tasks, load_swebench_rows
+
+    try:
+        loaded = load_harbor_tasks(tasks) if tasks.is_dir() else load_swebench_rows(tasks)
+    except TaskError as exc:
+        console.print(f"[bold red]invalid task set:[/] {exc}")
+        raise typer.Exit(1) from None
+    results = validate_tasks(loaded, get_backend(backend))
+    table = Table(title=f"{len(results)} tasks, {backend} sandbox")
+    for column in ("task", "reference", "empty diff", "ok", "problem"):
+        table.add_column(column)
+    for r in results:
+        table.add_row(r.name, f"{r.reference_score:.3g}", f"{r.empty_score:.3g}",
+                      "[green]yes[/]" if r.ok else "[red]no[/]", r.problem or "")
+    console.print(table)
+    if not all(r.ok for r in results):
+        raise typer.Exit(1)
 
 
 @app.command("config")

@@ -107,8 +107,12 @@ class TrainSettings(Section):
 
 
 class GraderSettings(Section):
+    backend: Literal["bubblewrap", "docker"] = "bubblewrap"
+    """Sandbox of the grader: bubblewrap (no daemon needed) or docker (an engine must be reachable)."""
     queue: str = "sandbox"
     """RQ queue of sandbox jobs."""
+    retries: int = Field(3, ge=0)
+    """Retries of a grading job whose sandbox failed to run (never of failing tests)."""
     wall_time_s: float = Field(10.0, gt=0)
     """Wall-clock limit of one check."""
     memory_mb: int = Field(512, ge=16)

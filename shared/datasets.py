@@ -35,6 +35,14 @@ class PromptRow:
 def load_dataset(path: Path) -> list[PromptRow]:
     if not path.exists():
         raise DatasetError(f"{path}: no such dataset file")
+    # coding tasks (shared/tasks.py): a directory of Harbor tasks, or a file of SWE-bench rows
+    from shared.tasks import TaskError, is_swebench_record, load_harbor_tasks, load_swebench_rows, task_prompt_row
+
+    if path.is_dir():
+        try:
+            return [task_prompt_row(task) for task in load_harbor_tasks(path)]
+        except TaskError as exc:
+            raise DatasetError(str(exc)) from exc
     if path.suffix == ".parquet":
         records = pq.read_table(path).to_pylist()
     elif path.suffix in (".jsonl", ".json"):
@@ -48,6 +56,11 @@ def load_dataset(path: Path) -> list[PromptRow]:
                 raise DatasetError(f"{path} line {line_number}: not JSON ({exc.msg})") from exc
     else:
         raise DatasetError(f"{path}: unknown dataset format {path.suffix!r} (use .parquet or .jsonl)")
+    if records and is_swebench_record(records[0]):
+        try:
+            return [task_prompt_row(task) for task in load_swebench_rows(path)]
+        except TaskError as exc:
+            raise DatasetError(str(exc)) from exc
     rows = [parse_row(record, f"{path} row {index}") for index, record in enumerate(records)]
     if not rows:
         raise DatasetError(f"{path}: the dataset has no rows")

@@ -190,7 +190,9 @@ class TrajectoryFinished(Event):
     group_size: int
     sample_index: int
     sandbox_check: str | None = None
-    """The check a sandbox must run to grade this rollout; None: a rule-based reward."""
+    """A shell check a sandbox runs on the answer to grade this rollout."""
+    grader: dict[str, Any] = Field(default_factory=dict)
+    """A task whose tests grade the rollout's diff: {"kind": "harbor" | "swebench", ...}."""
     response_text: str = ""
     """The final answer's text, for rule-based rewards."""
     label: str | None = None
@@ -198,6 +200,11 @@ class TrajectoryFinished(Event):
     artifacts: dict[str, str] = Field(default_factory=dict)
     """What the episode left in storage, by name (e.g. "diff" of a coding episode)."""
     error: str | None = None
+
+    @property
+    def needs_grade(self) -> bool:
+        """Graded in a sandbox (by a check or by a task's tests), not by a rule."""
+        return bool(self.sandbox_check or self.grader) and self.status != "failed"
 
 
 # ------------------------------------------------------------------------------- grades and rewards
@@ -210,6 +217,8 @@ class GradeReported(Event):
     reason: str
     duration_s: float
     log_uri: str | None = None
+    tests: dict[str, str] = Field(default_factory=dict)
+    """Per-test outcome (passed, failed, error, skipped) where the task's tests report them."""
 
 
 class RewardAssigned(Event):

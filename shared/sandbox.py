@@ -8,7 +8,13 @@ The command was written by a model under training, so it is treated as hostile. 
   /etc/alternatives and a few /etc files, plus a made-up /etc/passwd, /etc/group and /etc/hosts;
   the host's /, /root, /home, /work and every other path are not there at all;
 * a fresh /proc and /dev, and size-capped tmpfs mounts at /tmp and /dev/shm;
-* the workspace, read-write at /workspace, which is also its working directory.
+* the workspace, read-write at /workspace, which is also its working directory;
+* what the caller adds with `extra_binds`: (host path, sandbox path, read_only) triples, e.g. a
+  task's tests read-only at /tests and a log directory read-write at /logs. Sandbox paths are
+  absolute, without `..`, and may not be or lie under a system path (/usr, /proc, /etc, ...) or
+  /workspace. When we are root, a read-write bind is chowned to the sandbox uid for the run and
+  back afterwards like the workspace; a read-only one must be readable by others (o+r, parents
+  o+x).
 
 It gets its own user, pid, network (only a loopback: no network), ipc, uts and cgroup
 namespaces, a clean environment (PATH, HOME=/workspace, LANG, plus what the caller passes), no
@@ -140,8 +146,10 @@ class SandboxResult:
 
 
 def run_in_sandbox(command: str, workspace: Path, limits: SandboxLimits = SandboxLimits(),
-                   env: dict[str, str] | None = None) -> SandboxResult:
-    """Run `/bin/sh -c command` in /workspace (= `workspace` on the host) inside the sandbox."""
+                   env: dict[str, str] | None = None,
+                   extra_binds: list[tuple[Path, str, bool]] | None = None) -> SandboxResult:
+    """Run `/bin/sh -c command` in /workspace (= `workspace` on the host) inside the sandbox.
+    extra_binds: (host path, sandbox path, read_only) mounted in addition to the workspace."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap is not installed (`bwrap` not on PATH); "
@@ -149,24 +157,59 @@ def run_in_sandbox(command: str, workspace: Path, limits: SandboxLimits = Sandbo
     workspace = Path(workspace).resolve()
     if not workspace.is_dir():
         raise WorkspaceError(f"workspace {workspace} is not a directory")
+    binds = _check_binds(extra_binds or [])
     if os.geteuid() != 0:
-        return _run(bwrap, command, workspace, limits, env or {}, None)
+        return _run(bwrap, command, workspace, limits, env or {}, None, binds)
     _check_reachable(workspace)
+    for host, _, _ in binds:
+        _check_reachable(host)
+    writable = [workspace] + [host for host, _, read_only in binds if not read_only]
     with _sandbox_host_uid() as host_uid:
         owners: dict[int, tuple[int, int]] = {}
+        handed: list[tuple[Path, dict[int, tuple[int, int]]]] = []
         try:
-            _hand_over(workspace, host_uid, owners)
-            return _run(bwrap, command, workspace, limits, env or {}, host_uid)
+            for top in writable:
+                owners = {}
+                handed.append((top, owners))
+                _hand_over(top, host_uid, owners)
+            return _run(bwrap, command, workspace, limits, env or {}, host_uid, binds)
         finally:
             _kill_leftovers(host_uid)
-            _take_back(workspace, host_uid, owners)
+            for top, owners in handed:
+                _take_back(top, host_uid, owners)
+
+
+_RESERVED_SANDBOX_PATHS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                           "/etc", "/proc", "/dev", "/tmp", "/workspace")
+
+
+def _check_binds(binds: list[tuple[Path, str, bool]]) -> list[tuple[Path, str, bool]]:
+    """Validate extra binds: existing host paths, absolute sandbox paths outside system paths."""
+    checked: list[tuple[Path, str, bool]] = []
+    seen: set[str] = set()
+    for host, target, read_only in binds:
+        host = Path(host).resolve()
+        if not host.exists():
+            raise SandboxError(f"bind source {host} does not exist")
+        if not isinstance(target, str) or not target.startswith("/") or "\0" in target \
+                or any(part in ("..", ".") for part in target.split("/")):
+            raise SandboxError(f"bind target {target!r} must be an absolute path without . or ..")
+        target = "/" + "/".join(part for part in target.split("/") if part)
+        for reserved in _RESERVED_SANDBOX_PATHS:
+            if target == reserved or (reserved != "/" and target.startswith(reserved + "/")):
+                raise SandboxError(f"bind target {target!r} is (under) the sandbox's {reserved}")
+        if target in seen:
+            raise SandboxError(f"bind target {target!r} given twice")
+        seen.add(target)
+        checked.append((host, target, bool(read_only)))
+    return checked
 
 
 def _run(bwrap: str, command: str, workspace: Path, limits: SandboxLimits, env: dict[str, str],
-         host_uid: int | None) -> SandboxResult:
+         host_uid: int | None, binds: list[tuple[Path, str, bool]] = ()) -> SandboxResult:
     data_fds: list[int] = []
     try:
-        args = _bwrap_args(bwrap, command, workspace, limits, env, data_fds)
+        args = _bwrap_args(bwrap, command, workspace, limits, env, data_fds, binds)
         nproc = limits.max_processes if host_uid is not None else \
             limits.max_processes + _count_tasks(os.getuid())
         started = time.monotonic()
@@ -190,7 +233,8 @@ def _run(bwrap: str, command: str, workspace: Path, limits: SandboxLimits, env: 
 
 
 def _bwrap_args(bwrap: str, command: str, workspace: Path, limits: SandboxLimits,
-                env: dict[str, str], data_fds: list[int]) -> list[str]:
+                env: dict[str, str], data_fds: list[int],
+                binds: list[tuple[Path, str, bool]] = ()) -> list[str]:
     """The bwrap command line; files made up for the sandbox are passed as pipe fds in data_fds."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox",
@@ -227,8 +271,10 @@ def _bwrap_args(bwrap: str, command: str, workspace: Path, limits: SandboxLimits
     args += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", tmp_bytes, "--tmpfs", "/tmp",
              "--perms", "1777", "--size", tmp_bytes, "--tmpfs", "/dev/shm",
-             "--bind", str(workspace), "/workspace",
-             "--remount-ro", "/", "--remount-ro", "/dev",
+             "--bind", str(workspace), "/workspace"]
+    for host, target, read_only in binds:
+        args += ["--ro-bind" if read_only else "--bind", str(host), target]
+    args += ["--remount-ro", "/", "--remount-ro", "/dev",
              "--chdir", "/workspace", "--as-pid-1", "--", "/bin/sh", "-c", _PID_1, "sandbox", command]
     return args
 

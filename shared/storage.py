@@ -40,6 +40,20 @@ class Storage:
         self.fs.move(temp, final)
         return final
 
+    def write_bytes(self, data: bytes, *parts: str) -> str:
+        """Write a blob atomically; returns its path."""
+        final = self.path(*parts)
+        self.fs.create_dir(final.rsplit("/", 1)[0], recursive=True)
+        temp = f"{final}.tmp-{uuid.uuid4().hex}"
+        with self.fs.open_output_stream(temp) as out:
+            out.write(data)
+        self.fs.move(temp, final)
+        return final
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.fs.open_input_stream(path) as stream:
+            return stream.read()
+
     def read_table(self, path: str) -> pa.Table:
         return pq.read_table(path, filesystem=self.fs)
 

@@ -101,6 +101,7 @@ class EpisodeRunner:
                     event_id=f"{rollout}:{attempt}:segment:{index}")
         publish(TrajectoryFinished(status=final.status, attempt=attempt, segment_count=len(segments), group_size=prompt.group_size,
                                    sample_index=prompt.sample_index, sandbox_check=prompt.sandbox_check,
+                                   grader=dict(prompt.metadata.get("grader") or {}),
                                    response_text=final.response_text, label=prompt.label, reward_fn=prompt.reward_fn,
                                    artifacts=dict(final.metadata.get("artifacts", {})), error=final.metadata.get("error")),
                 event_id=f"{rollout}:{attempt}:finished")

@@ -104,7 +104,7 @@ class RewardBook:
             segments = [key for key in state["segment"] if key[0] == rollout]
             if len(segments) < event.segment_count:
                 return False
-            if event.sandbox_check and event.status != "failed" and rollout not in state["grade"]:
+            if event.needs_grade and rollout not in state["grade"]:
                 return False
 
         rollouts = sorted(finished)
@@ -114,7 +114,7 @@ class RewardBook:
             if event.status == "failed":
                 rewards.append(0.0)
                 sources.append("failed")
-            elif event.sandbox_check:
+            elif event.needs_grade:
                 rewards.append(state["grade"][rollout].payload.score)
                 sources.append("sandbox")
             else:

@@ -1,39 +1,99 @@
-"""The RQ job a sandbox worker runs: grade one rollout by running its task's check in a sandbox."""
+"""The RQ job a sandbox worker runs: grade one rollout in a sandbox and publish the grade.
+
+A `GradeRequest` says what to grade: a shell `check` run on the rollout's answer (rule-like tasks),
+or a task (`harbor` directory or `swebench` row) whose tests judge the rollout's stored diff.
+An infrastructure error (the sandbox could not run at all) raises, so RQ retries the job with
+backoff; failing tests are a grade, never retried. When the retries are spent, or the worker died
+under the job, `report_job_failure` still publishes a failed grade with the reason, so the
+rollout's group can complete.
+"""
 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shared.bus import Bus
 from shared.events import GradeReported
-from shared.sandbox import SandboxLimits, run_in_sandbox
+from shared.grading import GradeOutcome, get_backend, grade_harbor, grade_swebench
+from shared.sandbox import SandboxLimits
 from shared.storage import Storage
+from shared.tasks import load_harbor_task, load_swebench_rows
 
 
-def grade_rollout(redis_url: str, run_id: str, storage_uri: str, ids: dict[str, str], check: str,
-                  answer: str, wall_time_s: float, memory_mb: int) -> dict:
-    """Write the answer into a fresh workspace, run `check` there, publish the grade."""
-    limits = SandboxLimits(wall_time_s=wall_time_s, cpu_time_s=wall_time_s, memory_mb=memory_mb)
+class InfrastructureError(RuntimeError):
+    """The sandbox could not run the grading; the job is retried."""
+
+
+@dataclass
+class GradeRequest:
+    redis_url: str
+    run_id: str
+    storage_uri: str
+    ids: dict[str, str]
+    backend: str
+    wall_time_s: float
+    memory_mb: int
+    check: str | None = None
+    answer: str = ""
+    grader: dict[str, Any] = field(default_factory=dict)
+    """{"kind": "harbor", "task_dir": ...} or {"kind": "swebench", "dataset": ..., "instance_id": ...}"""
+    diff_uri: str | None = None
+
+    def as_job_arg(self) -> dict:
+        return asdict(self)
+
+
+def grade_rollout(request: dict) -> dict:
+    req = GradeRequest(**request)
+    storage = Storage(req.storage_uri)
+    outcome = grade(req, storage)
+    if outcome.infrastructure_error:
+        raise InfrastructureError(outcome.reason)
+    log_path = storage.write_bytes(outcome.log.encode(), req.run_id, "sandbox-logs", f"{req.ids['rollout_id']}.log")
+    publish(req, GradeReported(score=outcome.score, passed=outcome.passed, reason=outcome.reason,
+                               duration_s=outcome.duration_s, log_uri=log_path, tests=outcome.tests))
+    return {"score": outcome.score, "reason": outcome.reason}
+
+
+def grade(req: GradeRequest, storage: Storage) -> GradeOutcome:
+    backend = get_backend(req.backend)
+    limits = SandboxLimits(wall_time_s=req.wall_time_s, cpu_time_s=req.wall_time_s, memory_mb=req.memory_mb)
+    kind = req.grader.get("kind") if req.grader else "check"
+    if kind == "check":
+        return grade_answer(req, backend, limits)
+    diff = storage.read_bytes(req.diff_uri).decode() if req.diff_uri else ""
+    if kind == "harbor":
+        return grade_harbor(load_harbor_task(Path(req.grader["task_dir"])), diff, backend)
+    if kind == "swebench":
+        tasks = {t.instance_id: t for t in load_swebench_rows(Path(req.grader["dataset"]))}
+        return grade_swebench(tasks[req.grader["instance_id"]], diff, backend)
+    raise ValueError(f"unknown grader kind {kind!r}")
+
+
+def grade_answer(req: GradeRequest, backend, limits: SandboxLimits) -> GradeOutcome:
+    """Run the row's shell check in a workspace holding the rollout's answer as answer.txt."""
     with tempfile.TemporaryDirectory(prefix="rs-grade-") as workspace:
-        Path(workspace, "answer.txt").write_text(answer)
-        result = run_in_sandbox(check, Path(workspace), limits)
-    log_dir = Storage(storage_uri).local_path(run_id, "sandbox-logs")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{ids['rollout_id']}.log"
-    log_path.write_text(f"$ {check}\n# {result.reason}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}\n")
+        Path(workspace, "answer.txt").write_text(req.answer)
+        result = backend.run(req.check, Path(workspace), limits=limits, ro_mounts={}, rw_mounts={}, env={},
+                             image=None)
     passed = result.exit_code == 0
-    grade = GradeReported(score=1.0 if passed else 0.0, passed=passed, reason=result.reason,
-                          duration_s=result.duration_s, log_uri=str(log_path))
-    bus = Bus.connect(redis_url, run_id)
-    bus.publish("grades", grade, event_id=f"{ids['rollout_id']}:grade", **ids)
-    return {"passed": passed, "reason": result.reason}
+    log = f"$ {req.check}\n# {result.reason}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}\n"
+    return GradeOutcome(score=1.0 if passed else 0.0, passed=passed, reason=result.reason, tests={}, log=log,
+                        duration_s=result.duration_s, infrastructure_error=False)
+
+
+def publish(req: GradeRequest, grade: GradeReported, connection=None) -> None:
+    bus = Bus(connection, req.run_id) if connection is not None else Bus.connect(req.redis_url, req.run_id)
+    bus.publish("grades", grade, event_id=f"{req.ids['rollout_id']}:grade", **req.ids)
 
 
 def report_job_failure(job, connection, exc_type, exc_value, _traceback) -> None:
-    """RQ failure callback: a grading job that crashed or timed out still yields a grade (a failed
-    one, with the reason), so the rollout's group can complete."""
-    redis_url, run_id, _storage, ids, *_ = job.args
-    grade = GradeReported(score=0.0, passed=False, duration_s=0.0,
-                          reason=f"grading job failed: {exc_type.__name__}: {exc_value}")
-    Bus(connection, run_id).publish("grades", grade, event_id=f"{ids['rollout_id']}:grade", **ids)
+    """RQ failure callback: once no retry is left, a failed grade with the reason."""
+    if job.should_retry:
+        return
+    req = GradeRequest(**job.args[0])
+    reason = f"grading failed and no retry is left: {exc_type.__name__}: {exc_value}"
+    publish(req, GradeReported(score=0.0, passed=False, duration_s=0.0, reason=reason), connection=connection)

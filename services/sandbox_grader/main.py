@@ -1,8 +1,10 @@
-"""Sandbox-grader: runs a task's check command on a rollout inside a bubblewrap sandbox.
+"""Sandbox-grader: grades rollouts in a sandbox (bubblewrap, or docker where an engine runs).
 
-Consumes finished rollouts on `trajectories` whose task carries a `sandbox_check`, enqueues one RQ
-job per rollout on the `sandbox` queue (job id = rollout id, so a re-delivery enqueues nothing new),
-and runs an RQ worker in the same process. The job publishes GradeReported on `grades`.
+Consumes finished rollouts on `trajectories` that need a sandbox grade (a row's `sandbox_check`
+on the answer, or a Harbor / SWE-bench task whose tests judge the episode's stored diff), enqueues
+one RQ job per rollout on the `sandbox` queue (job id = rollout id, so a re-delivery enqueues
+nothing new) with retries and backoff for infrastructure errors, and runs an RQ worker in the same
+process: throughput is set by the number of replicas. The job publishes GradeReported on `grades`.
 
     rollstream-sandbox-grader    # configured by RS_* variables or RS_CONFIG_FILE
 """
@@ -10,8 +12,9 @@ and runs an RQ worker in the same process. The job publishes GradeReported on `g
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
-from rq import Callback, Queue, Worker
+from rq import Callback, Queue, Retry, Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
@@ -19,10 +22,20 @@ from shared.bus import Bus, Delivery, consumer_name, run_consumer
 from shared.config import Settings
 from shared.events import TrajectoryFinished
 from shared.service import ServiceRuntime
+from shared.tasks import load_harbor_task
 
-from services.sandbox_grader.jobs import grade_rollout, report_job_failure
+from services.sandbox_grader.jobs import GradeRequest, grade_rollout, report_job_failure
 
 GROUP = "sandbox-grader"
+RETRY_BACKOFF_S = [2, 10, 30]
+JOB_SETUP_S = 60
+
+
+def job_timeout(event: TrajectoryFinished, settings: Settings) -> float:
+    """A Harbor task's own verifier timeout (plus set-up time), else the configured one."""
+    if event.grader.get("kind") == "harbor":
+        return load_harbor_task(Path(event.grader["task_dir"])).verifier_timeout_s + JOB_SETUP_S
+    return settings.grader.job_timeout_s
 
 
 def main() -> None:
@@ -35,7 +48,7 @@ def main() -> None:
     def handle(delivery: Delivery) -> None:
         nonlocal enqueued
         event = delivery.event
-        if not isinstance(event, TrajectoryFinished) or not event.sandbox_check or event.status == "failed":
+        if not isinstance(event, TrajectoryFinished) or not event.needs_grade:
             return
         envelope = delivery.envelope
         job_id = f"grade-{envelope.rollout_id}"
@@ -45,11 +58,13 @@ def main() -> None:
         except NoSuchJobError:
             pass
         ids = {k: getattr(envelope, k) for k in ("trajectory_id", "rollout_id", "group_id", "session_id")}
-        queue.enqueue(grade_rollout, settings.redis, settings.run_id, settings.storage_uri, ids,
-                      event.sandbox_check, event.response_text, settings.grader.wall_time_s,
-                      settings.grader.memory_mb, job_id=job_id, job_timeout=settings.grader.job_timeout_s,
-                      result_ttl=3600, failure_ttl=86400,
-                      on_failure=Callback(report_job_failure))
+        request = GradeRequest(redis_url=settings.redis, run_id=settings.run_id, storage_uri=settings.storage_uri,
+                               ids=ids, backend=settings.grader.backend, wall_time_s=settings.grader.wall_time_s,
+                               memory_mb=settings.grader.memory_mb, check=event.sandbox_check,
+                               answer=event.response_text, grader=event.grader, diff_uri=event.artifacts.get("diff"))
+        retry = Retry(max=settings.grader.retries, interval=RETRY_BACKOFF_S) if settings.grader.retries else None
+        queue.enqueue(grade_rollout, request.as_job_arg(), job_id=job_id, job_timeout=job_timeout(event, settings),
+                      result_ttl=3600, failure_ttl=86400, retry=retry, on_failure=Callback(report_job_failure))
         enqueued += 1
         runtime.status["enqueued"] = enqueued
 

@@ -1,0 +1,237 @@
+"""shared.grading on the fixture tasks (tests/fixtures/tasks) with the real bubblewrap backend.
+
+    python -m pytest tests/unit/test_grading.py -q      (skipped where `bwrap` is not installed)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shared import grading
+from shared.grading import (BubblewrapBackend, UnsafeLocalBackend, apply_diff, get_backend,
+                            grade_harbor, grade_swebench, prepare_workspace, reference_diff,
+                            store_log, validate_tasks)
+from shared.storage import Storage
+from shared.tasks import load_harbor_task, load_swebench_rows
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tasks"
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return get_backend("bubblewrap")
+
+
+@pytest.fixture(scope="module")
+def fix_add():
+    return load_harbor_task(FIXTURES / "harbor" / "fix-add")
+
+
+@pytest.fixture(scope="module")
+def three_functions():
+    return load_harbor_task(FIXTURES / "harbor" / "three-functions")
+
+
+@pytest.fixture(scope="module")
+def swe():
+    return load_swebench_rows(FIXTURES / "swebench" / "rows.jsonl")[0]
+
+
+def _edit_diff(source: Path | None, edits: dict[str, str | None], symlinks=None) -> str:
+    """The diff that `edits` (path -> new content, None deletes) make to a copy of `source`."""
+    with prepare_workspace(source) as workspace:
+        for path, content in edits.items():
+            target = workspace.root / path
+            if content is None:
+                target.unlink()
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(content)
+        for path, target in (symlinks or {}).items():
+            os.symlink(target, workspace.root / path)
+        return workspace.diff()
+
+
+def test_reference_solutions_score_1(backend, fix_add, three_functions, swe):
+    for task in (fix_add, three_functions):
+        diff = reference_diff(task, backend)
+        assert diff.startswith("diff --git"), diff
+        outcome = grade_harbor(task, diff, backend)
+        assert (outcome.score, outcome.passed, outcome.infrastructure_error) == (1.0, True, False), outcome
+    outcome = grade_swebench(swe, reference_diff(swe, backend), backend)
+    assert outcome.score == 1.0 and outcome.passed, outcome
+    assert set(outcome.tests.values()) == {"passed"}
+    assert outcome.tests["tests/test_core.py::test_median_even"] == "passed"
+
+
+def test_empty_diff_scores_0(backend, fix_add, three_functions, swe):
+    for task in (fix_add, three_functions):
+        outcome = grade_harbor(task, "", backend)
+        assert (outcome.score, outcome.passed, outcome.infrastructure_error) == (0.0, False, False)
+        assert "reward 0" in outcome.reason
+    outcome = grade_swebench(swe, "", backend)
+    assert outcome.score == 0.0 and not outcome.infrastructure_error
+    assert outcome.tests["tests/test_core.py::test_median_even"] == "failed"
+    assert outcome.tests["tests/test_core.py::test_mean"] == "passed"
+    assert "FAIL_TO_PASS 0/1" in outcome.reason
+
+
+def test_partial_fix_gets_the_fraction(backend, three_functions):
+    source = (three_functions.workspace / "textutils.py").read_text()
+    old = 'return " ".join(sentence.split())'
+    assert old in source
+    diff = _edit_diff(three_functions.workspace, {
+        "textutils.py": source.replace(old, 'return " ".join(reversed(sentence.split()))')})
+    outcome = grade_harbor(three_functions, diff, backend)
+    assert outcome.score == pytest.approx(1 / 3, abs=1e-3), outcome
+    assert not outcome.passed
+    assert "reverse_words: ok" in outcome.log and "count_vowels: FAILED" in outcome.log
+
+
+def test_swe_partial_credit_flag(backend, swe):
+    class Flagged:
+        pass
+    task = Flagged()
+    task.__dict__.update(vars(swe))
+    task.partial_credit = True
+    task.fail_to_pass = [*swe.fail_to_pass, "tests/test_core.py::test_median_odd"]
+    task.pass_to_pass = [t for t in swe.pass_to_pass if not t.endswith("test_median_odd")]
+    source = (swe.repo_dir / "tinystats" / "core.py").read_text()
+    half = source.replace("    return ordered[middle]\n", "    if len(ordered) % 2 == 0:\n"
+                          "        return (ordered[middle - 1] + ordered[middle]) / 2\n    return -1\n")
+    diff = _edit_diff(swe.repo_dir, {"tinystats/core.py": half})
+    outcome = grade_swebench(task, diff, backend)
+    assert outcome.score == 0.5, outcome
+    assert outcome.tests["tests/test_core.py::test_median_odd"] == "failed"
+    task.partial_credit = False
+    assert grade_swebench(task, diff, backend).score == 0
+    # a missing id counts as an error, not a pass
+    task.fail_to_pass = [*swe.fail_to_pass]
+    task.pass_to_pass = [*swe.pass_to_pass]
+    report = "PASSED tests/a.py::t1\nFAILED tests/a.py::t2[x - y] - AssertionError: 1 - 2\n"
+    assert grading._test_outcomes(report, ["tests/a.py::t1", "tests/a.py::t2[x - y]", "gone"]) == {
+        "tests/a.py::t1": "passed", "tests/a.py::t2[x - y]": "failed", "tests/a.py::t2[x": "failed",
+        "gone": "error"}
+
+
+def test_unappliable_patch_is_a_graded_failure_with_gits_reason(backend, fix_add):
+    diff = ("diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n"
+            "@@ -1,2 +1,2 @@\n-this line is not in calc.py\n+nor is this one\n context\n")
+    outcome = grade_harbor(fix_add, diff, backend)
+    assert outcome.score == 0 and not outcome.infrastructure_error
+    assert outcome.reason.startswith("patch did not apply: ")
+    assert "calc.py" in outcome.reason and "patch" in outcome.reason
+    outcome = grade_harbor(fix_add, "this is not a diff at all\n", backend)
+    assert outcome.reason.startswith("patch did not apply: ") and outcome.score == 0
+
+
+def test_swe_diff_editing_the_tests_still_scores_0(backend, swe):
+    test_file = swe.repo_dir / "tests" / "test_core.py"
+    trivial = test_file.read_text() + "\n\ndef test_median_even():\n    assert True\n"
+    diff = _edit_diff(swe.repo_dir, {"tests/test_core.py": trivial})
+    outcome = grade_swebench(swe, diff, backend)
+    assert outcome.score == 0, outcome
+    assert outcome.tests["tests/test_core.py::test_median_even"] == "failed"
+    assert "restored test files" in outcome.reason
+    # a conftest.py that rewrites every outcome to "passed" is reset too
+    conftest = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+                "def pytest_runtest_makereport(item, call):\n"
+                "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+    diff = _edit_diff(swe.repo_dir, {"tests/conftest.py": conftest})
+    outcome = grade_swebench(swe, diff, backend)
+    assert outcome.score == 0, outcome
+    assert outcome.tests["tests/test_core.py::test_median_even"] == "failed"
+
+
+def test_symlink_out_of_the_workspace_is_refused(backend, fix_add):
+    for target in ("/etc/passwd", "../../../../etc", "sub/../../x"):
+        diff = _edit_diff(fix_add.workspace, {}, symlinks={"escape": target})
+        assert "120000" in diff
+        outcome = grade_harbor(fix_add, diff, backend)
+        assert outcome.score == 0 and not outcome.infrastructure_error
+        assert "symlink" in outcome.reason and "outside the workspace" in outcome.reason, outcome.reason
+    inside = _edit_diff(fix_add.workspace, {}, symlinks={"alias.py": "calc.py"})
+    with prepare_workspace(fix_add.workspace) as workspace:
+        assert apply_diff(workspace, inside) == (True, "applied")
+        assert os.readlink(workspace.root / "alias.py") == "calc.py"
+
+
+def test_paths_outside_the_workspace_are_refused(fix_add):
+    diff = ("diff --git a/../evil.txt b/../evil.txt\nnew file mode 100644\n--- /dev/null\n"
+            "+++ b/../evil.txt\n@@ -0,0 +1 @@\n+pwned\n")
+    with prepare_workspace(fix_add.workspace) as workspace:
+        ok, reason = apply_diff(workspace, diff)
+        assert not ok and "outside the workspace" in reason
+        assert not (workspace.base / "evil.txt").exists()
+    # writing through a symlink that the same patch creates
+    link_then_write = _edit_diff(fix_add.workspace, {}, symlinks={"d": "."}) + (
+        "diff --git a/d/x.txt b/d/x.txt\nnew file mode 100644\n--- /dev/null\n+++ b/d/x.txt\n"
+        "@@ -0,0 +1 @@\n+x\n")
+    with prepare_workspace(fix_add.workspace) as workspace:
+        ok, reason = apply_diff(workspace, link_then_write)
+        assert not ok, reason
+        assert not (workspace.root / "d").exists() and not (workspace.root / "x.txt").exists()
+
+
+def test_validate_tasks_on_the_fixtures(backend, fix_add, three_functions, swe):
+    results = validate_tasks([fix_add, three_functions, swe], backend)
+    assert [r.name for r in results] == ["fix-add", "three-functions", swe.instance_id]
+    assert all(r.ok and r.reference_score == 1 and r.empty_score == 0 for r in results), results
+
+
+def test_validate_tasks_reports_a_broken_task(backend, fix_add, tmp_path):
+    broken = shutil.copytree(FIXTURES / "harbor" / "fix-add", tmp_path / "broken")
+    (broken / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
+    [result] = validate_tasks([load_harbor_task(broken)], backend)
+    assert not result.ok and result.reference_score == 0
+    assert "reference solution scores 0" in result.problem
+
+
+def test_unsafe_local_is_refused_unless_explicitly_allowed(tmp_path):
+    for name in ("unsafe-local", "unsafe_local", "local", "UNSAFE-LOCAL"):
+        with pytest.raises(ValueError, match="unsafe|allow_unsafe"):
+            get_backend(name)
+    for name in ("unsafe_local", "local"):
+        with pytest.raises(ValueError, match="exactly 'unsafe-local'"):
+            get_backend(name, allow_unsafe=True)
+    with pytest.raises(ValueError, match="allow_unsafe=True"):
+        get_backend("unsafe-local", allow_unsafe="yes")
+    backend = get_backend("unsafe-local", allow_unsafe=True)
+    assert isinstance(backend, UnsafeLocalBackend)
+    result = backend.run("echo hi > f; cat f", tmp_path, limits=grading.SandboxLimits())
+    assert (result.exit_code, result.stdout) == (0, "hi\n")
+    assert isinstance(get_backend("bubblewrap"), BubblewrapBackend)
+
+
+def test_reward_json_forms():
+    parse = grading._reward_from_json
+    assert parse({"reward": 0.25})[0] == 0.25
+    score, _, tests = parse({"tests": {"a": "passed", "b": "failed", "c": True, "d": "skipped"}})
+    assert score == pytest.approx(2 / 3) and tests == {"a": "passed", "b": "failed", "c": "passed",
+                                                       "d": "skipped"}
+    assert parse({"reward": "1"})[0] is None
+    assert parse([1])[0] is None
+
+
+def test_store_log_is_atomic(tmp_path):
+    storage = Storage(str(tmp_path))
+    path = store_log(storage, "run-1", "grade-fix-add", "hello\n")
+    assert Path(path).read_text() == "hello\n"
+    assert [p.name for p in Path(path).parent.iterdir()] == ["grade-fix-add.log"]
+    with pytest.raises(ValueError):
+        store_log(storage, "run-1", "../escape", "x")
+
+
+def test_fixture_sanity():
+    """The shared fixtures are the tasks graded above."""
+    rows = [json.loads(line) for line in (FIXTURES / "swebench" / "rows.jsonl").read_text().splitlines()
+            if line.strip()]
+    assert rows and (FIXTURES / "harbor" / "fix-add" / "tests" / "test.sh").is_file()

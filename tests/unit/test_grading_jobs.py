@@ -1,0 +1,69 @@
+"""The sandbox-grader's RQ jobs on real Redis and real bubblewrap: retries for infrastructure errors
+only, and every rollout ends with a grade event."""
+
+import difflib
+import shutil
+from pathlib import Path
+
+import pytest
+from rq import Callback, Queue, Retry, SimpleWorker
+
+from services.sandbox_grader.jobs import GradeRequest, grade_rollout, report_job_failure
+from shared.storage import Storage
+
+TASK = Path(__file__).resolve().parents[1] / "fixtures" / "tasks" / "harbor" / "fix-add"
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+
+
+def request(bus, tmp_path, rollout: str, **overrides) -> dict:
+    fields = dict(redis_url="unused", run_id=bus.keys.run_id, storage_uri=str(tmp_path), backend="bubblewrap",
+                  ids={"rollout_id": rollout, "group_id": "g", "trajectory_id": rollout, "session_id": rollout},
+                  wall_time_s=30, memory_mb=512, grader={"kind": "harbor", "task_dir": str(TASK)})
+    return GradeRequest(**{**fields, **overrides}).as_job_arg()
+
+
+def run_jobs(bus, jobs) -> Queue:
+    queue = Queue(f"{bus.keys.prefix}:sandbox", connection=bus.redis)
+    for job_id, payload in jobs:
+        queue.enqueue(grade_rollout, payload, job_id=job_id, retry=Retry(max=2), on_failure=Callback(report_job_failure))
+    SimpleWorker([queue], connection=bus.redis).work(burst=True)
+    return queue
+
+
+@pytest.fixture
+def published(monkeypatch, bus):
+    # the job publishes through Bus.connect(redis_url): point it at the test's Redis
+    import services.sandbox_grader.jobs as jobs
+
+    monkeypatch.setattr(jobs.Bus, "connect", classmethod(lambda cls, url, run_id, settings=None: cls(bus.redis, run_id)))
+    return bus
+
+
+def test_failing_tests_are_a_grade_and_are_not_retried(published, tmp_path):
+    queue = run_jobs(published, [("grade-r1", request(published, tmp_path, "r1"))])  # empty diff
+    (grade,) = [d.event for d in published.read_all("grades")]
+    assert grade.score == 0.0 and not grade.passed
+    assert queue.fetch_job("grade-r1").get_status() == "finished"
+    assert Path(grade.log_uri).exists()
+
+
+def test_a_passing_diff_grades_one_and_the_log_is_stored(published, tmp_path):
+    storage = Storage(str(tmp_path))
+    original = (TASK / "environment" / "workspace" / "calc.py").read_text()
+    fixed = original.replace("a - b", "a + b")
+    assert fixed != original
+    diff = "".join(difflib.unified_diff(original.splitlines(True), fixed.splitlines(True), "a/calc.py", "b/calc.py"))
+    uri = storage.write_bytes(diff.encode(), "run", "artifacts", "r2.diff")
+    run_jobs(published, [("grade-r2", request(published, tmp_path, "r2", diff_uri=uri))])
+    (grade,) = [d.event for d in published.read_all("grades")]
+    assert grade.score == 1.0 and grade.passed
+
+
+def test_an_infrastructure_error_is_retried_then_reported_as_a_failed_grade(published, tmp_path):
+    queue = run_jobs(published, [("grade-r3", request(published, tmp_path, "r3", backend="docker"))])
+    job = queue.fetch_job("grade-r3")
+    assert job.get_status() == "failed"
+    assert job.retries_left == 0  # two retries were spent
+    (grade,) = [d.event for d in published.read_all("grades")]
+    assert not grade.passed and "no Docker engine reachable" in grade.reason
+    assert "no retry is left" in grade.reason
