@@ -42,6 +42,7 @@ bench: setup
 	$(PY) bench/bench_encoding.py
 	$(PY) bench/bench_bus.py
 	$(PY) bench/bench_agent_runner.py
+	$(PY) bench/bench_grading.py
 
 clean:
 	rm -rf runs models

@@ -95,7 +95,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Protocol, runtime_checkable
 
 from shared.sandbox import (SandboxError, SandboxLimits, SandboxResult, _hand_over, _take_back,
-                            run_in_sandbox)
+                            run_in_sandbox, workspace_prefix)
 
 log = logging.getLogger(__name__)
 

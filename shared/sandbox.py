@@ -529,3 +529,28 @@ def _count_tasks(uid: int) -> int:
     """Processes and threads the host shows for `uid` (RLIMIT_NPROC counts them all)."""
     return sum(int(fields.get("Threads", "0")) for _, fields in _proc_statuses()
                if fields.get("Uid", "-1").split()[0] == str(uid))
+
+
+def workspace_prefix(kind: str) -> str:
+    """Temp-dir prefix of a sandbox workspace, tagged with the creating process's pid, so that the
+    workspaces of a process that died (a killed RQ work-horse) can be found and removed."""
+    return f"rs-{kind}-{os.getpid()}-"
+
+
+def remove_orphaned_workspaces(kind: str, tmp: Path | None = None) -> list[Path]:
+    """Delete `kind` workspaces whose creating process no longer exists; returns what was removed."""
+    removed = []
+    for path in Path(tmp or tempfile.gettempdir()).glob(f"rs-{kind}-*-*"):
+        pid_text = path.name[len(f"rs-{kind}-"):].split("-", 1)[0]
+        if not pid_text.isdigit() or not path.is_dir():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # still alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

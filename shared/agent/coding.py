@@ -9,7 +9,8 @@ metadata:
                   "files": {"calc.py": "...", "test_calc.py": "..."},   # path -> content
                   "test_command": "python3 test_calc.py",     # for run_tests (optional)
                   "limits": {"wall_time_s": 60},               # SandboxLimits fields (optional)
-                  "env": {"PYTHONPATH": "/workspace/src"}}}    # sandbox environment (optional)
+                  "env": {"PYTHONPATH": "/workspace/src"},      # sandbox environment (optional)
+                  "sandbox_backend": "bubblewrap"}}            # or "docker", as the grader (optional)
 
 (`CODING_TOOLS` is that list of tool names; a row may name only some of them.)
 
@@ -77,7 +78,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from shared.agent.tools import Episode, Tool, ToolError, register_tool
-from shared.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
+from shared.sandbox import SandboxLimits, SandboxResult
 from shared.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class Workspace:
     its thread is really done)."""
 
     def __init__(self, base: Path, limits: SandboxLimits, env: dict[str, str],
-                 test_command: str | None) -> None:
+                 test_command: str | None, backend: str = "bubblewrap") -> None:
         self.base = base
         self.root = base / "repo"
         self.git_dir = base / "git"
@@ -146,6 +147,7 @@ class Workspace:
         self.limits = limits
         self.env = env
         self.test_command = test_command
+        self.backend = backend
         self.baseline: str | None = None
         self.closed = False
         """Set (synchronously) by the first release; later calls find the workspace gone."""
@@ -161,7 +163,8 @@ class Workspace:
         base = Path(tempfile.mkdtemp(prefix="rs-ws-")).resolve()
         try:
             base.chmod(0o711)  # the sandbox's host uid must be able to walk down to repo/
-            workspace = cls(base, limits, env, test_command)
+            workspace = cls(base, limits, env, test_command,
+                            backend=metadata.get("sandbox_backend") or "bubblewrap")
             if repo is not None:
                 shutil.copytree(repo, workspace.root, symlinks=True)
             else:
@@ -307,7 +310,11 @@ class Workspace:
     # the sandbox
 
     def run(self, command: str) -> SandboxResult:
-        return run_in_sandbox(command, self.root, self.limits, self.env)
+        """Run in the sandbox backend the task names (`sandbox_backend`, default bubblewrap): the same
+        backends the grader uses."""
+        from shared.grading import get_backend
+
+        return get_backend(self.backend).run(command, self.root, limits=self.limits, env=self.env)
 
 
 def _task_settings(metadata: dict[str, Any]) -> tuple[SandboxLimits, dict[str, str], str | None]:

@@ -357,3 +357,17 @@ def test_missing_bwrap_is_a_clear_error(workspace, monkeypatch):
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
     with pytest.raises(SandboxUnavailable, match="bubblewrap"):
         run_in_sandbox("true", workspace)
+
+
+def test_workspaces_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    from shared.sandbox import remove_orphaned_workspaces, workspace_prefix
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tmp_path / f"rs-grade-{dead.pid}-abc"
+    live = tmp_path / (workspace_prefix("grade") + "def")
+    other = tmp_path / "rs-grade-pytools-xyz"
+    for path in (orphan, live, other):
+        (path / "repo").mkdir(parents=True)
+    assert remove_orphaned_workspaces("grade", tmp_path) == [orphan]
+    assert not orphan.exists() and live.exists() and other.exists()
