@@ -22,7 +22,7 @@ rw_mounts, env, image) -> SandboxResult`; the workspace is /workspace (and the w
   `get_backend` refuses it unless the name is exactly "unsafe-local" and `allow_unsafe=True`.
   It cannot provide mounts (no /tests, /logs), so it runs commands, not Harbor grading.
 
-Workspaces (`prepare_workspace(source)`): a `tempfile.mkdtemp(prefix="rs-grade-")` directory with
+Workspaces (`prepare_workspace(source)`): a pid-tagged `rs-grade-{pid}-*` temp directory with
 repo/ (the copy, /workspace in the sandbox), git/ (our git directory, OUTSIDE the work tree, so a
 model-written .git/config or .gitattributes never runs anything through host git; hooks off, clean
 environment, $GIT_DIR/info/attributes overriding the tree's) and scratch directories (logs/,
@@ -94,8 +94,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol, runtime_checkable
 
-from shared.sandbox import (SandboxError, SandboxLimits, SandboxResult, _hand_over, _take_back,
-                            run_in_sandbox, workspace_prefix)
+from shared.sandbox import (SandboxError, SandboxLimits, SandboxResult, lent_to, run_in_sandbox,
+                            workspace_prefix)
 
 log = logging.getLogger(__name__)
 
@@ -317,18 +317,19 @@ class DockerBackend:
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
             env: dict[str, str] | None = None, image: str | None = None) -> SandboxResult:
-        import requests
-        from docker.errors import DockerException
         ro_mounts, rw_mounts = dict(ro_mounts or {}), dict(rw_mounts or {})
         options = self.container_options(workspace, limits, ro_mounts, rw_mounts, env or {})
         writable = [Path(workspace)] + [Path(host) for host in rw_mounts.values()]
-        owners: list[tuple[Path, dict]] = []
         sandbox_uid = int(self.SANDBOX_USER.split(":")[0])
-        if os.geteuid() == 0:  # the container's uid 65534 must be able to write the workspace
-            for top in writable:
-                noted: dict = {}
-                owners.append((top, noted))
-                _hand_over(top, sandbox_uid, noted)
+        # as root, the container's uid 65534 must be able to write the workspace
+        with lent_to(sandbox_uid, writable if os.geteuid() == 0 else []):
+            return self._run_container(command, image, options, limits)
+
+    def _run_container(self, command: str, image: str | None, options: dict,
+                       limits: SandboxLimits) -> SandboxResult:
+        import requests
+        from docker.errors import DockerException
+
         container = None
         started = time.monotonic()
         timed_out = False
@@ -357,8 +358,6 @@ class DockerBackend:
                     container.remove(force=True)
                 except Exception as exc:  # noqa: BLE001 - report, never mask the result
                     log.warning("could not remove container: %s", exc)
-            for top, noted in owners:
-                _take_back(top, sandbox_uid, noted)
         duration = time.monotonic() - started
         if timed_out:
             reason = f"killed: wall-clock limit {limits.wall_time_s:g}s"
@@ -609,7 +608,7 @@ class Workspace:
 
 def prepare_workspace(source: Path | None) -> Workspace:
     """A fresh copy of `source` (or an empty tree) under /tmp with a git baseline kept outside it."""
-    base = Path(tempfile.mkdtemp(prefix="rs-grade-")).resolve()
+    base = Path(tempfile.mkdtemp(prefix=workspace_prefix("grade"))).resolve()
     try:
         base.chmod(0o711)  # the sandbox's host uid must be able to walk down to repo/
         workspace = Workspace(base)

@@ -64,6 +64,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -165,18 +166,27 @@ def run_in_sandbox(command: str, workspace: Path, limits: SandboxLimits = Sandbo
         _check_reachable(host)
     writable = [workspace] + [host for host, _, read_only in binds if not read_only]
     with _sandbox_host_uid() as host_uid:
-        owners: dict[int, tuple[int, int]] = {}
-        handed: list[tuple[Path, dict[int, tuple[int, int]]]] = []
         try:
-            for top in writable:
-                owners = {}
-                handed.append((top, owners))
-                _hand_over(top, host_uid, owners)
-            return _run(bwrap, command, workspace, limits, env or {}, host_uid, binds)
+            with lent_to(host_uid, writable):
+                return _run(bwrap, command, workspace, limits, env or {}, host_uid, binds)
         finally:
             _kill_leftovers(host_uid)
-            for top, owners in handed:
-                _take_back(top, host_uid, owners)
+
+
+@contextmanager
+def lent_to(uid: int, trees: list[Path]):
+    """chown the trees to `uid` for the duration (a sandbox user must write them), then give every
+    entry back to its previous owner."""
+    handed: list[tuple[Path, dict[int, tuple[int, int]]]] = []
+    try:
+        for top in trees:
+            owners: dict[int, tuple[int, int]] = {}
+            handed.append((top, owners))
+            _hand_over(top, uid, owners)
+        yield
+    finally:
+        for top, owners in handed:
+            _take_back(top, uid, owners)
 
 
 _RESERVED_SANDBOX_PATHS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
