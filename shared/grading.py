@@ -155,9 +155,12 @@ _python_tools_dir: Path | None = None
 
 
 def _stage_python_tools() -> Path | None:
-    """Once per process: a read-only tree with bin/python (-> /usr/bin/python3) and site/ holding
-    copies of PYTHON_TOOLS and their requirements, taken from this interpreter's environment when
-    /usr/bin/python3 has the same minor version (pure-Python packages only). None otherwise."""
+    """A read-only tree with bin/python (-> /usr/bin/python3) and site/ holding copies of
+    PYTHON_TOOLS and their requirements, taken from this interpreter's environment when
+    /usr/bin/python3 has the same minor version (pure-Python packages only). None otherwise.
+
+    Built once per machine and tools version under the temp dir (RQ work-horses are forked per job
+    and exit without cleanup, so a per-process copy would be rebuilt and leaked on every job)."""
     global _python_tools_dir
     if _python_tools_dir is not None:
         return _python_tools_dir
@@ -174,7 +177,17 @@ def _stage_python_tools() -> Path | None:
         log.warning("/usr/bin/python3 is %s, not %s: pytest is not provided in the sandbox",
                     version, sys.version_info[:2])
         return None
-    base = Path(tempfile.mkdtemp(prefix="rs-grade-pytools-")).resolve()
+    try:
+        versions = ",".join(f"{name}={metadata.version(name)}" for name in PYTHON_TOOLS)
+    except metadata.PackageNotFoundError as exc:
+        log.warning("%s is not installed here: it is not provided in the sandbox", exc)
+        return None
+    key = hashlib.sha256(f"{sys.version}|{versions}".encode()).hexdigest()[:16]
+    final = Path(tempfile.gettempdir()) / f"rs-pytools-{key}"
+    if (final / "complete").exists():
+        _python_tools_dir = final
+        return final
+    base = Path(tempfile.mkdtemp(prefix="rs-pytools-building-")).resolve()
     base.chmod(0o755)
     (base / "bin").mkdir(mode=0o755)
     os.symlink("/usr/bin/python3", base / "bin" / "python")
@@ -206,10 +219,13 @@ def _stage_python_tools() -> Path | None:
                 shutil.copyfile(source, target)
     for path in [site, *site.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
-    _python_tools_dir = base
-    import atexit
-    atexit.register(shutil.rmtree, base, True)
-    return base
+    (base / "complete").write_text(versions)
+    try:
+        os.rename(base, final)
+    except OSError:  # another process finished first: use its copy
+        shutil.rmtree(base, ignore_errors=True)
+    _python_tools_dir = final
+    return final
 
 
 class BubblewrapBackend:
