@@ -114,6 +114,7 @@ STARTED_MARKER = "rs-grader: sandbox started"
 PROTECTED_NAMES = ("conftest.py", "pytest.ini", "sitecustomize.py", "usercustomize.py")
 """SWE: files with these names (and *.pth) that a diff touches are reset to the snapshot."""
 SNAPSHOT_EXCLUDED_NAMES = ("__pycache__", ".pytest_cache")
+"""Directories never in a snapshot, at any depth (with .git and *.pyc, *.pyo files)."""
 _EXCLUDED_SUFFIXES = (".pyc", ".pyo")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _GIT_CONFIG = {
@@ -125,6 +126,39 @@ _GIT_CONFIG = {
     "apply.whitespace": "nowarn",
 }
 _GIT_ATTRIBUTES = "* -text -filter -ident -working-tree-encoding !diff !eol\n"
+
+
+def snapshot_paths(root: Path) -> tuple[list[bytes], dict[str, int]]:
+    """Every regular file and symlink below `root` (relative, bytes, sorted), never following links,
+    and how many entries were left out by kind (.git, caches, special files). Walked by hand rather
+    than with `git add -A`, so that a model-written .gitignore cannot hide files."""
+    paths: list[bytes] = []
+    skipped = {".git": 0, "cache": 0, "special": 0}
+    top = os.fsencode(root)
+    stack = [b""]
+    while stack:
+        relative_dir = stack.pop()
+        with os.scandir(os.path.join(top, relative_dir) if relative_dir else top) as entries:
+            for entry in entries:
+                relative = os.path.join(relative_dir, entry.name) if relative_dir else entry.name
+                if entry.name.lower() == b".git":
+                    skipped[".git"] += 1
+                elif entry.is_symlink():
+                    paths.append(relative)
+                elif entry.is_dir(follow_symlinks=False):
+                    if os.fsdecode(entry.name) in SNAPSHOT_EXCLUDED_NAMES:
+                        skipped["cache"] += 1
+                    else:
+                        stack.append(relative)
+                elif entry.is_file(follow_symlinks=False):
+                    if os.fsdecode(entry.name).endswith(_EXCLUDED_SUFFIXES):
+                        skipped["cache"] += 1
+                    else:
+                        paths.append(relative)
+                else:
+                    skipped["special"] += 1
+    paths.sort()
+    return paths, skipped
 
 
 class GradingError(RuntimeError):
@@ -574,27 +608,7 @@ class Workspace:
         shutil.rmtree(self.git_dir / "hooks", ignore_errors=True)
 
     def _snapshot_paths(self) -> list[bytes]:
-        """Every regular file and symlink below repo/ (relative, bytes), never following links."""
-        paths: list[bytes] = []
-        root = os.fsencode(self.root)
-        stack = [b""]
-        while stack:
-            relative_dir = stack.pop()
-            with os.scandir(os.path.join(root, relative_dir) if relative_dir else root) as entries:
-                for entry in entries:
-                    relative = os.path.join(relative_dir, entry.name) if relative_dir else entry.name
-                    if entry.name.lower() == b".git":
-                        continue
-                    if entry.is_symlink():
-                        paths.append(relative)
-                    elif entry.is_dir(follow_symlinks=False):
-                        if os.fsdecode(entry.name) not in SNAPSHOT_EXCLUDED_NAMES:
-                            stack.append(relative)
-                    elif entry.is_file(follow_symlinks=False):
-                        if not os.fsdecode(entry.name).endswith(_EXCLUDED_SUFFIXES):
-                            paths.append(relative)
-        paths.sort()
-        return paths
+        return snapshot_paths(self.root)[0]
 
     def snapshot_index(self) -> None:
         """Make the index hold exactly the tree's files (with stat data)."""

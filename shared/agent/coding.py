@@ -38,7 +38,7 @@ of repo/ (never following symlinks) lists every regular file and symlink, and `g
 records exactly those in a fresh index. So .gitignore rules, nested repositories and ignored files
 cannot hide anything. Left out, always and in both snapshots: `.git` entries at any depth
 (repository metadata), Python caches (`__pycache__` directories, `*.pyc`/`*.pyo`,
-`.pytest_cache`; see `SNAPSHOT_EXCLUDED_NAMES`), special files (FIFOs, sockets), names git
+`.pytest_cache`; see `shared.grading.SNAPSHOT_EXCLUDED_NAMES`), special files (FIFOs, sockets), names git
 refuses to record (a symlink named .gitmodules, a `.GIT` directory) and empty directories (git
 records files only). Left-out entries are counted and logged at release, never
 dropped without a word. The diff is `git diff --cached --binary --no-renames <baseline>`: text
@@ -78,6 +78,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from shared.agent.tools import Episode, Tool, ToolError, register_tool
+from shared.grading import get_backend, snapshot_paths
 from shared.sandbox import SandboxLimits, SandboxResult
 from shared.storage import Storage
 
@@ -103,9 +104,6 @@ MAX_STREAM_CHARS = 10_000
 MAX_COMMAND_CHARS = 32 * 1024
 """Longest command run_shell accepts."""
 GIT_TIMEOUT_S = 300
-SNAPSHOT_EXCLUDED_NAMES = ("__pycache__", ".pytest_cache")
-"""Directories never in a snapshot, at any depth (with .git and *.pyc, *.pyo files)."""
-_EXCLUDED_SUFFIXES = (".pyc", ".pyo")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _STATE_KEY = "workspace"
 _LOCK_KEY = "workspace_lock"
@@ -216,39 +214,10 @@ class Workspace:
                                f"{proc.stderr.decode(errors='replace').strip()[:2000]}")
         return proc
 
-    def _snapshot_paths(self) -> tuple[list[bytes], dict[str, int]]:
-        """Every regular file and symlink below repo/, relative, as bytes; and what was left out."""
-        paths: list[bytes] = []
-        skipped = {".git": 0, "cache": 0, "special": 0, "refused by git": 0}
-        root = os.fsencode(self.root)
-        stack = [b""]
-        while stack:
-            relative_dir = stack.pop()
-            with os.scandir(os.path.join(root, relative_dir) if relative_dir else root) as entries:
-                for entry in entries:
-                    relative = os.path.join(relative_dir, entry.name) if relative_dir else entry.name
-                    if entry.name.lower() == b".git":
-                        skipped[".git"] += 1
-                    elif entry.is_symlink():
-                        paths.append(relative)
-                    elif entry.is_dir(follow_symlinks=False):
-                        if os.fsdecode(entry.name) in SNAPSHOT_EXCLUDED_NAMES:
-                            skipped["cache"] += 1
-                        else:
-                            stack.append(relative)
-                    elif entry.is_file(follow_symlinks=False):
-                        if os.fsdecode(entry.name).endswith(_EXCLUDED_SUFFIXES):
-                            skipped["cache"] += 1
-                        else:
-                            paths.append(relative)
-                    else:
-                        skipped["special"] += 1
-        paths.sort()
-        return paths, skipped
-
     def _snapshot_index(self) -> dict[str, int]:
         """Make the index hold exactly the snapshot's files; returns the left-out counts."""
-        paths, skipped = self._snapshot_paths()
+        paths, skipped = snapshot_paths(self.root)
+        skipped["refused by git"] = 0
         self._git("read-tree", "--empty")
         if paths:
             proc = self._git("update-index", "--add", "-z", "--stdin", stdin=b"\0".join(paths) + b"\0")
@@ -312,8 +281,6 @@ class Workspace:
     def run(self, command: str) -> SandboxResult:
         """Run in the sandbox backend the task names (`sandbox_backend`, default bubblewrap): the same
         backends the grader uses."""
-        from shared.grading import get_backend
-
         return get_backend(self.backend).run(command, self.root, limits=self.limits, env=self.env)
 
 
