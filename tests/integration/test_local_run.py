@@ -145,9 +145,10 @@ def test_staleness_bound_was_never_exceeded(run):
         trained_at = update.event.version - 1
         rows = batches[update.event.batch_id]
         # A sample that finished late can land in a later batch: the trainer drops it and counts it.
-        stale = [row for row in rows if trained_at - row.turn_policy_versions[0] > ETA]
-        assert update.event.dropped_stale == len(stale)
+        stale = [row for row in rows if trained_at - min(row.turn_policy_versions) > ETA]
+        assert update.event.dropped_stale == len(stale) == update.event.dropped.get("stale", 0)
         assert update.event.trained_samples == len(rows) - len(stale)
+        assert update.event.metrics["samples/staleness_max"] <= ETA
 
 
 def test_vllm_matches_the_trainer_after_every_weight_sync(run):
@@ -156,8 +157,13 @@ def test_vllm_matches_the_trainer_after_every_weight_sync(run):
     assert all(u.parity_max_abs_diff <= 1e-3 for u in updates)
     probe = run["served"]
     assert max(abs(a - b) for a, b in zip(probe["served"], probe["final"])) <= 1e-3
-    # and the weights did move, so the parity above is about a new policy
-    assert max(abs(a - b) for a, b in zip(probe["final"], probe["initial"])) > 1e-3
+    # The weights moved exactly when some trained sample carried a learning signal: a random tiny model
+    # can score 0 on every rollout, and then every advantage is exactly 0 and the policy must stay put.
+    trained = {u.batch_id for u in updates}
+    signal = any(row.advantage != 0 for batch_id, rows in all_batch_rows(run["local"]).items()
+                 if batch_id in trained for row in rows)
+    moved = max(abs(a - b) for a, b in zip(probe["final"], probe["initial"]))
+    assert (moved > 1e-3) if signal else (moved == 0.0)
 
 
 def test_sandbox_grades_reach_the_rewards(run):

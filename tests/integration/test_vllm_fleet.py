@@ -172,6 +172,62 @@ def test_reload_weights_makes_vllm_follow_the_new_checkpoint(served, prompt_ids,
     assert max_abs_diff(back, want_old) < TOL
 
 
+def test_a_generation_in_flight_across_a_weight_sync_continues_on_the_new_weights(served, prompt_ids, tmp_path):
+    """Partial rollouts: pause(keep) lets an in-flight request go on after the reload. Its first tokens
+    are the old policy's, the rest the new one's; the logprobs vLLM returned say which are which."""
+    import torch
+
+    server, model_dir = served
+    old = load_model(model_dir)
+    new = load_model(model_dir)
+    with torch.no_grad():
+        for param in new.parameters():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+    new_dir = tmp_path / "tiny-next"
+    new.save_pretrained(new_dir)
+
+    async def timed_generation(fleet, seed):
+        started = time.monotonic()
+        await fleet.complete(prompt_ids, max_tokens=900, session_id="s5", seed=seed, extra={"ignore_eos": True})
+        return time.monotonic() - started
+
+    async def generate_across_a_sync(fleet, seed, sync_after_s):
+        generation = asyncio.create_task(fleet.complete(prompt_ids, max_tokens=900, session_id="s5", seed=seed,
+                                                        extra={"ignore_eos": True}))
+        await asyncio.sleep(sync_after_s)
+        await fleet.reload_weights(server.url, str(new_dir))
+        out = await generation
+        await fleet.reload_weights(server.url, str(model_dir))  # the module's other tests expect v0
+        return out
+
+    # The sync has to land while the generation runs, and how long a generation runs depends on the
+    # machine and its load: the delay is searched for. A sync that came after the generation ended leaves
+    # only old tokens (sync earlier next time), one that came before it began only new ones (later).
+    undisturbed_s = min(fleet_call(server, lambda f: timed_generation(f, seed=seed)) for seed in (3, 4))
+    low, high = 0.0, undisturbed_s
+    for attempt in range(8):
+        sync_after_s = (low + high) / 2
+        out = fleet_call(server, lambda f: generate_across_a_sync(f, seed=5 + attempt, sync_after_s=sync_after_s))
+        assert len(out.token_ids) == 900 and out.finish_reason == "length"  # not aborted by the sync
+        ids = prompt_ids + out.token_ids
+        by_old = transformers_prompt_logprobs(old, ids)[len(prompt_ids) - 1:]
+        by_new = transformers_prompt_logprobs(new, ids)[len(prompt_ids) - 1:]
+        # a token can be as likely under both policies: "both" then
+        source = [{(True, True): "both", (True, False): "old", (False, True): "new", (False, False): "neither"}[
+                  (abs(a - b) < TOL, abs(a - c) < TOL)] for a, b, c in zip(out.logprobs, by_old, by_new)]
+        assert "neither" not in source
+        if "new" not in source:
+            high = sync_after_s
+        elif "old" not in source:
+            low = sync_after_s
+        else:
+            break
+    assert "new" in source and "old" in source, "in 8 attempts no weight sync landed inside a generation"
+    switch = source.index("new")
+    assert 0 < switch and "old" in source[:switch]
+    assert "old" not in source[switch:], "tokens went back to the old policy"
+
+
 def test_server_that_dies_during_startup_reports_its_log(tmp_path):
     server = VllmServer(tmp_path / "no-such-model", port=free_port(), log_path=tmp_path / "bad.log")
     server.start()
