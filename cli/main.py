@@ -2,6 +2,7 @@
 
     rollstream run                 # the local run: Redis, vLLM, every service; trains; summary
     rollstream build-model         # the tiny Llama + tokenizer the local run and the tests use
+    rollstream warmup              # supervised warm-up on gold calculator episodes: a start for RL
     rollstream serve-vllm          # a vLLM CPU server for the tiny model
     rollstream validate TASKS      # reference solutions grade 1, empty diffs 0, in the sandbox
     rollstream config [--markdown] # the resolved configuration, or its reference table
@@ -9,6 +10,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -20,6 +22,8 @@ from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fully asynchronous RL for LLM agents.")
 console = Console()
+BASE_MODEL = Path("models/tiny-llama")
+WARM_MODEL = Path("models/tiny-llama-warm")
 
 
 @app.command("build-model")
@@ -32,6 +36,42 @@ def build_model(
 
     path = build_tiny_model(out, seed=seed)
     console.print(f"tiny model written to [bold]{path}[/]")
+
+
+@app.command("warmup")
+def warmup_model(
+    model: Annotated[Path, typer.Option(help="Model to start from.")] = Path("models/tiny-llama"),
+    out: Annotated[Path, typer.Option(help="Where to write the warmed-up checkpoint (replaced if present).")] = Path("models/tiny-llama-warm"),
+    steps: Annotated[int, typer.Option(help="Optimizer steps; with --target-exact, the most it trains.")] = 1500,
+    target_exact: Annotated[Optional[float], typer.Option(help="Stop at the first check (every 50 steps) whose exact-match rate reaches this; 0 or less: train all --steps.")] = 0.25,
+    batch_size: Annotated[int, typer.Option(help="Gold episodes per step.")] = 32,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-3,
+    seed: Annotated[int, typer.Option(help="Seed of the training episodes.")] = 0,
+    eval_prompts: Annotated[int, typer.Option(help="Held-out episodes to evaluate the result on; 0: none.")] = 128,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the evaluation.")] = 1.0,
+) -> None:
+    """Supervised warm-up on gold calculator episodes: a partly trained start for RL."""
+    from shared.warmup import evaluate, warmup
+
+    target = target_exact if target_exact and target_exact > 0 else None
+    stats = warmup(model, out, steps, batch_size=batch_size, lr=lr, seed=seed, target_exact=target)
+    console.print(f"{stats['steps']} steps of {stats['batch_size']} episodes in {stats['seconds']:.1f}s: "
+                  f"loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; checkpoint in [bold]{out}[/]")
+    if target is not None:
+        trail = ", ".join(f"{c['step']}: {c['exact']:.0%}" for c in stats["checks"])
+        verdict = "reached" if stats["reached"] else "[bold red]not reached[/]"
+        console.print(f"target exact {target:.0%} {verdict}; checks (step: exact) {trail}")
+    if eval_prompts > 0:
+        result = evaluate(out, eval_prompts, temperature=temperature)
+        table = Table(title=f"{out}: {result['prompts']} held-out episodes, temperature {result['temperature']:g}")
+        for column in ("exact", "mean reward", "right tool call", "completed", "longest turn", "seconds"):
+            table.add_column(column, justify="right")
+        table.add_row(f"{result['exact']:.1%}", f"{result['mean_reward']:.3f}", f"{result['correct_tool_call']:.1%}",
+                      f"{result['completed']:.1%}", f"{result['longest_turn_tokens']}/{result['max_tokens_per_turn']}",
+                      f"{result['seconds']:.1f}")
+        console.print(table)
+    if target is not None and not stats["reached"]:
+        raise typer.Exit(1)
 
 
 @app.command("serve-vllm")
@@ -89,6 +129,23 @@ def show_config(markdown: Annotated[bool, typer.Option(help="Print the reference
     print(reference_markdown() if markdown else Settings().model_dump_json(indent=2))
 
 
+def make_warm_model() -> None:
+    """The main job's starting point: the tiny model after a short supervised warm-up, partly trained,
+    so that RL has room to show that it learns."""
+    from shared.warmup import warmup
+
+    if not (BASE_MODEL / "config.json").exists():
+        console.print(f"building the tiny model into {BASE_MODEL}")
+        build_model(BASE_MODEL, 0)
+    console.print(f"warming up {BASE_MODEL} into {WARM_MODEL} (supervised, about a minute)")
+    stats = warmup(BASE_MODEL, WARM_MODEL, 1500, target_exact=0.25)
+    console.print(f"warm-up: {stats['steps']} steps, exact {stats['checks'][-1]['exact']:.0%} on held-out checks")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 @app.command("run")
 def run(
     versions: Annotated[Optional[int], typer.Option(help="Policy versions to train (train.total_versions).")] = None,
@@ -97,6 +154,7 @@ def run(
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 1800.0,
 ) -> None:
     """Train locally: embedded Redis (unless RS_REDIS_URL), vLLM on the CPU, every service as a process."""
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the run's services too, as Ctrl-C does
     from cli.local_run import LocalRun, RunExists, ServiceDied, write_summary
     from shared.config import Settings
     from shared.datasets import DatasetError
@@ -106,8 +164,10 @@ def run(
     if versions is not None:
         settings = settings.model_copy(update={"train": settings.train.model_copy(update={"total_versions": versions})})
     if not settings.model.path.exists():
-        console.print(f"building the tiny model into {settings.model.path}")
-        build_model(settings.model.path, 0)
+        if settings.model.path != WARM_MODEL:
+            console.print(f"[bold red]no model at {settings.model.path}[/] (model.path)", markup=True)
+            raise typer.Exit(2)
+        make_warm_model()
 
     local = LocalRun(settings, fleet_urls=fleet_url)
     target = settings.train.total_versions
@@ -159,7 +219,11 @@ def summary_table(summary: dict) -> Table:
         reward = row["batch_mean_reward"]
         table.add_row(str(row["version"]), "-" if reward is None else f"{reward:.3f}", f"{row['loss']:.4f}",
                       f"{row['parity_max_abs_diff']:.1e}", str(row["trained"]))
-    table.caption = (f"{summary['samples_admitted']} samples, {summary['trajectories_finished']} trajectories, "
+    rewards = [row["batch_mean_reward"] for row in summary["per_version"] if row["batch_mean_reward"] is not None]
+    window = max(1, min(5, len(rewards) // 3))
+    learning = (f"batch mean reward {sum(rewards[:window]) / window:.3f} (first {window} versions) -> "
+                f"{sum(rewards[-window:]) / window:.3f} (last {window}); " if rewards else "")
+    table.caption = (learning + f"{summary['samples_admitted']} samples, {summary['trajectories_finished']} trajectories, "
                      f"{summary['grades']} sandbox grades, {summary['batches']} batches, "
                      f"{summary['dead_letters']} dead letters"
                      + (f", vLLM up in {summary['vllm_startup_s']}s" if summary.get("vllm_startup_s") else ""))

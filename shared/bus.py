@@ -65,6 +65,11 @@ class Keys:
         """Counter of samples the dispatcher admitted."""
         return f"{self.prefix}:admitted"
 
+    @property
+    def filtered(self) -> str:
+        """Counter of admitted samples the reward service left out of training (zero-variance groups)."""
+        return f"{self.prefix}:filtered"
+
 
 @dataclass(frozen=True)
 class Delivery:
@@ -163,6 +168,30 @@ class Bus:
                 self.dead_letter(stream, group, entry_id, fields, deliveries, str(exc))
         return out
 
+    def take_over_pending(self, stream: StreamName, group: str, consumer: str) -> list[Delivery]:
+        """Claim every entry pending in the group for `consumer` and return them oldest first.
+
+        For a consumer that is alone in its group and must not skip ahead (the trainer): a restart
+        finishes what its killed predecessor had started before it reads anything new, without
+        waiting for the reclaim timeout."""
+        key = self.keys.stream(stream)
+        start = "0-0"
+        while True:
+            start, *_ = self.redis.xautoclaim(key, group, consumer, 0, start, count=1000)
+            if start in (b"0-0", "0-0"):
+                break
+        out = []
+        for entry_id, fields in (self.redis.xreadgroup(group, consumer, {key: "0"}) or [[None, []]])[0][1]:
+            entry_id = entry_id.decode()
+            if not fields:  # trimmed away while pending: nothing left to handle
+                self.redis.xack(key, group, entry_id)
+                continue
+            try:
+                out.append(Delivery(stream, entry_id, decode(fields)))
+            except EventDecodeError as exc:
+                self.dead_letter(stream, group, entry_id, fields, 1, str(exc))
+        return out
+
     def _delivery_counts(self, key: str, group: str, raw: list) -> dict[str, int]:
         ids = [entry_id for entry_id, _ in raw]
         pending = self.redis.xpending_range(key, group, min=ids[0], max=ids[-1], count=len(ids) * 4 + 16)
@@ -243,24 +272,34 @@ class StopConsuming(Exception):
 
 
 def run_consumer(bus: Bus, streams: tuple[StreamName, ...], group: str, consumer: str, handle: Handler,
-                 should_stop: Callable[[], bool]) -> None:
+                 should_stop: Callable[[], bool], take_over_pending: bool = False) -> None:
     """The consume loop services use: read, handle, ack. A failing handler leaves the entry pending,
-    so that it is retried (reclaimed) and, after too many failures, dead-lettered."""
+    so that it is retried (reclaimed) and, after too many failures, dead-lettered.
+
+    take_over_pending: first handle, in order, every entry the group left pending (see
+    Bus.take_over_pending); for a consumer that is alone in its group."""
+
+    def handle_and_ack(delivery: Delivery) -> None:
+        try:
+            handle(delivery)
+        except StopConsuming as exc:
+            bus.record_failure(delivery, group, f"{type(exc).__name__}: {exc}")
+            raise
+        except Exception as exc:
+            bus.record_failure(delivery, group, f"{type(exc).__name__}: {exc}")
+            log.exception("handler failed; entry stays pending for retry",
+                          extra={"stream": delivery.stream, "entry_id": delivery.entry_id,
+                                 "event_type": delivery.envelope.type})
+            return
+        bus.ack(delivery, group)
+
     for stream in streams:
         bus.ensure_group(stream, group)
+        if take_over_pending:
+            for delivery in bus.take_over_pending(stream, group, consumer):
+                handle_and_ack(delivery)
     block_ms = max(1, bus.settings.block_ms // len(streams))
     while not should_stop():
         for stream in streams:
             for delivery in bus.consume(stream, group, consumer, block_ms=block_ms):
-                try:
-                    handle(delivery)
-                except StopConsuming as exc:
-                    bus.record_failure(delivery, group, f"{type(exc).__name__}: {exc}")
-                    raise
-                except Exception as exc:
-                    bus.record_failure(delivery, group, f"{type(exc).__name__}: {exc}")
-                    log.exception("handler failed; entry stays pending for retry",
-                                  extra={"stream": stream, "entry_id": delivery.entry_id,
-                                         "event_type": delivery.envelope.type})
-                    continue
-                bus.ack(delivery, group)
+                handle_and_ack(delivery)

@@ -33,8 +33,9 @@ class BusSettings(Section):
 
 
 class ModelSettings(Section):
-    path: Path = Path("models/tiny-llama")
-    """HF model directory the run starts from; `rollstream build-model` makes the tiny one."""
+    path: Path = Path("models/tiny-llama-warm")
+    """HF model directory the run starts from; the default, the tiny model after a short supervised warm-up
+    (`rollstream build-model`, `rollstream warmup`), is made by `rollstream run` when missing."""
     served_name: str = "tiny"
     """Model name the vLLM servers serve it under."""
 
@@ -49,7 +50,7 @@ class FleetSettings(Section):
 class DataSettings(Section):
     path: Path | None = None
     """Prompt dataset (.parquet or .jsonl, a `prompt` column); None: the synthetic arithmetic task."""
-    samples_per_prompt: int = Field(4, ge=1)
+    samples_per_prompt: int = Field(8, ge=1)
     """Samples per prompt group (n)."""
     synthetic_prompts: int = Field(1000, ge=1)
     """Size of the synthetic arithmetic dataset."""
@@ -60,7 +61,7 @@ class DataSettings(Section):
 
 
 class RolloutSettings(Section):
-    max_tokens: int = Field(24, ge=1)
+    max_tokens: int = Field(32, ge=1)
     """Tokens generated per turn."""
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature."""
@@ -88,18 +89,42 @@ class AgentSettings(Section):
 
 
 class TrainSettings(Section):
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(32, ge=1)
     """Samples per train batch (B); a multiple of data.samples_per_prompt."""
     max_staleness: int = Field(1, ge=0)
     """eta: samples may be this many policy versions old; 0 is synchronous on-policy training."""
-    total_versions: int = Field(3, ge=1)
+    total_versions: int = Field(30, ge=1)
     """Policy versions (train steps) in the run; the dispatcher admits batch_size x this samples."""
-    learning_rate: float = Field(1e-3, gt=0)
-    """Adam learning rate."""
+    learning_rate: float = Field(3e-4, ge=0)
+    """Adam learning rate; 0 leaves the weights as they are (a control run: same pipeline, no learning)."""
     clip_eps: float = Field(0.2, gt=0)
     """PPO clip range."""
     loss_aggregation: Literal["token", "rollout"] = "token"
     """token: every sampled token weighs the same; rollout: every rollout (all its segments) weighs the same."""
+    decoupled: bool = True
+    """Decoupled PPO (AReaL): clip against the trainer's policy before the step (proximal), correct for the
+    rollout policy with an importance weight; off: clip against the rollout logprobs (plain PPO)."""
+    importance_weight_cap: float | None = Field(5.0, gt=0)
+    """Truncation of the proximal/behaviour importance weight; None: no cap."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per batch: the batch's rollouts are split into this many minibatches."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Token budget of one packed micro-batch; gradients accumulate over a minibatch's micro-batches."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference (starting) model; 0: no reference model is loaded."""
+    advantage_estimator: Literal["grpo", "dr_grpo"] = "grpo"
+    """grpo: (r - mean) / std over a group's rollouts; dr_grpo: r - mean (no std scaling)."""
+    filter_zero_variance: bool = False
+    """Leave out groups whose rollouts all got the same reward (no signal); their samples are re-admitted."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient norm clip."""
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Trainer backend: plain torch (CPU or one GPU) or DeepSpeed ZeRO."""
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage when backend is deepspeed."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
+    """Where training metrics go; TensorBoard logs to <storage>/<run>/tensorboard. wandb and mlflow need their
+    package installed and are configured by their own environment variables (WANDB_*, MLFLOW_*)."""
     parity_tolerance: float = Field(1e-3, gt=0)
     """Max |vLLM - trainer| prompt logprob on the probe after a weight sync."""
     seed: int = 0
@@ -154,6 +179,9 @@ class Settings(BaseSettings):
                 f"train.batch_size ({self.train.batch_size}) must be a multiple of "
                 f"data.samples_per_prompt ({self.data.samples_per_prompt}): batches hold whole groups"
             )
+        if self.train.filter_zero_variance and self.data.samples_per_prompt < 2:
+            raise ValueError("train.filter_zero_variance needs data.samples_per_prompt >= 2: a group of one "
+                             "rollout has no reward variance, so every sample would be filtered out")
         return self
 
     @classmethod
@@ -200,7 +228,8 @@ def reference_markdown() -> str:
                 continue
             default = field.default
             shown = json.dumps(default) if not isinstance(default, Path) else str(default)
-            rows.append(f"| `{prefix}{name.upper()}` | `{shown}` | {field.description or ''} |")
+            meaning = " ".join((field.description or "").split())
+            rows.append(f"| `{prefix}{name.upper()}` | `{shown}` | {meaning} |")
 
     walk(Settings, "RS_")
     return "\n".join(rows)

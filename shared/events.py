@@ -255,6 +255,10 @@ class PolicyUpdated(Event):
     loss: float
     trained_samples: int
     dropped_stale: int = 0
+    dropped: dict[str, int] = {}
+    """Samples of the batch left out of training, by reason (`stale`: older than train.max_staleness)."""
+    metrics: dict[str, float] = {}
+    """The step's training metrics (loss terms, importance weights, staleness, timings), as tracked."""
 
 
 class DeadLettered(Event):

@@ -2,15 +2,17 @@
 
 Nothing is downloaded: a byte-level BPE tokenizer is trained on a synthetic corpus (arithmetic
 questions and answers, calculator tool calls in JSON, chat-template words, a little English) and a
-randomly initialised LlamaForCausalLM (hidden 128, 2 layers, 2 heads of 64, untied embeddings) is saved
-next to it in Hugging Face format (config.json, generation_config.json, model.safetensors,
-tokenizer.json, tokenizer_config.json). vLLM on the CPU serves it; the trainer trains it.
+randomly initialised LlamaForCausalLM (hidden 128, 2 layers, 2 heads of 64, untied embeddings unless
+tie_embeddings=True) is saved next to it in Hugging Face format (config.json, generation_config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json). vLLM on the CPU serves it; the trainer trains it.
 
 The same seed gives the same bytes in every file. The seed only changes the weights: the tokenizer
 and chat template are the same for every seed, so checkpoints built with different seeds share ids.
 
 Facts that shaped it (see FACTS.md): head_dim 16 is rejected by vLLM's CPU attention kernel, so 64;
-tied embeddings leave vLLM's output head stale after a weight reload, so untied.
+tied embeddings leave vLLM's output head stale after a weight reload of a plain save_pretrained
+checkpoint, so the default is untied. tie_embeddings=True builds the tied variant real models use
+(small Qwen etc.), to exercise shared/serving_weights.py, which makes reloads of tied models exact.
 
 Run it through the CLI (`rollstream build-tiny-model DIR`) or directly:
     python -c "from pathlib import Path; from shared.tiny_model import build_tiny_model; build_tiny_model(Path('tiny'))"
@@ -171,8 +173,12 @@ def _build_tokenizer():
     return fast
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
-    """Write the tokenizer and a freshly initialised tiny Llama (weights from `seed`) to out_dir."""
+def build_tiny_model(out_dir: Path, seed: int = 0, tie_embeddings: bool = False) -> Path:
+    """Write the tokenizer and a freshly initialised tiny Llama (weights from `seed`) to out_dir.
+
+    tie_embeddings=True shares one matrix between the input embeddings and the output head; the
+    checkpoint then holds no lm_head.weight (save_pretrained drops tied copies).
+    """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -192,7 +198,7 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
         bos_token_id=pad_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,

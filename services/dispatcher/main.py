@@ -1,9 +1,11 @@
 """Dispatcher: admits prompt samples into the run under the staleness rule.
 
 Reads the dataset, and emits one PromptIssued per sample, n per prompt group, on `prompts`. A new
-group is admitted only while admitted + n <= (eta + v + 1) x B (v: policy version, B: batch size,
-eta: max staleness), so generation runs at most eta versions ahead of training. One dispatcher is
-active per run (a Redis lock); it stops admitting after B x total_versions samples.
+group is admitted only while admitted - filtered + n <= (eta + v + 1) x B (v: policy version, B:
+batch size, eta: max staleness), so generation runs at most eta versions ahead of training. Samples
+the reward service filtered out (zero-variance groups, train.filter_zero_variance) never reach a
+batch, so their slots are given back. One dispatcher is active per run (a Redis lock); it stops
+admitting once B x total_versions samples that were not filtered out have been admitted.
 
     rollstream-dispatcher        # configured by RS_* variables or RS_CONFIG_FILE
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Literal
 
 from shared.bus import Bus
 from shared.config import Settings
@@ -23,7 +26,8 @@ LOCK_TTL_MS = 15_000
 
 
 class StalenessGate:
-    """AReaL's admission rule: admitted <= (eta + v + 1) x B."""
+    """AReaL's admission rule: admitted - filtered <= (eta + v + 1) x B. Filtered samples never
+    reach a batch, so counting them would stall generation short of the batches training needs."""
 
     def __init__(self, max_staleness: int, batch_size: int) -> None:
         self.max_staleness = max_staleness
@@ -32,8 +36,23 @@ class StalenessGate:
     def capacity(self, policy_version: int) -> int:
         return (self.max_staleness + policy_version + 1) * self.batch_size
 
-    def admits(self, admitted: int, count: int, policy_version: int) -> bool:
-        return admitted + count <= self.capacity(policy_version)
+    def admits(self, admitted: int, count: int, policy_version: int, filtered: int = 0) -> bool:
+        return admitted - filtered + count <= self.capacity(policy_version)
+
+
+def filtered_samples(bus: Bus) -> int:
+    """Admitted samples the reward service left out of training."""
+    return int(bus.redis.get(bus.keys.filtered) or 0)
+
+
+def next_step(gate: StalenessGate, *, admitted: int, filtered: int, group_size: int, policy_version: int,
+              total: int) -> Literal["done", "wait", "admit"]:
+    """What the dispatcher does next: only samples that can reach a batch count towards the run's total."""
+    if admitted - filtered >= total:
+        return "done"
+    if not gate.admits(admitted, group_size, policy_version, filtered):
+        return "wait"
+    return "admit"
 
 
 def prompt_rows(settings: Settings) -> list[PromptRow]:
@@ -56,8 +75,8 @@ def admit_group(bus: Bus, row: PromptRow, group_index: int, first_sample: int, n
     for offset in range(n):
         sample_index = first_sample + offset
         event = PromptIssued(sample_index=sample_index, group_size=n, messages=row.messages, label=row.label,
-                             reward_fn=row.reward_fn, sandbox_check=row.sandbox_check, policy_version=version,
-                             metadata=row.metadata)
+                             reward_fn=row.reward_fn, sandbox_check=row.sandbox_check, agent=row.agent,
+                             tools=row.tools, policy_version=version, metadata=row.metadata)
         rollout_id = f"{run}-r{sample_index:07d}"
         bus.publish("prompts", event, pipe=pipe, event_id=f"{rollout_id}:prompt", group_id=group_id,
                     rollout_id=rollout_id, trajectory_id=rollout_id, session_id=rollout_id)
@@ -97,13 +116,17 @@ def main() -> None:
             bus.redis.pexpire(lock, LOCK_TTL_MS)
             lock_renewed = time.monotonic()
         version = current_policy_version(bus)
-        runtime.status.update(admitted=admitted, policy_version=version, capacity=gate.capacity(version))
-        if admitted >= total:
+        filtered = filtered_samples(bus)
+        runtime.status.update(admitted=admitted, filtered=filtered, policy_version=version,
+                              capacity=gate.capacity(version))
+        step = next_step(gate, admitted=admitted, filtered=filtered, group_size=n, policy_version=version, total=total)
+        if step == "done":
+            # Not final: samples still in flight may yet be filtered out and need replacing.
             runtime.status["state"] = "done"
             time.sleep(0.5)
             continue
-        if not gate.admits(admitted, n, version):
-            runtime.status["state"] = "waiting for a new policy version"
+        if step == "wait":
+            runtime.status["state"] = "waiting for a new policy version or filtered samples"
             bus.redis.xread({bus.keys.stream("policy"): "$"}, block=500)
             continue
         runtime.status["state"] = "admitting"

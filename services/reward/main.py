@@ -2,9 +2,14 @@
 
 Consumes `trajectories` (segments and finished rollouts) and `grades` (sandbox results). When every
 rollout of a prompt group has finished, with all its segments and, where the task asks for one, its
-sandbox grade, it assigns rewards (the grade, or a built-in rule), computes GRPO advantages over the
-group's rollouts (not its segments) and publishes RewardAssigned. Whole groups are then packed into
-Parquet batches of train.batch_size rollouts, written atomically, announced with BatchReady.
+sandbox grade, it assigns rewards (the grade, or a built-in rule), computes advantages
+(train.advantage_estimator) over the group's rollouts (not its segments) and publishes RewardAssigned.
+Whole groups are then packed into Parquet batches of train.batch_size rollouts, written atomically,
+announced with BatchReady.
+
+With train.filter_zero_variance, a group whose rollouts all got the same reward (advantage 0
+everywhere: no learning signal) still gets its RewardAssigned events but is never batched; its
+samples are added to the run's filtered counter, and the dispatcher admits as many again.
 
 Group state lives in Redis, so a restarted or duplicate delivery changes nothing: event ids are
 deterministic, a group completes once, a batch's id is derived from its groups.
@@ -31,7 +36,7 @@ from shared.events import (
 from shared.service import ServiceRuntime
 from shared.storage import Storage
 
-from services.reward.rewards import grpo_advantages, reward_for
+from services.reward.rewards import advantages, reward_for
 
 GROUP = "reward"
 
@@ -39,13 +44,17 @@ GROUP = "reward"
 class RewardBook:
     """The reward service's state in Redis: one hash per open group, a list of complete groups."""
 
-    def __init__(self, bus: Bus, storage: Storage, batch_size: int) -> None:
+    def __init__(self, bus: Bus, storage: Storage, batch_size: int, advantage_estimator: str = "grpo",
+                 filter_zero_variance: bool = False) -> None:
         self.bus = bus
         self.storage = storage
         self.batch_size = batch_size
+        self.advantage_estimator = advantage_estimator
+        self.filter_zero_variance = filter_zero_variance
         self.done_key = bus.keys.state("reward", "completed-groups")
         self.ready_key = bus.keys.state("reward", "ready-groups")
         self.ready_rollouts_key = bus.keys.state("reward", "ready-rollouts")
+        self.filtered_groups_key = bus.keys.state("reward", "filtered-groups")
 
     def group_key(self, group_id: str) -> str:
         return self.bus.keys.state("reward", "group", group_id)
@@ -120,20 +129,32 @@ class RewardBook:
             else:
                 rewards.append(reward_for(event.reward_fn, event.response_text, event.label))
                 sources.append(event.reward_fn)
-        advantages = grpo_advantages(rewards)
+        group_advantages = advantages(rewards, self.advantage_estimator)
+        filtered = self.filter_zero_variance and min(rewards) == max(rewards)
 
+        # One transaction: a crash leaves the group either untouched (redone on redelivery) or done.
         pipe = self.bus.redis.pipeline(transaction=True)
-        for rollout, reward, advantage, source in zip(rollouts, rewards, advantages, sources):
+        for rollout, reward, advantage, source in zip(rollouts, rewards, group_advantages, sources):
             ids = finished[rollout]
             self.bus.publish("rewards", RewardAssigned(reward=reward, advantage=advantage, source=source), pipe=pipe,
                              event_id=f"{rollout}:reward", rollout_id=rollout, group_id=group_id,
                              trajectory_id=ids.trajectory_id, session_id=ids.session_id)
-            pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
+            if not filtered:
+                pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
         pipe.sadd(self.done_key, group_id)
-        pipe.rpush(self.ready_key, group_id)
-        pipe.incrby(self.ready_rollouts_key, len(rollouts))
+        if filtered:
+            # Counted in admitted samples (group_size per group), which is what the dispatcher gives back.
+            pipe.incrby(self.bus.keys.filtered, group_size)
+            pipe.incr(self.filtered_groups_key)
+            pipe.delete(self.group_key(group_id))
+        else:
+            pipe.rpush(self.ready_key, group_id)
+            pipe.incrby(self.ready_rollouts_key, len(rollouts))
         pipe.execute()
         return True
+
+    def filtered_groups(self) -> int:
+        return int(self.bus.redis.get(self.filtered_groups_key) or 0)
 
     def batch_rows(self, group_id: str) -> list[BatchRow]:
         segments = self.load(group_id)["segment"]
@@ -193,14 +214,16 @@ def main() -> None:
     runtime = ServiceRuntime("reward", settings)
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     storage = Storage(settings.storage_uri)
-    book = RewardBook(bus, storage, settings.train.batch_size)
+    book = RewardBook(bus, storage, settings.train.batch_size, settings.train.advantage_estimator,
+                      settings.train.filter_zero_variance)
     consumer = consumer_name(GROUP)
-    counts = {"groups_completed": 0, "batches": 0}
+    counts = {"groups_completed": 0, "batches": 0, "groups_filtered": book.filtered_groups()}
 
     def handle(delivery: Delivery) -> None:
         group_id = book.record(delivery)
         if group_id and book.complete_if_ready(group_id):
             counts["groups_completed"] += 1
+            counts["groups_filtered"] = book.filtered_groups()
         for event in book.flush_batches(settings.run_id):
             counts["batches"] += 1
             runtime.log.info("batch ready", extra={"batch_id": event.batch_id, "samples": event.sample_count,

@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import numpy as np
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def exact_match(response: str, label: str | None) -> float:
-    """1 if the response's last number (or, with no number in the label, its stripped text) equals
-    the label; 0.1 if it answered with a number that is wrong; else 0. The small format credit
-    gives an untrained policy a signal to climb."""
-    if label is None:
-        raise ValueError("exact_match needs a label on the prompt row")
-    if _NUMBER.fullmatch(label.strip()):
-        numbers = _NUMBER.findall(response)
-        if not numbers:
-            return 0.0
-        return 1.0 if float(numbers[-1]) == float(label) else 0.1
-    return 1.0 if response.strip() == label.strip() else 0.0
-
+from shared.scoring import exact_match
 
 REWARD_FUNCTIONS: dict[str, Callable[[str, str | None], float]] = {"exact_match": exact_match}
 
@@ -35,7 +19,25 @@ def reward_for(name: str, response: str, label: str | None) -> float:
     return fn(response, label)
 
 
-def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """(r - mean) / (std + eps) over the rollouts of one group."""
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo")
+
+
+def advantages(rewards: list[float], estimator: str, eps: float = 1e-6) -> list[float]:
+    """Group-relative advantages over the rewards of one group's rollouts.
+
+    grpo: (r - mean) / (std + eps).
+    dr_grpo: r - mean (Dr. GRPO): dividing by the std up-weights groups that are nearly all right or
+    all wrong, a bias towards too easy and too hard prompts.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    if not rewards:
+        raise ValueError("a group needs at least one reward to compute advantages")
     values = np.asarray(rewards, dtype=np.float64)
-    return ((values - values.mean()) / (values.std() + eps)).tolist()
+    if values.min() == values.max():
+        # exactly 0, not the rounding residue of subtracting a computed mean
+        return [0.0] * len(rewards)
+    centred = values - values.mean()
+    if estimator == "dr_grpo":
+        return centred.tolist()
+    return (centred / (values.std() + eps)).tolist()

@@ -73,7 +73,8 @@ def main() -> None:
     enqueuer.start()
     worker = Worker([queue], connection=bus.redis, name=consumer_name("sandbox-worker"))
     # The worker owns SIGTERM from here on (warm shutdown: it finishes the running job).
-    worker.work(with_scheduler=False)
+    # The scheduler moves retries with a back-off interval back onto the queue when they are due.
+    worker.work(with_scheduler=True)
     runtime.stopping = True
     enqueuer.join(timeout=10)
     runtime.close()

@@ -1,11 +1,21 @@
 """Trainer: learns from reward-complete batches and pushes each new policy to the fleet.
 
-Consumes BatchReady on `batches` (consumer group `trainer`) as soon as one exists. For each batch:
-drop samples older than eta versions (counted), one PPO-clip step against the rollout logprobs,
-save an HF safetensors checkpoint, then for every vLLM server: pause (keep in-flight requests),
-reload the weights, reset the prefix cache, resume, and compare the server's prompt logprobs on a
-probe with the trainer's own. Only when every server is within train.parity_tolerance is the
-server registry updated and PolicyUpdated published.
+Consumes BatchReady on `batches` (consumer group `trainer`, one trainer per run) as soon as one
+exists. For each batch:
+  1. drop samples older than eta versions (train.max_staleness), counted by reason;
+  2. the proximal logprobs (decoupled PPO) and, with a KL term, the reference logprobs, before any
+     update; then train.minibatches optimizer steps over packed micro-batches (services/trainer/ppo.py)
+     on the configured backend (torch or DeepSpeed ZeRO, services/trainer/backends.py);
+  3. save the training state (HF safetensors weights the fleet can load, optimizer, RNG) as the
+     checkpoint of the new version;
+  4. per vLLM server: pause (in-flight requests keep going), reload, reset the prefix cache, resume,
+     then compare the server's prompt logprobs on a probe with the trainer's own;
+  5. only when every server is within train.parity_tolerance: publish PolicyUpdated (with the step's
+     metrics) and mark the batch trained, in one transaction; metrics go to the trackers.
+
+Restarts are exact: a trainer starts from the checkpoint of the last PolicyUpdated (weights,
+optimizer and RNG state) and first finishes the batches its predecessor left pending, in order. A
+batch is part of the model once its PolicyUpdated exists, and never again.
 
     rollstream-trainer           # configured by RS_* variables or RS_CONFIG_FILE
 """
@@ -16,81 +26,159 @@ import asyncio
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.batches import read_batch
-from shared.bus import Bus, Delivery, StopConsuming, consumer_name, run_consumer
+from shared.batches import BatchRow, read_batch
+from shared.bus import Bus, Delivery, StopConsuming, run_consumer
 from shared.config import Settings
 from shared.events import BatchReady, PolicyUpdated
+from shared.serving_weights import copy_tokenizer_files
 from shared.service import ServiceRuntime
 from shared.storage import Storage, replace_dir
+from shared.tracking import Tracker
 
 log = logging.getLogger("trainer")
 
 GROUP = "trainer"
+CONSUMER = "trainer"  # one trainer per run: a restarted one takes over its predecessor's pending batches
 PROBE_TOKENS = 256
 SYNC_ATTEMPTS = 3
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-@dataclass(frozen=True)
+@dataclass
 class TrainedStep:
     """A batch trained on and checkpointed, not yet served by the fleet."""
 
     version: int
     checkpoint: Path
     probe: list[int]
-    loss: float
     trained: int
-    dropped: int
+    dropped: dict[str, int]
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class ParityError(RuntimeError):
     """A server's logprobs after a weight sync do not match the trainer's."""
 
 
+def select_fresh(rows: list[BatchRow], version: int, max_staleness: int) -> tuple[list[BatchRow], dict[str, int]]:
+    """The rows the policy after `version` may learn from: none produced more than eta versions ago,
+    by any of its turns. Returns them and the count left out per reason."""
+    oldest_allowed = version - max_staleness
+    fresh = [r for r in rows if r.min_policy_version >= oldest_allowed]
+    return fresh, ({"stale": len(rows) - len(fresh)} if len(fresh) < len(rows) else {})
+
+
 class Trainer:
     def __init__(self, settings: Settings, bus: Bus, storage: Storage) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
-        from shared.fleet import FleetClient
+        from services.trainer.backends import load_model, make_backend
 
         self.torch = torch
         self.settings = settings
         self.bus = bus
         self.storage = storage
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        torch.manual_seed(settings.train.seed)
         last = bus.last("policy")
         self.version = last.event.version if last else 0
-        start = Path(last.event.checkpoint_uri) if last else settings.model.path
-        self.model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).to(self.device)
-        self.pad_id = self.model.config.pad_token_id or 0
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings.train.learning_rate)
+        start = Path(last.event.checkpoint_uri) if last else Path(settings.model.path)
+        torch.manual_seed(settings.train.seed)
+        self.backend = make_backend(settings.train, start)
+        if last:
+            self.backend.load_training_state(start)
+        self.pad_id = self.backend.model.config.pad_token_id or 0
+        self.reference = None
+        if settings.train.kl_coef > 0:
+            self.reference = load_model(Path(settings.model.path), self.backend.device).eval()
+            self.reference.requires_grad_(False)
+        self.tracker = Tracker(settings.train.trackers, settings.run_id, settings.run_dir(),
+                               settings.model_dump(mode="json"))
         # One event loop for the trainer's life: the fleet client's connections belong to it.
         self.loop = asyncio.Runner()
-        self.fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
-                                 timeout_s=settings.fleet.request_timeout_s)
-        for url in self.fleet.urls:
-            bus.redis.hsetnx(bus.keys.fleet_versions, url, self.version)
+        self.fleet = None
+        if settings.fleet.urls:
+            from shared.fleet import FleetClient
 
-    def train_step(self, batch: BatchReady) -> PolicyUpdated:
-        """Train on the batch, then make every server serve the result. The fleet must serve a
-        policy before the next one is trained; a sync that keeps failing stops the trainer."""
-        step = self.train(batch)
-        parity = self.sync_with_retries(step)
-        self.version = step.version
-        for url in self.fleet.urls:
-            self.bus.redis.hset(self.bus.keys.fleet_versions, url, step.version)
-        return PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint), batch_id=batch.batch_id,
-                             servers=list(self.fleet.urls), parity_max_abs_diff=parity, loss=step.loss,
-                             trained_samples=step.trained, dropped_stale=step.dropped)
+            self.fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
+                                     timeout_s=settings.fleet.request_timeout_s)
+            for url in self.fleet.urls:
+                bus.redis.hsetnx(bus.keys.fleet_versions, url, self.version)
 
+    # ------------------------------------------------------------------------------------ train
+    def train(self, batch: BatchReady) -> TrainedStep:
+        started = time.monotonic()
+        rows = read_batch(self.storage, batch.uri)
+        fresh, dropped = select_fresh(rows, self.version, self.settings.train.max_staleness)
+        metrics = self.optimize(fresh) if fresh else {}
+        version = self.version + 1
+        trained_time = time.monotonic()
+        checkpoint = self.save_checkpoint(version)
+        staleness = [self.version - r.min_policy_version for r in fresh]
+        metrics.update({
+            "train/step_seconds": trained_time - started,
+            "train/checkpoint_seconds": time.monotonic() - trained_time,
+            "samples/trained": len(fresh),
+            "samples/dropped_stale": dropped.get("stale", 0),
+            "samples/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+            "samples/staleness_max": max(staleness, default=0),
+            "reward/batch_mean": batch.mean_reward,
+        })
+        return TrainedStep(version=version, checkpoint=checkpoint, probe=(fresh or rows)[0].tokens[:PROBE_TOKENS],
+                           trained=len(fresh), dropped=dropped, metrics=metrics)
+
+    def optimize(self, rows: list[BatchRow]) -> dict[str, float]:
+        """train.minibatches optimizer steps over the rows; returns the averaged step metrics."""
+        from services.trainer.ppo import make_micro_batches, merge_stats, policy_loss, split_minibatches, token_logprobs
+
+        torch, cfg, backend = self.torch, self.settings.train, self.backend
+        plan = [make_micro_batches(part, cfg.loss_aggregation, cfg.micro_batch_tokens, self.pad_id, backend.device)
+                for part in split_minibatches(rows, cfg.minibatches)]
+        with torch.no_grad():  # every minibatch is clipped against the policy before the first update
+            for index, micros in enumerate(plan):
+                for micro in micros:
+                    # the first minibatch's own forward runs before any update: its detached logprobs are it
+                    if cfg.decoupled and index > 0:
+                        micro.prox_logprobs = token_logprobs(backend.model, micro)
+                    if self.reference is not None:
+                        micro.ref_logprobs = token_logprobs(self.reference, micro)
+        per_step: list[dict[str, float]] = []
+        for micros in plan:
+            stats = []
+            for micro in micros:
+                logprobs = token_logprobs(backend.model, micro)
+                if cfg.decoupled and micro.prox_logprobs is None:
+                    micro.prox_logprobs = logprobs.detach()
+                loss, micro_stats = policy_loss(logprobs, micro, clip_eps=cfg.clip_eps,
+                                                decoupled=cfg.decoupled, importance_weight_cap=cfg.importance_weight_cap,
+                                                kl_coef=cfg.kl_coef)
+                backend.backward(loss)
+                stats.append(micro_stats)
+            merged = merge_stats(stats)
+            merged["grad_norm"] = backend.step()
+            merged["micro_batches"] = len(micros)
+            per_step.append(merged)
+        return {f"train/{key}": sum(step[key] for step in per_step) / len(per_step) for key in per_step[0]
+                if key != "weight"}
+
+    def save_checkpoint(self, version: int) -> Path:
+        final = self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
+        temp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(temp, ignore_errors=True)
+        temp.mkdir(parents=True)
+        self.backend.save(temp)
+        copy_tokenizer_files(Path(self.settings.model.path), temp)
+        replace_dir(temp, final)
+        return final
+
+    # ------------------------------------------------------------------------------------- sync
     def sync_with_retries(self, step: TrainedStep) -> float:
+        """Make every server serve the new weights; the fleet must serve a policy before the next one
+        is trained, so a sync that keeps failing stops the trainer (the batch stays pending)."""
         from shared.fleet import FleetRequestError, WeightSyncError
 
+        if self.fleet is None:
+            return 0.0
         for attempt in range(1, SYNC_ATTEMPTS + 1):
             try:
                 return self.loop.run(self.sync_fleet(step.checkpoint, step.probe))
@@ -103,56 +191,15 @@ class Trainer:
                 raise StopConsuming(str(exc)) from exc
         raise AssertionError("unreachable")
 
-    def train(self, batch: BatchReady) -> TrainedStep:
-        from services.trainer.ppo import collate, ppo_clip_loss, token_logprobs
-
-        rows = read_batch(self.storage, batch.uri)
-        oldest_allowed = self.version - self.settings.train.max_staleness
-        fresh = [r for r in rows if r.min_policy_version >= oldest_allowed]
-        loss = 0.0
-        if fresh:
-            self.model.train()
-            data = collate(fresh, self.pad_id, self.device)
-            logprobs = token_logprobs(self.model, data.tokens, data.attention_mask)
-            objective, stats = ppo_clip_loss(logprobs, data, self.settings.train.clip_eps,
-                                             self.settings.train.loss_aggregation)
-            self.optimizer.zero_grad(set_to_none=True)
-            objective.backward()
-            self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.optimizer.step()
-            loss = stats["loss"]
-        version = self.version + 1
-        return TrainedStep(version=version, checkpoint=self.save_checkpoint(version),
-                           probe=(fresh or rows)[0].tokens[:PROBE_TOKENS], loss=loss, trained=len(fresh),
-                           dropped=len(rows) - len(fresh))
-
-    def close(self) -> None:
-        self.loop.run(self.fleet.aclose())
-        self.loop.close()
-
-    def save_checkpoint(self, version: int) -> Path:
-        final = self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
-        temp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(temp, ignore_errors=True)
-        self.model.save_pretrained(temp, safe_serialization=True)
-        for name in TOKENIZER_FILES:
-            source = Path(self.settings.model.path) / name
-            if source.exists():
-                shutil.copy(source, temp / name)
-        replace_dir(temp, final)
-        return final
-
     def trainer_logprobs(self, ids: list[int]) -> list[float]:
-        from services.trainer.ppo import token_logprobs
+        from services.trainer.ppo import sequence_logprobs
 
-        torch = self.torch
-        self.model.eval()
-        with torch.no_grad():
-            values = token_logprobs(self.model, torch.tensor([ids], device=self.device))
-        return values[0, 1:].tolist()
+        with self.torch.no_grad():
+            return sequence_logprobs(self.backend.model, ids)
 
     async def sync_fleet(self, checkpoint: Path, probe: list[int]) -> float:
         """Reload every server and check its probe logprobs; returns the worst difference."""
+        assert self.fleet is not None
         expected = self.trainer_logprobs(probe)
         worst = 0.0
         for url in self.fleet.urls:
@@ -164,6 +211,33 @@ class Trainer:
                                   f"loading {checkpoint} (tolerance {self.settings.train.parity_tolerance:g})")
             worst = max(worst, diff)
         return worst
+
+    # ---------------------------------------------------------------------------------- publish
+    def train_step(self, batch: BatchReady, trained_key: str) -> PolicyUpdated:
+        step = self.train(batch)
+        sync_started = time.monotonic()
+        parity = self.sync_with_retries(step)
+        step.metrics["sync/seconds"] = time.monotonic() - sync_started
+        step.metrics["sync/parity_max_abs_diff"] = parity
+        update = PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint), batch_id=batch.batch_id,
+                               servers=list(self.fleet.urls) if self.fleet else [], parity_max_abs_diff=parity,
+                               loss=step.metrics.get("train/loss", 0.0), trained_samples=step.trained,
+                               dropped_stale=step.dropped.get("stale", 0), dropped=step.dropped, metrics=step.metrics)
+        pipe = self.bus.redis.pipeline(transaction=True)
+        self.bus.publish("policy", update, pipe=pipe, event_id=f"policy:v{update.version}")
+        pipe.sadd(trained_key, batch.batch_id)
+        for url in update.servers:
+            pipe.hset(self.bus.keys.fleet_versions, url, update.version)
+        pipe.execute()
+        self.version = update.version
+        self.tracker.log(step.metrics, update.version)
+        return update
+
+    def close(self) -> None:
+        if self.fleet is not None:
+            self.loop.run(self.fleet.aclose())
+        self.loop.close()
+        self.tracker.close()
 
 
 def main() -> None:
@@ -178,18 +252,14 @@ def main() -> None:
         batch = delivery.event
         if not isinstance(batch, BatchReady) or bus.redis.sismember(trained_key, batch.batch_id):
             return
-        update = trainer.train_step(batch)
-        pipe = bus.redis.pipeline(transaction=True)
-        bus.publish("policy", update, pipe=pipe, event_id=f"policy:v{update.version}")
-        pipe.sadd(trained_key, batch.batch_id)
-        pipe.execute()
+        update = trainer.train_step(batch, trained_key)
         runtime.status["policy_version"] = update.version
         runtime.log.info("policy updated", extra={"version": update.version, "loss": round(update.loss, 5),
                                                   "parity_max_abs_diff": update.parity_max_abs_diff,
-                                                  "trained": update.trained_samples, "dropped_stale": update.dropped_stale})
+                                                  "trained": update.trained_samples, "dropped": update.dropped})
 
     try:
-        run_consumer(bus, ("batches",), GROUP, consumer_name(GROUP), handle, runtime.should_stop)
+        run_consumer(bus, ("batches",), GROUP, CONSUMER, handle, runtime.should_stop, take_over_pending=True)
     except StopConsuming as exc:
         # The batch stays pending; a restarted trainer resumes from the last published checkpoint.
         runtime.log.critical("trainer stopped", extra={"error": str(exc)})

@@ -1,86 +1,310 @@
-"""The policy-gradient step: PPO-clip with the importance ratio against the rollout logprobs."""
+"""The policy-gradient loss (AReaL's decoupled PPO) and the packed micro-batches it is computed on.
+
+Three policies meet in one update:
+    behaviour  the policy vLLM sampled with: BatchRow.rollout_logprobs, possibly several versions old
+    proximal   the trainer's policy before the batch's first optimizer step (prox_logprobs, no grad)
+    current    the policy being optimised (the logprobs passed to `policy_loss`)
+
+Per sampled token, with A the sample's advantage:
+    ratio = exp(current - proximal)
+    w     = min(exp(proximal - behaviour), cap)     (detached; cap None: untruncated)
+    term  = -w * min(ratio A, clip(ratio, 1 - eps, 1 + eps) A)  +  kl_coef * k3(reference, current)
+Clipping against the proximal policy keeps the trust region about the policy being trained however
+stale the samples are; w corrects for them having been drawn from another one. decoupled=False is
+plain PPO-clip against the behaviour policy (proximal := behaviour, w = 1).
+
+Token weights (`aggregation`) are fixed over a whole minibatch before it is cut into micro-batches, so
+the sum of the micro-batches' losses is exactly the minibatch's loss: accumulating their gradients
+is unbiased whatever the packing.
+
+Packing: samples (segments) are laid end to end in rows, position ids restart at 0 at each sample,
+and a block-diagonal causal mask keeps every token to the earlier tokens of its own sample. The
+mask is handed to the model as a 4D mask (transformers uses a 4D mask as given); attention
+implementations that take no 4D mask (flash, flex) get none and find the samples from the
+restarting position ids instead.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
 from shared.batches import BatchRow
 
+AGGREGATIONS = ("token", "rollout")
+MEAN_STATS = ("ratio_mean", "clip_fraction", "importance_weight_mean", "capped_fraction")
+WEIGHTED_STATS = ("loss", "pg_loss", "kl")
+
 
 @dataclass
-class Batch:
-    tokens: torch.Tensor          # [B, T] long
-    attention_mask: torch.Tensor  # [B, T] 0/1
-    loss_mask: torch.Tensor       # [B, T] float, 1 on sampled tokens
-    old_logprobs: torch.Tensor    # [B, T] float, the engine's logprob of each sampled token
-    advantages: torch.Tensor      # [B] float
-    rollout_index: torch.Tensor   # [B] long: which rollout each row (segment) belongs to
+class MicroBatch:
+    """One forward pass. A row may hold several samples; padding sits at the end of rows."""
+
+    tokens: torch.Tensor              # [R, T] long
+    position_ids: torch.Tensor        # [R, T] long, restarting at 0 at each sample; 0 on padding
+    attention_mask: torch.Tensor      # [R, 1, T, T] bool, True where a query token may attend a key token
+    loss_mask: torch.Tensor           # [R, T] float, 1 on sampled (trainable) tokens
+    behaviour_logprobs: torch.Tensor  # [R, T] vLLM's logprob of each sampled token
+    advantages: torch.Tensor          # [R, T] float, each token carries its sample's advantage
+    weights: torch.Tensor             # [R, T] float, loss weight per token (0 off the sampled tokens)
+    prox_logprobs: torch.Tensor | None = None  # [R, T] filled by the trainer before any update on the batch
+    ref_logprobs: torch.Tensor | None = None   # [R, T] reference model, only when kl_coef > 0
 
 
-def collate(rows: list[BatchRow], pad_id: int, device: torch.device | str = "cpu") -> Batch:
-    length = max(len(r.tokens) for r in rows)
+def split_minibatches(rows: list[BatchRow], minibatches: int) -> list[list[BatchRow]]:
+    """Cut a batch into minibatches of whole rollouts (all segments of a rollout stay together), as
+    even in rollouts as possible, keeping the rows' order. A batch of fewer rollouts than
+    `minibatches` gives one minibatch per rollout."""
+    if minibatches < 1:
+        raise ValueError(f"minibatches must be at least 1, got {minibatches}")
+    if not rows:
+        raise ValueError("cannot split an empty batch into minibatches")
+    rollouts = list(dict.fromkeys(row.rollout_id for row in rows))
+    parts = min(minibatches, len(rollouts))
+    base, extra = divmod(len(rollouts), parts)
+    part_of: dict[str, int] = {}
+    start = 0
+    for part in range(parts):
+        size = base + (1 if part < extra else 0)
+        for rollout in rollouts[start:start + size]:
+            part_of[rollout] = part
+        start += size
+    out: list[list[BatchRow]] = [[] for _ in range(parts)]
+    for row in rows:
+        out[part_of[row.rollout_id]].append(row)
+    return out
 
-    def padded(values: list, fill, dtype) -> torch.Tensor:
-        return torch.tensor([list(v) + [fill] * (length - len(v)) for v in values], dtype=dtype, device=device)
 
-    return Batch(
-        tokens=padded([r.tokens for r in rows], pad_id, torch.long),
-        attention_mask=padded([[1] * len(r.tokens) for r in rows], 0, torch.long),
-        loss_mask=padded([r.loss_mask for r in rows], 0, torch.float32),
-        old_logprobs=padded([r.rollout_logprobs for r in rows], 0.0, torch.float32),
-        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),
-        rollout_index=torch.tensor(_rollout_indices([r.rollout_id for r in rows]), dtype=torch.long, device=device),
-    )
+def make_micro_batches(rows: list[BatchRow], aggregation: str, micro_batch_tokens: int, pad_id: int,
+                       device: torch.device | str = "cpu") -> list[MicroBatch]:
+    """Pack one minibatch's samples into micro-batches of at most `micro_batch_tokens` tokens,
+    padding included (a sample longer than that gets a micro-batch of its own).
 
-
-def _rollout_indices(rollout_ids: list[str]) -> list[int]:
-    first_seen: dict[str, int] = {}
-    return [first_seen.setdefault(rollout, len(first_seen)) for rollout in rollout_ids]
-
-
-def token_weights(batch: Batch, aggregation: str) -> torch.Tensor:
-    """Per-token weights of the loss, summing to 1 over the batch's sampled tokens.
-
-    token: every sampled token weighs the same, however a rollout is split into segments.
-    rollout: every rollout weighs the same (its tokens share 1 / rollouts), over all its segments.
+    Token weights are computed over all of `rows` first, so they sum to 1 over the minibatch's
+    sampled tokens and summing `policy_loss` over the micro-batches gives the minibatch's loss.
+    Samples go first-fit by decreasing length; a micro-batch's rows are as long as its longest
+    sample and shorter samples share rows.
     """
-    mask = batch.loss_mask
+    if not rows:
+        raise ValueError("no rows to make micro-batches of")
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
+    for row in rows:
+        if not (len(row.tokens) == len(row.loss_mask) == len(row.rollout_logprobs)) or not row.tokens:
+            raise ValueError(f"rollout {row.rollout_id} segment {row.segment_index}: tokens, loss_mask and "
+                             f"rollout_logprobs must be equally long and non-empty, got {len(row.tokens)}, "
+                             f"{len(row.loss_mask)}, {len(row.rollout_logprobs)}")
+    weights = token_weights(rows, aggregation)
+    return [_micro_batch(rows, weights, layout, pad_id, device)
+            for layout in _pack([len(row.tokens) for row in rows], micro_batch_tokens)]
+
+
+def token_weights(rows: list[BatchRow], aggregation: str) -> list[list[float]]:
+    """Per-token loss weights of each row, summing to 1 over the rows' sampled tokens.
+
+    token: every sampled token weighs the same, however its rollout was split into segments.
+    rollout: every rollout (with sampled tokens) weighs the same, shared equally by its tokens over
+    all its segments, so long rollouts do not outweigh short ones.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
+    masks = [_trainable(row) for row in rows]
+    sampled = [sum(mask) for mask in masks]
+    total = sum(sampled)
+    if total == 0:
+        raise ValueError("the rows have no sampled tokens to train on (every loss_mask is 0)")
     if aggregation == "token":
-        return mask / mask.sum().clamp(min=1)
-    if aggregation == "rollout":
-        rollouts = int(batch.rollout_index.max().item()) + 1
-        per_rollout = torch.zeros(rollouts, dtype=mask.dtype, device=mask.device)
-        per_rollout.index_add_(0, batch.rollout_index, mask.sum(dim=1))
-        row_tokens = per_rollout[batch.rollout_index].clamp(min=1)
-        return mask / row_tokens[:, None] / rollouts
-    raise ValueError(f"unknown loss aggregation {aggregation!r}: use 'token' or 'rollout'")
+        return [[m / total for m in mask] for mask in masks]
+    per_rollout: dict[str, int] = defaultdict(int)
+    for row, count in zip(rows, sampled):
+        per_rollout[row.rollout_id] += count
+    rollouts = sum(1 for count in per_rollout.values() if count)
+    return [[m / (per_rollout[row.rollout_id] * rollouts) for m in mask] for row, mask in zip(rows, masks)]
 
 
-def token_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """logprob of each token given the ones before it; position 0 (no context) is 0."""
-    logits = model(input_ids=tokens, attention_mask=attention_mask).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+def _trainable(row: BatchRow) -> list[int]:
+    # A sample's first token has no context to be scored in, so it cannot be trained on even if marked sampled.
+    return [0] + [1 if m else 0 for m in row.loss_mask[1:]]
 
 
-def ppo_clip_loss(logprobs: torch.Tensor, batch: Batch, clip_eps: float,
-                  aggregation: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip: -min(r A, clip(r) A) per sampled token, averaged with `token_weights`."""
-    mask = batch.loss_mask
-    ratio = torch.exp((logprobs - batch.old_logprobs) * mask)
-    advantages = batch.advantages[:, None]
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    tokens = mask.sum().clamp(min=1)
-    loss = (per_token * token_weights(batch, aggregation)).sum()
+def _pack(lengths: list[int], budget: int) -> list[list[list[int]]]:
+    """First-fit decreasing: micro-batches of rows of sample indices, with rows x width <= budget
+    (width: the micro-batch's first, longest, sample) unless one sample alone exceeds it."""
+    micro_batches: list[tuple[int, list[list[int]], list[int]]] = []  # (width, rows, free tokens per row)
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        for width, rows, free in micro_batches:
+            row = next((r for r, room in enumerate(free) if room >= length), None)
+            if row is not None:
+                rows[row].append(index)
+                free[row] -= length
+                break
+            if (len(rows) + 1) * width <= budget:
+                rows.append([index])
+                free.append(width - length)
+                break
+        else:
+            micro_batches.append((length, [[index]], [0]))
+    return [rows for _, rows, _ in micro_batches]
+
+
+def _micro_batch(rows: list[BatchRow], weights: list[list[float]], layout: list[list[int]], pad_id: int,
+                 device: torch.device | str) -> MicroBatch:
+    width = max(sum(len(rows[i].tokens) for i in row) for row in layout)
+    shape = (len(layout), width)
+    tokens = torch.full(shape, pad_id, dtype=torch.long)
+    positions = torch.zeros(shape, dtype=torch.long)
+    sample_ids = torch.full(shape, -1, dtype=torch.long)
+    loss_mask, behaviour, advantages, token_weight = (torch.zeros(shape) for _ in range(4))
+    for r, row in enumerate(layout):
+        offset = 0
+        for index in row:
+            sample = rows[index]
+            span = slice(offset, offset + len(sample.tokens))
+            tokens[r, span] = torch.tensor(sample.tokens, dtype=torch.long)
+            positions[r, span] = torch.arange(len(sample.tokens))
+            sample_ids[r, span] = index
+            loss_mask[r, span] = torch.tensor(_trainable(sample), dtype=torch.float32)
+            behaviour[r, span] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+            advantages[r, span] = sample.advantage
+            token_weight[r, span] = torch.tensor(weights[index], dtype=torch.float32)
+            offset += len(sample.tokens)
+    same_sample = sample_ids[:, :, None] == sample_ids[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    # Padding is one block of its own: real tokens never attend it, and it attends no real token.
+    attention_mask = (same_sample & causal)[:, None]
+    return MicroBatch(tokens=tokens.to(device), position_ids=positions.to(device),
+                      attention_mask=attention_mask.to(device), loss_mask=loss_mask.to(device),
+                      behaviour_logprobs=behaviour.to(device), advantages=advantages.to(device),
+                      weights=token_weight.to(device))
+
+
+def _model_attention_mask(model, mask: torch.Tensor) -> torch.Tensor | None:
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation == "sdpa":
+        return mask
+    if implementation == "eager":
+        # eager attention adds the mask to its scores
+        dtype = getattr(model, "dtype", torch.float32)
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    # flash and flex attention take no 4D mask: transformers reads the packing from the position ids
+    return None
+
+
+def _next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logprob of tokens[:, t + 1] under logits[:, t]; [R, T - 1]."""
+    logits = logits[:, :-1].float()
+    picked = logits.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(model, micro: MicroBatch) -> torch.Tensor:
+    """[R, T]: logprob of each token given the earlier tokens of its own sample; 0 at each sample's
+    first position (nothing to condition on) and on padding."""
+    output = model(input_ids=micro.tokens, position_ids=micro.position_ids,
+                   attention_mask=_model_attention_mask(model, micro.attention_mask), use_cache=False)
+    shifted = _next_token_logprobs(output.logits, micro.tokens)
+    logprobs = torch.cat([torch.zeros_like(shifted[:, :1]), shifted], dim=1)
+    # A sample's first token was predicted from the previous sample's last one: meaningless.
+    return logprobs.masked_fill(micro.position_ids == 0, 0.0)
+
+
+def sequence_logprobs(model, ids: list[int]) -> list[float]:
+    """logprob of ids[1:], each given the ids before it, in eval mode without gradient: what a
+    server's prompt logprobs of the same ids must match after a weight sync."""
+    if len(ids) < 2:
+        return []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            tokens = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+            logits = model(input_ids=tokens, use_cache=False).logits
+            return _next_token_logprobs(logits, tokens)[0].tolist()
+    finally:
+        model.train(was_training)
+
+
+def policy_loss(logprobs: torch.Tensor, micro: MicroBatch, *, clip_eps: float, decoupled: bool,
+                importance_weight_cap: float | None, kl_coef: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """This micro-batch's share of its minibatch's loss (see the module docstring), and its stats.
+
+    Stats: loss, pg_loss and kl are this micro-batch's contributions (weighted sums); ratio_mean,
+    clip_fraction, importance_weight_mean and capped_fraction are means over its sampled tokens;
+    importance weights are reported before truncation (capped_fraction says how often the cap cut
+    one); tokens counts sampled tokens, weight the share of the loss weight. `merge_stats`
+    combines them.
+    """
+    if clip_eps <= 0:
+        raise ValueError(f"clip_eps must be positive, got {clip_eps}")
+    if importance_weight_cap is not None and importance_weight_cap <= 0:
+        raise ValueError(f"importance_weight_cap must be positive or None, got {importance_weight_cap}")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if kl_coef > 0 and micro.ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs the reference model's logprobs in micro.ref_logprobs")
+    sampled = micro.loss_mask > 0
+    zero = torch.zeros_like(logprobs)
+    behaviour = micro.behaviour_logprobs
+    if decoupled:
+        if micro.prox_logprobs is None:
+            raise ValueError("decoupled PPO needs micro.prox_logprobs: the policy's logprobs before the "
+                             "batch's first update")
+        proximal = micro.prox_logprobs.detach()
+        # Masked before exp: prompt positions hold arbitrary values and must not overflow.
+        raw_weight = torch.exp(torch.where(sampled, proximal - behaviour, zero))
+    else:
+        proximal = behaviour
+        raw_weight = torch.ones_like(behaviour)
+    capped = torch.zeros_like(sampled)
+    importance_weight = raw_weight
+    if decoupled and importance_weight_cap is not None:
+        capped = sampled & (raw_weight > importance_weight_cap)
+        importance_weight = raw_weight.clamp(max=importance_weight_cap)
+
+    ratio = torch.exp(torch.where(sampled, logprobs - proximal, zero))
+    advantages = micro.advantages
+    surrogate = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    pg_loss = (micro.weights * importance_weight.detach() * surrogate).sum()
+    if micro.ref_logprobs is not None:
+        to_reference = torch.where(sampled, micro.ref_logprobs.detach() - logprobs, zero)
+        kl = (micro.weights * (torch.exp(to_reference) - to_reference - 1)).sum()
+    else:
+        kl = zero.sum()
+    loss = pg_loss + kl_coef * kl
+
     with torch.no_grad():
-        stats = {
-            "loss": loss.item(),
-            "ratio_mean": ((ratio * mask).sum() / tokens).item(),
-            "clip_fraction": ((((ratio - 1).abs() > clip_eps).float() * mask).sum() / tokens).item(),
-            "tokens": tokens.item(),
-        }
-    return loss, stats
+        mask = sampled.float()
+        tokens = mask.sum()
+        per_token = tokens.clamp(min=1)
+        clipped = ((ratio - 1).abs() > clip_eps).float()
+        values = torch.stack([
+            loss, pg_loss, kl,
+            (ratio * mask).sum() / per_token,
+            (clipped * mask).sum() / per_token,
+            (raw_weight * mask).sum() / per_token,
+            torch.where(sampled, raw_weight, zero).max() if bool(sampled.any()) else zero.sum(),
+            capped.float().sum() / per_token,
+            tokens,
+            micro.weights.sum(),
+        ]).tolist()
+    names = ("loss", "pg_loss", "kl", "ratio_mean", "clip_fraction", "importance_weight_mean",
+             "importance_weight_max", "capped_fraction", "tokens", "weight")
+    return loss, dict(zip(names, values))
+
+
+def merge_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Combine `policy_loss` stats of micro-batches. Over one minibatch's micro-batches, loss is the
+    minibatch's loss; over several minibatches, the mean of their losses."""
+    if not stats:
+        raise ValueError("no stats to merge")
+    tokens = sum(s["tokens"] for s in stats)
+    weight = sum(s["weight"] for s in stats)
+    merged = {key: sum(s[key] for s in stats) / weight if weight else 0.0 for key in WEIGHTED_STATS}
+    merged.update({key: sum(s[key] * s["tokens"] for s in stats) / tokens if tokens else 0.0 for key in MEAN_STATS})
+    merged["importance_weight_max"] = max(s["importance_weight_max"] for s in stats)
+    merged["tokens"] = tokens
+    merged["weight"] = weight
+    return merged

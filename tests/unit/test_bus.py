@@ -139,3 +139,28 @@ def test_keep_alive_stops_a_live_consumers_entry_from_being_reclaimed(bus):
     assert bus.consume("prompts", "g", "other", block_ms=10) == []  # idle time was reset each time
     time.sleep(bus.settings.reclaim_idle_ms / 1000 + 0.1)  # the busy consumer died
     assert [d.entry_id for d in bus.consume("prompts", "g", "other")] == [working.entry_id]
+
+
+def test_a_restarted_lone_consumer_finishes_its_predecessors_entries_first_in_order(bus):
+    for i in range(4):
+        bus.publish("prompts", prompt(i))
+    handled = []
+
+    def crash_at_1(delivery):
+        handled.append(delivery.event.sample_index)
+        if delivery.event.sample_index == 1:
+            raise StopConsuming("killed mid-entry")
+
+    bus.ensure_group("prompts", "g")
+    bus.consume("prompts", "g", "old-process", count=1)  # delivered to a process that then vanished
+    with pytest.raises(StopConsuming):
+        run_consumer(bus, ("prompts",), "g", "trainer", crash_at_1, should_stop=lambda: False,
+                     take_over_pending=True)
+    assert handled == [0, 1]
+
+    handled.clear()
+    run_consumer(bus, ("prompts",), "g", "trainer", lambda d: handled.append(d.event.sample_index),
+                 should_stop=lambda: len(handled) >= 3, take_over_pending=True)
+    # no reclaim timeout waited for, nothing skipped, nothing repeated that was acknowledged
+    assert handled == [1, 2, 3]
+    assert bus.group_lag("prompts", "g") == (0, 0)

@@ -1,5 +1,7 @@
 """The reward service's group bookkeeping and batching, on real Redis."""
 
+import pytest
+
 from shared.batches import read_batch
 from shared.bus import Delivery
 from shared.events import GradeReported, TrajectoryFinished, TrajectorySegment, make_envelope
@@ -92,3 +94,48 @@ def test_only_the_first_finished_attempt_of_a_rollout_is_batched(bus, tmp_path):
     (batch,) = book.flush_batches(run)
     rows = read_batch(book.storage, batch.uri)
     assert [(r.rollout_id, r.segment_index) for r in rows] == [("r1", 0), ("r2", 0)]
+
+
+def test_dr_grpo_advantages_are_reward_minus_the_group_mean(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=3, advantage_estimator="dr_grpo")
+    deliveries = (deliveries_for(run, "g", "r1", 0, "7", group_size=3)
+                  + deliveries_for(run, "g", "r2", 1, "8", group_size=3)
+                  + deliveries_for(run, "g", "r3", 2, "none", group_size=3))
+    assert feed(book, deliveries) == ["g"]
+    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards")}
+    mean = (1.0 + 0.1 + 0.0) / 3
+    assert {r: e.advantage for r, e in rewards.items()} == pytest.approx({"r1": 1 - mean, "r2": 0.1 - mean,
+                                                                          "r3": -mean})
+    (batch,) = book.flush_batches(run)
+    assert [r.advantage for r in read_batch(book.storage, batch.uri)] == pytest.approx([1 - mean, 0.1 - mean, -mean])
+
+
+def test_a_group_with_one_reward_for_all_is_recorded_but_not_batched_when_filtering(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2, filter_zero_variance=True)
+    same = deliveries_for(run, "g1", "r1", 0, "7") + deliveries_for(run, "g1", "r2", 1, "the answer is 7")
+    assert feed(book, same) == ["g1"]
+    assert feed(book, same) == []  # a re-delivery neither completes nor counts it again
+    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards")}
+    assert {r: (e.reward, e.advantage, e.source) for r, e in rewards.items()} == {
+        "r1": (1.0, 0.0, "exact_match"), "r2": (1.0, 0.0, "exact_match")}
+    assert book.flush_batches(run) == []
+    assert int(bus.redis.get(bus.keys.filtered)) == 2 and book.filtered_groups() == 1
+    assert not bus.redis.exists(book.group_key("g1"))
+
+    mixed = deliveries_for(run, "g2", "r3", 2, "7") + deliveries_for(run, "g2", "r4", 3, "nope")
+    assert feed(book, mixed) == ["g2"]
+    (batch,) = book.flush_batches(run)
+    assert batch.group_ids == ["g2"]
+    assert [r.rollout_id for r in read_batch(book.storage, batch.uri)] == ["r3", "r4"]
+    assert int(bus.redis.get(bus.keys.filtered)) == 2 and book.filtered_groups() == 1
+
+
+def test_without_filtering_a_group_with_one_reward_for_all_is_batched(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2)
+    assert feed(book, deliveries_for(run, "g", "r1", 0, "1") + deliveries_for(run, "g", "r2", 1, "2")) == ["g"]
+    (batch,) = book.flush_batches(run)
+    assert [r.advantage for r in read_batch(book.storage, batch.uri)] == [0.0, 0.0]
+    assert bus.redis.get(bus.keys.filtered) is None and book.filtered_groups() == 0

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from services.reward.rewards import exact_match, grpo_advantages, reward_for
+from services.reward.rewards import advantages, exact_match, reward_for
 
 
 @pytest.mark.parametrize("response, label, reward", [
@@ -28,11 +28,29 @@ def test_exact_match_needs_a_label():
 
 
 def test_grpo_advantages_are_normalised_within_the_group():
-    adv = np.array(grpo_advantages([1.0, 0.0, 0.0, 1.0]))
+    adv = np.array(advantages([1.0, 0.0, 0.0, 1.0], "grpo"))
     assert adv.mean() == pytest.approx(0.0)
     assert adv.std() == pytest.approx(1.0, abs=1e-4)
     assert adv[0] > 0 > adv[1]
 
 
-def test_equal_rewards_give_zero_advantage():
-    assert grpo_advantages([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]
+def test_dr_grpo_advantages_are_centred_but_not_scaled():
+    rewards = [1.0, 0.1, 0.1, 0.0]
+    mean = sum(rewards) / 4
+    assert advantages(rewards, "dr_grpo") == pytest.approx([r - mean for r in rewards])
+    # a group that is nearly all wrong: GRPO's std division blows the lone success up, Dr. GRPO does not
+    skewed = [1.0] + [0.0] * 7
+    assert advantages(skewed, "dr_grpo")[0] == pytest.approx(0.875)
+    assert advantages(skewed, "grpo")[0] == pytest.approx(0.875 / np.std(skewed), rel=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo"])
+def test_equal_rewards_give_exactly_zero_advantage(estimator):
+    assert advantages([0.1, 0.1, 0.1], estimator) == [0.0, 0.0, 0.0]
+
+
+def test_unknown_advantage_estimator_is_named():
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'.*grpo, dr_grpo"):
+        advantages([1.0, 0.0], "ppo")
+    with pytest.raises(ValueError, match="at least one reward"):
+        advantages([], "grpo")

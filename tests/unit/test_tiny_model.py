@@ -110,3 +110,33 @@ def test_chat_template_renders_tools_tool_calls_tool_responses_and_generation_pr
     assert full == text + "19<|im_end|>\n"
     no_tools = tokenizer.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=False)
     assert no_tools == "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n"
+
+
+def test_tied_variant_shares_the_embedding_with_the_head_and_keeps_the_tokenizer(tiny_dir, tmp_path):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    tied_dir = build_tiny_model(tmp_path / "tied", seed=0, tie_embeddings=True)
+    assert _hashes(build_tiny_model(tmp_path / "tied-again", seed=0, tie_embeddings=True)) == _hashes(tied_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tied_dir / name).read_bytes() == (tiny_dir / name).read_bytes()
+
+    on_disk = json.loads((tied_dir / "config.json").read_text())
+    untied_config = json.loads((tiny_dir / "config.json").read_text())
+    assert on_disk["tie_word_embeddings"] is True
+    assert {k: v for k, v in on_disk.items() if k != "tie_word_embeddings"} == {
+        k: v for k, v in untied_config.items() if k != "tie_word_embeddings"
+    }
+    with safe_open(tied_dir / "model.safetensors", framework="pt") as handle:
+        keys = set(handle.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+
+    model = AutoModelForCausalLM.from_pretrained(tied_dir)
+    assert model.config.tie_word_embeddings is True
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    untied = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == sum(p.numel() for p in untied.parameters()) - model.config.vocab_size * model.config.hidden_size
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
