@@ -20,13 +20,16 @@ from pathlib import Path
 import httpx
 
 from cli.embedded_redis import EmbeddedRedis
-from shared.bus import Bus
+import redis
+
+from shared.archive import ArchiveReader, StreamHistory
+from shared.bus import STREAMS, Bus, StreamName
 from shared.config import Settings
 from shared.datasets import load_dataset
-from shared.events import BatchReady, DeadLettered, PolicyUpdated, TrajectoryFinished
+from shared.events import BatchReady, DeadLettered, EventDecodeError, PolicyUpdated, TrajectoryFinished, decode
 from shared.vllm_server import free_port
 
-SERVICES = ("dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer")
+SERVICES = ("dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder")
 STOP_GRACE_S = 30.0
 
 
@@ -62,41 +65,52 @@ class Progress:
         return self.updates[-1].version if self.updates else 0
 
 
-def read_progress(bus: Bus) -> Progress:
-    progress = Progress()
-    progress.admitted = bus.redis.xlen(bus.keys.stream("prompts"))
-    progress.graded = bus.redis.xlen(bus.keys.stream("grades"))
-    progress.batches = [d.event for d in bus.read_all("batches") if isinstance(d.event, BatchReady)]
-    progress.updates = [d.event for d in bus.read_all("policy") if isinstance(d.event, PolicyUpdated)]
-    progress.dead_letters = [d.event for d in bus.read_all("dead") if isinstance(d.event, DeadLettered)]
-    return progress
+class ProgressReader:
+    """Reads a run's progress from its streams, incrementally, whether or not the recorder has trimmed
+    them: counts from XINFO's entries-added, events from each stream's history (archive, then live)."""
 
-
-class FinishedCounter:
-    """Counts TrajectoryFinished events incrementally (the trajectories stream is the big one)."""
-
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, storage_uri: str) -> None:
         self.bus = bus
-        self.cursor = "0-0"
-        self.count = 0
+        reader = ArchiveReader(storage_uri, bus.keys.run_id)
+        self.histories = {stream: StreamHistory(bus, stream, reader)
+                          for stream in ("trajectories", "batches", "policy", "dead")}
+        self.progress = Progress()
 
-    def update(self) -> int:
-        key = self.bus.keys.stream("trajectories")
-        while True:
-            entries = self.bus.redis.xrange(key, min=f"({self.cursor}" if self.cursor != "0-0" else "-", count=500)
-            if not entries:
-                return self.count
-            for entry_id, fields in entries:
-                self.cursor = entry_id.decode()
-                if fields.get(b"type") == TrajectoryFinished.TYPE.encode():
-                    self.count += 1
+    def entries_added(self, stream: StreamName) -> int:
+        try:
+            return int(self.bus.redis.xinfo_stream(self.bus.keys.stream(stream))["entries-added"])
+        except redis.ResponseError:
+            return 0
+
+    def update(self) -> Progress:
+        progress = self.progress
+        progress.admitted = self.entries_added("prompts")
+        progress.graded = self.entries_added("grades")
+        finished_type = TrajectoryFinished.TYPE.encode()
+        progress.finished += sum(fields.get(b"type") == finished_type
+                                 for _, fields in self.histories["trajectories"].new_entries())
+        for stream, kind, events in (("batches", BatchReady, progress.batches), ("policy", PolicyUpdated, progress.updates),
+                                     ("dead", DeadLettered, progress.dead_letters)):
+            for _, fields in self.histories[stream].new_entries():
+                try:
+                    event = decode(fields).payload
+                except EventDecodeError:
+                    continue
+                if isinstance(event, kind):
+                    events.append(event)
+        return progress
 
 
 class LocalRun:
     def __init__(self, settings: Settings, *, fleet_urls: list[str] | None = None,
-                 replicas: dict[str, int] | None = None) -> None:
+                 replicas: dict[str, int] | None = None, services: tuple[str, ...] | None = None) -> None:
         self.settings = settings
-        self.replicas = {name: (replicas or {}).get(name, 1) for name in SERVICES}
+        wanted = services or tuple(name for name in SERVICES if name != "recorder" or settings.recorder.enabled)
+        unknown = set(wanted) - set(SERVICES)
+        if unknown:
+            raise ValueError(f"unknown services {', '.join(sorted(unknown))}; services are {', '.join(SERVICES)}")
+        self.services = tuple(name for name in SERVICES if name in wanted)
+        self.replicas = {name: (replicas or {}).get(name, 1) for name in self.services}
         self.external_fleet = fleet_urls
         self.run_dir = settings.run_dir().resolve()
         self.log_dir = self.run_dir / "logs"
@@ -108,7 +122,7 @@ class LocalRun:
         self.vllm = None
         self.vllm_startup_s: float | None = None
         self.bus: Bus | None = None
-        self.finished_counter: FinishedCounter | None = None
+        self.progress_reader: ProgressReader | None = None
 
     # ------------------------------------------------------------------------------------- start
     def start(self, on_step=lambda message: None) -> None:
@@ -122,11 +136,14 @@ class LocalRun:
             self.redis_server.start()
             settings = settings.model_copy(update={"redis_url": self.redis_server.url})
         self.bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
-        if self.bus.redis.exists(self.bus.keys.stream("prompts")):
+        if self.bus.has_keys():
             raise RunExists(f"run {settings.run_id!r} already has events in {settings.redis}; "
                             "choose another run id (--run-id), or delete the old run")
         if self.external_fleet:
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": self.external_fleet})})
+        elif "agent-runner" not in self.services:
+            # Nothing generates: no vLLM; a trainer then only writes checkpoints (fleet-less).
+            settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": []})})
         else:
             from shared.vllm_server import VllmServer
 
@@ -140,12 +157,12 @@ class LocalRun:
             self.vllm_startup_s = time.monotonic() - started
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": [self.vllm.url]})})
         self.settings = settings
-        self.finished_counter = FinishedCounter(self.bus)
+        self.progress_reader = ProgressReader(self.bus, settings.storage_uri)
         config_file = self.run_dir / "config.json"
         config_file.write_text(settings.model_dump_json(indent=2))
         env = {**os.environ, "RS_CONFIG_FILE": str(config_file)}
         env = {k: v for k, v in env.items() if not (k.startswith("RS_") and k != "RS_CONFIG_FILE")}
-        for service in SERVICES:
+        for service in self.services:
             count = self.replicas[service]
             for replica in range(1, count + 1):
                 name = service if count == 1 else f"{service}-{replica}"
@@ -194,10 +211,8 @@ class LocalRun:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def progress(self) -> Progress:
-        assert self.bus is not None and self.finished_counter is not None
-        progress = read_progress(self.bus)
-        progress.finished = self.finished_counter.update()
-        return progress
+        assert self.progress_reader is not None
+        return self.progress_reader.update()
 
     def wait_for_version(self, version: int, timeout_s: float, on_progress=lambda progress: None) -> Progress:
         deadline = time.monotonic() + timeout_s
@@ -210,6 +225,45 @@ class LocalRun:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"policy version {progress.version} after {timeout_s:.0f}s, wanted {version}")
             time.sleep(0.5)
+
+    def backlog(self) -> dict[str, int]:
+        """Work the run's consumers have not finished: per stream and group, entries not yet delivered
+        plus delivered and unacknowledged; and sandbox jobs queued, running or scheduled for a retry."""
+        from rq import Queue
+
+        assert self.bus is not None
+        out: dict[str, int] = {}
+        for stream in STREAMS:
+            try:
+                groups = self.bus.redis.xinfo_groups(self.bus.keys.stream(stream))
+            except redis.ResponseError:
+                continue
+            for info in groups:
+                group = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+                undelivered, pending = self.bus.group_lag(stream, group)
+                if undelivered + pending:
+                    out[f"{stream}/{group}"] = undelivered + pending
+        queue = Queue(f"{self.bus.keys.prefix}:{self.settings.grader.queue}", connection=self.bus.redis)
+        jobs = queue.count + queue.started_job_registry.count + queue.scheduled_job_registry.count
+        if jobs:
+            out["sandbox jobs"] = jobs
+        return out
+
+    def wait_drained(self, timeout_s: float, quiet_s: float = 3.0) -> None:
+        """Until every consumer has handled everything and no stream has grown for quiet_s."""
+        deadline = time.monotonic() + timeout_s
+        quiet_since, added = time.monotonic(), None
+        while True:
+            self.check_alive()
+            now_added = [self.progress_reader.entries_added(stream) for stream in STREAMS]
+            if now_added != added:
+                quiet_since, added = time.monotonic(), now_added
+            backlog = self.backlog()
+            if not backlog and time.monotonic() - quiet_since >= quiet_s:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not drained after {timeout_s:.0f}s: {backlog or 'streams still growing'}")
+            time.sleep(0.3)
 
     # ------------------------------------------------------------------------------------- stop
     def stop(self) -> dict[str, int | None]:

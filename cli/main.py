@@ -6,6 +6,8 @@
     rollstream serve-vllm          # a vLLM CPU server for the tiny model
     rollstream validate TASKS      # reference solutions grade 1, empty diffs 0, in the sandbox
     rollstream config [--markdown] # the resolved configuration, or its reference table
+    rollstream replay RUN --to NEW # a recorded run re-published into a fresh run (cli/replay.py)
+    rollstream inspect ...         # runs, streams and consumer groups, one trajectory, diff of two runs
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from cli.inspection import inspect_app
+from cli.replay import replay
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fully asynchronous RL for LLM agents.")
+app.command("replay")(replay)
+app.add_typer(inspect_app, name="inspect", help="Look at runs: streams and consumer groups, one trajectory, a diff of two runs.")
 console = Console()
 BASE_MODEL = Path("models/tiny-llama")
 WARM_MODEL = Path("models/tiny-llama-warm")

@@ -349,16 +349,20 @@ class ArchiveReader:
         _check_stream(stream)
         return self._all_parts().get(stream, [])
 
-    def entries(self, streams: Iterable[StreamName] | StreamName | None = None) -> Iterator[ArchivedEntry]:
+    def entries(self, streams: Iterable[StreamName] | StreamName | None = None,
+                after: str | None = None) -> Iterator[ArchivedEntry]:
         """Entries of the given streams (default: all), each entry id once, in entry-id order; several
-        streams are merged by (ms, seq), ties in the bus's stream order."""
+        streams are merged by (ms, seq), ties in the bus's stream order. `after`: only entries with a
+        greater id (parts wholly before it are not read)."""
         if isinstance(streams, str):
             streams = [streams]
         found = self._all_parts()
         wanted = [s for s in STREAMS if s in found] if streams is None else list(streams)
         for stream in wanted:
             _check_stream(stream)
-        iterators = [self._stream_entries(found.get(stream, [])) for stream in wanted]
+        bound = parse_id(after) if after else None
+        iterators = [self._stream_entries([p for p in found.get(stream, []) if bound is None or p.last > bound], bound)
+                     for stream in wanted]
         if len(iterators) == 1:
             yield from iterators[0]
             return
@@ -376,10 +380,10 @@ class ArchiveReader:
                 counts[stream] += 1
         return counts
 
-    def _stream_entries(self, parts: list[ArchivePart]) -> Iterator[ArchivedEntry]:
+    def _stream_entries(self, parts: list[ArchivePart], after: EntryKey | None = None) -> Iterator[ArchivedEntry]:
         # Only parts whose id ranges overlap (a flush redone after a crash) are read together, so
         # memory holds about one part however long the run.
-        last: EntryKey | None = None
+        last: EntryKey | None = after
         for group in _overlapping(parts):
             if len(group) == 1:
                 merged: Iterable[ArchivedEntry] = self._read_part(group[0])
@@ -442,6 +446,59 @@ def _overlapping(parts: list[ArchivePart]) -> Iterator[list[ArchivePart]]:
 def _check_stream(stream: str) -> None:
     if stream not in STREAMS:
         raise ValueError(f"unknown stream {stream!r}; streams are {', '.join(STREAMS)}")
+
+
+# ------------------------------------------------------------------------------------------ history
+class StreamHistory:
+    """Every entry a stream of a run has had, oldest first, whether the recorder trimmed it from Redis
+    (then it is read from the archive) or not; `new_entries()` returns what came since its last call.
+
+    The live stream is read first, the archive after: the recorder trims only what it has archived,
+    so whatever is older than the first live entry is in the archive by then. The archive is only
+    consulted when the stream has lost entries past the cursor (XINFO STREAM: entries-added above its
+    length, first entry after the cursor).
+    """
+
+    def __init__(self, bus: Bus, stream: StreamName, reader: ArchiveReader | None) -> None:
+        _check_stream(stream)
+        self.bus = bus
+        self.stream = stream
+        self.reader = reader
+        self.cursor: str | None = None
+
+    def new_entries(self, count: int | None = None) -> list[RawEntry]:
+        key = self.bus.keys.stream(self.stream)
+        try:
+            info = self.bus.redis.xinfo_stream(key)
+        except redis.ResponseError:  # no such stream (yet, or any more): the archive alone
+            info = None
+        live = [(_text(entry_id), fields) for entry_id, fields in
+                self.bus.redis.xrange(key, min=f"({self.cursor}" if self.cursor else "-", count=count)]
+        # Trimming removes the oldest entries: some after the cursor are gone only if the stream lost
+        # entries at all and its first entry is now past the cursor.
+        trimmed_after_cursor = info is None or (
+            int(info["entries-added"]) > int(info["length"])
+            and (self.cursor is None or not info["first-entry"]
+                 or parse_id(_text(info["first-entry"][0])) > parse_id(self.cursor)))
+        older: list[RawEntry] = []
+        if self.reader is not None and trimmed_after_cursor:
+            first_live = parse_id(live[0][0]) if live else None
+            for entry in self.reader.entries(self.stream, after=self.cursor):
+                if first_live is not None and entry.key >= first_live:
+                    break
+                older.append((entry.entry_id, entry.fields))
+                if count is not None and len(older) >= count:
+                    break
+        entries = (older + live)[:count] if count is not None else older + live
+        if entries:
+            self.cursor = entries[-1][0]
+        return entries
+
+
+def stream_history(bus: Bus, stream: StreamName, storage_uri: str | None) -> list[RawEntry]:
+    """A stream's whole history: archived entries, then live ones (see StreamHistory)."""
+    reader = ArchiveReader(storage_uri, bus.keys.run_id) if storage_uri else None
+    return StreamHistory(bus, stream, reader).new_entries()
 
 
 # --------------------------------------------------------------------------------------------- trim

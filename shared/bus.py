@@ -232,6 +232,10 @@ class Bus:
         pipe.execute()
         log.warning("dead-lettered entry", extra={"stream": stream, "entry_id": entry_id, "error": error})
 
+    def has_keys(self) -> bool:
+        """Whether anything of this run exists in Redis (a new run or a replay needs an empty namespace)."""
+        return next(iter(self.redis.scan_iter(match=f"{self.keys.prefix}:*", count=1000)), None) is not None
+
     def delete_run(self) -> int:
         """Delete every key of this run; returns how many."""
         keys = list(self.redis.scan_iter(match=f"{self.keys.prefix}:*", count=1000))

@@ -146,6 +146,33 @@ class GraderSettings(Section):
     """RQ job timeout."""
 
 
+class RewardSettings(Section):
+    batch_order: Literal["finished", "completed"] = "finished"
+    """Order in which complete groups fill batches. finished: the order in which their last rollout
+    finished on the trajectories stream, so a replay of the same trajectories builds the same batches
+    however its grades interleave (a group waiting for a sandbox grade holds back the groups that
+    finished after it); completed: as soon as each group's rewards are known (lowest latency, not
+    reproducible when grades arrive in another order)."""
+    function: str | None = None
+    """Score every rollout with this function instead of the one its prompt names, and without waiting
+    for sandbox grades: a built-in name (`exact_match`) or `module:function` taking (response, label)
+    and returning a float. For re-scoring a recorded run with a new reward (`rollstream replay`)."""
+    done_ttl_s: int = Field(86_400, ge=60)
+    """How long a completed group is remembered, so that a late redelivery of one of its events is ignored."""
+
+
+class RecorderSettings(Section):
+    enabled: bool = True
+    """Archive every stream of the run to Parquet under <storage>/<run>/archive (the local run starts the
+    recorder service)."""
+    flush_s: float = Field(5.0, gt=0)
+    """Seconds between flushes of every stream to the archive."""
+    part_entries: int = Field(2000, ge=1)
+    """Most entries per Parquet part; a stream this far behind is flushed at once."""
+    trim: bool = True
+    """Trim live streams behind the archive and the slowest consumer group (Redis memory stays bounded)."""
+
+
 class Settings(BaseSettings):
     """Everything a run is configured by."""
 
@@ -171,6 +198,8 @@ class Settings(BaseSettings):
     agent: AgentSettings = AgentSettings()
     train: TrainSettings = TrainSettings()
     grader: GraderSettings = GraderSettings()
+    reward: RewardSettings = RewardSettings()
+    recorder: RecorderSettings = RecorderSettings()
 
     @model_validator(mode="after")
     def _batch_holds_whole_groups(self) -> "Settings":

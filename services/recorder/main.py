@@ -7,15 +7,11 @@ position after each part exists, and then trims the stream behind the slowest co
 the archive. A crash at any point loses nothing: at worst one part is written twice, and readers
 return each entry once. SIGTERM drains: a last flush, then exit.
 
-    rollstream-recorder          # configured by RS_* variables or RS_CONFIG_FILE, and:
-      RS_RECORDER_FLUSH_S=5          seconds between flushes of every stream
-      RS_RECORDER_PART_ENTRIES=2000  most entries per part; a stream this far behind is flushed at once
-      RS_RECORDER_TRIM=1             0: archive only, never trim
+    rollstream-recorder          # configured by RS_* variables or RS_CONFIG_FILE (recorder.*)
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,7 +32,6 @@ from shared.config import Settings
 from shared.service import ServiceRuntime
 from shared.storage import Storage
 
-FLUSH_S = 5.0
 PART_ENTRIES = 2000
 POLL_S = 0.5
 """How often the loop looks for a stream that has grown by a part's worth of entries."""
@@ -136,11 +131,7 @@ class Recorder:
 
 def main() -> None:
     settings = Settings()
-    flush_s = float(os.environ.get("RS_RECORDER_FLUSH_S", FLUSH_S))
-    part_entries = int(os.environ.get("RS_RECORDER_PART_ENTRIES", PART_ENTRIES))
-    trim = os.environ.get("RS_RECORDER_TRIM", "1") != "0"
-    if flush_s <= 0 or part_entries < 1:
-        raise SystemExit("RS_RECORDER_FLUSH_S must be > 0 and RS_RECORDER_PART_ENTRIES >= 1")
+    flush_s, part_entries, trim = settings.recorder.flush_s, settings.recorder.part_entries, settings.recorder.trim
     runtime = ServiceRuntime("recorder", settings)
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     storage = Storage(settings.storage_uri)

@@ -7,12 +7,24 @@ sandbox grade, it assigns rewards (the grade, or a built-in rule), computes adva
 Whole groups are then packed into Parquet batches of train.batch_size rollouts, written atomically,
 announced with BatchReady.
 
+Which groups share a batch is set by reward.batch_order. finished (the default): a group is sealed,
+given the next sequence number, when the last of its rollouts' TrajectoryFinished is recorded, and
+complete groups are released to the batches strictly in seal order, so a replay of the same
+trajectories builds the same batches however its grades interleave; a group waiting for a grade holds
+back the groups sealed after it (their RewardAssigned events are published all the same). completed:
+a group is batched as soon as it is complete.
+
+reward.function, when set, scores every rollout that did not fail with that function instead of the
+one its prompt names, without waiting for sandbox grades (to re-score a recorded run).
+
 With train.filter_zero_variance, a group whose rollouts all got the same reward (advantage 0
 everywhere: no learning signal) still gets its RewardAssigned events but is never batched; its
 samples are added to the run's filtered counter, and the dispatcher admits as many again.
 
 Group state lives in Redis, so a restarted or duplicate delivery changes nothing: event ids are
-deterministic, a group completes once, a batch's id is derived from its groups.
+deterministic, a group completes once, a batch's id is derived from its groups. A completed group is
+remembered for reward.done_ttl_s (one expiring marker key each), long enough to ignore any late
+redelivery of its events without keeping a set that grows with the run.
 
     rollstream-reward            # configured by RS_* variables or RS_CONFIG_FILE
 """
@@ -20,10 +32,13 @@ deterministic, a group completes once, a batch's id is derived from its groups.
 from __future__ import annotations
 
 import hashlib
+from itertools import takewhile
+
+import redis
 
 from shared.batches import BatchRow, write_batch
 from shared.bus import Bus, Delivery, consumer_name, run_consumer
-from shared.config import Settings
+from shared.config import RewardSettings, Settings
 from shared.events import (
     BatchReady,
     GradeReported,
@@ -36,25 +51,39 @@ from shared.events import (
 from shared.service import ServiceRuntime
 from shared.storage import Storage
 
-from services.reward.rewards import advantages, reward_for
+from services.reward.rewards import advantages, resolve_reward_function, reward_for
 
 GROUP = "reward"
+BATCH_ORDERS = ("finished", "completed")
+_DEFAULTS = RewardSettings()
 
 
 class RewardBook:
-    """The reward service's state in Redis: one hash per open group, a list of complete groups."""
+    """The reward service's state in Redis: one hash per open group, a list of complete groups ready
+    for batching and, in batch_order "finished", the sealed groups waiting for their turn."""
 
     def __init__(self, bus: Bus, storage: Storage, batch_size: int, advantage_estimator: str = "grpo",
-                 filter_zero_variance: bool = False) -> None:
+                 filter_zero_variance: bool = False, batch_order: str = _DEFAULTS.batch_order,
+                 reward_function: str | None = _DEFAULTS.function, done_ttl_s: int = _DEFAULTS.done_ttl_s) -> None:
+        if batch_order not in BATCH_ORDERS:
+            raise ValueError(f"unknown batch order {batch_order!r}; use one of {', '.join(BATCH_ORDERS)}")
         self.bus = bus
         self.storage = storage
         self.batch_size = batch_size
         self.advantage_estimator = advantage_estimator
         self.filter_zero_variance = filter_zero_variance
-        self.done_key = bus.keys.state("reward", "completed-groups")
+        self.batch_order = batch_order
+        self.reward_function = reward_function
+        self.score = resolve_reward_function(reward_function) if reward_function else None
+        self.done_ttl_s = done_ttl_s
         self.ready_key = bus.keys.state("reward", "ready-groups")
         self.ready_rollouts_key = bus.keys.state("reward", "ready-rollouts")
         self.filtered_groups_key = bus.keys.state("reward", "filtered-groups")
+        self.seal_counter_key = bus.keys.state("reward", "seal-counter")
+        # sorted set: group -> seal number, for every sealed group not yet released
+        self.sealed_key = bus.keys.state("reward", "sealed-groups")
+        # hash: complete group still in the sealed set -> rollouts it adds to the ready list (0: filtered)
+        self.held_key = bus.keys.state("reward", "held-groups")
 
     def group_key(self, group_id: str) -> str:
         return self.bus.keys.state("reward", "group", group_id)
@@ -62,11 +91,15 @@ class RewardBook:
     def assigned_key(self, group_id: str) -> str:
         return self.bus.keys.state("reward", "assigned", group_id)
 
+    def done_key(self, group_id: str) -> str:
+        """Marker of a completed group; expires after done_ttl_s."""
+        return self.bus.keys.state("reward", "done", group_id)
+
     def record(self, delivery: Delivery) -> str | None:
         """Store the event in its group; returns the group id to check for completion."""
         envelope, event = delivery.envelope, delivery.event
         group_id = envelope.group_id
-        if group_id is None or self.bus.redis.sismember(self.done_key, group_id):
+        if group_id is None or self.bus.redis.exists(self.done_key(group_id)):
             return None
         body = encode(envelope)["body"]
         if isinstance(event, TrajectorySegment):
@@ -100,6 +133,14 @@ class RewardBook:
                 out["segment"][(rollout, index)] = envelope
         return out
 
+    def seal(self, group_id: str) -> None:
+        """Give the group the next place in batch order, once: a redelivered event keeps its place."""
+        if self.bus.redis.zscore(self.sealed_key, group_id) is not None:
+            return
+        number = self.bus.redis.incr(self.seal_counter_key)
+        # NX: a crash between the two steps costs a number, never a second place
+        self.bus.redis.zadd(self.sealed_key, {group_id: number}, nx=True)
+
     def complete_if_ready(self, group_id: str) -> bool:
         state = self.load(group_id)
         finished = state["finished"]
@@ -108,12 +149,16 @@ class RewardBook:
         group_size = next(iter(finished.values())).payload.group_size
         if len(finished) < group_size:
             return False
+        if self.batch_order == "finished":
+            # Here rather than in record(): sealed before it can complete, even if the process died
+            # between storing the last TrajectoryFinished and sealing.
+            self.seal(group_id)
         for rollout, envelope in finished.items():
             event: TrajectoryFinished = envelope.payload
             segments = [key for key in state["segment"] if key[0] == rollout]
             if len(segments) < event.segment_count:
                 return False
-            if event.needs_grade and rollout not in state["grade"]:
+            if event.needs_grade and self.score is None and rollout not in state["grade"]:
                 return False
 
         rollouts = sorted(finished)
@@ -123,6 +168,9 @@ class RewardBook:
             if event.status == "failed":
                 rewards.append(0.0)
                 sources.append("failed")
+            elif self.score is not None:
+                rewards.append(float(self.score(event.response_text, event.label)))
+                sources.append(self.reward_function)
             elif event.needs_grade:
                 rewards.append(state["grade"][rollout].payload.score)
                 sources.append("sandbox")
@@ -141,17 +189,52 @@ class RewardBook:
                              trajectory_id=ids.trajectory_id, session_id=ids.session_id)
             if not filtered:
                 pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
-        pipe.sadd(self.done_key, group_id)
+        pipe.set(self.done_key(group_id), 1, ex=self.done_ttl_s)
         if filtered:
             # Counted in admitted samples (group_size per group), which is what the dispatcher gives back.
             pipe.incrby(self.bus.keys.filtered, group_size)
             pipe.incr(self.filtered_groups_key)
             pipe.delete(self.group_key(group_id))
-        else:
+        if self.batch_order == "finished":
+            pipe.hset(self.held_key, group_id, 0 if filtered else len(rollouts))
+        elif not filtered:
             pipe.rpush(self.ready_key, group_id)
             pipe.incrby(self.ready_rollouts_key, len(rollouts))
         pipe.execute()
+        if self.batch_order == "finished":
+            self.release()
         return True
+
+    def release(self) -> int:
+        """Move the complete groups at the head of the sealed set to the ready list, in seal order,
+        stopping at the first group that is not complete; filtered groups leave the set without
+        being batched. Returns how many groups left the set.
+
+        One transaction, watched on the sealed set: a crash releases all of them or none (the next
+        completion, or a restart, releases them), and a concurrent release makes this one start again
+        instead of releasing a group twice."""
+        with self.bus.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(self.sealed_key)
+                    sealed = [g.decode() for g in pipe.zrange(self.sealed_key, 0, -1)]
+                    held = pipe.hmget(self.held_key, sealed) if sealed else []
+                    head = [(g, int(n)) for g, n in takewhile(lambda pair: pair[1] is not None, zip(sealed, held))]
+                    if not head:
+                        pipe.unwatch()
+                        return 0
+                    pipe.multi()
+                    for group_id, rollouts in head:
+                        if rollouts:
+                            pipe.rpush(self.ready_key, group_id)
+                            pipe.incrby(self.ready_rollouts_key, rollouts)
+                    groups = [group_id for group_id, _ in head]
+                    pipe.zrem(self.sealed_key, *groups)
+                    pipe.hdel(self.held_key, *groups)
+                    pipe.execute()
+                    return len(head)
+                except redis.WatchError:
+                    continue
 
     def filtered_groups(self) -> int:
         return int(self.bus.redis.get(self.filtered_groups_key) or 0)
@@ -215,20 +298,28 @@ def main() -> None:
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     storage = Storage(settings.storage_uri)
     book = RewardBook(bus, storage, settings.train.batch_size, settings.train.advantage_estimator,
-                      settings.train.filter_zero_variance)
+                      settings.train.filter_zero_variance, batch_order=settings.reward.batch_order,
+                      reward_function=settings.reward.function, done_ttl_s=settings.reward.done_ttl_s)
     consumer = consumer_name(GROUP)
     counts = {"groups_completed": 0, "batches": 0, "groups_filtered": book.filtered_groups()}
+
+    def flush() -> None:
+        for event in book.flush_batches(settings.run_id):
+            counts["batches"] += 1
+            runtime.log.info("batch ready", extra={"batch_id": event.batch_id, "samples": event.sample_count,
+                                                   "mean_reward": round(event.mean_reward, 4)})
 
     def handle(delivery: Delivery) -> None:
         group_id = book.record(delivery)
         if group_id and book.complete_if_ready(group_id):
             counts["groups_completed"] += 1
             counts["groups_filtered"] = book.filtered_groups()
-        for event in book.flush_batches(settings.run_id):
-            counts["batches"] += 1
-            runtime.log.info("batch ready", extra={"batch_id": event.batch_id, "samples": event.sample_count,
-                                                   "mean_reward": round(event.mean_reward, 4)})
+        flush()
         runtime.status.update(counts)
+
+    # what a crashed predecessor completed but had not released or batched yet
+    book.release()
+    flush()
 
     run_consumer(bus, ("grades", "trajectories"), GROUP, consumer, handle, runtime.should_stop)
     runtime.close()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import numpy as np
 
 from shared.scoring import exact_match
 
-REWARD_FUNCTIONS: dict[str, Callable[[str, str | None], float]] = {"exact_match": exact_match}
+RewardFunction = Callable[[str, str | None], float]
+"""(response text, label) -> reward."""
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {"exact_match": exact_match}
 
 
 def reward_for(name: str, response: str, label: str | None) -> float:
@@ -17,6 +21,31 @@ def reward_for(name: str, response: str, label: str | None) -> float:
     except KeyError:
         raise ValueError(f"unknown reward function {name!r}; built in: {', '.join(REWARD_FUNCTIONS)}") from None
     return fn(response, label)
+
+
+def resolve_reward_function(spec: str) -> RewardFunction:
+    """reward.function: a built-in name or `module:function`, resolved once when the service starts, so
+    that a typo stops it there rather than failing every group it would score."""
+    if ":" not in spec:
+        try:
+            return REWARD_FUNCTIONS[spec]
+        except KeyError:
+            raise ValueError(f"unknown reward function {spec!r}; built in: {', '.join(REWARD_FUNCTIONS)}; "
+                             "or give an import path module:function") from None
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward function {spec!r}: an import path needs both parts, module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    try:
+        fn = getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not callable")
+    return fn
 
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo")

@@ -6,6 +6,7 @@ One run of 3 policy versions; the tests below read what it left in Redis and in 
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -16,7 +17,20 @@ import torch
 from cli.local_run import LocalRun
 from shared.batches import read_batch
 from shared.config import Settings
-from shared.events import GradeReported, PolicyUpdated, PromptIssued, RewardAssigned, TrajectoryTurn
+from shared.archive import ArchiveReader, stream_history
+from shared.bus import Bus, Delivery
+from shared.events import (
+    BatchReady,
+    DeadLettered,
+    EventDecodeError,
+    GradeReported,
+    PolicyUpdated,
+    PromptIssued,
+    RewardAssigned,
+    TrajectoryFinished,
+    TrajectoryTurn,
+    decode,
+)
 from shared.storage import Storage
 
 pytestmark = pytest.mark.integration
@@ -85,8 +99,18 @@ async def probe_served_logprobs(local: LocalRun, model: Path) -> dict:
     return {"served": served, "final": expected(checkpoint), "initial": expected(model)}
 
 
-def events(local: LocalRun, stream, kind):
-    return [d for d in local.bus.read_all(stream) if isinstance(d.event, kind)]
+def events(local: LocalRun, stream, kind, run_id: str | None = None):
+    """A stream's whole history (the recorder trims what it archived), decoded, of one kind."""
+    bus = local.bus if run_id is None else Bus(local.bus.redis, run_id)
+    out = []
+    for entry_id, fields in stream_history(bus, stream, local.settings.storage_uri):
+        try:
+            envelope = decode(fields)
+        except EventDecodeError:
+            continue
+        if isinstance(envelope.payload, kind):
+            out.append(Delivery(stream, entry_id, envelope))
+    return out
 
 
 def all_batch_rows(local: LocalRun):
@@ -180,7 +204,7 @@ def test_sandbox_grades_reach_the_rewards(run):
 
 
 def test_malformed_events_were_dead_lettered_and_services_drained_cleanly(run):
-    dead = [d.event for d in run["local"].bus.read_all("dead")]
+    dead = [d.event for d in events(run["local"], "dead", DeadLettered)]
     assert {(e.stream, e.group) for e in dead} >= {("prompts", "agent-runner"), ("batches", "trainer")}
     assert any("not msgpack" in e.error for e in dead)
     assert any("schema version '99'" in e.error for e in dead)
@@ -193,3 +217,93 @@ def test_services_logged_no_errors(run):
         errors = [line for line in (local.log_dir / f"{name}.log").read_text().splitlines()
                   if '"level": "ERROR"' in line or '"level": "CRITICAL"' in line]
         assert errors == [], f"{name} logged errors"
+
+
+def test_every_entry_of_every_stream_was_archived_and_the_live_streams_were_trimmed(run):
+    local = run["local"]
+    reader = ArchiveReader(local.settings.storage_uri, local.settings.run_id)
+    # counted, not decoded: the garbage entries the fixture injected are archived as they were
+    archived = {stream: sum(1 for _ in reader.entries(stream)) for stream in reader.streams()}
+    added = {s: int(local.bus.redis.xinfo_stream(local.bus.keys.stream(s))["entries-added"]) for s in archived}
+    assert archived == added and set(archived) >= {"prompts", "trajectories", "grades", "rewards", "batches", "policy"}
+    live = sum(local.bus.redis.xlen(local.bus.keys.stream(s)) for s in archived)
+    assert live < sum(added.values())  # the recorder trimmed behind the consumers
+
+
+# ------------------------------------------------------------------------------------------ replay
+def replayed(source: Settings, suffix: str, **kwargs):
+    """Replay the run configured by `source` from its archive into run `<run>-<suffix>`, same settings."""
+    from cli.replay import replay_run
+
+    settings = source.model_copy(update={"run_id": f"{source.run_id}-{suffix}"})
+    result = replay_run(settings, source.run_id, source="archive", timeout_s=300, quiet_s=2.0, **kwargs)
+    return settings, result
+
+
+@pytest.fixture(scope="module")
+def rescored(run):
+    """The recorded run's trajectories and grades replayed through a fresh reward service, from the archive."""
+    settings, result = replayed(run["local"].settings, "rescored", streams=("trajectories", "grades"), services=("reward",))
+    yield settings, result
+    Bus(run["local"].bus.redis, settings.run_id).delete_run()
+
+
+def rewards_by_event(local, run_id=None) -> dict[str, tuple]:
+    return {d.envelope.event_id: (d.event.reward, d.event.advantage, d.event.source)
+            for d in events(local, "rewards", RewardAssigned, run_id)}
+
+
+def test_a_replay_reproduces_the_rewards_advantages_and_batches(run, rescored):
+    local = run["local"]
+    settings, result = rescored
+    assert result.services == ("reward", "recorder") and result.exit_codes == {"reward": 0, "recorder": 0}
+    original, replay = rewards_by_event(local), rewards_by_event(local, settings.run_id)
+    assert original and all(replay.get(event_id) == values for event_id, values in original.items())
+    # The original run was stopped mid-flight: what its reward service had not handled yet, the replay
+    # handles now; those are groups the original never completed.
+    original_groups = {d.envelope.group_id for d in events(local, "rewards", RewardAssigned)}
+    extra = {d.envelope.group_id for d in events(local, "rewards", RewardAssigned, settings.run_id)
+             if d.envelope.event_id not in original}
+    assert not extra & original_groups
+
+    storage = Storage(local.settings.storage_uri)
+    before = [d.event for d in events(local, "batches", BatchReady)]
+    after = [d.event for d in events(local, "batches", BatchReady, settings.run_id)]
+    assert before and [b.batch_id for b in after[:len(before)]] == [b.batch_id for b in before]
+    for old, new in zip(before, after):
+        assert old.group_ids == new.group_ids and old.mean_reward == new.mean_reward
+        assert new.uri != old.uri  # written by the replay, under its own run
+        assert read_batch(storage, new.uri) == read_batch(storage, old.uri)
+
+
+def test_a_replay_through_a_new_reward_function_needs_no_agent_or_vllm(run, tmp_path, monkeypatch):
+    (tmp_path / "strict_reward.py").write_text(
+        "def score(response, label):\n    return float(len(response) % 5) / 4\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    local = run["local"]
+    settings = local.settings.model_copy(update={"reward": local.settings.reward.model_copy(
+        update={"function": "strict_reward:score"})})
+    new_settings, result = replayed(settings, "strict", streams=("trajectories",), finished_only=True,
+                                    services=("reward",))
+    try:
+        assert result.services == ("reward", "recorder") and result.produced.get("batches", 0) >= 1
+        finished = {d.envelope.rollout_id: d.event for d in events(local, "trajectories", TrajectoryFinished)}
+        new_rewards = {d.envelope.rollout_id: d for d in events(local, "rewards", RewardAssigned, new_settings.run_id)}
+        assert set(new_rewards) == set(finished)  # every finished rollout, sandbox-graded ones too, no grades needed
+        by_group = defaultdict(list)
+        for rollout, delivery in new_rewards.items():
+            want = 0.0 if finished[rollout].status == "failed" else float(len(finished[rollout].response_text) % 5) / 4
+            assert delivery.event.reward == want
+            by_group[delivery.envelope.group_id].append(delivery.event)
+        for group in by_group.values():  # GRPO, recomputed here
+            rewards = [e.reward for e in group]
+            mean = sum(rewards) / len(rewards)
+            std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+            for e in group:
+                assert e.advantage == pytest.approx(0.0 if std == 0 else (e.reward - mean) / (std + 1e-6), abs=1e-6)
+        storage = Storage(local.settings.storage_uri)
+        for batch in events(local, "batches", BatchReady, new_settings.run_id):
+            for row in read_batch(storage, batch.event.uri):
+                assert row.reward == new_rewards[row.rollout_id].event.reward
+    finally:
+        Bus(local.bus.redis, new_settings.run_id).delete_run()

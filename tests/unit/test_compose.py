@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {"dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer"}
+SERVICES = {"dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
 
 
 def compose():

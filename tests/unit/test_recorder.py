@@ -151,7 +151,7 @@ def restored_process_state():
 def test_the_service_drains_on_sigterm(redis_url, run_id, tmp_path, monkeypatch, restored_process_state):
     port = free_port()
     for name, value in {"RS_REDIS_URL": redis_url, "RS_RUN_ID": run_id, "RS_STORAGE_URI": str(tmp_path),
-                        "RS_HEALTH_PORT": str(port), "RS_RECORDER_FLUSH_S": "3600"}.items():
+                        "RS_HEALTH_PORT": str(port), "RS_RECORDER__FLUSH_S": "3600"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("RS_CONFIG_FILE", raising=False)
     bus = Bus(redis.Redis.from_url(redis_url), run_id)

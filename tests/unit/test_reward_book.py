@@ -3,7 +3,7 @@
 import pytest
 
 from shared.batches import read_batch
-from shared.bus import Delivery
+from shared.bus import Bus, Delivery
 from shared.events import GradeReported, TrajectoryFinished, TrajectorySegment, make_envelope
 from shared.storage import Storage
 
@@ -11,18 +11,24 @@ from services.reward.main import RewardBook
 
 
 def deliveries_for(run_id, group, rollout, sample_index, answer, label="7", check=None, group_size=2,
-                   segments=1, attempt="a1"):
+                   segments=1, attempt="a1", status="completed"):
     ids = dict(run_id=run_id, group_id=group, rollout_id=rollout, trajectory_id=rollout, session_id=rollout)
     out = []
     for index in range(segments):
         segment = TrajectorySegment(segment_index=index, attempt=attempt, tokens=[1, 2, 3 + index], response_length=1,
                                     loss_mask=[0, 0, 1], rollout_logprobs=[0.0, 0.0, -0.3], turn_policy_versions=[0],
-                                    status="completed", response_text=answer, sample_index=sample_index,
+                                    status=status, response_text=answer, sample_index=sample_index,
                                     group_size=group_size)
         out.append(Delivery("trajectories", "0-1", make_envelope(segment, **ids)))
-    finished = TrajectoryFinished(status="completed", attempt=attempt, segment_count=segments, group_size=group_size,
+    finished = TrajectoryFinished(status=status, attempt=attempt, segment_count=segments, group_size=group_size,
                                   sample_index=sample_index, response_text=answer, label=label, sandbox_check=check)
     return out + [Delivery("trajectories", "0-2", make_envelope(finished, **ids))]
+
+
+def pair(run_id, group, first, answers, check=None):
+    """Both rollouts of a group of two, r<first> and r<first+1>, the run's samples first-1 and first."""
+    return [d for i, answer in enumerate(answers)
+            for d in deliveries_for(run_id, group, f"r{first + i}", first - 1 + i, answer, check=check)]
 
 
 def grade(run_id, group, rollout, score):
@@ -37,6 +43,53 @@ def feed(book, deliveries):
         if group and book.complete_if_ready(group):
             completed.append(group)
     return completed
+
+
+def serve(book, deliveries):
+    """Handle deliveries as the service does (record, complete, flush after each); returns the batches."""
+    batches = []
+    for d in deliveries:
+        group = book.record(d)
+        if group:
+            book.complete_if_ready(group)
+        batches.extend(book.flush_batches(book.bus.keys.run_id))
+    return batches
+
+
+def assigned(bus):
+    return {d.envelope.rollout_id: (d.event.reward, d.event.advantage, d.event.source) for d in bus.read_all("rewards")}
+
+
+def answer_length(response: str, label: str | None) -> float:
+    """A reward function outside the package, loaded by its import path (reward.function)."""
+    return float(len(response))
+
+
+@pytest.fixture
+def replay_bus(bus):
+    """A second run on the same server, to handle the same events again."""
+    other = Bus(bus.redis, f"{bus.keys.run_id}-replay", bus.settings)
+    yield other
+    other.delete_run()
+
+
+def four_groups(run):
+    """(trajectories, grades): four groups finishing in the order g1..g4; g1 and g3 are graded in a sandbox."""
+    trajectories = (pair(run, "g1", 1, ("3", "4"), check="test") + pair(run, "g2", 3, ("7", "nope"))
+                    + pair(run, "g3", 5, ("5", "6"), check="test") + pair(run, "g4", 7, ("x", "7")))
+    grades = {"g1": [grade(run, "g1", "r1", 1.0), grade(run, "g1", "r2", 0.0)],
+              "g3": [grade(run, "g3", "r5", 0.0), grade(run, "g3", "r6", 1.0)]}
+    return trajectories, grades
+
+
+def graded_as_they_finish(run):
+    trajectories, grades = four_groups(run)
+    return trajectories[:4] + grades["g1"] + trajectories[4:12] + grades["g3"] + trajectories[12:]
+
+
+def graded_late_in_reverse(run):
+    trajectories, grades = four_groups(run)
+    return trajectories + grades["g3"] + grades["g1"]
 
 
 def test_group_completes_once_with_grpo_advantages_and_batches_whole_groups(bus, tmp_path):
@@ -139,3 +192,99 @@ def test_without_filtering_a_group_with_one_reward_for_all_is_batched(bus, tmp_p
     (batch,) = book.flush_batches(run)
     assert [r.advantage for r in read_batch(book.storage, batch.uri)] == [0.0, 0.0]
     assert bus.redis.get(bus.keys.filtered) is None and book.filtered_groups() == 0
+
+
+def test_in_finish_order_batches_do_not_depend_on_when_grades_arrive(bus, replay_bus, tmp_path):
+    first = RewardBook(bus, Storage(str(tmp_path / "first")), batch_size=4)
+    replay = RewardBook(replay_bus, Storage(str(tmp_path / "replay")), batch_size=4)
+    batches = serve(first, graded_as_they_finish(bus.keys.run_id))
+    replayed = serve(replay, graded_late_in_reverse(replay_bus.keys.run_id))
+
+    # the groups completed in another order ...
+    assert list(assigned(bus)) == ["r1", "r2", "r3", "r4", "r5", "r6", "r7", "r8"]
+    assert list(assigned(replay_bus)) == ["r3", "r4", "r7", "r8", "r5", "r6", "r1", "r2"]
+    # ... and still made the same batches, of the same rows, with the same rewards
+    assert [b.group_ids for b in batches] == [["g1", "g2"], ["g3", "g4"]]
+    assert [b.batch_id for b in replayed] == [b.batch_id for b in batches]
+    for batch, again in zip(batches, replayed):
+        assert read_batch(replay.storage, again.uri) == read_batch(first.storage, batch.uri)
+    assert assigned(replay_bus) == assigned(bus)
+    assert assigned(bus)["r1"] == (1.0, pytest.approx(1.0, abs=1e-4), "sandbox")
+
+
+def test_in_completion_order_a_group_that_completes_first_is_batched_first(bus, tmp_path):
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=4, batch_order="completed")
+    batches = serve(book, graded_late_in_reverse(bus.keys.run_id))
+    assert [b.group_ids for b in batches] == [["g2", "g4"], ["g3", "g1"]]
+
+
+def test_a_group_waiting_for_a_grade_holds_back_the_groups_that_finished_after_it(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2)
+    waiting = pair(run, "g1", 1, ("3", "4"), check="test")
+    later = pair(run, "g2", 3, ("7", "nope"))
+    assert feed(book, waiting + later) == ["g2"]
+    assert set(assigned(bus)) == {"r3", "r4"}  # its rewards are out, but it is not batched ahead of g1
+    assert book.flush_batches(run) == []
+    assert feed(book, [grade(run, "g1", "r1", 0.0)]) == [] and book.flush_batches(run) == []
+    assert feed(book, [grade(run, "g1", "r2", 1.0)]) == ["g1"]
+    assert [b.group_ids for b in book.flush_batches(run)] == [["g1"], ["g2"]]
+
+
+def test_a_filtered_group_keeps_its_place_in_finish_order_without_being_batched(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2, filter_zero_variance=True)
+    waiting = pair(run, "g1", 1, ("3", "4"), check="test")
+    same = pair(run, "g2", 3, ("7", "7"))
+    mixed = pair(run, "g3", 5, ("7", "nope"))
+    assert serve(book, waiting + same + mixed) == []
+    assert book.filtered_groups() == 1  # counted when it completes, as its slots can be admitted again
+    batches = serve(book, [grade(run, "g1", "r1", 0.0), grade(run, "g1", "r2", 1.0)])
+    assert [b.group_ids for b in batches] == [["g1"], ["g3"]]
+    assert book.flush_batches(run) == [] and book.filtered_groups() == 1
+
+
+def test_a_completed_group_is_remembered_by_an_expiring_marker_not_a_growing_set(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2, done_ttl_s=600)
+
+    def without_expiry():
+        return {k for k in bus.redis.scan_iter(match=f"{bus.keys.prefix}:*") if bus.redis.ttl(k) == -1}
+
+    g1 = pair(run, "g1", 1, ("7", "3"))
+    assert len(serve(book, g1)) == 1
+    assert feed(book, g1[-1:]) == []  # a late redelivery of its last TrajectoryFinished ...
+    assert not bus.redis.exists(book.group_key("g1"))  # ... opens no group again
+    assert book.flush_batches(run) == [] and len(bus.read_all("rewards")) == 2
+    assert 0 < bus.redis.ttl(book.done_key("g1")) <= 600
+    kept = without_expiry()
+
+    more = (pair(run, "g2", 3, ("7", "3")) + pair(run, "g3", 5, ("7", "3"), check="test")
+            + [grade(run, "g3", "r5", 1.0), grade(run, "g3", "r6", 0.0)])
+    assert len(serve(book, more)) == 2
+    assert without_expiry() == kept  # what outlives the groups does not grow with them
+
+
+@pytest.mark.parametrize("spec, r1, r2", [("exact_match", 1.0, 0.0), (f"{__name__}:answer_length", 1.0, 4.0)])
+def test_a_reward_function_scores_every_rollout_without_waiting_for_grades(bus, tmp_path, spec, r1, r2):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=3, reward_function=spec)
+    deliveries = (deliveries_for(run, "g", "r1", 0, "7", check="test", group_size=3)
+                  + deliveries_for(run, "g", "r2", 1, "nope", check="test", group_size=3)
+                  + deliveries_for(run, "g", "r3", 2, "7", group_size=3, status="failed"))
+    assert feed(book, deliveries) == ["g"]  # no grade was reported
+    assert {r: (reward, source) for r, (reward, _, source) in assigned(bus).items()} == {
+        "r1": (r1, spec), "r2": (r2, spec), "r3": (0.0, "failed")}
+    assert feed(book, [grade(run, "g", "r1", 0.0)]) == []
+    (batch,) = book.flush_batches(run)
+    assert [r.reward for r in read_batch(book.storage, batch.uri)] == [r1, r2, 0.0]
+
+
+@pytest.mark.parametrize("setting, error", [
+    (dict(reward_function="bleu"), "unknown reward function 'bleu'"),
+    (dict(reward_function="no_such_module:score"), "cannot import module 'no_such_module'"),
+    (dict(batch_order="random"), "unknown batch order 'random'; use one of finished, completed"),
+])
+def test_a_bad_setting_stops_the_book_at_start(bus, tmp_path, setting, error):
+    with pytest.raises(ValueError, match=error):
+        RewardBook(bus, Storage(str(tmp_path)), batch_size=2, **setting)
