@@ -20,15 +20,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cli.local_run import LocalRun  # noqa: E402
+from shared.archive import read_history  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.events import PromptIssued, RewardAssigned  # noqa: E402
 
 
 def rewards_by_version(local: LocalRun) -> dict[int, list[float]]:
-    admitted_at = {d.envelope.rollout_id: d.event.policy_version for d in local.bus.read_all("prompts")
+    admitted_at = {d.envelope.rollout_id: d.event.policy_version for d in read_history(local.bus, "prompts", local.settings.storage_uri)
                    if isinstance(d.event, PromptIssued)}
     out: dict[int, list[float]] = {}
-    for delivery in local.bus.read_all("rewards"):
+    for delivery in read_history(local.bus, "rewards", local.settings.storage_uri):
         if isinstance(delivery.event, RewardAssigned):
             out.setdefault(admitted_at[delivery.envelope.rollout_id], []).append(delivery.event.reward)
     return out

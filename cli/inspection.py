@@ -13,6 +13,7 @@ apart from rendering (`*_table`, `render_*`), which returns rich renderables.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -726,6 +727,9 @@ def render_rollout(doc: dict[str, Any]) -> Group:
 
 # --------------------------------------------------------------------------------------------- diff
 IGNORED_ENVELOPE_FIELDS = ("time", "run_id", "event_id")
+MEASURED_FIELDS = ("duration_s", "metrics.*seconds*")
+"""Wall-clock measurements (a grade's duration, the trainer's step and sync times): they differ between
+any two executions, so diff leaves them out unless asked for --exact (fnmatch patterns on field names)."""
 _MISSING = object()
 
 
@@ -960,7 +964,8 @@ def compare_batch_rows(a: SideEvents, b: SideEvents, event_a: BatchReady, event_
     return diff
 
 
-def compare_stream(stream: str, a: SideEvents, b: SideEvents, na: Normalizer, nb: Normalizer) -> StreamDiff:
+def compare_stream(stream: str, a: SideEvents, b: SideEvents, na: Normalizer, nb: Normalizer,
+                   ignore: tuple[str, ...] = MEASURED_FIELDS) -> StreamDiff:
     def keyed(events: list[Envelope], normalizer: Normalizer) -> dict[str, Envelope]:
         out: dict[str, Envelope] = {}
         seen: Counter = Counter()
@@ -983,7 +988,8 @@ def compare_stream(stream: str, a: SideEvents, b: SideEvents, na: Normalizer, nb
         fa, fb = na.fields(env_a), nb.fields(env_b)
         changes = [FieldChange(name, fa.get(name, _MISSING), fb.get(name, _MISSING))
                    for name in list(fa) + [n for n in fb if n not in fa]
-                   if fa.get(name, _MISSING) != fb.get(name, _MISSING)]
+                   if fa.get(name, _MISSING) != fb.get(name, _MISSING)
+                   and not any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)]
         rows = None
         if isinstance(env_a.payload, BatchReady) and isinstance(env_b.payload, BatchReady):
             rows = compare_batch_rows(a, b, env_a.payload, env_b.payload, na, nb)
@@ -998,7 +1004,8 @@ def compare_stream(stream: str, a: SideEvents, b: SideEvents, na: Normalizer, nb
 
 
 def diff_runs(a: RunSource, b: RunSource, streams: Iterable[StreamName] = STREAMS, normalize: bool = True,
-              label_a: str | None = None, label_b: str | None = None) -> DiffReport:
+              label_a: str | None = None, label_b: str | None = None,
+              ignore: tuple[str, ...] = MEASURED_FIELDS) -> DiffReport:
     """Compare two runs' histories event by event, matched by event id (see Normalizer)."""
     streams = list(streams)
     wanted = list(dict.fromkeys([*streams, *(["batches"] if normalize and "policy" in streams else [])]))
@@ -1015,7 +1022,7 @@ def diff_runs(a: RunSource, b: RunSource, streams: Iterable[StreamName] = STREAM
         mapping = {batch: groups_a[groups] for groups, batch in _batch_groups(side_b, nb).items()
                    if groups in groups_a and batch not in ids_a and groups_a[groups] != batch}
         nb.with_batches(mapping)
-    results = [compare_stream(stream, side_a, side_b, na, nb) for stream in streams]
+    results = [compare_stream(stream, side_a, side_b, na, nb, ignore) for stream in streams]
     counts = (sum(len(side_a.events[s]) for s in streams), sum(len(side_b.events[s]) for s in streams))
     return DiffReport(side_a.label, side_b.label, results, counts)
 
@@ -1153,6 +1160,8 @@ def diff_command(
     limit: Annotated[int, typer.Option(help="Events (and batch rows) listed per stream.")] = 10,
     normalize: Annotated[bool, typer.Option(help="Match across runs: run ids, storage roots, attempt ids and "
                                             "batch ids of the same groups are made alike.")] = True,
+    exact: Annotated[bool, typer.Option(help="Compare wall-clock measurements too (" + ", ".join(MEASURED_FIELDS)
+                                        + "); by default they are left out.")] = False,
     redis_url: RedisUrl = None,
     storage: StorageOpt = None,
     redis_url_b: Annotated[Optional[str], typer.Option(help="Redis of run B (default: --redis-url).")] = None,
@@ -1177,6 +1186,7 @@ def diff_command(
         source_b = open_run(client_b, storage_b or storage, run_b)
     except InspectError as exc:
         _fail(str(exc), 2)
-    report = diff_runs(source_a, source_b, list(dict.fromkeys(selected)), normalize=normalize)
+    report = diff_runs(source_a, source_b, list(dict.fromkeys(selected)), normalize=normalize,
+                       ignore=() if exact else MEASURED_FIELDS)
     out_console().print(render_diff(report, limit))
     raise typer.Exit(0 if report.identical else 1)

@@ -37,7 +37,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import redis
 
-from shared.bus import STREAMS, Bus, StreamName
+from shared.bus import STREAMS, Bus, Delivery, StreamName
 from shared.events import Envelope, EventDecodeError, decode
 from shared.storage import Storage
 
@@ -499,6 +499,18 @@ def stream_history(bus: Bus, stream: StreamName, storage_uri: str | None) -> lis
     """A stream's whole history: archived entries, then live ones (see StreamHistory)."""
     reader = ArchiveReader(storage_uri, bus.keys.run_id) if storage_uri else None
     return StreamHistory(bus, stream, reader).new_entries()
+
+
+def read_history(bus: Bus, stream: StreamName, storage_uri: str | None) -> list[Delivery]:
+    """Every event a stream has had, decoded (entries that are no event left out): what `Bus.read_all`
+    gives for a stream nothing trimmed, for a recorded run."""
+    out = []
+    for entry_id, fields in stream_history(bus, stream, storage_uri):
+        try:
+            out.append(Delivery(stream, entry_id, decode(fields)))
+        except EventDecodeError:
+            continue
+    return out
 
 
 # --------------------------------------------------------------------------------------------- trim

@@ -51,7 +51,9 @@ def main() -> None:
         if not isinstance(event, TrajectoryFinished) or not event.needs_grade:
             return
         envelope = delivery.envelope
-        job_id = f"grade-{envelope.rollout_id}"
+        # RQ job ids are global to the Redis: the run is part of the id, or a replay of this rollout into
+        # another run would find the original's job and never grade.
+        job_id = f"grade-{settings.run_id}-{envelope.rollout_id}"
         try:
             Job.fetch(job_id, connection=bus.redis)
             return

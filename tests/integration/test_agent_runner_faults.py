@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli.local_run import LocalRun
+from shared.archive import read_history
 from shared.batches import read_batch
 from shared.bus import consumer_name
 from shared.config import Settings
@@ -84,7 +85,7 @@ def rows_by_batch(local: LocalRun):
 
 def test_the_killed_replicas_episodes_were_finished_by_the_other(run):
     local = run["local"]
-    prompts = {d.entry_id: d.envelope.rollout_id for d in local.bus.read_all("prompts")
+    prompts = {d.entry_id: d.envelope.rollout_id for d in read_history(local.bus, "prompts", local.settings.storage_uri)
                if isinstance(d.event, PromptIssued)}
     batched = {row.rollout_id for rows in rows_by_batch(local).values() for row in rows}
     assert run["held"] and {prompts[entry] for entry in run["held"]} <= batched
@@ -93,7 +94,7 @@ def test_the_killed_replicas_episodes_were_finished_by_the_other(run):
 
 def test_no_sample_lost_and_none_batched_twice(run):
     local = run["local"]
-    dispatched = [d.envelope.rollout_id for d in local.bus.read_all("prompts") if isinstance(d.event, PromptIssued)]
+    dispatched = [d.envelope.rollout_id for d in read_history(local.bus, "prompts", local.settings.storage_uri) if isinstance(d.event, PromptIssued)]
     rows = [row for rows in rows_by_batch(local).values() for row in rows]
     assert sorted({r.rollout_id for r in rows}) == sorted(dispatched)
     segments = Counter((r.rollout_id, r.segment_index) for r in rows)

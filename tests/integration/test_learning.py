@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cli.local_run import LocalRun
+from shared.archive import read_history
 from shared.config import Settings
 from shared.events import PolicyUpdated, PromptIssued, RewardAssigned
 
@@ -73,20 +74,23 @@ def held_out_rewards(model: Path) -> list[float]:
     return evaluate(model, HELD_OUT)["rewards"]
 
 
+def history(local: LocalRun, stream: str):
+    return read_history(local.bus, stream, local.settings.storage_uri)
+
+
 def test_rl_raises_the_reward_by_a_clear_margin(learning_run, warm_model):
     """The final policy against its starting point, on the same held-out prompts; and the rewards
     the run itself collected, early versions against late ones."""
-    final = Path([d.event for d in learning_run.bus.read_all("policy")][-1].checkpoint_uri)
+    final = Path([d.event for d in history(learning_run, "policy")][-1].checkpoint_uri)
     before, after = held_out_rewards(warm_model), held_out_rewards(final)
     z = welch_z(before, after)
     print(f"held-out mean reward {statistics.fmean(before):.3f} -> {statistics.fmean(after):.3f}, z = {z:.1f}")
     assert statistics.fmean(after) - statistics.fmean(before) >= 0.1
     assert z >= 3.0  # one-sided p < 0.0015
 
-    bus = learning_run.bus
-    admitted_at = {d.envelope.rollout_id: d.event.policy_version for d in bus.read_all("prompts")
+    admitted_at = {d.envelope.rollout_id: d.event.policy_version for d in history(learning_run, "prompts")
                    if isinstance(d.event, PromptIssued)}
-    collected = [(admitted_at[d.envelope.rollout_id], d.event.reward) for d in bus.read_all("rewards")
+    collected = [(admitted_at[d.envelope.rollout_id], d.event.reward) for d in history(learning_run, "rewards")
                  if isinstance(d.event, RewardAssigned)]
     early = [reward for version, reward in collected if version < WINDOW]
     late = [reward for version, reward in collected if version > VERSIONS - 1 - WINDOW]
@@ -98,7 +102,7 @@ def test_rl_raises_the_reward_by_a_clear_margin(learning_run, warm_model):
 def test_training_metrics_reached_tensorboard(learning_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    updates = [d.event for d in learning_run.bus.read_all("policy") if isinstance(d.event, PolicyUpdated)]
+    updates = [d.event for d in history(learning_run, "policy") if isinstance(d.event, PolicyUpdated)]
     events = EventAccumulator(str(Path(learning_run.settings.run_dir()) / "tensorboard"))
     events.Reload()
     rewards = events.Scalars("reward/batch_mean")

@@ -17,19 +17,17 @@ import torch
 from cli.local_run import LocalRun
 from shared.batches import read_batch
 from shared.config import Settings
-from shared.archive import ArchiveReader, stream_history
-from shared.bus import Bus, Delivery
+from shared.archive import ArchiveReader, read_history
+from shared.bus import Bus
 from shared.events import (
     BatchReady,
     DeadLettered,
-    EventDecodeError,
     GradeReported,
     PolicyUpdated,
     PromptIssued,
     RewardAssigned,
     TrajectoryFinished,
     TrajectoryTurn,
-    decode,
 )
 from shared.storage import Storage
 
@@ -100,17 +98,9 @@ async def probe_served_logprobs(local: LocalRun, model: Path) -> dict:
 
 
 def events(local: LocalRun, stream, kind, run_id: str | None = None):
-    """A stream's whole history (the recorder trims what it archived), decoded, of one kind."""
+    """A stream's whole history (the recorder trims what it archived), of one kind."""
     bus = local.bus if run_id is None else Bus(local.bus.redis, run_id)
-    out = []
-    for entry_id, fields in stream_history(bus, stream, local.settings.storage_uri):
-        try:
-            envelope = decode(fields)
-        except EventDecodeError:
-            continue
-        if isinstance(envelope.payload, kind):
-            out.append(Delivery(stream, entry_id, envelope))
-    return out
+    return [d for d in read_history(bus, stream, local.settings.storage_uri) if isinstance(d.event, kind)]
 
 
 def all_batch_rows(local: LocalRun):
@@ -253,27 +243,50 @@ def rewards_by_event(local, run_id=None) -> dict[str, tuple]:
             for d in events(local, "rewards", RewardAssigned, run_id)}
 
 
-def test_a_replay_reproduces_the_rewards_advantages_and_batches(run, rescored):
-    local = run["local"]
-    settings, result = rescored
-    assert result.services == ("reward", "recorder") and result.exit_codes == {"reward": 0, "recorder": 0}
-    original, replay = rewards_by_event(local), rewards_by_event(local, settings.run_id)
+def assert_reproduced(local, replay_run_id: str) -> None:
+    """The replay's rewards, advantages and batches are the original's."""
+    original, replay = rewards_by_event(local), rewards_by_event(local, replay_run_id)
     assert original and all(replay.get(event_id) == values for event_id, values in original.items())
     # The original run was stopped mid-flight: what its reward service had not handled yet, the replay
     # handles now; those are groups the original never completed.
     original_groups = {d.envelope.group_id for d in events(local, "rewards", RewardAssigned)}
-    extra = {d.envelope.group_id for d in events(local, "rewards", RewardAssigned, settings.run_id)
+    extra = {d.envelope.group_id for d in events(local, "rewards", RewardAssigned, replay_run_id)
              if d.envelope.event_id not in original}
     assert not extra & original_groups
 
     storage = Storage(local.settings.storage_uri)
     before = [d.event for d in events(local, "batches", BatchReady)]
-    after = [d.event for d in events(local, "batches", BatchReady, settings.run_id)]
+    after = [d.event for d in events(local, "batches", BatchReady, replay_run_id)]
     assert before and [b.batch_id for b in after[:len(before)]] == [b.batch_id for b in before]
     for old, new in zip(before, after):
         assert old.group_ids == new.group_ids and old.mean_reward == new.mean_reward
         assert new.uri != old.uri  # written by the replay, under its own run
         assert read_batch(storage, new.uri) == read_batch(storage, old.uri)
+
+
+def test_a_replay_reproduces_the_rewards_advantages_and_batches(run, rescored):
+    settings, result = rescored
+    assert result.services == ("reward", "recorder") and result.exit_codes == {"reward": 0, "recorder": 0}
+    assert_reproduced(run["local"], settings.run_id)
+
+
+def test_a_replay_regrades_finished_rollouts_in_a_new_order_to_the_same_batches(run):
+    """The grader runs again: its grades arrive in another order than the original's, and the reward
+    service still builds the same batches (batch_order=finished)."""
+    local = run["local"]
+    settings, result = replayed(local.settings, "regraded", streams=("trajectories",), finished_only=True,
+                                services=("sandbox-grader", "reward"))
+    try:
+        assert result.published == {"trajectories": result.published["trajectories"]}
+        original = {d.envelope.rollout_id: d.event for d in events(local, "grades", GradeReported)}
+        regraded = {d.envelope.rollout_id: d.event for d in events(local, "grades", GradeReported, settings.run_id)}
+        assert original and set(original) <= set(regraded)
+        for rollout, grade in original.items():
+            assert (regraded[rollout].score, regraded[rollout].passed, regraded[rollout].reason) == (
+                grade.score, grade.passed, grade.reason)
+        assert_reproduced(local, settings.run_id)
+    finally:
+        Bus(local.bus.redis, settings.run_id).delete_run()
 
 
 def test_a_replay_through_a_new_reward_function_needs_no_agent_or_vllm(run, tmp_path, monkeypatch):

@@ -77,7 +77,7 @@ class Built:
 
 
 def build_run(bus: Bus, storage: str, tokenizer, r1_reward: float = 0.0, r1_advantage: float = -0.7071,
-              r1_row_advantage: float | None = None) -> Built:
+              r1_row_advantage: float | None = None, grade_duration_s: float = 0.25) -> Built:
     """A two-rollout group as the services publish it (deterministic event ids, random attempts)."""
     run = bus.keys.run_id
     r0, r1 = f"{run}-r0000000", f"{run}-r0000001"
@@ -133,7 +133,7 @@ def build_run(bus: Bus, storage: str, tokenizer, r1_reward: float = 0.0, r1_adva
     publish1(TrajectoryFinished(status="completed", attempt=attempt1, segment_count=1, group_size=2, sample_index=1,
                                 response_text="41", label="42"), "finished")
 
-    bus.publish("grades", GradeReported(score=1.0, passed=True, reason="exit status 0", duration_s=0.25),
+    bus.publish("grades", GradeReported(score=1.0, passed=True, reason="exit status 0", duration_s=grade_duration_s),
                 event_id=f"{r0}:grade", **ids(r0))
     rewards = {r0: (1.0, 0.7071), r1: (r1_reward, r1_advantage)}
     for rollout, (reward, advantage) in rewards.items():
@@ -349,12 +349,14 @@ def test_diff_finds_exactly_the_changed_reward_and_batch_row(bus, tmp_path, toke
     storage = str(tmp_path)
     a = build_run(bus, storage, tokenizer)
     set_up_groups_and_trim(bus, storage)
-    others = {name: Bus(bus.redis, f"{bus.keys.run_id}-{name}") for name in ("same", "changed", "rows", "archived")}
+    others = {name: Bus(bus.redis, f"{bus.keys.run_id}-{name}")
+              for name in ("same", "changed", "rows", "archived", "slower")}
     try:
         build_run(others["same"], storage, tokenizer)
         changed = build_run(others["changed"], storage, tokenizer, r1_reward=1.0, r1_advantage=0.5)
         build_run(others["rows"], storage, tokenizer, r1_row_advantage=-0.25)
         build_run(others["archived"], storage, tokenizer)
+        build_run(others["slower"], storage, tokenizer, grade_duration_s=0.5)
         archive_everything(others["archived"], storage)
         others["archived"].delete_run()
 
@@ -402,6 +404,10 @@ def test_diff_finds_exactly_the_changed_reward_and_batch_row(bus, tmp_path, toke
 
         result = diff("changed", "--streams", "prompts,trajectories,grades,policy")
         assert result.exit_code == 0, result.output
+        # a wall-clock measurement is no difference, unless asked for
+        assert diff("slower").exit_code == 0
+        result = diff("slower", "--exact")
+        assert result.exit_code == 1 and "duration_s 0.25 -> 0.5" in result.stdout
         result = diff("changed", "--streams", "nonsense")
         assert result.exit_code == 2 and "unknown stream" in result.output
     finally:
