@@ -315,6 +315,8 @@ def main() -> None:
             counts["groups_completed"] += 1
             counts["groups_filtered"] = book.filtered_groups()
         flush()
+        # sealed, not yet batched: a number that keeps growing means a group waits for a grade that is not coming
+        counts["groups_waiting_in_order"] = bus.redis.zcard(book.sealed_key)
         runtime.status.update(counts)
 
     # what a crashed predecessor completed but had not released or batched yet
