@@ -30,6 +30,9 @@ from shared.events import BatchReady, DeadLettered, EventDecodeError, PolicyUpda
 from shared.vllm_server import free_port
 
 SERVICES = ("dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder")
+CONSUMES: dict[str, tuple[StreamName, ...]] = {"agent-runner": ("prompts",), "sandbox-grader": ("trajectories",),
+                                               "reward": ("trajectories", "grades"), "trainer": ("batches",)}
+"""The streams each service reads through a consumer group named after the service."""
 STOP_GRACE_S = 30.0
 
 
@@ -228,21 +231,17 @@ class LocalRun:
 
     def backlog(self) -> dict[str, int]:
         """Work the run's consumers have not finished: per stream and group, entries not yet delivered
-        plus delivered and unacknowledged; and sandbox jobs queued, running or scheduled for a retry."""
+        plus delivered and unacknowledged (a running service's group that does not exist yet: all of the
+        stream); and sandbox jobs queued, running or scheduled for a retry."""
         from rq import Queue
 
         assert self.bus is not None
         out: dict[str, int] = {}
-        for stream in STREAMS:
-            try:
-                groups = self.bus.redis.xinfo_groups(self.bus.keys.stream(stream))
-            except redis.ResponseError:
-                continue
-            for info in groups:
-                group = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
-                undelivered, pending = self.bus.group_lag(stream, group)
-                if undelivered + pending:
-                    out[f"{stream}/{group}"] = undelivered + pending
+        for stream, group in sorted({(stream, service) for service in self.services
+                                     for stream in CONSUMES.get(service, ())}):
+            undelivered, pending = self.bus.group_lag(stream, group)
+            if undelivered + pending:
+                out[f"{stream}/{group}"] = undelivered + pending
         queue = Queue(f"{self.bus.keys.prefix}:{self.settings.grader.queue}", connection=self.bus.redis)
         jobs = queue.count + queue.started_job_registry.count + queue.scheduled_job_registry.count
         if jobs:

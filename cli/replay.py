@@ -44,7 +44,7 @@ class ReplayResult:
 
 
 def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] = DEFAULT_STREAMS,
-               finished_only: bool = False, pace: Pace = Pace(None), source: str = "auto",
+               finished_only: bool = False, skip_dead_lettered: bool = False, pace: Pace = Pace(None), source: str = "auto",
                source_redis_url: str | None = None, services: tuple[str, ...] = (),
                timeout_s: float = 1800.0, quiet_s: float = 3.0, on_step=lambda message: None) -> ReplayResult:
     """Replay `source_run` into `settings.run_id`; see the module docstring."""
@@ -56,7 +56,8 @@ def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] 
     if settings.run_id == source_run:
         raise ReplayError("the target run id must differ from the source run id")
     source_bus = _source_bus(source, source_redis_url or settings.redis_url, source_run, settings)
-    plan = ReplayPlan(source_run, settings.storage_uri, source_bus, tuple(streams), finished_only)
+    plan = ReplayPlan(source_run, settings.storage_uri, source_bus, tuple(streams), finished_only=finished_only,
+                      skip_dead_lettered=skip_dead_lettered)
     on_step(f"reading {source_run} ({'Redis and its archive' if source_bus else 'archive'})")
     plan.validate()
 
@@ -106,6 +107,7 @@ def replay(
     to: Annotated[str, typer.Option(help="The new run id to replay into (must be unused).")],
     streams: Annotated[str, typer.Option(help="Comma-separated streams to replay.")] = ",".join(DEFAULT_STREAMS),
     finished_only: Annotated[bool, typer.Option(help="Only entries of rollouts that finished.")] = False,
+    skip_dead_lettered: Annotated[bool, typer.Option(help="Leave out the entries the source run dead-lettered.")] = False,
     pace: Annotated[str, typer.Option(help="fast, original, or a speed-up factor (10 or 10x).")] = "fast",
     source: Annotated[str, typer.Option("--from", help="auto: the live Redis namespace if it exists (its trimmed "
                                         "part from the archive), else the archive; or archive / redis.")] = "auto",
@@ -121,6 +123,7 @@ def replay(
         wanted = tuple(s.strip() for s in services.split(",") if s.strip())
         with console.status("replaying") as status:
             result = replay_run(settings, source_run, streams=chosen, finished_only=finished_only,
+                                skip_dead_lettered=skip_dead_lettered,
                                 pace=Pace.parse(pace), source=source, source_redis_url=source_redis_url,
                                 services=wanted, timeout_s=timeout, on_step=status.update)
     except (ReplayError, ValueError, TimeoutError) as exc:

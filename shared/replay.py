@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 
 from shared.archive import ArchiveError, ArchiveReader, RawEntry, StreamHistory, parse_id
 from shared.bus import STREAMS, Bus, StreamName
-from shared.events import Envelope, EventDecodeError, TrajectoryFinished, decode
+from shared.events import DeadLettered, Envelope, EventDecodeError, TrajectoryFinished, decode
 from shared.storage import Storage
 
 DEFAULT_STREAMS: tuple[StreamName, ...] = tuple(s for s in STREAMS if s != "dead")
@@ -93,6 +93,11 @@ class ReplayPlan:
     streams: tuple[StreamName, ...] = DEFAULT_STREAMS
     finished_only: bool = False
     """Only the entries of rollouts that have a TrajectoryFinished (plus entries that belong to no rollout)."""
+    skip_dead_lettered: bool = False
+    """Leave out the entries the source run's services dead-lettered (they would fail again, or fail the
+    validation: an unknown schema version there is the source's own bad input, not archive damage)."""
+    dead_lettered: set[tuple[str, str]] = field(default_factory=set)
+    """(stream, entry id) of every entry the source dead-lettered; filled by validate()."""
     finished_rollouts: set[str] = field(default_factory=set)
     last_ids: dict[StreamName, str] = field(default_factory=dict)
     """The newest entry per stream seen by validate(): a live source may grow, the replay stops there."""
@@ -115,7 +120,8 @@ class ReplayPlan:
         for entry_id, fields, origin in entries:
             if until is not None and parse_id(entry_id) > parse_id(until):
                 return
-            yield SourceEntry(stream, entry_id, fields, origin)
+            if (stream, entry_id) not in self.dead_lettered:
+                yield SourceEntry(stream, entry_id, fields, origin)
 
     def entries(self) -> Iterator[SourceEntry]:
         """The selected entries of every chosen stream, merged in entry-id order (ties in stream order)."""
@@ -136,6 +142,12 @@ class ReplayPlan:
         the first damage. Returns how many entries each stream will replay."""
         self.finished_rollouts = set()
         self.last_ids = {}
+        self.dead_lettered = set()
+        if self.skip_dead_lettered:
+            for entry in self._stream_entries("dead"):
+                event = entry.envelope().payload
+                if isinstance(event, DeadLettered):
+                    self.dead_lettered.add((event.stream, event.entry_id))
         seen = 0
         for stream in self.streams:
             try:

@@ -320,3 +320,31 @@ def test_a_replay_through_a_new_reward_function_needs_no_agent_or_vllm(run, tmp_
                 assert row.reward == new_rewards[row.rollout_id].event.reward
     finally:
         Bus(local.bus.redis, new_settings.run_id).delete_run()
+
+
+def test_a_replay_of_the_batches_retrains_the_same_steps(run):
+    """The trainer on the recorded batches, from the same start, without a fleet: every version the
+    original trained comes out with the same loss, metrics and weights (a trainer problem reproduces)."""
+    from safetensors.torch import load_file
+
+    local = run["local"]
+    settings, result = replayed(local.settings, "retrained", streams=("batches",), services=("trainer",),
+                                skip_dead_lettered=True)  # the fixture's malformed batch entry
+    try:
+        assert result.exit_codes == {"trainer": 0, "recorder": 0}
+        original = [d.event for d in events(local, "policy", PolicyUpdated)]
+        again = {d.event.version: d.event for d in events(local, "policy", PolicyUpdated, settings.run_id)}
+        assert original and set(u.version for u in original) <= set(again)
+        for update in original:
+            redone = again[update.version]
+            assert redone.batch_id == update.batch_id and redone.servers == []  # fleet-less
+            assert (redone.trained_samples, redone.dropped) == (update.trained_samples, update.dropped)
+            assert redone.loss == pytest.approx(update.loss, abs=1e-6)
+            measured = {k for k in update.metrics if "seconds" in k or k.startswith("sync/")}
+            assert {k: v for k, v in redone.metrics.items() if k not in measured} == pytest.approx(
+                {k: v for k, v in update.metrics.items() if k not in measured}, abs=1e-6)
+        final, final_again = (load_file(Path(u.checkpoint_uri) / "model.safetensors")
+                              for u in (original[-1], again[original[-1].version]))
+        assert max((final[name] - final_again[name]).abs().max().item() for name in final) <= 1e-6
+    finally:
+        Bus(local.bus.redis, settings.run_id).delete_run()

@@ -179,3 +179,20 @@ def env_for(target: Bus, storage: Path) -> dict:
 def test_streams_must_exist(tmp_path):
     with pytest.raises(ValueError, match="unknown streams nope"):
         ReplayPlan("r", str(tmp_path), streams=("nope",))
+
+
+def test_entries_the_source_dead_lettered_can_be_left_out(bus, target, tmp_path):
+    """A malformed entry the original services dead-lettered is the source's own bad input: by default the
+    replay refuses it like any damage; with skip_dead_lettered it leaves exactly that entry out."""
+    record_a_run(bus, tmp_path)
+    bad = bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "99", "body": b""}).decode()
+    bus.ensure_group("prompts", "runner")
+    bus.dead_letter("prompts", "runner", bad, {b"type": b"PromptIssued", b"v": b"99"}, 1, "schema version '99'")
+    archive_all(bus, tmp_path)
+    with pytest.raises(ReplayError, match=f"entry {bad}: PromptIssued schema version '99'"):
+        ReplayPlan(bus.keys.run_id, str(tmp_path), streams=("prompts",)).validate()
+    plan = ReplayPlan(bus.keys.run_id, str(tmp_path), streams=("prompts",), skip_dead_lettered=True)
+    assert plan.validate() == {"prompts": 3} and plan.dead_lettered == {("prompts", bad)}
+    publish(plan, target, Pace.parse("fast"))
+    assert raw(target, "prompts") == [fields for entry_id, fields in bus.redis.xrange(bus.keys.stream("prompts"))
+                                      if entry_id.decode() != bad]
