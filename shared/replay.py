@@ -140,6 +140,12 @@ class ReplayPlan:
     def validate(self) -> dict[StreamName, int]:
         """Read and decode every entry once; ReplayError naming the file (or stream) and the entry on
         the first damage. Returns how many entries each stream will replay."""
+        try:
+            return self._validate()
+        except ArchiveError as exc:
+            raise ReplayError(str(exc)) from exc
+
+    def _validate(self) -> dict[StreamName, int]:
         self.finished_rollouts = set()
         self.last_ids = {}
         self.dead_lettered = set()
@@ -150,15 +156,14 @@ class ReplayPlan:
                     self.dead_lettered.add((event.stream, event.entry_id))
         seen = 0
         for stream in self.streams:
-            try:
-                for entry in self._stream_entries(stream):
-                    envelope = entry.envelope()
-                    self.last_ids[stream] = entry.entry_id
-                    seen += 1
-                    if isinstance(envelope.payload, TrajectoryFinished) and envelope.rollout_id:
-                        self.finished_rollouts.add(envelope.rollout_id)
-            except ArchiveError as exc:
-                raise ReplayError(str(exc)) from exc
+            last = "0-0"  # a stream empty now stays empty for this replay, whatever a live source adds
+            for entry in self._stream_entries(stream):
+                envelope = entry.envelope()
+                last = entry.entry_id
+                seen += 1
+                if isinstance(envelope.payload, TrajectoryFinished) and envelope.rollout_id:
+                    self.finished_rollouts.add(envelope.rollout_id)
+            self.last_ids[stream] = last
         if not seen:
             where = f"{self.storage_uri}/{self.source_run}/archive" + (" or in Redis" if self.source_bus else "")
             raise ReplayError(f"run {self.source_run!r} has no entries in {', '.join(self.streams)} ({where})")
@@ -206,7 +211,7 @@ def publish(plan: ReplayPlan, target: Bus, pace: Pace, *, batch: int = 256,
                 pipe.execute()
                 queued = 0
             sleep(wait)
-        pipe.xadd(target.keys.stream(entry.stream), _as_written(entry.fields))
+        pipe.xadd(target.keys.stream(entry.stream), entry.fields)
         counts[entry.stream] += 1
         queued += 1
         if queued >= batch:
@@ -215,7 +220,3 @@ def publish(plan: ReplayPlan, target: Bus, pace: Pace, *, batch: int = 256,
     if queued:
         pipe.execute()
     return counts
-
-
-def _as_written(fields: dict) -> dict:
-    return {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}

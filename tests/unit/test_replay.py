@@ -196,3 +196,10 @@ def test_entries_the_source_dead_lettered_can_be_left_out(bus, target, tmp_path)
     publish(plan, target, Pace.parse("fast"))
     assert raw(target, "prompts") == [fields for entry_id, fields in bus.redis.xrange(bus.keys.stream("prompts"))
                                       if entry_id.decode() != bad]
+
+
+def test_a_run_with_nothing_recorded_is_a_clear_error(bus, target, tmp_path):
+    with pytest.raises(ReplayError, match=f"run '{bus.keys.run_id}' has no entries in trajectories"):
+        ReplayPlan(bus.keys.run_id, str(tmp_path), streams=("trajectories",)).validate()
+    result = runner.invoke(app, ["replay", bus.keys.run_id, "--to", bus.keys.run_id], env=env_for(target, tmp_path))
+    assert result.exit_code == 1 and "must differ from the source" in result.output
