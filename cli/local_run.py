@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
-from cli.embedded_redis import EmbeddedRedis
 import redis
 
+from cli.embedded_redis import EmbeddedRedis
 from shared.archive import ArchiveReader, StreamHistory
 from shared.bus import STREAMS, Bus, StreamName
 from shared.config import Settings
