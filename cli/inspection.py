@@ -101,17 +101,8 @@ def _text(value: bytes | str | None) -> str | None:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
 def run_in_redis(client: redis.Redis | None, run: str) -> bool:
-    if client is None:
-        return False
-    keys = Keys(run)
-    if client.exists(*(keys.stream(s) for s in STREAMS)):
-        return True
-    return next(iter(client.scan_iter(match=f"{_glob_escape(keys.prefix)}:*", count=1000)), None) is not None
+    return client is not None and Bus(client, run).has_keys()
 
 
 def run_in_archive(storage_uri: str, run: str) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,12 @@ class Keys:
     @property
     def prefix(self) -> str:
         return f"rs:{self.run_id}"
+
+    @property
+    def pattern(self) -> str:
+        """SCAN pattern of every key of this run; glob characters a run id may hold are escaped, so that
+        run `a*` does not match run `ab`'s keys."""
+        return re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + ":*"
 
     def stream(self, name: StreamName) -> str:
         if name not in STREAMS:
@@ -234,11 +241,11 @@ class Bus:
 
     def has_keys(self) -> bool:
         """Whether anything of this run exists in Redis (a new run or a replay needs an empty namespace)."""
-        return next(iter(self.redis.scan_iter(match=f"{self.keys.prefix}:*", count=1000)), None) is not None
+        return next(iter(self.redis.scan_iter(match=self.keys.pattern, count=1000)), None) is not None
 
     def delete_run(self) -> int:
         """Delete every key of this run; returns how many."""
-        keys = list(self.redis.scan_iter(match=f"{self.keys.prefix}:*", count=1000))
+        keys = list(self.redis.scan_iter(match=self.keys.pattern, count=1000))
         return self.redis.delete(*keys) if keys else 0
 
     # ----------------------------------------------------------------------------------- inspect

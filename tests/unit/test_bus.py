@@ -164,3 +164,20 @@ def test_a_restarted_lone_consumer_finishes_its_predecessors_entries_first_in_or
     # no reclaim timeout waited for, nothing skipped, nothing repeated that was acknowledged
     assert handled == [1, 2, 3]
     assert bus.group_lag("prompts", "g") == (0, 0)
+
+
+def test_a_run_id_with_glob_characters_reaches_only_its_own_keys(bus):
+    from shared.bus import Bus
+
+    starred = Bus(bus.redis, "a*")
+    neighbour = Bus(bus.redis, "ab-" + bus.keys.run_id)
+    try:
+        neighbour.publish("prompts", prompt(0))
+        assert not starred.has_keys()
+        starred.publish("prompts", prompt(1))
+        assert starred.has_keys()
+        assert starred.delete_run() == 1
+        assert neighbour.has_keys() and not starred.has_keys()
+    finally:
+        starred.delete_run()
+        neighbour.delete_run()
