@@ -154,22 +154,23 @@ class ReplayPlan:
                 event = entry.envelope().payload
                 if isinstance(event, DeadLettered):
                     self.dead_lettered.add((event.stream, event.entry_id))
-        seen = 0
+        counts = {stream: 0 for stream in self.streams}
         for stream in self.streams:
             last = "0-0"  # a stream empty now stays empty for this replay, whatever a live source adds
             for entry in self._stream_entries(stream):
                 envelope = entry.envelope()
                 last = entry.entry_id
-                seen += 1
+                counts[stream] += 1
                 if isinstance(envelope.payload, TrajectoryFinished) and envelope.rollout_id:
                     self.finished_rollouts.add(envelope.rollout_id)
             self.last_ids[stream] = last
-        if not seen:
+        if not any(counts.values()):
             where = f"{self.storage_uri}/{self.source_run}/archive" + (" or in Redis" if self.source_bus else "")
             raise ReplayError(f"run {self.source_run!r} has no entries in {', '.join(self.streams)} ({where})")
-        counts = {stream: 0 for stream in self.streams}
-        for entry in self.entries():
-            counts[entry.stream] += 1
+        if self.finished_only:  # which rollouts finished is known only now
+            counts = {stream: 0 for stream in self.streams}
+            for entry in self.entries():
+                counts[entry.stream] += 1
         return counts
 
 
