@@ -28,11 +28,11 @@ from shared.archive import (
     trim_stream,
 )
 from shared.bus import STREAMS, Bus, StreamName
-from shared.config import Settings
+from shared.config import RecorderSettings, Settings
 from shared.service import ServiceRuntime
 from shared.storage import Storage
 
-PART_ENTRIES = 2000
+PART_ENTRIES = RecorderSettings().part_entries
 POLL_S = 0.5
 """How often the loop looks for a stream that has grown by a part's worth of entries."""
 
