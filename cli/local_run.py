@@ -25,7 +25,7 @@ from shared.archive import ArchiveReader, StreamHistory
 from shared.bus import STREAMS, Bus, StreamName
 from shared.config import Settings
 from shared.datasets import load_dataset
-from shared.events import BatchReady, DeadLettered, EventDecodeError, PolicyUpdated, TrajectoryFinished, decode
+from shared.events import BatchReady, DeadLettered, PolicyUpdated, TrajectoryFinished
 from shared.vllm_server import free_port
 
 SERVICES = ("dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder")
@@ -93,13 +93,7 @@ class ProgressReader:
                                  for _, fields in self.histories["trajectories"].new_entries())
         for stream, kind, events in (("batches", BatchReady, progress.batches), ("policy", PolicyUpdated, progress.updates),
                                      ("dead", DeadLettered, progress.dead_letters)):
-            for _, fields in self.histories[stream].new_entries():
-                try:
-                    event = decode(fields).payload
-                except EventDecodeError:
-                    continue
-                if isinstance(event, kind):
-                    events.append(event)
+            events.extend(d.event for d in self.histories[stream].new_events() if isinstance(d.event, kind))
         return progress
 
 

@@ -494,6 +494,17 @@ class StreamHistory:
             self.cursor = entries[-1][0]
         return entries
 
+    def new_events(self) -> list[Delivery]:
+        """new_entries(), decoded; entries that are no event (a malformed one, dead-lettered by the
+        services) are left out."""
+        out = []
+        for entry_id, fields in self.new_entries():
+            try:
+                out.append(Delivery(self.stream, entry_id, decode(fields)))
+            except EventDecodeError:
+                continue
+        return out
+
 
 def stream_history(bus: Bus, stream: StreamName, storage_uri: str | None) -> list[RawEntry]:
     """A stream's whole history: archived entries, then live ones (see StreamHistory)."""
@@ -504,13 +515,8 @@ def stream_history(bus: Bus, stream: StreamName, storage_uri: str | None) -> lis
 def read_history(bus: Bus, stream: StreamName, storage_uri: str | None) -> list[Delivery]:
     """Every event a stream has had, decoded (entries that are no event left out): what `Bus.read_all`
     gives for a stream nothing trimmed, for a recorded run."""
-    out = []
-    for entry_id, fields in stream_history(bus, stream, storage_uri):
-        try:
-            out.append(Delivery(stream, entry_id, decode(fields)))
-        except EventDecodeError:
-            continue
-    return out
+    reader = ArchiveReader(storage_uri, bus.keys.run_id) if storage_uri else None
+    return StreamHistory(bus, stream, reader).new_events()
 
 
 # --------------------------------------------------------------------------------------------- trim
