@@ -28,11 +28,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 # order-only on the install: a new dependency pin does not rebuild (and re-warm) a byte-identical model
-$(MODEL)/config.json: shared/tiny_model.py | $(VENV)/.installed
+$(MODEL)/config.json: cli/model/tiny_model.py | $(VENV)/.installed
 	$(VENV)/bin/rollstream build-model --out $(MODEL)
 
 # The main job's start: partly trained by a supervised warm-up, so RL has room to show it learns.
-$(WARM_MODEL)/config.json: $(MODEL)/config.json shared/warmup.py
+$(WARM_MODEL)/config.json: $(MODEL)/config.json cli/model/warmup.py
 	$(VENV)/bin/rollstream warmup --model $(MODEL) --out $(WARM_MODEL)
 
 run: setup

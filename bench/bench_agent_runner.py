@@ -26,11 +26,11 @@ from pathlib import Path
 
 import httpx
 
-from cli.embedded_redis import EmbeddedRedis
-from shared.bus import Bus
-from shared.events import PromptIssued, TrajectoryFinished, TrajectoryTurn, decode
-from shared.fleet import FleetClient
-from shared.vllm_server import VllmServer, free_port
+from rollstream.cli.embedded_redis import EmbeddedRedis
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import PromptIssued, TrajectoryFinished, TrajectoryTurn, decode
+from rollstream.shared.inference.fleet import FleetClient
+from rollstream.cli.vllm_server import VllmServer, free_port
 
 QUESTION = [{"role": "user", "content": "What is 17 + 25?"}]
 
@@ -135,7 +135,7 @@ def main() -> None:
         print(seconds, tokens)
         return
     if not args.model.exists():
-        from shared.tiny_model import build_tiny_model
+        from rollstream.cli.model.tiny_model import build_tiny_model
 
         build_tiny_model(args.model)
     with tempfile.TemporaryDirectory(prefix="rs-bench-") as tmp:

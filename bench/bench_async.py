@@ -57,11 +57,11 @@ sys.path.insert(0, str(BENCH))
 from heavy_tail_agent import ENV as AGENT_ENV, TailParams, banned_tokens, episode_turns  # noqa: E402
 from sim_fleet import parse_metrics  # noqa: E402
 
-from cli.local_run import LocalRun, ServiceDied  # noqa: E402
-from shared.bus import Bus  # noqa: E402
-from shared.config import Settings  # noqa: E402
-from shared.events import PolicyUpdated, TrajectoryTurn, decode  # noqa: E402
-from shared.fleet import FleetClient  # noqa: E402
+from rollstream.cli.local_run import LocalRun, ServiceDied  # noqa: E402
+from rollstream.shared.contract.bus import Bus  # noqa: E402
+from rollstream.shared.runtime.config import Settings  # noqa: E402
+from rollstream.shared.contract.events import PolicyUpdated, TrajectoryTurn, decode  # noqa: E402
+from rollstream.shared.inference.fleet import FleetClient  # noqa: E402
 
 AGENT = "heavy_tail_agent:heavy_tail_agent"
 
@@ -103,7 +103,7 @@ class RealFleet:
     """One vLLM CPU server, behind a metering proxy (the pipeline talks to the proxy)."""
 
     def __init__(self, model: Path, workdir: Path) -> None:
-        from shared.vllm_server import VllmServer, free_port
+        from rollstream.cli.vllm_server import VllmServer, free_port
 
         self.server = VllmServer(model, free_port(), log_path=workdir / "vllm.log")
         self.proxy: SimProcess | None = None
@@ -432,7 +432,7 @@ def main() -> None:
 
     model = args.model.resolve()
     if not (model / "config.json").exists():
-        from shared.tiny_model import build_tiny_model
+        from rollstream.cli.model.tiny_model import build_tiny_model
 
         build_tiny_model(model)
     params = TailParams(seed=args.seed, median_turns=args.median_turns, tail_fraction=args.tail_fraction,

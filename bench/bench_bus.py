@@ -15,9 +15,9 @@ import uuid
 
 import redis
 
-from shared.bus import Bus
-from shared.config import BusSettings
-from shared.events import PromptIssued, TrajectorySegment, encode, make_envelope
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.runtime.config import BusSettings
+from rollstream.shared.contract.events import PromptIssued, TrajectorySegment, encode, make_envelope
 
 
 def small(i: int) -> PromptIssued:

@@ -1,4 +1,4 @@
-"""Wire encoding of a trajectory segment: packed arrays in msgpack (what shared.events does) against
+"""Wire encoding of a trajectory segment: packed arrays in msgpack (what rollstream.shared.contract.events does) against
 the same event as JSON with plain lists. Prints size and encode/decode time, and the ratios.
 
     python bench/bench_encoding.py [--tokens 2048] [--repeat 2000]
@@ -10,7 +10,7 @@ import argparse
 import json
 import time
 
-from shared.events import Envelope, TrajectorySegment, decode, encode, make_envelope
+from rollstream.shared.contract.events import Envelope, TrajectorySegment, decode, encode, make_envelope
 
 
 def timed(fn, repeat: int) -> float:

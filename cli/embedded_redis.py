@@ -3,7 +3,7 @@
 Its own session keeps a Ctrl-C in the terminal away from Redis: the local run gets the interrupt
 and stops the services first, while they can still reach Redis, and then stops Redis.
 
-    python -m cli.embedded_redis --port 6390 --data-dir runs/x/redis   # runs until SIGTERM
+    python -m rollstream.cli.embedded_redis --port 6390 --data-dir runs/x/redis   # runs until SIGTERM
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import redis
-
-from shared.vllm_server import free_port
+from rollstream.cli.vllm_server import free_port
 
 
 class EmbeddedRedis:
@@ -35,7 +34,7 @@ class EmbeddedRedis:
         log = self.data_dir / "launcher.log"
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "cli.embedded_redis", "--port", str(self.port), "--data-dir", str(self.data_dir)],
+                [sys.executable, "-m", "rollstream.cli.embedded_redis", "--port", str(self.port), "--data-dir", str(self.data_dir)],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout_s

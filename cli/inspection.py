@@ -5,7 +5,7 @@
     rollstream inspect trajectory RUN ROLLOUT [--json]   # one rollout turn by turn, tokens coloured by logprob
     rollstream inspect diff RUN_A RUN_B [--streams S]    # two runs or replays compared event by event
 
-A run's history is read with `shared.archive.StreamHistory`: what the recorder trimmed from Redis comes
+A run's history is read with `rollstream.shared.contract.archive.StreamHistory`: what the recorder trimmed from Redis comes
 from the archive in storage, the rest from the live stream; a run that is only in storage is read from
 its archive alone. Collecting (`collect_*`, `load_rollout`, `rollout_document`, `diff_runs`) is kept
 apart from rendering (`*_table`, `render_*`), which returns rich renderables.
@@ -31,11 +31,15 @@ from rich.console import Console, Group
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
-
-from shared.archive import ArchiveReader, StreamHistory, archived_id, list_runs
-from shared.batches import BatchRow, read_batch
-from shared.bus import STREAMS, Bus, Keys, StreamName
-from shared.events import (
+from rollstream.shared.contract.archive import (
+    ArchiveReader,
+    StreamHistory,
+    archived_id,
+    list_runs,
+)
+from rollstream.shared.contract.batches import BatchRow, read_batch
+from rollstream.shared.contract.bus import STREAMS, Bus, Keys, StreamName
+from rollstream.shared.contract.events import (
     BatchReady,
     Envelope,
     EventDecodeError,
@@ -50,7 +54,7 @@ from shared.events import (
     TrajectoryTurn,
     decode,
 )
-from shared.storage import Storage
+from rollstream.shared.runtime.storage import Storage
 
 inspect_app = typer.Typer(add_completion=False, no_args_is_help=True,
                           help="Look into runs: live in Redis, trimmed, or only in their archive.")
@@ -69,7 +73,7 @@ class InspectError(Exception):
 # -------------------------------------------------------------------------------------- connections
 def _settings():
     try:
-        from shared.config import Settings
+        from rollstream.shared.runtime.config import Settings
 
         return Settings()
     except Exception:  # a broken RS_* environment must not stop inspection

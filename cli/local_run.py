@@ -19,14 +19,18 @@ from pathlib import Path
 
 import httpx
 import redis
-
-from cli.embedded_redis import EmbeddedRedis
-from shared.archive import ArchiveReader, StreamHistory
-from shared.bus import STREAMS, Bus, StreamName
-from shared.config import Settings
-from shared.datasets import load_dataset
-from shared.events import BatchReady, DeadLettered, PolicyUpdated, TrajectoryFinished
-from shared.vllm_server import free_port
+from rollstream.cli.embedded_redis import EmbeddedRedis
+from rollstream.cli.vllm_server import free_port
+from rollstream.shared.contract.archive import ArchiveReader, StreamHistory
+from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
+from rollstream.shared.contract.events import (
+    BatchReady,
+    DeadLettered,
+    PolicyUpdated,
+    TrajectoryFinished,
+)
+from rollstream.shared.runtime.config import Settings
+from rollstream.shared.tasks.datasets import load_dataset
 
 SERVICES = ("dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder")
 CONSUMES: dict[str, tuple[StreamName, ...]] = {"agent-runner": ("prompts",), "sandbox-grader": ("trajectories",),
@@ -141,7 +145,7 @@ class LocalRun:
             # Nothing generates: no vLLM; a trainer then only writes checkpoints (fleet-less).
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": []})})
         else:
-            from shared.vllm_server import VllmServer
+            from rollstream.cli.vllm_server import VllmServer
 
             port = free_port()
             on_step(f"starting vLLM (CPU) with {settings.model.path} on port {port}; this takes about a minute")

@@ -6,7 +6,7 @@
     rollstream serve-vllm          # a vLLM CPU server for the tiny model
     rollstream validate TASKS      # reference solutions grade 1, empty diffs 0, in the sandbox
     rollstream config [--markdown] # the resolved configuration, or its reference table
-    rollstream replay RUN --to NEW # a recorded run re-published into a fresh run (cli/replay.py)
+    rollstream replay RUN --to NEW # a recorded run re-published into a fresh run (cli/replay/command.py)
     rollstream inspect ...         # runs, streams and consumer groups, one trajectory, diff of two runs
 """
 
@@ -21,9 +21,8 @@ import typer
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
-
-from cli.inspection import inspect_app
-from cli.replay import replay
+from rollstream.cli.inspection import inspect_app
+from rollstream.cli.replay.command import replay
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fully asynchronous RL for LLM agents.")
 app.command("replay")(replay)
@@ -39,7 +38,7 @@ def build_model(
     seed: Annotated[int, typer.Option(help="Initialisation seed.")] = 0,
 ) -> None:
     """Build the tiny Llama (untied embeddings, head_dim 64) with its own BPE tokenizer, offline."""
-    from shared.tiny_model import build_tiny_model
+    from rollstream.cli.model.tiny_model import build_tiny_model
 
     path = build_tiny_model(out, seed=seed)
     console.print(f"tiny model written to [bold]{path}[/]")
@@ -58,7 +57,7 @@ def warmup_model(
     temperature: Annotated[float, typer.Option(help="Sampling temperature of the evaluation.")] = 1.0,
 ) -> None:
     """Supervised warm-up on gold calculator episodes: a partly trained start for RL."""
-    from shared.warmup import evaluate, warmup
+    from rollstream.cli.model.warmup import evaluate, warmup
 
     target = target_exact if target_exact and target_exact > 0 else None
     stats = warmup(model, out, steps, batch_size=batch_size, lr=lr, seed=seed, target_exact=target)
@@ -88,7 +87,7 @@ def serve_vllm(
     served_name: Annotated[str, typer.Option(help="Model name in the API.")] = "tiny",
 ) -> None:
     """Serve a model with vLLM on the CPU until Ctrl-C (dev endpoints on, for weight sync)."""
-    from shared.vllm_server import VllmServer
+    from rollstream.cli.vllm_server import VllmServer
 
     with VllmServer(model, port, served_model_name=served_name) as server:
         started = time.monotonic()
@@ -107,8 +106,11 @@ def validate(
     backend: Annotated[str, typer.Option(help="Sandbox backend: bubblewrap or docker.")] = "bubblewrap",
 ) -> None:
     """Check a task set: each task's reference solution must grade 1 and an empty diff 0."""
-    from shared.grading import get_backend, validate_tasks
-    from shared.tasks import TaskError, load_harbor_tasks, load_swebench_rows
+    from rollstream.shared.errors import TaskError
+    from rollstream.shared.grading.validation import validate_tasks
+    from rollstream.shared.sandbox.backends import get_backend
+    from rollstream.shared.tasks.harbor import load_harbor_tasks
+    from rollstream.shared.tasks.swebench import load_swebench_rows
 
     try:
         loaded = load_harbor_tasks(tasks) if tasks.is_dir() else load_swebench_rows(tasks)
@@ -130,7 +132,7 @@ def validate(
 @app.command("config")
 def show_config(markdown: Annotated[bool, typer.Option(help="Print the reference table instead.")] = False) -> None:
     """Print the resolved configuration (environment RS_*, RS_CONFIG_FILE, defaults)."""
-    from shared.config import Settings, reference_markdown
+    from rollstream.shared.runtime.config import Settings, reference_markdown
 
     # plain print: rich would wrap long table rows
     print(reference_markdown() if markdown else Settings().model_dump_json(indent=2))
@@ -139,7 +141,7 @@ def show_config(markdown: Annotated[bool, typer.Option(help="Print the reference
 def make_warm_model() -> None:
     """The main job's starting point: the tiny model after a short supervised warm-up, partly trained,
     so that RL has room to show that it learns."""
-    from shared.warmup import warmup
+    from rollstream.cli.model.warmup import warmup
 
     if not (BASE_MODEL / "config.json").exists():
         console.print(f"building the tiny model into {BASE_MODEL}")
@@ -162,9 +164,9 @@ def run(
 ) -> None:
     """Train locally: embedded Redis (unless RS_REDIS_URL), vLLM on the CPU, every service as a process."""
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the run's services too, as Ctrl-C does
-    from cli.local_run import LocalRun, RunExists, ServiceDied, write_summary
-    from shared.config import Settings
-    from shared.datasets import DatasetError
+    from rollstream.cli.local_run import LocalRun, RunExists, ServiceDied, write_summary
+    from rollstream.shared.errors import DatasetError
+    from rollstream.shared.runtime.config import Settings
 
     overrides: dict = {"run_id": run_id or time.strftime("run-%Y%m%d-%H%M%S")}
     settings = Settings(**overrides)

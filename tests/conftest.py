@@ -9,8 +9,8 @@ import uuid
 import pytest
 import redis
 
-from shared.bus import Bus
-from shared.config import BusSettings
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.runtime.config import BusSettings
 
 MACHINE_REDIS_URL = os.environ.get("RS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

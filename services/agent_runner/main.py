@@ -18,14 +18,20 @@ import asyncio
 import functools
 import uuid
 
-from shared.agent import calculator  # noqa: F401  (registers the calculator tool)
-from shared.agent import coding  # noqa: F401  (registers the coding tools)
-from shared.agent.loop import AgentContext, Limits, Task, resolve_agent
-from shared.agent.tool_calls import get_format
-from shared.agent.tools import Episode, ToolSet, load_tools_yaml, resolve_tools
-from shared.bus import Bus, Delivery, consumer_name
-from shared.config import Settings
-from shared.events import (
+from rollstream.shared.agent.environments import (
+    calculator,  # noqa: F401  (registers the calculator tool)
+    coding,  # noqa: F401  (registers the coding tools)
+)
+from rollstream.shared.agent.loop import AgentContext, Limits, Task, resolve_agent
+from rollstream.shared.agent.tool_calls import get_format
+from rollstream.shared.agent.tools import (
+    Episode,
+    ToolSet,
+    load_tools_yaml,
+    resolve_tools,
+)
+from rollstream.shared.contract.bus import Bus, Delivery, consumer_name
+from rollstream.shared.contract.events import (
     PromptIssued,
     TrajectoryFinished,
     TrajectorySegment,
@@ -33,7 +39,8 @@ from shared.events import (
     TrajectoryTool,
     TrajectoryTurn,
 )
-from shared.service import ServiceRuntime
+from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.service import ServiceRuntime
 
 GROUP = "agent-runner"
 DRAIN_TIMEOUT_S = 60.0
@@ -109,9 +116,8 @@ class EpisodeRunner:
 
 
 async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
+    from rollstream.shared.inference.fleet import FleetClient
     from transformers import AutoTokenizer
-
-    from shared.fleet import FleetClient
 
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     bus.ensure_group("prompts", GROUP)

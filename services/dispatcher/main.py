@@ -16,11 +16,13 @@ import time
 import uuid
 from typing import Literal
 
-from shared.bus import Bus
-from shared.config import Settings
-from shared.datasets import DatasetError, PromptRow, arithmetic_dataset, load_dataset
-from shared.events import PolicyUpdated, PromptIssued
-from shared.service import ServiceRuntime
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import PolicyUpdated, PromptIssued
+from rollstream.shared.errors import DatasetError
+from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.service import ServiceRuntime
+from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
+from rollstream.shared.tasks.rows import PromptRow
 
 LOCK_TTL_MS = 15_000
 

@@ -2,7 +2,7 @@
 
 Every flush interval, and at once for a stream that grew by a part's worth of entries, it reads each
 stream with XRANGE after its archived position (no consumer group: it takes no entry away from
-anyone), writes parts under <storage>/<run>/archive/ (layout in shared/archive.py), advances the
+anyone), writes parts under <storage>/<run>/archive/ (layout in shared/contract/archive.py), advances the
 position after each part exists, and then trims the stream behind the slowest consumer group and
 the archive. A crash at any point loses nothing: at worst one part is written twice, and readers
 return each entry once. SIGTERM drains: a last flush, then exit.
@@ -17,8 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import redis
-
-from shared.archive import (
+from rollstream.shared.contract.archive import (
     ArchivePart,
     ArchiveWriter,
     archived_id,
@@ -27,10 +26,10 @@ from shared.archive import (
     parse_id,
     trim_stream,
 )
-from shared.bus import STREAMS, Bus, StreamName
-from shared.config import RecorderSettings, Settings
-from shared.service import ServiceRuntime
-from shared.storage import Storage
+from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
+from rollstream.shared.runtime.config import RecorderSettings, Settings
+from rollstream.shared.runtime.service import ServiceRuntime
+from rollstream.shared.runtime.storage import Storage
 
 PART_ENTRIES = RecorderSettings().part_entries
 POLL_S = 0.5

@@ -35,11 +35,14 @@ import hashlib
 from itertools import takewhile
 
 import redis
-
-from shared.batches import BatchRow, write_batch
-from shared.bus import Bus, Delivery, consumer_name, run_consumer
-from shared.config import RewardSettings, Settings
-from shared.events import (
+from rollstream.services.reward.rewards import (
+    advantages,
+    resolve_reward_function,
+    reward_for,
+)
+from rollstream.shared.contract.batches import BatchRow, write_batch
+from rollstream.shared.contract.bus import Bus, Delivery, consumer_name, run_consumer
+from rollstream.shared.contract.events import (
     BatchReady,
     GradeReported,
     RewardAssigned,
@@ -48,10 +51,9 @@ from shared.events import (
     decode,
     encode,
 )
-from shared.service import ServiceRuntime
-from shared.storage import Storage
-
-from services.reward.rewards import advantages, resolve_reward_function, reward_for
+from rollstream.shared.runtime.config import RewardSettings, Settings
+from rollstream.shared.runtime.service import ServiceRuntime
+from rollstream.shared.runtime.storage import Storage
 
 GROUP = "reward"
 BATCH_ORDERS = ("finished", "completed")

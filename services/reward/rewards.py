@@ -6,8 +6,7 @@ import importlib
 from collections.abc import Callable
 
 import numpy as np
-
-from shared.scoring import exact_match
+from rollstream.shared.tasks.scoring import exact_match
 
 RewardFunction = Callable[[str, str | None], float]
 """(response text, label) -> reward."""

@@ -15,12 +15,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.bus import Bus
-from shared.events import GradeReported
-from shared.grading import GradeOutcome, get_backend, grade_harbor, grade_swebench
-from shared.sandbox import SandboxLimits
-from shared.storage import Storage
-from shared.tasks import load_harbor_task, load_swebench_rows
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import GradeReported
+from rollstream.shared.grading.harbor import grade_harbor
+from rollstream.shared.grading.outcome import GradeOutcome
+from rollstream.shared.grading.swebench import grade_swebench
+from rollstream.shared.runtime.storage import Storage
+from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.sandbox.base import SandboxLimits
+from rollstream.shared.tasks.harbor import load_harbor_task
+from rollstream.shared.tasks.swebench import load_swebench_rows
 
 
 class InfrastructureError(RuntimeError):

@@ -14,17 +14,19 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from rollstream.services.sandbox_grader.jobs import (
+    GradeRequest,
+    grade_rollout,
+    report_job_failure,
+)
+from rollstream.shared.contract.bus import Bus, Delivery, consumer_name, run_consumer
+from rollstream.shared.contract.events import TrajectoryFinished
+from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.service import ServiceRuntime
+from rollstream.shared.tasks.harbor import load_harbor_task
 from rq import Callback, Queue, Retry, Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
-
-from shared.bus import Bus, Delivery, consumer_name, run_consumer
-from shared.config import Settings
-from shared.events import TrajectoryFinished
-from shared.service import ServiceRuntime
-from shared.tasks import load_harbor_task
-
-from services.sandbox_grader.jobs import GradeRequest, grade_rollout, report_job_failure
 
 GROUP = "sandbox-grader"
 RETRY_BACKOFF_S = [2, 10, 30]

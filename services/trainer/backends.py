@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-
-from shared.config import TrainSettings
-from shared.serving_weights import write_serving_checkpoint
+from rollstream.shared.inference.serving_weights import write_serving_checkpoint
+from rollstream.shared.runtime.config import TrainSettings
 
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
@@ -37,7 +36,7 @@ class Backend(Protocol):
 
     def save(self, directory: Path) -> None:
         """Write the model (HF safetensors the fleet can reload, tied heads included: see
-        shared/serving_weights.py), the optimizer state and the RNG state to `directory`."""
+        shared/inference/serving_weights.py), the optimizer state and the RNG state to `directory`."""
 
     def load_training_state(self, directory: Path) -> None:
         """Restore the optimizer and RNG state saved by `save` (the model was loaded from it already)."""
@@ -51,7 +50,7 @@ def load_model(path: Path, device: torch.device) -> torch.nn.Module:
 
 def make_backend(settings: TrainSettings, model_path: Path) -> Backend:
     if settings.backend == "deepspeed":
-        from services.trainer.deepspeed_backend import DeepSpeedBackend
+        from rollstream.services.trainer.deepspeed_backend import DeepSpeedBackend
 
         return DeepSpeedBackend(settings, model_path)
     return TorchBackend(settings, model_path)

@@ -25,10 +25,14 @@ import socket
 from pathlib import Path
 
 import torch
-
-from services.trainer.backends import RNG_FILE, load_model, restore_rng_state, rng_state
-from shared.config import TrainSettings
-from shared.serving_weights import add_tensor_copy, tied_head_names
+from rollstream.services.trainer.backends import (
+    RNG_FILE,
+    load_model,
+    restore_rng_state,
+    rng_state,
+)
+from rollstream.shared.inference.serving_weights import add_tensor_copy, tied_head_names
+from rollstream.shared.runtime.config import TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +176,7 @@ class DeepSpeedBackend:
         if self.rank == 0:
             self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
             tied = tied_head_names(self.engine.module)
-            if tied is not None:  # the fleet's reload needs the head written out (shared/serving_weights.py)
+            if tied is not None:  # the fleet's reload needs the head written out (shared/inference/serving_weights.py)
                 add_tensor_copy(directory, source=tied[0], target=tied[1])
             for path in directory.glob("*.safetensors"):
                 path.chmod(0o644)  # safetensors is written 0600; the servers loading it may run as another user

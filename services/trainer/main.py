@@ -29,14 +29,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.batches import BatchRow, read_batch
-from shared.bus import Bus, Delivery, StopConsuming, run_consumer
-from shared.config import Settings
-from shared.events import BatchReady, PolicyUpdated
-from shared.serving_weights import copy_tokenizer_files
-from shared.service import ServiceRuntime
-from shared.storage import Storage, replace_dir
-from shared.tracking import Tracker
+from rollstream.shared.contract.batches import BatchRow, read_batch
+from rollstream.shared.contract.bus import Bus, Delivery, StopConsuming, run_consumer
+from rollstream.shared.contract.events import BatchReady, PolicyUpdated
+from rollstream.shared.inference.serving_weights import copy_tokenizer_files
+from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.service import ServiceRuntime
+from rollstream.shared.runtime.storage import Storage, replace_dir
+from rollstream.shared.runtime.tracking import Tracker
 
 log = logging.getLogger("trainer")
 
@@ -73,8 +73,7 @@ def select_fresh(rows: list[BatchRow], version: int, max_staleness: int) -> tupl
 class Trainer:
     def __init__(self, settings: Settings, bus: Bus, storage: Storage) -> None:
         import torch
-
-        from services.trainer.backends import load_model, make_backend
+        from rollstream.services.trainer.backends import load_model, make_backend
 
         self.torch = torch
         self.settings = settings
@@ -98,7 +97,7 @@ class Trainer:
         self.loop = asyncio.Runner()
         self.fleet = None
         if settings.fleet.urls:
-            from shared.fleet import FleetClient
+            from rollstream.shared.inference.fleet import FleetClient
 
             self.fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
                                      timeout_s=settings.fleet.request_timeout_s)
@@ -129,7 +128,13 @@ class Trainer:
 
     def optimize(self, rows: list[BatchRow]) -> dict[str, float]:
         """train.minibatches optimizer steps over the rows; returns the averaged step metrics."""
-        from services.trainer.ppo import make_micro_batches, merge_stats, policy_loss, split_minibatches, token_logprobs
+        from rollstream.services.trainer.ppo import (
+            make_micro_batches,
+            merge_stats,
+            policy_loss,
+            split_minibatches,
+            token_logprobs,
+        )
 
         torch, cfg, backend = self.torch, self.settings.train, self.backend
         plan = [make_micro_batches(part, cfg.loss_aggregation, cfg.micro_batch_tokens, self.pad_id, backend.device)
@@ -175,7 +180,7 @@ class Trainer:
     def sync_with_retries(self, step: TrainedStep) -> float:
         """Make every server serve the new weights; the fleet must serve a policy before the next one
         is trained, so a sync that keeps failing stops the trainer (the batch stays pending)."""
-        from shared.fleet import FleetRequestError, WeightSyncError
+        from rollstream.shared.inference.fleet import FleetRequestError, WeightSyncError
 
         if self.fleet is None:
             return 0.0
@@ -192,7 +197,7 @@ class Trainer:
         raise AssertionError("unreachable")
 
     def trainer_logprobs(self, ids: list[int]) -> list[float]:
-        from services.trainer.ppo import sequence_logprobs
+        from rollstream.services.trainer.ppo import sequence_logprobs
 
         with self.torch.no_grad():
             return sequence_logprobs(self.backend.model, ids)

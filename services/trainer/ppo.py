@@ -30,8 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-
-from shared.batches import BatchRow
+from rollstream.shared.contract.batches import BatchRow
 
 AGGREGATIONS = ("token", "rollout")
 MEAN_STATS = ("ratio_mean", "clip_fraction", "importance_weight_mean", "capped_fraction")

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter
-
-from shared.agent.tool_calls import ToolCallFormat
-from shared.agent.tools import Episode, ToolResult, ToolSet
+from rollstream.shared.agent.tool_calls import ToolCallFormat
+from rollstream.shared.agent.tools import Episode, ToolResult, ToolSet
+from rollstream.shared.errors import TemplateError
 
 RETOKENIZATION_MISMATCHES = Counter(
     "rollstream_retokenization_mismatches_total",
@@ -106,7 +106,7 @@ class AgentContext:
     """What a loop may use: the fleet, the tokenizer, the episode's tools, its limits."""
 
     fleet: Any
-    """shared.fleet.FleetClient"""
+    """rollstream.shared.inference.fleet.FleetClient"""
     tokenizer: Any
     tools: ToolSet
     tool_format: ToolCallFormat
@@ -153,8 +153,6 @@ def resolve_agent(spec: str) -> Agent:
     return agent
 
 
-class TemplateError(RuntimeError):
-    """The chat template does not extend the conversation as a prefix: no exact delta exists."""
 
 
 class TokenTrajectory:

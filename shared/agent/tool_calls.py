@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shared.agent.tools import ToolCall
+from rollstream.shared.agent.tools import ToolCall
 
 EXCERPT_CHARS = 80
 

@@ -47,6 +47,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 from prometheus_client import Counter as PrometheusCounter
+from rollstream.shared.errors import ToolError
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,6 @@ UNKNOWN_TOOL_LABEL = "<unknown>"
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI-style chat templates accept
 
 
-class ToolError(Exception):
-    """Raise from a tool to send a message back to the model as the tool's result."""
 
 
 @dataclass(frozen=True)

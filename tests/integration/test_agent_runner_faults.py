@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from cli.local_run import LocalRun
-from shared.archive import read_history
-from shared.batches import read_batch
-from shared.bus import consumer_name
-from shared.config import Settings
-from shared.events import PolicyUpdated, PromptIssued
-from shared.storage import Storage
+from rollstream.cli.local_run import LocalRun
+from rollstream.shared.contract.archive import read_history
+from rollstream.shared.contract.batches import read_batch
+from rollstream.shared.contract.bus import consumer_name
+from rollstream.shared.runtime.config import Settings
+from rollstream.shared.contract.events import PolicyUpdated, PromptIssued
+from rollstream.shared.runtime.storage import Storage
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ PLUGINS = Path(__file__).parent / "plugins"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, machine_redis_url):
-    from shared.tiny_model import build_tiny_model
+    from rollstream.cli.model.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("faults")
     model = build_tiny_model(root / "model")

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from cli.local_run import LocalRun
-from shared.archive import read_history
-from shared.config import Settings
-from shared.events import PolicyUpdated, PromptIssued, RewardAssigned
+from rollstream.cli.local_run import LocalRun
+from rollstream.shared.contract.archive import read_history
+from rollstream.shared.runtime.config import Settings
+from rollstream.shared.contract.events import PolicyUpdated, PromptIssued, RewardAssigned
 
 pytestmark = pytest.mark.integration
 
@@ -36,8 +36,8 @@ def warm_model(tmp_path_factory) -> Path:
     built = Path(__file__).resolve().parents[2] / "models" / "tiny-llama-warm"
     if (built / "config.json").exists():
         return built
-    from shared.tiny_model import build_tiny_model
-    from shared.warmup import warmup
+    from rollstream.cli.model.tiny_model import build_tiny_model
+    from rollstream.cli.model.warmup import warmup
 
     root = tmp_path_factory.mktemp("warm")
     warmup(build_tiny_model(root / "base"), root / "warm", 1500, target_exact=0.25)
@@ -68,7 +68,7 @@ def learning_run(tmp_path_factory, machine_redis_url, warm_model):
 
 def held_out_rewards(model: Path) -> list[float]:
     """Rewards of HELD_OUT fresh calculator episodes of a checkpoint, sampled at temperature 1."""
-    from shared.warmup import evaluate
+    from rollstream.cli.model.warmup import evaluate
 
     return evaluate(model, HELD_OUT)["rewards"]
 

@@ -14,22 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli.local_run import LocalRun
-from shared.batches import read_batch
-from shared.config import Settings
-from shared.archive import ArchiveReader, read_history
-from shared.bus import Bus
-from shared.events import (
-    BatchReady,
-    DeadLettered,
-    GradeReported,
-    PolicyUpdated,
-    PromptIssued,
-    RewardAssigned,
-    TrajectoryFinished,
-    TrajectoryTurn,
-)
-from shared.storage import Storage
+from rollstream.cli.local_run import LocalRun
+from rollstream.shared.contract.batches import read_batch
+from rollstream.shared.runtime.config import Settings
+from rollstream.shared.contract.archive import ArchiveReader, read_history
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import (BatchReady, DeadLettered, GradeReported, PolicyUpdated, PromptIssued, RewardAssigned, TrajectoryFinished, TrajectoryTurn)
+from rollstream.shared.runtime.storage import Storage
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +32,7 @@ ETA = 1
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, machine_redis_url):
-    from shared.tiny_model import build_tiny_model
+    from rollstream.cli.model.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("e2e")
     model = build_tiny_model(root / "model")
@@ -76,7 +67,7 @@ async def probe_served_logprobs(local: LocalRun, model: Path) -> dict:
     """vLLM's prompt logprobs on a probe, and the trainer's final checkpoint's own, computed here."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared.fleet import FleetClient
+    from rollstream.shared.inference.fleet import FleetClient
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}],
@@ -223,7 +214,7 @@ def test_every_entry_of_every_stream_was_archived_and_the_live_streams_were_trim
 # ------------------------------------------------------------------------------------------ replay
 def replayed(source: Settings, suffix: str, **kwargs):
     """Replay the run configured by `source` from its archive into run `<run>-<suffix>`, same settings."""
-    from cli.replay import replay_run
+    from rollstream.cli.replay.command import replay_run
 
     settings = source.model_copy(update={"run_id": f"{source.run_id}-{suffix}"})
     result = replay_run(settings, source.run_id, source="archive", timeout_s=300, quiet_s=2.0, **kwargs)

@@ -1,7 +1,7 @@
 """Weight sync of a model with tied word embeddings, on a real vLLM CPU server.
 
 A plain save_pretrained checkpoint of a tied model has no lm_head.weight, and vLLM's in-place reload
-then keeps the old output head (shared/serving_weights.py explains why); write_serving_checkpoint adds
+then keeps the old output head (shared/inference/serving_weights.py explains why); write_serving_checkpoint adds
 an explicit head, and the server's logprobs follow the trained model exactly. One server for the module.
 
     python -m pytest tests/integration/test_tied_weights.py -q
@@ -15,10 +15,10 @@ import os
 
 import pytest
 
-from shared.fleet import FleetClient
-from shared.serving_weights import TOKENIZER_FILES, add_tensor_copy, tied_head_names, write_serving_checkpoint
-from shared.tiny_model import build_tiny_model
-from shared.vllm_server import VllmServer, free_port
+from rollstream.shared.inference.fleet import FleetClient
+from rollstream.shared.inference.serving_weights import (TOKENIZER_FILES, add_tensor_copy, tied_head_names, write_serving_checkpoint)
+from rollstream.cli.model.tiny_model import build_tiny_model
+from rollstream.cli.vllm_server import VllmServer, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -23,10 +23,10 @@ import pytest
 import redis
 from safetensors.torch import load_file
 
-from shared.batches import BatchRow, write_batch
-from shared.bus import Bus
-from shared.events import BatchReady, PolicyUpdated
-from shared.storage import Storage
+from rollstream.shared.contract.batches import BatchRow, write_batch
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import BatchReady, PolicyUpdated
+from rollstream.shared.runtime.storage import Storage
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ def synthetic_rows(rng: random.Random, batch_index: int, vocab: int) -> list[Bat
 
 @pytest.fixture(scope="module")
 def recorded_batches(tmp_path_factory):
-    from shared.tiny_model import VOCAB_SIZE, build_tiny_model
+    from rollstream.cli.model.tiny_model import VOCAB_SIZE, build_tiny_model
 
     root = tmp_path_factory.mktemp("restart")
     model = build_tiny_model(root / "model")
@@ -74,7 +74,7 @@ def recorded_batches(tmp_path_factory):
 
 def start_trainer(config: Path, log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "services.trainer.main"],
+        return subprocess.Popen([sys.executable, "-m", "rollstream.services.trainer.main"],
                                 env={**os.environ, "RS_CONFIG_FILE": str(config)}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 

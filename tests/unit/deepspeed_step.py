@@ -24,9 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from services.trainer.ppo import make_micro_batches, policy_loss, sequence_logprobs, token_logprobs  # noqa: E402
-from shared.batches import BatchRow  # noqa: E402
-from shared.config import TrainSettings  # noqa: E402
+from rollstream.services.trainer.ppo import make_micro_batches, policy_loss, sequence_logprobs, token_logprobs  # noqa: E402
+from rollstream.shared.contract.batches import BatchRow  # noqa: E402
+from rollstream.shared.runtime.config import TrainSettings  # noqa: E402
 
 # Three micro-batches per step, one of them with two rows and one row packing two samples.
 MICRO_BATCH_TOKENS = 40
@@ -108,7 +108,7 @@ def train(backend, cfg: TrainSettings, saves: list[str]) -> dict:
 
 
 def main(spec: dict) -> dict:
-    from services.trainer.deepspeed_backend import DeepSpeedBackend
+    from rollstream.services.trainer.deepspeed_backend import DeepSpeedBackend
 
     cfg = settings("deepspeed", spec["zero_stage"])
     if spec["task"] == "train":

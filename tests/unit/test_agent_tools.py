@@ -10,19 +10,7 @@ from typing import Any, Literal, Optional
 import pytest
 from prometheus_client import REGISTRY
 
-from shared.agent.tools import (
-    TOOL_REGISTRY,
-    Episode,
-    FunctionTool,
-    Tool,
-    ToolCall,
-    ToolError,
-    ToolSet,
-    load_tools_yaml,
-    register_tool,
-    resolve_tools,
-    tool,
-)
+from rollstream.shared.agent.tools import (TOOL_REGISTRY, Episode, FunctionTool, Tool, ToolCall, ToolError, ToolSet, load_tools_yaml, register_tool, resolve_tools, tool)
 
 
 def run(coro):
@@ -405,7 +393,7 @@ def test_registered_tools_resolve_by_name(registry):
 
 
 def test_the_calculator_is_registered():
-    import shared.agent.calculator  # noqa: F401  (registers it)
+    import rollstream.shared.agent.environments.calculator  # noqa: F401  (registers it)
 
     [calculator] = resolve_tools(["calculator"])
     assert calculator.name == "calculator"

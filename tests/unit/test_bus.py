@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from shared.bus import Keys, StopConsuming, run_consumer
-from shared.events import DeadLettered, PromptIssued, encode, make_envelope
+from rollstream.shared.contract.bus import Keys, StopConsuming, run_consumer
+from rollstream.shared.contract.events import DeadLettered, PromptIssued, encode, make_envelope
 
 
 def prompt(i: int) -> PromptIssued:
@@ -167,7 +167,7 @@ def test_a_restarted_lone_consumer_finishes_its_predecessors_entries_first_in_or
 
 
 def test_a_run_id_with_glob_characters_reaches_only_its_own_keys(bus):
-    from shared.bus import Bus
+    from rollstream.shared.contract.bus import Bus
 
     starred = Bus(bus.redis, "a*")
     neighbour = Bus(bus.redis, "ab-" + bus.keys.run_id)

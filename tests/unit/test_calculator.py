@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from shared.agent.calculator import calculator
-from shared.agent.tools import Episode, ToolCall, ToolError, ToolSet
+from rollstream.shared.agent.environments.calculator import calculator
+from rollstream.shared.agent.tools import Episode, ToolCall, ToolError, ToolSet
 
 
 @pytest.mark.parametrize("expression, result", [

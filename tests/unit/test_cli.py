@@ -2,7 +2,7 @@ import json
 
 from typer.testing import CliRunner
 
-from cli.main import app
+from rollstream.cli.main import app
 
 runner = CliRunner()
 
@@ -31,7 +31,7 @@ def test_config_prints_the_resolved_settings(monkeypatch):
 def test_embedded_redis_keeps_streams_across_a_restart(tmp_path):
     import redis
 
-    from cli.embedded_redis import EmbeddedRedis
+    from rollstream.cli.embedded_redis import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path / "redis")
     server.start()

@@ -1,4 +1,4 @@
-"""shared.agent.coding against real bubblewrap and git: a coding episode on a small task repository,
+"""rollstream.shared.agent.environments.coding against real bubblewrap and git: a coding episode on a small task repository,
 driven through the tools directly (create / execute / release with an Episode, no agent loop).
 
     python -m pytest tests/unit/test_coding_env.py -q      (skipped where `bwrap` is not installed)
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.agent import coding
-from shared.agent.coding import CODING_TOOLS, CodingTaskError
-from shared.agent.tools import Episode, ToolError, ToolSet, ToolCall, resolve_tools
+from rollstream.shared.agent.environments import coding
+from rollstream.shared.agent.environments.coding import CODING_TOOLS, CodingTaskError
+from rollstream.shared.agent.tools import Episode, ToolError, ToolSet, ToolCall, resolve_tools
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
@@ -80,7 +80,7 @@ def workspaces(monkeypatch):
 
     def tracking_mkdtemp(*args, **kwargs):
         path = real_mkdtemp(*args, **kwargs)
-        if kwargs.get("prefix") == "rs-ws-":
+        if str(kwargs.get("prefix", "")).startswith("rs-ws-"):
             made.append(path)
         return path
 

@@ -3,7 +3,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from shared.config import Settings, reference_markdown
+from rollstream.shared.runtime.config import Settings, reference_markdown
 
 
 def test_environment_overrides_nested_sections(monkeypatch):

@@ -4,7 +4,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shared.datasets import DatasetError, arithmetic_dataset, load_dataset
+from rollstream.shared.errors import DatasetError
+from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
 
 
 def write_jsonl(path, rows):

@@ -1,10 +1,13 @@
-"""shared.grading.DockerBackend against a mocked docker SDK client (no engine runs here), plus one
+"""rollstream.shared.grading.DockerBackend against a mocked docker SDK client (no engine runs here), plus one
 real-container test that is skipped when no Docker engine is reachable.
 
     python -m pytest tests/unit/test_docker_backend.py -q
 """
 
 from __future__ import annotations
+
+from rollstream.shared.sandbox.docker import directory_hash
+
 
 import os
 import shutil
@@ -18,9 +21,11 @@ import requests
 from docker.errors import DockerException, ImageNotFound
 from docker.types import LogConfig, Ulimit
 
-from shared import grading
-from shared.grading import BackendUnavailable, DockerBackend, get_backend
-from shared.sandbox import SandboxLimits
+
+from rollstream.shared.errors import BackendUnavailable
+from rollstream.shared.sandbox.docker import DockerBackend
+from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.sandbox.base import SandboxLimits
 
 LIMITS = SandboxLimits(wall_time_s=7, cpu_time_s=7, memory_mb=256, max_processes=32,
                        max_file_size_mb=16, max_open_files=128, max_output_bytes=1000,
@@ -124,7 +129,7 @@ def test_image_build_is_cached_by_content_hash(tmp_path):
     client.images.get.side_effect = ImageNotFound("no such image")
     backend = DockerBackend(client=client)
     tag = backend.image_for(env_dir)
-    assert tag == f"rollstream-task:{grading.directory_hash(env_dir)[:32]}"
+    assert tag == f"rollstream-task:{directory_hash(env_dir)[:32]}"
     client.images.build.assert_called_once()
     assert client.images.build.call_args.kwargs["path"] == str(env_dir)
     assert client.images.build.call_args.kwargs["tag"] == tag

@@ -1,15 +1,7 @@
 import msgspec
 import pytest
 
-from shared.events import (
-    EVENT_TYPES,
-    EventDecodeError,
-    PromptIssued,
-    TrajectorySegment,
-    decode,
-    encode,
-    make_envelope,
-)
+from rollstream.shared.contract.events import (EVENT_TYPES, EventDecodeError, PromptIssued, TrajectorySegment, decode, encode, make_envelope)
 
 
 def segment(**overrides):

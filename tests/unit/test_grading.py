@@ -1,9 +1,14 @@
-"""shared.grading on the fixture tasks (tests/fixtures/tasks) with the real bubblewrap backend.
+"""rollstream.shared.grading on the fixture tasks (tests/fixtures/tasks) with the real bubblewrap backend.
 
     python -m pytest tests/unit/test_grading.py -q      (skipped where `bwrap` is not installed)
 """
 
 from __future__ import annotations
+
+from rollstream.shared.grading.swebench import _test_outcomes
+from rollstream.shared.grading.untrusted import _reward_from_json
+from rollstream.shared.sandbox.base import SandboxLimits
+
 
 import json
 import os
@@ -12,12 +17,19 @@ from pathlib import Path
 
 import pytest
 
-from shared import grading
-from shared.grading import (BubblewrapBackend, UnsafeLocalBackend, apply_diff, get_backend,
-                            grade_harbor, grade_swebench, prepare_workspace, reference_diff,
-                            store_log, validate_tasks)
-from shared.storage import Storage
-from shared.tasks import load_harbor_task, load_swebench_rows
+
+from rollstream.shared.sandbox.bubblewrap import BubblewrapBackend
+from rollstream.shared.sandbox.unsafe_local import UnsafeLocalBackend
+from rollstream.shared.grading.diffs import apply_diff
+from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.grading.harbor import grade_harbor
+from rollstream.shared.grading.swebench import grade_swebench
+from rollstream.shared.sandbox.workspace import prepare_workspace
+from rollstream.shared.grading.validation import reference_diff, validate_tasks
+from rollstream.shared.grading.runs import store_log
+from rollstream.shared.runtime.storage import Storage
+from rollstream.shared.tasks.harbor import load_harbor_task
+from rollstream.shared.tasks.swebench import load_swebench_rows
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
@@ -117,7 +129,7 @@ def test_swe_partial_credit_flag(backend, swe):
     task.fail_to_pass = [*swe.fail_to_pass]
     task.pass_to_pass = [*swe.pass_to_pass]
     report = "PASSED tests/a.py::t1\nFAILED tests/a.py::t2[x - y] - AssertionError: 1 - 2\n"
-    assert grading._test_outcomes(report, ["tests/a.py::t1", "tests/a.py::t2[x - y]", "gone"]) == {
+    assert _test_outcomes(report, ["tests/a.py::t1", "tests/a.py::t2[x - y]", "gone"]) == {
         "tests/a.py::t1": "passed", "tests/a.py::t2[x - y]": "failed", "tests/a.py::t2[x": "failed",
         "gone": "error"}
 
@@ -206,13 +218,13 @@ def test_unsafe_local_is_refused_unless_explicitly_allowed(tmp_path):
         get_backend("unsafe-local", allow_unsafe="yes")
     backend = get_backend("unsafe-local", allow_unsafe=True)
     assert isinstance(backend, UnsafeLocalBackend)
-    result = backend.run("echo hi > f; cat f", tmp_path, limits=grading.SandboxLimits())
+    result = backend.run("echo hi > f; cat f", tmp_path, limits=SandboxLimits())
     assert (result.exit_code, result.stdout) == (0, "hi\n")
     assert isinstance(get_backend("bubblewrap"), BubblewrapBackend)
 
 
 def test_reward_json_forms():
-    parse = grading._reward_from_json
+    parse = _reward_from_json
     assert parse({"reward": 0.25})[0] == 0.25
     score, _, tests = parse({"tests": {"a": "passed", "b": "failed", "c": True, "d": "skipped"}})
     assert score == pytest.approx(2 / 3) and tests == {"a": "passed", "b": "failed", "c": "passed",

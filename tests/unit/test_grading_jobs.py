@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from rq import Callback, Queue, Retry, SimpleWorker
 
-from services.sandbox_grader.jobs import GradeRequest, grade_rollout, report_job_failure
-from shared.storage import Storage
+from rollstream.services.sandbox_grader.jobs import GradeRequest, grade_rollout, report_job_failure
+from rollstream.shared.runtime.storage import Storage
 
 TASK = Path(__file__).resolve().parents[1] / "fixtures" / "tasks" / "harbor" / "fix-add"
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -33,7 +33,7 @@ def run_jobs(bus, jobs) -> Queue:
 @pytest.fixture
 def published(monkeypatch, bus):
     # the job publishes through Bus.connect(redis_url): point it at the test's Redis
-    import services.sandbox_grader.jobs as jobs
+    import rollstream.services.sandbox_grader.jobs as jobs
 
     monkeypatch.setattr(jobs.Bus, "connect", classmethod(lambda cls, url, run_id, settings=None: cls(bus.redis, run_id)))
     return bus

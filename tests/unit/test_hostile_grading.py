@@ -8,6 +8,10 @@ Network tests only ever use this machine's loopback (127.0.0.1).
 
 from __future__ import annotations
 
+from rollstream.shared.sandbox import host_uids
+from rollstream.shared.errors import GradingError
+
+
 import os
 import shutil
 import socket
@@ -19,10 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from shared import grading, sandbox
-from shared.grading import MAX_LOG_CHARS, get_backend, grade_harbor, prepare_workspace, reference_diff
-from shared.sandbox import SandboxLimits
-from shared.tasks import HarborTask
+
+from rollstream.shared.grading.outcome import MAX_LOG_CHARS
+from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.grading.harbor import grade_harbor
+from rollstream.shared.sandbox.workspace import prepare_workspace
+from rollstream.shared.grading.validation import reference_diff
+from rollstream.shared.sandbox.base import SandboxLimits
+from rollstream.shared.tasks.harbor import HarborTask
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
@@ -62,7 +70,7 @@ def make_task(tmp_path):
 
 
 def _sandbox_uid_processes() -> list[int]:
-    first = sandbox._HOST_UID_BASE + (os.getpid() % (1 << 22)) * sandbox._SLOTS
+    first = host_uids.HOST_UID_BASE + (os.getpid() % (1 << 22)) * host_uids.SLOTS
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -71,7 +79,7 @@ def _sandbox_uid_processes() -> list[int]:
             except OSError:
                 continue
             fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if first <= int(fields["Uid"].split()[0]) < first + sandbox._SLOTS:
+            if first <= int(fields["Uid"].split()[0]) < first + host_uids.SLOTS:
                 found.append(int(entry.name))
     return found
 
@@ -260,7 +268,7 @@ def test_killing_the_parent(backend, make_task, kill):
 
 def test_hostile_solution_in_reference_diff(backend, make_task):
     task = make_task(f"echo 0 > {REWARD}\n", solve_sh="kill -9 -1\n")
-    with pytest.raises(grading.GradingError, match="reference solution"):
+    with pytest.raises(GradingError, match="reference solution"):
         reference_diff(task, backend, LIMITS)
     task = make_task(f"echo 0 > {REWARD}\n",
                      solve_sh="echo ok > result.txt; ln -s /etc/passwd leak; mkfifo pipe\n")

@@ -14,37 +14,12 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from cli.inspection import (
-    collect_runs,
-    collect_streams,
-    diff_runs,
-    inspect_app,
-    load_decoder,
-    load_rollout,
-    open_run,
-    read_history,
-    render_diff,
-    render_rollout,
-    rollout_document,
-    runs_table,
-    tokens_text,
-)
-from shared.archive import ArchiveReader, ArchiveWriter, trim_stream
-from shared.batches import BatchRow, write_batch
-from shared.bus import STREAMS, Bus
-from shared.events import (
-    BatchReady,
-    GradeReported,
-    PolicyUpdated,
-    PromptIssued,
-    RewardAssigned,
-    TrajectoryFinished,
-    TrajectorySegment,
-    TrajectoryStarted,
-    TrajectoryTool,
-    TrajectoryTurn,
-)
-from shared.storage import Storage
+from rollstream.cli.inspection import (collect_runs, collect_streams, diff_runs, inspect_app, load_decoder, load_rollout, open_run, render_diff, render_rollout, rollout_document, runs_table, tokens_text)
+from rollstream.shared.contract.archive import ArchiveWriter, trim_stream
+from rollstream.shared.contract.batches import BatchRow, write_batch
+from rollstream.shared.contract.bus import STREAMS, Bus
+from rollstream.shared.contract.events import (BatchReady, GradeReported, PolicyUpdated, PromptIssued, RewardAssigned, TrajectoryFinished, TrajectorySegment, TrajectoryStarted, TrajectoryTool, TrajectoryTurn)
+from rollstream.shared.runtime.storage import Storage
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
 SERVER = "http://127.0.0.1:8000"

@@ -9,16 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.trainer.ppo import (
-    MicroBatch,
-    make_micro_batches,
-    merge_stats,
-    policy_loss,
-    sequence_logprobs,
-    split_minibatches,
-    token_logprobs,
-)
-from shared.batches import BatchRow
+from rollstream.services.trainer.ppo import (MicroBatch, make_micro_batches, merge_stats, policy_loss, sequence_logprobs, split_minibatches, token_logprobs)
+from rollstream.shared.contract.batches import BatchRow
 
 VOCAB = 11
 PAD = 0
@@ -198,7 +190,7 @@ def test_token_logprobs_restart_at_each_packed_sample():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from shared.tiny_model import build_tiny_model
+    from rollstream.cli.model.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

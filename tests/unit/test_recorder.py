@@ -12,12 +12,12 @@ import urllib.request
 import pytest
 import redis
 
-import shared.archive
-from services.recorder.main import Recorder, main, record_once
-from shared.archive import ArchiveReader, ArchiveWriter, archived_id
-from shared.bus import Bus
-from shared.events import PromptIssued, TrajectoryStarted
-from shared.storage import Storage
+import rollstream.shared.contract.archive
+from rollstream.services.recorder.main import Recorder, main, record_once
+from rollstream.shared.contract.archive import ArchiveReader, ArchiveWriter, archived_id
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import PromptIssued, TrajectoryStarted
+from rollstream.shared.runtime.storage import Storage
 
 
 def prompt(i: int) -> PromptIssued:
@@ -82,7 +82,7 @@ def test_a_crash_between_part_and_position_loses_nothing_and_duplicates_nothing(
         raise Crash
 
     with monkeypatch.context() as patch:
-        patch.setattr(shared.archive, "advance_archived", crash)
+        patch.setattr(rollstream.shared.contract.archive, "advance_archived", crash)
         with pytest.raises(Crash):
             record_once(bus, writer)
     assert archived_id(bus, "prompts") is None

@@ -6,12 +6,12 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from cli.main import app
-from shared.archive import ArchiveWriter, StreamHistory, stream_history, trim_stream
-from shared.bus import Bus
-from shared.events import TrajectoryFinished, decode, encode
-from shared.replay import Pace, ReplayError, ReplayPlan, check_fresh, publish
-from shared.storage import Storage
+from rollstream.cli.main import app
+from rollstream.shared.contract.archive import ArchiveWriter, StreamHistory, stream_history, trim_stream
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import TrajectoryFinished, decode, encode
+from rollstream.cli.replay.plan import Pace, ReplayError, ReplayPlan, check_fresh, publish
+from rollstream.shared.runtime.storage import Storage
 from tests.unit.test_archive import archive_all, prompt, turn
 
 runner = CliRunner()

@@ -2,12 +2,12 @@
 
 import pytest
 
-from shared.batches import read_batch
-from shared.bus import Bus, Delivery
-from shared.events import GradeReported, TrajectoryFinished, TrajectorySegment, make_envelope
-from shared.storage import Storage
+from rollstream.shared.contract.batches import read_batch
+from rollstream.shared.contract.bus import Bus, Delivery
+from rollstream.shared.contract.events import (GradeReported, TrajectoryFinished, TrajectorySegment, make_envelope)
+from rollstream.shared.runtime.storage import Storage
 
-from services.reward.main import RewardBook
+from rollstream.services.reward.main import RewardBook
 
 
 def deliveries_for(run_id, group, rollout, sample_index, answer, label="7", check=None, group_size=2,

@@ -3,7 +3,7 @@ import re
 import numpy as np
 import pytest
 
-from services.reward.rewards import advantages, exact_match, resolve_reward_function, reward_for
+from rollstream.services.reward.rewards import advantages, exact_match, resolve_reward_function, reward_for
 
 
 @pytest.mark.parametrize("response, label, reward", [
@@ -26,16 +26,16 @@ def test_unknown_reward_function_is_named():
 
 def test_a_reward_function_is_a_built_in_name_or_an_import_path():
     assert resolve_reward_function("exact_match") is exact_match
-    assert resolve_reward_function("shared.scoring:exact_match") is exact_match
+    assert resolve_reward_function("rollstream.shared.tasks.scoring:exact_match") is exact_match
 
 
 @pytest.mark.parametrize("spec, error", [
     ("bleu", "unknown reward function 'bleu'; built in: exact_match; or give an import path module:function"),
     ("no_such_module:score", "reward function 'no_such_module:score': cannot import module 'no_such_module'"),
-    ("shared.scoring:bleu", "reward function 'shared.scoring:bleu': module 'shared.scoring' has no attribute 'bleu'"),
-    ("services.reward.rewards:REWARD_FUNCTIONS",
-     "reward function 'services.reward.rewards:REWARD_FUNCTIONS': 'REWARD_FUNCTIONS' is a dict, not callable"),
-    ("shared.scoring:", "reward function 'shared.scoring:': an import path needs both parts, module:function"),
+    ("rollstream.shared.tasks.scoring:bleu", "reward function 'rollstream.shared.tasks.scoring:bleu': module 'rollstream.shared.tasks.scoring' has no attribute 'bleu'"),
+    ("rollstream.services.reward.rewards:REWARD_FUNCTIONS",
+     "reward function 'rollstream.services.reward.rewards:REWARD_FUNCTIONS': 'REWARD_FUNCTIONS' is a dict, not callable"),
+    ("rollstream.shared.tasks.scoring:", "reward function 'rollstream.shared.tasks.scoring:': an import path needs both parts, module:function"),
 ])
 def test_a_bad_reward_function_says_what_is_wrong(spec, error):
     with pytest.raises(ValueError, match=re.escape(error)):

@@ -1,4 +1,4 @@
-"""shared.sandbox against real bubblewrap: isolation, limits and output capture.
+"""rollstream.shared.sandbox against real bubblewrap: isolation, limits and output capture.
 
     python -m pytest tests/unit/test_sandbox.py -q      (skipped where `bwrap` is not installed)
 
@@ -6,6 +6,7 @@ Network tests only ever use this machine's loopback.
 """
 
 from __future__ import annotations
+
 
 import os
 import resource
@@ -22,8 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from shared import sandbox
-from shared.sandbox import SandboxLimits, SandboxUnavailable, WorkspaceError, run_in_sandbox
+
+from rollstream.shared.sandbox import bubblewrap, host_uids
+from rollstream.shared.sandbox.base import SandboxLimits
+from rollstream.shared.errors import SandboxUnavailable, WorkspaceError
+from rollstream.shared.sandbox.bubblewrap import run_in_sandbox
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
@@ -70,7 +74,7 @@ def _processes_with(marker: bytes) -> list[int]:
 def _sandbox_uid_processes() -> list[int]:
     """Host processes, zombies included, running as a sandbox host uid of this test process's
     runs (only meaningful when the tests run as root)."""
-    first = sandbox._HOST_UID_BASE + (os.getpid() % (1 << 22)) * sandbox._SLOTS
+    first = host_uids.HOST_UID_BASE + (os.getpid() % (1 << 22)) * host_uids.SLOTS
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -79,7 +83,7 @@ def _sandbox_uid_processes() -> list[int]:
             except OSError:
                 continue
             fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if first <= int(fields["Uid"].split()[0]) < first + sandbox._SLOTS:
+            if first <= int(fields["Uid"].split()[0]) < first + host_uids.SLOTS:
                 found.append(int(entry.name))
     return found
 
@@ -325,7 +329,7 @@ def test_no_privileges_inside(workspace):
         "id -u; grep CapEff /proc/self/status; unshare -U true 2>/dev/null && echo userns-ok; "
         "ls /proc | grep -c '^[0-9]'", workspace)
     uid, caps, *rest = result.stdout.split("\n")
-    assert uid == str(sandbox.SANDBOX_UID)
+    assert uid == str(bubblewrap.SANDBOX_UID)
     assert caps.split()[1] == "0000000000000000"
     assert "userns-ok" not in rest
     assert int(rest[0]) <= 5  # its own pid namespace: only its own few processes
@@ -354,13 +358,13 @@ def test_workspace_out_of_reach_is_a_clear_error(tmp_path):
 
 
 def test_missing_bwrap_is_a_clear_error(workspace, monkeypatch):
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    monkeypatch.setattr(bubblewrap.shutil, "which", lambda name: None)
     with pytest.raises(SandboxUnavailable, match="bubblewrap"):
         run_in_sandbox("true", workspace)
 
 
 def test_workspaces_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
-    from shared.sandbox import remove_orphaned_workspaces, workspace_prefix
+    from rollstream.shared.sandbox.workspace import remove_orphaned_workspaces, workspace_prefix
 
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -1,4 +1,4 @@
-"""The simulated vLLM fleet (bench/sim_fleet.py): it answers the API shared.fleet.FleetClient uses the
+"""The simulated vLLM fleet (bench/sim_fleet.py): it answers the API rollstream.shared.inference.fleet.FleetClient uses the
 way vLLM does, and its latency model accounts busy time exactly.
 
     python -m pytest tests/unit/test_sim_fleet.py -q
@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.fleet import FleetClient, FleetRequestError
+from rollstream.shared.inference.fleet import FleetClient, FleetRequestError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -82,7 +82,7 @@ def test_idle_and_paused_time_is_not_busy():
 # -------------------------------------------------------------------------------- the HTTP API
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from shared.tiny_model import build_tiny_model
+    from rollstream.cli.model.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("sim")
     return build_tiny_model(root / "v0", seed=0), build_tiny_model(root / "v1", seed=1)
@@ -327,9 +327,9 @@ def test_heavy_tail_agent_makes_token_exact_segments_through_the_fleet(fleet):
     from transformers import AutoTokenizer
 
     from heavy_tail_agent import TailParams, episode_turns, heavy_tail_agent
-    from shared.agent.loop import AgentContext, Limits, Task
-    from shared.agent.tool_calls import get_format
-    from shared.agent.tools import Episode, ToolSet
+    from rollstream.shared.agent.loop import AgentContext, Limits, Task
+    from rollstream.shared.agent.tool_calls import get_format
+    from rollstream.shared.agent.tools import Episode, ToolSet
 
     tokenizer = AutoTokenizer.from_pretrained(fleet.model_path)
     index = next(i for i in range(1000) if episode_turns(i, TailParams()) >= 40)

@@ -1,11 +1,11 @@
 import pytest
 
-from services.dispatcher.main import StalenessGate, admit_group, filtered_samples, next_step
-from services.reward.main import RewardBook
-from shared.bus import Delivery
-from shared.datasets import PromptRow
-from shared.events import TrajectoryFinished, TrajectorySegment, make_envelope
-from shared.storage import Storage
+from rollstream.services.dispatcher.main import StalenessGate, admit_group, filtered_samples, next_step
+from rollstream.services.reward.main import RewardBook
+from rollstream.shared.contract.bus import Delivery
+from rollstream.shared.tasks.rows import PromptRow
+from rollstream.shared.contract.events import TrajectoryFinished, TrajectorySegment, make_envelope
+from rollstream.shared.runtime.storage import Storage
 
 
 def admitted_before_first_update(gate: StalenessGate, group: int) -> int:
@@ -87,7 +87,7 @@ def test_the_gate_waits_while_unfiltered_samples_fill_it(bus):
 
 
 def test_an_admitted_sample_carries_the_rows_agent_tools_and_grading(bus):
-    from shared.datasets import PromptRow
+    from rollstream.shared.tasks.rows import PromptRow
 
     row = PromptRow(messages=[{"role": "user", "content": "What is 2 + 3?"}], label="5", sandbox_check="true",
                     agent="tool_agent", tools=["calculator"], metadata={"task": "arithmetic"})

@@ -1,7 +1,7 @@
 import pyarrow as pa
 
-from shared.batches import BatchRow, read_batch, write_batch
-from shared.storage import Storage, replace_dir
+from rollstream.shared.contract.batches import BatchRow, read_batch, write_batch
+from rollstream.shared.runtime.storage import Storage, replace_dir
 
 
 def row(i: int) -> BatchRow:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from shared.tiny_model import CALCULATOR_TOOL, build_tiny_model
+from rollstream.cli.model.tiny_model import CALCULATOR_TOOL, build_tiny_model
 
 
 def _hashes(directory):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.agent.tool_calls import TOOL_CALL_FORMATS, HermesFormat, MistralFormat, get_format
-from shared.agent.tools import ToolCall
+from rollstream.shared.agent.tool_calls import TOOL_CALL_FORMATS, HermesFormat, MistralFormat, get_format
+from rollstream.shared.agent.tools import ToolCall
 
 hermes = HermesFormat()
 mistral = MistralFormat()

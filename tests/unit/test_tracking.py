@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.tracking import Tracker, TrackingError, flatten
+from rollstream.shared.runtime.tracking import Tracker, TrackingError, flatten
 
 
 def test_tensorboard_event_files_hold_every_metric_per_version(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.backends import TorchBackend, load_model
+from rollstream.services.trainer.backends import TorchBackend, load_model
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).with_name("deepspeed_step.py")
@@ -85,7 +85,7 @@ def max_difference(first: Path, second: Path) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from shared.tiny_model import build_tiny_model
+    from rollstream.cli.model.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

@@ -8,20 +8,10 @@ import json
 
 import pytest
 
-from shared.agent.loop import TokenTrajectory
-from shared.config import Settings
-from shared.tiny_model import build_tiny_model
-from shared.warmup import (
-    ANSWER_STYLES,
-    LocalFleet,
-    calculator_schemas,
-    evaluate,
-    exact_match,
-    gold_episode,
-    gold_messages,
-    supervised_loss,
-    warmup,
-)
+from rollstream.shared.agent.loop import TokenTrajectory
+from rollstream.shared.runtime.config import Settings
+from rollstream.cli.model.tiny_model import build_tiny_model
+from rollstream.cli.model.warmup import (ANSWER_STYLES, LocalFleet, calculator_schemas, evaluate, exact_match, gold_episode, gold_messages, supervised_loss, warmup)
 
 CASES = [(0, 0, 0), (7, 3, 1), (12, 7, 2), (50, 50, 3), (9, 41, 0), (33, 42, 1)]
 
@@ -91,7 +81,7 @@ def test_gold_episode_is_token_exact_with_the_agents_trajectory(tokenizer, a, b,
 
 
 def test_the_prompt_is_the_one_tool_agent_renders_for_a_calculator_row(tokenizer):
-    from shared.datasets import arithmetic_dataset
+    from rollstream.shared.tasks.datasets import arithmetic_dataset
 
     row = arithmetic_dataset(1, seed=3, sandbox_every=0)[0]
     a, b = row.metadata["a"], row.metadata["b"]
@@ -152,7 +142,7 @@ def test_the_shared_prefix_loss_equals_the_plain_loss_and_gradients(tiny_dir, to
 
 
 def test_exact_match_is_the_reward_services_rule():
-    from services.reward.rewards import exact_match as service_rule
+    from rollstream.services.reward.rewards import exact_match as service_rule
 
     for response, label in [("The answer is 19.", "19"), ("12 + 7 = 19", "19"), ("19", "18"), ("no idea", "19"),
                             ("19 or 20", "19"), ("-3", "-3"), ("", "0")]:

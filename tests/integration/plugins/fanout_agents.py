@@ -7,7 +7,7 @@ there were two branches, so rewards differ within every group.
 
 import asyncio
 
-from shared.agent.loop import AgentContext, Segment, Task, tool_agent
+from rollstream.shared.agent.loop import AgentContext, Segment, Task, tool_agent
 
 BRANCH_SECONDS = 1.5
 

@@ -1,0 +1,637 @@
+"""Coding episodes: the model edits a copy of a task's repository and its changes become a diff.
+
+A dataset row asks for it by naming the coding tools and describing the repository in its
+metadata:
+
+    {"messages": [...], "agent": "tool_agent",
+     "tools": ["read_file", "write_file", "edit_file", "list_files", "run_shell", "run_tests"],
+     "metadata": {"repo": "/data/tasks/fix-parser",          # a local directory to copy, or
+                  "files": {"calc.py": "...", "test_calc.py": "..."},   # path -> content
+                  "test_command": "python3 test_calc.py",     # for run_tests (optional)
+                  "limits": {"wall_time_s": 60},               # SandboxLimits fields (optional)
+                  "env": {"PYTHONPATH": "/workspace/src"},      # sandbox environment (optional)
+                  "sandbox_backend": "bubblewrap"}}            # or "docker", as the grader (optional)
+
+(`CODING_TOOLS` is that list of tool names; a row may name only some of them.)
+
+One `Workspace` per episode, shared by all coding tools through `episode.state["workspace"]`: the
+first tool's `create()` makes it, the others find it there. It is a fresh
+`tempfile.mkdtemp(prefix="rs-ws-")` directory holding
+
+    repo/   the task repository (a copy of metadata["repo"], with metadata["files"] written over
+            it); the model's tools work here, and it is /workspace inside the sandbox
+    git/    a git directory of our own, outside repo/ and never visible to the sandbox
+    diff    the episode's diff, written at release
+
+The source directory is only ever read. The git directory lives outside the work tree because the
+work tree is model-written: a `.git/config` in it (the task's own, copied with the repository, or
+one the model made with run_shell) could name commands for git to run on the host
+(core.fsmonitor, filters, diff drivers). Our git directory's configuration is ours; git runs on
+the host with hooks off (`core.hooksPath=/dev/null`), a clean environment (no system or global
+config), no external diff or textconv, and `$GIT_DIR/info/attributes` overriding the work tree's
+.gitattributes (no filters, no end-of-line conversion). The task repository's own `.git`, if it
+had one, is copied along so the model can read its history inside the sandbox, but it plays no part
+in the diff.
+
+Snapshots, the baseline at creation and the final one at release, are built the same way: a walk
+of repo/ (never following symlinks) lists every regular file and symlink, and `git update-index`
+records exactly those in a fresh index. So .gitignore rules, nested repositories and ignored files
+cannot hide anything. Left out, always and in both snapshots: `.git` entries at any depth
+(repository metadata), Python caches (`__pycache__` directories, `*.pyc`/`*.pyo`,
+`.pytest_cache`; see `rollstream.shared.grading.SNAPSHOT_EXCLUDED_NAMES`), special files (FIFOs, sockets), names git
+refuses to record (a symlink named .gitmodules, a `.GIT` directory) and empty directories (git
+records files only). Left-out entries are counted and logged at release, never
+dropped without a word. The diff is `git diff --cached --binary --no-renames <baseline>`: text
+and binary changes, new and deleted files, mode changes and symlinks, as a patch that
+`git apply` applies to a fresh copy of the source. It is stored at
+`{run_id}/artifacts/{episode_id}.diff` in `Storage(episode.storage_uri)` and its path set as
+`episode.artifacts["diff"]` (with no storage_uri it is not stored), then the workspace is
+deleted. Release is idempotent: the first tool to get there does it; the others, and any later
+call, find it done.
+
+Host-side file tools (read_file, write_file, edit_file, list_files) take relative paths only and
+refuse `..`, absolute paths, and symlinks that resolve outside repo/; they only open regular files
+(a FIFO the model made cannot block the host) and cap what they read and write. run_shell and
+run_tests run in the bubblewrap sandbox (shared/sandbox/bubblewrap.py) with repo/ bound at /workspace: no
+network, rlimits from metadata["limits"] over the defaults here (30 s wall clock). Calls on one
+workspace are serialized by a thread lock (the sandbox chowns the tree for a run), so a file tool
+never races a shell command, nor release a call still running after its coroutine was cancelled.
+
+    python -m pytest tests/unit/test_coding_env.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import re
+import stat
+import threading
+import uuid
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from rollstream.shared.agent.tools import Episode, Tool, ToolError, register_tool
+from rollstream.shared.errors import CodingTaskError
+from rollstream.shared.runtime.storage import Storage
+from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.sandbox.base import SandboxLimits, SandboxResult
+from rollstream.shared.sandbox.workspace import GitWorkspace
+
+log = logging.getLogger(__name__)
+
+CODING_TOOLS = ("read_file", "write_file", "edit_file", "list_files", "run_shell", "run_tests")
+
+DEFAULT_LIMITS = SandboxLimits(wall_time_s=30, cpu_time_s=30)
+"""Sandbox limits for run_shell and run_tests; metadata["limits"] overrides fields of it."""
+DEFAULT_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
+"""Sandbox environment (over sandbox.py's PATH, HOME, LANG); metadata["env"] adds to it."""
+
+MAX_READ_FILE_BYTES = 4 * 1024 * 1024
+"""read_file and edit_file refuse larger files (the model can page with run_shell instead)."""
+MAX_READ_OUTPUT_CHARS = 40_000
+"""read_file returns whole lines up to this many characters, then says where to go on."""
+MAX_WRITE_BYTES = 1024 * 1024
+"""Largest file write_file or edit_file writes."""
+MAX_LIST_ENTRIES = 1000
+"""list_files lists at most this many entries."""
+MAX_STREAM_CHARS = 10_000
+"""run_shell shows at most this much of stdout and of stderr: the head and the (longer) tail."""
+MAX_COMMAND_CHARS = 32 * 1024
+"""Longest command run_shell accepts."""
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_STATE_KEY = "workspace"
+_LOCK_KEY = "workspace_lock"
+
+# --- the workspace -------------------------------------------------------------------------------
+
+
+class Workspace(GitWorkspace):
+    """A task repository copy (shared.sandbox.workspace.GitWorkspace) with the episode's sandbox
+    settings, a file for its diff, and host-side path confinement for the file tools.
+
+    Blocking methods; the tools call them in a worker thread that holds `lock` (a thread lock, so
+    a call whose coroutine was cancelled, e.g. by ToolSet's time limit, keeps the workspace until
+    its thread is really done)."""
+
+    def __init__(self, base: Path, limits: SandboxLimits = DEFAULT_LIMITS,
+                 env: dict[str, str] | None = None, test_command: str | None = None,
+                 backend: str = "bubblewrap") -> None:
+        super().__init__(base)
+        self.diff_file = base / "diff"
+        self.limits = limits
+        self.env = env or {}
+        self.test_command = test_command
+        self.backend = backend
+        self.closed = False
+        """Set (synchronously) by the first release; later calls find the workspace gone."""
+        self.lock = threading.Lock()
+
+    @classmethod
+    def for_task(cls, metadata: dict[str, Any]) -> Workspace:
+        """Copy the task's repository into a fresh temporary directory, write metadata["files"]
+        over it, and snapshot it."""
+        limits, env, test_command = _task_settings(metadata)
+        repo, files = _task_source(metadata)
+
+        def write_files(workspace: Workspace) -> None:
+            for relative, content in files.items():
+                target = workspace.resolve(relative)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if target.is_symlink() or (target.exists() and not target.is_file()):
+                    raise CodingTaskError(f"metadata['files'][{relative!r}] would replace a "
+                                          "directory or symlink of the repository")
+                target.write_bytes(content.encode() if isinstance(content, str) else bytes(content))
+
+        try:
+            workspace = cls.create("ws", repo, write_files, limits=limits, env=env,
+                                   test_command=test_command,
+                                   backend=metadata.get("sandbox_backend") or "bubblewrap")
+        except ToolError as exc:
+            raise CodingTaskError(f"metadata['files']: {exc}") from None
+        return workspace
+
+    def capture_diff(self) -> Path:
+        """Write the diff of repo/ against the baseline to `diff_file` (outside repo/)."""
+        skipped = self.write_diff(self.diff_file)
+        left_out = {name: count for name, count in skipped.items() if count}
+        if left_out:
+            log.info("workspace %s: diff leaves out %s (.git metadata, Python caches, special "
+                     "files are never part of a snapshot)", self.base, left_out)
+        return self.diff_file
+
+    # confinement of host-side paths
+
+    def resolve(self, path: Any) -> Path:
+        """`path` (relative to repo/) on the host; ToolError if it is not inside repo/."""
+        if not isinstance(path, str) or not path.strip():
+            raise ToolError("path must be a non-empty path relative to the repository root")
+        if "\0" in path:
+            raise ToolError("path must not contain NUL characters")
+        pure = PurePosixPath(path)
+        if pure.is_absolute():
+            raise ToolError(f"{path!r} is an absolute path: give a path relative to the "
+                            "repository root (e.g. 'src/main.py')")
+        if ".." in pure.parts:
+            raise ToolError(f"{path!r} contains '..': paths must stay inside the repository")
+        candidate = self.root.joinpath(*pure.parts)
+        real = Path(os.path.realpath(candidate))
+        if real != self.root and self.root not in real.parents:
+            raise ToolError(f"{path!r} resolves outside the repository (through a symlink): refused")
+        return real
+
+    def display(self, real: Path) -> str:
+        relative = real.relative_to(self.root).as_posix()
+        return relative or "."
+
+    # the sandbox
+
+    def run(self, command: str) -> SandboxResult:
+        """Run in the sandbox backend the task names (`sandbox_backend`, default bubblewrap): the same
+        backends the grader uses."""
+        return get_backend(self.backend).run(command, self.root, limits=self.limits, env=self.env)
+
+
+def _task_settings(metadata: dict[str, Any]) -> tuple[SandboxLimits, dict[str, str], str | None]:
+    limits = DEFAULT_LIMITS
+    overrides = metadata.get("limits") or {}
+    if not isinstance(overrides, dict):
+        raise CodingTaskError("metadata['limits'] must be a map of SandboxLimits fields")
+    fields = {f.name for f in dataclasses.fields(SandboxLimits)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise CodingTaskError(f"metadata['limits'] has unknown fields {sorted(unknown)}; "
+                              f"known: {sorted(fields)}")
+    limits = dataclasses.replace(limits, **overrides)
+    extra_env = metadata.get("env") or {}
+    if not isinstance(extra_env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in extra_env.items()):
+        raise CodingTaskError("metadata['env'] must map names to string values")
+    test_command = metadata.get("test_command") or None
+    if test_command is not None and not isinstance(test_command, str):
+        raise CodingTaskError("metadata['test_command'] must be a shell command string")
+    return limits, {**DEFAULT_ENV, **extra_env}, test_command
+
+
+def _task_source(metadata: dict[str, Any]) -> tuple[Path | None, dict[str, str | bytes]]:
+    repo = metadata.get("repo")
+    files = metadata.get("files") or {}
+    if isinstance(files, str):
+        files = json.loads(files)
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, (str, bytes))
+                                              for k, v in files.items()):
+        raise CodingTaskError("metadata['files'] must map relative paths to file contents")
+    if repo is None and not files:
+        raise CodingTaskError("a coding task needs metadata['repo'] (a directory to copy) or "
+                              "metadata['files'] (a map of path -> content)")
+    if repo is not None:
+        repo = Path(repo)
+        if not repo.is_dir():
+            raise CodingTaskError(f"metadata['repo'] {str(repo)!r} is not a directory")
+    return repo, files
+
+
+# --- per-episode sharing -------------------------------------------------------------------------
+
+
+async def get_workspace(episode: Episode) -> Workspace:
+    """The episode's workspace, made on first use; ToolError once it has been released."""
+    workspace = episode.state.get(_STATE_KEY)
+    if workspace is None:
+        lock = episode.state.setdefault(_LOCK_KEY, asyncio.Lock())
+        async with lock:
+            workspace = episode.state.get(_STATE_KEY)
+            if workspace is None:
+                workspace = await asyncio.to_thread(Workspace.for_task, episode.metadata)
+                episode.state[_STATE_KEY] = workspace
+    if workspace.closed:
+        raise ToolError("the workspace has been released: the episode is over")
+    return workspace
+
+
+async def release_workspace(episode: Episode) -> None:
+    """Capture and store the diff, then delete the workspace. Safe to call any number of times."""
+    workspace = episode.state.get(_STATE_KEY)
+    if workspace is None or workspace.closed:
+        return
+    workspace.closed = True  # before any await: a concurrent release returns at once
+    stored = await asyncio.to_thread(_finish, workspace, episode.storage_uri, episode.run_id,
+                                     episode.episode_id)
+    if stored is not None:
+        episode.artifacts["diff"] = stored
+
+
+def _finish(workspace: Workspace, storage_uri: str | None, run_id: str, episode_id: str) -> str | None:
+    """In one thread, after any call in flight: capture the diff, store it, delete the workspace
+    (always, also when capturing or storing fails). Returns the stored path."""
+    with workspace.lock:
+        try:
+            diff = workspace.capture_diff()
+            if storage_uri is None:
+                return None
+            return _store_file(storage_uri, diff, run_id, episode_id)
+        finally:
+            workspace.cleanup()
+
+
+def _store_file(storage_uri: str, local: Path, run_id: str, episode_id: str) -> str:
+    """Copy `local` to {run_id}/artifacts/{episode_id}.diff atomically; returns the stored path."""
+    for what, value in (("run_id", run_id), ("episode_id", episode_id)):
+        if not _SAFE_ID.match(value or ""):
+            raise ValueError(f"{what} {value!r} cannot name a stored file")
+    storage = Storage(storage_uri)
+    final = storage.path(run_id, "artifacts", f"{episode_id}.diff")
+    storage.fs.create_dir(final.rsplit("/", 1)[0], recursive=True)
+    temp = f"{final}.tmp-{uuid.uuid4().hex}"
+    with open(local, "rb") as source, storage.fs.open_output_stream(temp) as out:
+        while chunk := source.read(1024 * 1024):
+            out.write(chunk)
+    storage.fs.move(temp, final)
+    return final
+
+
+# --- tools ---------------------------------------------------------------------------------------
+
+
+class _CodingTool(Tool):
+    """Shares the episode's workspace; every call on it holds the workspace's lock."""
+
+    async def create(self, episode: Episode) -> None:
+        await get_workspace(episode)
+
+    async def release(self, episode: Episode) -> None:
+        await release_workspace(episode)
+
+    async def execute(self, arguments: dict, episode: Episode) -> str:
+        if not isinstance(arguments, dict):
+            raise ToolError("arguments must be a JSON object")
+        workspace = await get_workspace(episode)
+        return await asyncio.to_thread(self._locked_run, workspace, arguments)
+
+    def _locked_run(self, workspace: Workspace, arguments: dict) -> str:
+        with workspace.lock:
+            if workspace.closed:
+                raise ToolError("the workspace has been released: the episode is over")
+            return self.run(workspace, arguments)
+
+    def run(self, workspace: Workspace, arguments: dict) -> str:
+        raise NotImplementedError
+
+
+def _string(arguments: dict, name: str, default: str | None = None, allow_empty: bool = True) -> str:
+    value = arguments.get(name, default)
+    if value is None:
+        raise ToolError(f"missing required argument '{name}'")
+    if not isinstance(value, str):
+        raise ToolError(f"argument '{name}' must be a string")
+    if not allow_empty and not value:
+        raise ToolError(f"argument '{name}' must not be empty")
+    return value
+
+
+def _optional_int(arguments: dict, name: str) -> int | None:
+    value = arguments.get(name)
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise ToolError(f"argument '{name}' must be an integer")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ToolError(f"argument '{name}' must be an integer, not {value!r}") from None
+    if isinstance(value, float) and value != number:
+        raise ToolError(f"argument '{name}' must be an integer, not {value!r}")
+    return number
+
+
+def _read_regular(real: Path, shown: str) -> bytes:
+    """The bytes of a regular file (never blocking on a FIFO, never following a last symlink)."""
+    if real.is_dir():
+        raise ToolError(f"{shown} is a directory (use list_files)")
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ToolError(f"{shown}: no such file") from None
+    except OSError as exc:
+        raise ToolError(f"{shown}: cannot open ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as handle:
+        st = os.fstat(handle.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ToolError(f"{shown} is not a regular file")
+        if st.st_size > MAX_READ_FILE_BYTES:
+            raise ToolError(f"{shown} is {st.st_size} bytes, more than the {MAX_READ_FILE_BYTES} "
+                            "this tool reads; look at parts of it with run_shell (head, sed -n, grep)")
+        data = handle.read(MAX_READ_FILE_BYTES + 1)
+    if len(data) > MAX_READ_FILE_BYTES:
+        raise ToolError(f"{shown} is larger than {MAX_READ_FILE_BYTES} bytes")
+    return data
+
+
+def _write_regular(real: Path, shown: str, data: bytes) -> bool:
+    """Write a regular file atomically (temp file + rename), making parent directories; keeps an
+    existing file's mode. Returns whether the file existed."""
+    if len(data) > MAX_WRITE_BYTES:
+        raise ToolError(f"content is {len(data)} bytes; at most {MAX_WRITE_BYTES} may be written at once")
+    try:
+        st = os.lstat(real)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise ToolError(f"{shown} is {kind}; cannot write it")
+    try:
+        real.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ToolError(f"{shown}: a parent of it is a file, not a directory") from None
+    except OSError as exc:
+        raise ToolError(f"{shown}: cannot create its directory ({exc.strerror})") from None
+    temp = real.with_name(f".{real.name}.rs-tmp-{uuid.uuid4().hex[:8]}")
+    mode = stat.S_IMODE(st.st_mode) if st is not None else 0o644
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.chmod(temp, mode)
+        os.replace(temp, real)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        raise ToolError(f"{shown}: cannot write ({exc.strerror})") from None
+    return st is not None
+
+
+def _lines(text: str) -> list[str]:
+    """Lines split at '\\n' only (the numbering `grep -n` and editors use)."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def _numbered(lines: list[str], first: int) -> list[str]:
+    return [f"{first + i:>6}\t{line}" for i, line in enumerate(lines)]
+
+
+def _cap_stream(text: str) -> str:
+    if len(text) <= MAX_STREAM_CHARS:
+        return text
+    head = MAX_STREAM_CHARS * 3 // 10
+    tail = MAX_STREAM_CHARS - head
+    omitted = len(text) - head - tail
+    return f"{text[:head]}\n[... {omitted} characters omitted ...]\n{text[-tail:]}"
+
+
+def _format_result(result: SandboxResult) -> str:
+    status = "none" if result.exit_code is None else str(result.exit_code)
+    header = f"exit code: {status}"
+    if result.reason != f"exit {result.exit_code}":
+        header += f" ({result.reason})"
+    parts = [header]
+    if result.output_truncated:
+        parts.append("(output was longer than the sandbox keeps; the end of it was dropped)")
+    parts.append("stdout:\n" + (_cap_stream(result.stdout) if result.stdout else "(empty)"))
+    parts.append("stderr:\n" + (_cap_stream(result.stderr) if result.stderr else "(empty)"))
+    return "\n".join(parts)
+
+
+@register_tool("read_file")
+class ReadFile(_CodingTool):
+    name = "read_file"
+    description = ("Read a text file of the repository, with line numbers. Optionally only lines "
+                   "start_line..end_line (1-based, inclusive).")
+    parameters = {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "description": "File path relative to the repository root."},
+            "start_line": {"type": "integer", "minimum": 1, "description": "First line to show (default 1)."},
+            "end_line": {"type": "integer", "minimum": 1, "description": "Last line to show (default: the end)."},
+        },
+        "required": ["path"],
+        "additionalProperties": False,
+    }
+
+    def run(self, workspace: Workspace, arguments: dict) -> str:
+        real = workspace.resolve(_string(arguments, "path"))
+        shown = workspace.display(real)
+        data = _read_regular(real, shown)
+        if b"\0" in data[:8192]:
+            raise ToolError(f"{shown} looks like a binary file; inspect it with run_shell")
+        lines = _lines(data.decode("utf-8", errors="replace"))
+        start = _optional_int(arguments, "start_line") or 1
+        end = _optional_int(arguments, "end_line") or len(lines)
+        if not lines:
+            return f"{shown} is empty"
+        if start < 1 or end < start:
+            raise ToolError(f"bad line range {start}..{end}: need 1 <= start_line <= end_line")
+        if start > len(lines):
+            raise ToolError(f"start_line {start} is past the end: {shown} has {len(lines)} lines")
+        end = min(end, len(lines))
+        out: list[str] = []
+        size = 0
+        for number, line in zip(range(start, end + 1), _numbered(lines[start - 1:end], start)):
+            if size + len(line) + 1 > MAX_READ_OUTPUT_CHARS and out:
+                out.append(f"[... output truncated at line {number - 1} of {len(lines)}; "
+                           f"call read_file with start_line={number} to go on]")
+                break
+            out.append(line)
+            size += len(line) + 1
+        return "\n".join(out)
+
+
+@register_tool("write_file")
+class WriteFile(_CodingTool):
+    name = "write_file"
+    description = ("Create or overwrite a file of the repository with the given content "
+                   "(parent directories are created).")
+    parameters = {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "description": "File path relative to the repository root."},
+            "content": {"type": "string", "description": "The complete new content of the file."},
+        },
+        "required": ["path", "content"],
+        "additionalProperties": False,
+    }
+
+    def run(self, workspace: Workspace, arguments: dict) -> str:
+        real = workspace.resolve(_string(arguments, "path"))
+        shown = workspace.display(real)
+        data = _string(arguments, "content").encode("utf-8")
+        existed = _write_regular(real, shown, data)
+        return f"{'Overwrote' if existed else 'Created'} {shown} ({len(data)} bytes)"
+
+
+@register_tool("edit_file")
+class EditFile(_CodingTool):
+    name = "edit_file"
+    description = ("Replace one exact occurrence of `old` in a file with `new`. `old` must match "
+                   "the file exactly (whitespace and indentation included) and occur exactly once; "
+                   "include surrounding lines to make it unique.")
+    parameters = {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "description": "File path relative to the repository root."},
+            "old": {"type": "string", "description": "The exact text to replace (must occur once)."},
+            "new": {"type": "string", "description": "The replacement text."},
+        },
+        "required": ["path", "old", "new"],
+        "additionalProperties": False,
+    }
+
+    def run(self, workspace: Workspace, arguments: dict) -> str:
+        real = workspace.resolve(_string(arguments, "path"))
+        shown = workspace.display(real)
+        old = _string(arguments, "old", allow_empty=False)
+        new = _string(arguments, "new")
+        try:
+            text = _read_regular(real, shown).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ToolError(f"{shown} is not UTF-8 text; edit it with run_shell") from None
+        count = text.count(old)
+        first = text.find(old)
+        if count == 1 and text.find(old, first + 1) != -1:
+            count = 2  # overlapping occurrences: still ambiguous
+        if count == 0:
+            raise ToolError(f"`old` was not found in {shown} (0 occurrences); it must match the "
+                            "file exactly, including whitespace and indentation (read_file shows it)")
+        if count > 1:
+            raise ToolError(f"`old` occurs {count} times in {shown}; it must occur exactly once: "
+                            "include more surrounding lines to pick one")
+        updated = text[:first] + new + text[first + len(old):]
+        _write_regular(real, shown, updated.encode("utf-8"))
+        first_line = text.count("\n", 0, first) + 1
+        lines = _lines(updated)
+        last_line = first_line + new.count("\n")
+        lo, hi = max(1, first_line - 2), min(len(lines), last_line + 2, first_line + 40)
+        snippet = "\n".join(_numbered(lines[lo - 1:hi], lo)) if lines else "(the file is now empty)"
+        return f"Edited {shown}: replaced 1 occurrence at line {first_line}. Now:\n{snippet}"
+
+
+@register_tool("list_files")
+class ListFiles(_CodingTool):
+    name = "list_files"
+    description = ("List the files and directories under a directory of the repository, "
+                   "recursively (directories end in '/', symlinks show their target).")
+    parameters = {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "description": "Directory relative to the repository root (default '.')."},
+        },
+        "additionalProperties": False,
+    }
+
+    def run(self, workspace: Workspace, arguments: dict) -> str:
+        real = workspace.resolve(_string(arguments, "path", default="."))
+        shown = workspace.display(real)
+        if not real.exists():
+            raise ToolError(f"{shown}: no such file or directory")
+        if not real.is_dir():
+            return workspace.display(real)
+        out: list[str] = []
+        stack = [real]
+        truncated = False
+        while stack and not truncated:
+            directory = stack.pop()
+            try:
+                with os.scandir(directory) as scan:
+                    entries = sorted(scan, key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                if len(out) >= MAX_LIST_ENTRIES:
+                    truncated = True
+                    break
+                relative = workspace.display(Path(entry.path))
+                if entry.is_symlink():
+                    out.append(f"{relative} -> {os.readlink(entry.path)}")
+                elif entry.is_dir(follow_symlinks=False):
+                    if entry.name == ".git":
+                        out.append(f"{relative}/ (git metadata, not listed)")
+                    else:
+                        out.append(f"{relative}/")
+                        stack.append(Path(entry.path))
+                else:
+                    out.append(relative)
+        out.sort()
+        if truncated:
+            out.append(f"[... listing stopped at {MAX_LIST_ENTRIES} entries; list a subdirectory]")
+        return "\n".join(out) if out else f"{shown} is empty"
+
+
+@register_tool("run_shell")
+class RunShell(_CodingTool):
+    name = "run_shell"
+    description = ("Run a shell command (/bin/sh -c) in the repository root, inside a sandbox with "
+                   "no network and a time limit. Returns the exit code, stdout and stderr.")
+    parameters = {
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "description": "The shell command to run."},
+        },
+        "required": ["command"],
+        "additionalProperties": False,
+    }
+
+    def run(self, workspace: Workspace, arguments: dict) -> str:
+        command = _string(arguments, "command", allow_empty=False)
+        if len(command) > MAX_COMMAND_CHARS:
+            raise ToolError(f"command is {len(command)} characters; at most {MAX_COMMAND_CHARS}")
+        if "\0" in command:
+            raise ToolError("command must not contain NUL characters")
+        return _format_result(workspace.run(command))
+
+
+@register_tool("run_tests")
+class RunTests(_CodingTool):
+    name = "run_tests"
+    description = "Run the task's tests in the sandbox. Returns the exit code, stdout and stderr."
+    parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+
+    def run(self, workspace: Workspace, arguments: dict) -> str:
+        if not workspace.test_command:
+            raise ToolError("this task has no test command; use run_shell to run checks")
+        result = workspace.run(workspace.test_command)
+        verdict = "tests passed" if result.exit_code == 0 else "tests failed"
+        return f"{verdict}\n{_format_result(result)}"

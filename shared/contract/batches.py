@@ -1,0 +1,65 @@
+"""Reward-complete training batches as Parquet: the reward service writes them, the trainer reads
+them. One row per trainable segment."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from rollstream.shared.runtime.storage import Storage
+
+SCHEMA = pa.schema([
+    ("sample_index", pa.int64()),
+    ("trajectory_id", pa.string()),
+    ("rollout_id", pa.string()),
+    ("group_id", pa.string()),
+    ("session_id", pa.string()),
+    ("segment_index", pa.int32()),
+    ("tokens", pa.list_(pa.int32())),
+    ("response_length", pa.int32()),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("rollout_logprobs", pa.list_(pa.float32())),
+    ("turn_policy_versions", pa.list_(pa.int32())),
+    ("status", pa.string()),
+    ("reward", pa.float32()),
+    ("advantage", pa.float32()),
+    ("metadata", pa.string()),
+])
+
+
+@dataclass
+class BatchRow:
+    sample_index: int
+    trajectory_id: str
+    rollout_id: str
+    group_id: str
+    session_id: str
+    segment_index: int
+    tokens: list[int]
+    response_length: int
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    turn_policy_versions: list[int]
+    status: str
+    reward: float
+    advantage: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def min_policy_version(self) -> int:
+        return min(self.turn_policy_versions) if self.turn_policy_versions else 0
+
+
+def write_batch(storage: Storage, run_id: str, batch_id: str, rows: list[BatchRow]) -> str:
+    records = [{**asdict(row), "metadata": json.dumps(row.metadata, sort_keys=True)} for row in rows]
+    table = pa.Table.from_pylist(records, schema=SCHEMA)
+    return storage.write_table(table, run_id, "batches", f"{batch_id}.parquet")
+
+
+def read_batch(storage: Storage, path: str) -> list[BatchRow]:
+    table = storage.read_table(path)
+    if not table.schema.equals(SCHEMA):
+        raise ValueError(f"{path}: batch schema differs from this code's: {table.schema}")
+    return [BatchRow(**{**record, "metadata": json.loads(record["metadata"])}) for record in table.to_pylist()]

@@ -1,0 +1,373 @@
+"""The event schema: the one contract between rollstream's services.
+
+Every fact a service publishes is one of the versioned pydantic models below, wrapped in an
+`Envelope` (type, schema version, event id, run id, time, and the ids it belongs to). On a Redis
+stream an event is three fields: `type`, `v` (schema version) and `body`, a msgpack document.
+Token ids and logprobs travel as packed little-endian int32 / float32 bytes inside that document:
+`python bench/bench_encoding.py` measures this against JSON lists (smaller and faster to decode).
+
+Decoding rejects, with an `EventDecodeError` that says why, an unknown type, an unknown schema
+version, and a payload that does not validate.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+import numpy as np
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    SerializationInfo,
+    SerializeAsAny,
+    ValidationError,
+    model_validator,
+)
+from rollstream.shared.errors import EventDecodeError
+
+
+def _pack(dtype: str):
+    def serialize(values: list, info: SerializationInfo) -> Any:
+        if info.mode == "json":
+            return list(values)
+        return np.asarray(values, dtype=dtype).tobytes()
+
+    def validate(value: Any) -> Any:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            if len(value) % np.dtype(dtype).itemsize:
+                raise ValueError(f"packed {dtype} array has {len(value)} bytes, not a multiple of the item size")
+            return np.frombuffer(value, dtype=dtype).tolist()
+        return value
+
+    return BeforeValidator(validate), PlainSerializer(serialize)
+
+
+TokenIds = Annotated[list[int], *_pack("<i4")]
+"""Token ids; packed as int32 bytes on the wire."""
+Floats = Annotated[list[float], *_pack("<f4")]
+"""Logprobs and similar per-token floats; packed as float32 bytes on the wire."""
+Mask = Annotated[list[int], *_pack("<i1")]
+"""0/1 per token; packed as int8 bytes on the wire."""
+
+Status = Literal["completed", "truncated", "aborted", "failed"]
+
+
+class Event(BaseModel):
+    """Base of every event payload. `TYPE` names it on the wire, `VERSION` is its schema version."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int] = 1
+
+
+class Envelope(BaseModel):
+    """What every stream entry carries around its payload."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    type: str
+    schema_version: int
+    event_id: str
+    run_id: str
+    time: float
+    trajectory_id: str | None = None
+    rollout_id: str | None = None
+    group_id: str | None = None
+    session_id: str | None = None
+    payload: SerializeAsAny[Event]
+
+
+# ----------------------------------------------------------------------------------------- prompts
+class PromptIssued(Event):
+    """The dispatcher admitted one sample of a prompt group (stream `prompts`)."""
+
+    TYPE = "PromptIssued"
+    sample_index: int
+    """Position of this sample in the run's admission order (0-based)."""
+    group_size: int
+    """Samples in this prompt group (n)."""
+    messages: list[dict[str, Any]]
+    """Chat messages of the prompt (role, content)."""
+    label: str | None = None
+    """Reference answer for rule-based rewards."""
+    reward_fn: str = "exact_match"
+    """Name of the built-in reward function."""
+    sandbox_check: str | None = None
+    """Shell command whose exit status grades the sample in a sandbox; None: no sandbox grade."""
+    agent: str | None = None
+    """Agent loop: a registered name or package.module:function; None: the configured default."""
+    tools: list[str] = Field(default_factory=list)
+    """Tools the episode may call: registered names or package.module:attr."""
+    policy_version: int
+    """The policy version the dispatcher saw when it admitted the sample."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------ trajectories
+class TrajectoryStarted(Event):
+    TYPE = "TrajectoryStarted"
+    sample_index: int
+    server_url: str | None = None
+
+
+class TrajectoryTurn(Event):
+    """One generation: the ids the engine sampled, as sampled, with their logprobs.
+
+    A segment's tokens are the concatenation, over its turns, of `appended_ids` then
+    `response_ids` (`offset` is where the response starts in the segment).
+    """
+
+    TYPE = "TrajectoryTurn"
+    turn: int
+    segment_index: int = 0
+    offset: int
+    appended_ids: TokenIds
+    """Tokens added since the previous turn: the prompt, or tool observations and template glue."""
+    response_ids: TokenIds
+    logprobs: Floats
+    policy_version: int
+    """Version the server reported before the turn."""
+    policy_version_end: int
+    """Version it reported after; differs when a weight sync happened mid-turn."""
+    finish_reason: str
+    server_url: str
+
+
+class TrajectoryTool(Event):
+    """One tool call and what it returned to the model."""
+
+    TYPE = "TrajectoryTool"
+    turn: int
+    call_id: str
+    name: str
+    arguments: dict[str, Any]
+    ok: bool
+    error_kind: str | None = None
+    content: str
+
+
+class TrajectorySegment(Event):
+    """One trainable sample of a rollout (slime's Sample, verl's AgentLoopOutput).
+
+    `tokens` is the whole sequence; `loss_mask` and `rollout_logprobs` are aligned with it: 1 on
+    sampled tokens, 0 on prompt, template and observation tokens (whose logprob is 0.0).
+    """
+
+    TYPE = "TrajectorySegment"
+    segment_index: int
+    attempt: str = ""
+    """Which execution of the rollout produced it (a reclaimed prompt can run twice)."""
+    tokens: TokenIds
+    response_length: int
+    loss_mask: Mask
+    rollout_logprobs: Floats
+    turn_policy_versions: list[int]
+    status: Status
+    response_text: str
+    sample_index: int
+    group_size: int
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "TrajectorySegment":
+        n = len(self.tokens)
+        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
+            raise ValueError(
+                f"tokens ({n}), loss_mask ({len(self.loss_mask)}) and rollout_logprobs "
+                f"({len(self.rollout_logprobs)}) must have the same length"
+            )
+        if not 0 <= self.response_length <= n:
+            raise ValueError(f"response_length {self.response_length} outside 0..{n}")
+        return self
+
+
+class TrajectoryFinished(Event):
+    """The rollout is over; `segment_count` segments were published for it."""
+
+    TYPE = "TrajectoryFinished"
+    status: Status
+    attempt: str = ""
+    """Which execution of the rollout this closes; its segments carry the same attempt."""
+    segment_count: int
+    group_size: int
+    sample_index: int
+    sandbox_check: str | None = None
+    """A shell check a sandbox runs on the answer to grade this rollout."""
+    grader: dict[str, Any] = Field(default_factory=dict)
+    """A task whose tests grade the rollout's diff: {"kind": "harbor" | "swebench", ...}."""
+    response_text: str = ""
+    """The final answer's text, for rule-based rewards."""
+    label: str | None = None
+    reward_fn: str = "exact_match"
+    artifacts: dict[str, str] = Field(default_factory=dict)
+    """What the episode left in storage, by name (e.g. "diff" of a coding episode)."""
+    error: str | None = None
+
+    @property
+    def needs_grade(self) -> bool:
+        """Graded in a sandbox (by a check or by a task's tests), not by a rule."""
+        return bool(self.sandbox_check or self.grader) and self.status != "failed"
+
+
+# ------------------------------------------------------------------------------- grades and rewards
+class GradeReported(Event):
+    """A sandbox ran the task's check on the rollout (stream `grades`)."""
+
+    TYPE = "GradeReported"
+    score: float
+    passed: bool
+    reason: str
+    duration_s: float
+    log_uri: str | None = None
+    tests: dict[str, str] = Field(default_factory=dict)
+    """Per-test outcome (passed, failed, error, skipped) where the task's tests report them."""
+
+
+class RewardAssigned(Event):
+    """A rollout's reward and its group-relative advantage (stream `rewards`)."""
+
+    TYPE = "RewardAssigned"
+    reward: float
+    advantage: float
+    source: str
+    """Which reward produced it: a built-in function name, or `sandbox`."""
+
+
+class BatchReady(Event):
+    """A reward-complete Parquet batch is in storage (stream `batches`); mean_reward is over its rollouts."""
+
+    TYPE = "BatchReady"
+    batch_id: str
+    uri: str
+    sample_count: int
+    group_ids: list[str]
+    min_policy_version: int
+    mean_reward: float
+
+
+class PolicyUpdated(Event):
+    """The fleet serves a new policy version, checked for logprob parity (stream `policy`)."""
+
+    TYPE = "PolicyUpdated"
+    version: int
+    checkpoint_uri: str
+    batch_id: str
+    servers: list[str]
+    parity_max_abs_diff: float
+    loss: float
+    trained_samples: int
+    dropped_stale: int = 0
+    dropped: dict[str, int] = {}
+    """Samples of the batch left out of training, by reason (`stale`: older than train.max_staleness)."""
+    metrics: dict[str, float] = {}
+    """The step's training metrics (loss terms, importance weights, staleness, timings), as tracked."""
+
+
+class DeadLettered(Event):
+    """An entry that could not be handled (stream `dead`)."""
+
+    TYPE = "DeadLettered"
+    stream: str
+    entry_id: str
+    group: str
+    deliveries: int
+    error: str
+    fields: dict[str, str]
+    """The original entry's fields, bytes shown as repr where not UTF-8."""
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.TYPE: cls
+    for cls in (
+        PromptIssued,
+        TrajectoryStarted,
+        TrajectoryTurn,
+        TrajectoryTool,
+        TrajectorySegment,
+        TrajectoryFinished,
+        GradeReported,
+        RewardAssigned,
+        BatchReady,
+        PolicyUpdated,
+        DeadLettered,
+    )
+}
+
+
+def make_envelope(
+    payload: Event,
+    *,
+    run_id: str,
+    event_id: str | None = None,
+    trajectory_id: str | None = None,
+    rollout_id: str | None = None,
+    group_id: str | None = None,
+    session_id: str | None = None,
+) -> Envelope:
+    """Wrap a payload. Pass a deterministic `event_id` where a handler may run twice."""
+    return Envelope(
+        type=payload.TYPE,
+        schema_version=payload.VERSION,
+        event_id=event_id or uuid.uuid4().hex,
+        run_id=run_id,
+        time=time.time(),
+        trajectory_id=trajectory_id,
+        rollout_id=rollout_id,
+        group_id=group_id,
+        session_id=session_id,
+        payload=payload,
+    )
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(envelope: Envelope) -> dict[str, bytes | str]:
+    """Stream fields for an envelope."""
+    body = envelope.model_dump(mode="python")
+    return {"type": envelope.type, "v": str(envelope.schema_version), "body": _encoder.encode(body)}
+
+
+def _text(fields: dict, key: str) -> str | None:
+    value = fields.get(key.encode(), fields.get(key))
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value
+
+
+def decode(fields: dict) -> Envelope:
+    """An envelope from stream fields (bytes or str keys); EventDecodeError if it is not one."""
+    type_name = _text(fields, "type")
+    if type_name is None:
+        raise EventDecodeError("entry has no 'type' field")
+    cls = EVENT_TYPES.get(type_name)
+    if cls is None:
+        raise EventDecodeError(f"unknown event type {type_name!r}")
+    version = _text(fields, "v")
+    if version != str(cls.VERSION):
+        raise EventDecodeError(f"{type_name} schema version {version!r} is not supported (this code reads v{cls.VERSION})")
+    raw = fields.get(b"body", fields.get("body"))
+    if raw is None:
+        raise EventDecodeError(f"{type_name} entry has no 'body' field")
+    if isinstance(raw, str):
+        raw = raw.encode()
+    try:
+        body = _decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise EventDecodeError(f"{type_name} body is not msgpack: {exc}") from exc
+    if not isinstance(body, dict):
+        raise EventDecodeError(f"{type_name} body is a {type(body).__name__}, not a map")
+    try:
+        payload = cls.model_validate(body.pop("payload", None))
+        envelope = Envelope.model_validate({**body, "payload": payload})
+    except ValidationError as exc:
+        raise EventDecodeError(f"malformed {type_name} payload: {exc}") from exc
+    if envelope.type != type_name or envelope.schema_version != cls.VERSION:
+        raise EventDecodeError(f"body says {envelope.type} v{envelope.schema_version}, fields say {type_name} v{version}")
+    return envelope

@@ -1,0 +1,68 @@
+"""x
+"""
+
+from __future__ import annotations
+
+from rollstream.shared.errors import SandboxError
+
+import time
+from pathlib import Path
+from typing import Any
+
+from rollstream.shared.errors import GradingError
+from rollstream.shared.grading.diffs import apply_diff
+from rollstream.shared.grading.outcome import GradeOutcome, make_outcome
+from rollstream.shared.grading.runs import (
+    run_log,
+    run_wrapped,
+    stage_copy,
+    task_image,
+    task_limits,
+)
+from rollstream.shared.grading.untrusted import parse_reward
+from rollstream.shared.sandbox.base import SandboxBackend, SandboxLimits
+from rollstream.shared.sandbox.workspace import prepare_workspace
+
+
+def grade_harbor(task: Any, diff: str, backend: SandboxBackend,
+                 limits: SandboxLimits | None = None) -> GradeOutcome:
+    """Apply `diff` to a fresh copy of the task's workspace and run its tests/test.sh."""
+    started = time.monotonic()
+    try:
+        image = task_image(backend, task)
+        workspace = prepare_workspace(getattr(task, "workspace", None))
+    except (GradingError, SandboxError, OSError) as exc:
+        return make_outcome(0, f"grading setup failed: {exc}", started=started,
+                        infrastructure_error=True)
+    with workspace:
+        ok, why = apply_diff(workspace, diff)
+        if not ok:
+            return make_outcome(0, f"patch did not apply: {why}", started=started)
+        tests_dir = stage_copy(Path(task.tests_dir), workspace.base / "tests")
+        logs = workspace.scratch("logs")
+        (logs / "verifier").mkdir(mode=0o755)
+        (logs / "agent").mkdir(mode=0o755)
+        run = run_wrapped(backend, "bash /tests/test.sh", workspace,
+                   task_limits(limits, getattr(task, "verifier_timeout_s", None)),
+                   {"/tests": tests_dir}, {"/logs": logs},
+                   {"WORKSPACE": "/workspace", "TESTS_DIR": "/tests", "LOGS_DIR": "/logs"}, image)
+        log_text = run_log(run)
+        if run.error:
+            return make_outcome(0, run.error, log_text=log_text, started=started,
+                            infrastructure_error=True)
+        status = run.result.reason
+        exit_code = run.result.exit_code
+        if run.result.timed_out or exit_code is None or exit_code >= 128 or exit_code < 0:
+            # killed: whatever reward is there may have been written by the model's code before
+            # it stopped test.sh from writing the real one
+            return make_outcome(0, f"test.sh did not finish ({status}); its reward is not trusted",
+                            log_text=log_text, started=started)
+        score, reason, tests = parse_reward(logs)
+        if score is None:
+            return make_outcome(0, f"{reason} (test.sh: {status})", tests=tests, log_text=log_text,
+                            started=started)
+        if not 0 <= score <= 1:
+            reason += f", clamped to {min(1.0, max(0.0, score)):g}"
+        return make_outcome(score, f"{reason} (test.sh: {status})", tests=tests, log_text=log_text,
+                        started=started)
+

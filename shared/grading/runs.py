@@ -1,0 +1,122 @@
+"""x
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollstream.shared.errors import GradingError, SandboxError
+from rollstream.shared.sandbox.base import SandboxBackend, SandboxLimits, SandboxResult
+from rollstream.shared.sandbox.workspace import GitWorkspace
+
+MAX_TEST_OUTPUT_BYTES = 512 * 1024
+"""SWE test output: the last this many bytes are kept (pytest's -rA summary is at the end)."""
+
+
+DEFAULT_GRADE_LIMITS = SandboxLimits(wall_time_s=600, cpu_time_s=600, memory_mb=4096,
+                                     max_processes=256, max_file_size_mb=256, max_open_files=1024,
+                                     max_output_bytes=MAX_TEST_OUTPUT_BYTES + 4096, tmp_size_mb=512)
+"""Limits for test runs; the wall clock (and CPU time) is the task's verifier timeout when set."""
+
+
+STARTED_MARKER = "rs-grader: sandbox started"
+"""Printed by our wrapper before any task or model code runs (see infrastructure_error)."""
+
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _wrap(command: str) -> str:
+    """Print the start marker (nothing the task controls runs before it), then the command."""
+    return f"printf '%s\\n' {shlex.quote(STARTED_MARKER)}; {command}"
+
+
+@dataclass
+class SandboxRun:
+    result: SandboxResult | None
+    error: str | None
+    """Set when the sandbox could not run (an infrastructure error)."""
+    stdout: str = ""
+
+
+def run_wrapped(backend: SandboxBackend, command: str, workspace: GitWorkspace, limits: SandboxLimits,
+         ro_mounts: dict[str, Path], rw_mounts: dict[str, Path], env: dict[str, str],
+         image: str | None) -> SandboxRun:
+    try:
+        result = backend.run(_wrap(command), workspace.root, limits=limits, ro_mounts=ro_mounts,
+                             rw_mounts=rw_mounts, env=env, image=image)
+    except (SandboxError, GradingError, OSError) as exc:
+        return SandboxRun(None, f"sandbox failed: {type(exc).__name__}: {exc}")
+    first, _, rest = result.stdout.partition("\n")
+    if first != STARTED_MARKER:
+        return SandboxRun(result, f"sandbox did not start the command ({result.reason}): "
+                            f"{result.stderr.strip()[:500]}")
+    return SandboxRun(result, None, rest)
+
+
+def run_log(run: SandboxRun) -> str:
+    result = run.result
+    if result is None:
+        return run.error or ""
+    parts = [f"[{result.reason}; {result.duration_s:.1f}s"
+             + ("; output truncated" if result.output_truncated else "") + "]",
+             "--- stdout ---", run.stdout, "--- stderr ---", result.stderr]
+    return "\n".join(parts)
+
+
+def task_limits(limits: SandboxLimits | None, timeout_s: float | None) -> SandboxLimits:
+    limits = limits or DEFAULT_GRADE_LIMITS
+    if timeout_s:
+        limits = dataclasses.replace(limits, wall_time_s=float(timeout_s),
+                                     cpu_time_s=max(limits.cpu_time_s, float(timeout_s)))
+    return limits
+
+
+def stage_copy(source: Path, target: Path) -> Path:
+    """Copy a trusted task directory next to the workspace, readable by the sandbox (0755/0644)."""
+    shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
+    for path in [target, *target.rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode
+        path.chmod(0o755 if path.is_dir() or mode & 0o111 else 0o644)
+    return target
+
+
+def task_name(task: Any) -> str:
+    return str(getattr(task, "name", None) or getattr(task, "instance_id", None) or "task")
+
+
+def environment_dir(task: Any) -> Path | None:
+    dockerfile = getattr(task, "dockerfile", None)
+    if dockerfile is not None and Path(dockerfile).is_file():
+        return Path(dockerfile).parent
+    return None
+
+
+def task_image(backend: SandboxBackend, task: Any) -> str | None:
+    image_for = getattr(backend, "image_for", None)
+    return image_for(environment_dir(task)) if image_for is not None else None
+
+
+def store_log(storage: Any, run_id: str, name: str, text: str) -> str:
+    """Write `text` to {run_id}/logs/{name}.log in a rollstream.shared.runtime.storage.Storage, atomically (temp
+    name, then rename); returns its path."""
+    for what, value in (("run_id", run_id), ("name", name)):
+        if not _SAFE_NAME.match(value or ""):
+            raise ValueError(f"{what} {value!r} cannot name a stored file")
+    final = storage.path(run_id, "logs", f"{name}.log")
+    storage.fs.create_dir(final.rsplit("/", 1)[0], recursive=True)
+    temp = f"{final}.tmp-{uuid.uuid4().hex}"
+    with storage.fs.open_output_stream(temp) as out:
+        out.write(text.encode("utf-8", errors="replace"))
+    storage.fs.move(temp, final)
+    return final
+

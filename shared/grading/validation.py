@@ -1,0 +1,97 @@
+"""x
+"""
+
+from __future__ import annotations
+
+from rollstream.shared.errors import SandboxError
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollstream.shared.errors import GradingError
+from rollstream.shared.grading.harbor import grade_harbor
+from rollstream.shared.grading.outcome import GradeOutcome, cap_text
+from rollstream.shared.grading.runs import (
+    run_log,
+    run_wrapped,
+    stage_copy,
+    task_image,
+    task_limits,
+    task_name,
+)
+from rollstream.shared.grading.swebench import grade_swebench
+from rollstream.shared.sandbox.base import SandboxBackend, SandboxLimits
+from rollstream.shared.sandbox.workspace import prepare_workspace
+
+
+def _is_swe(task: Any) -> bool:
+    return hasattr(task, "instance_id") and hasattr(task, "test_patch")
+
+
+def grade(task: Any, diff: str, backend: SandboxBackend,
+          limits: SandboxLimits | None = None) -> GradeOutcome:
+    """grade_swebench or grade_harbor, by the task's kind."""
+    if _is_swe(task):
+        return grade_swebench(task, diff, backend, limits)
+    return grade_harbor(task, diff, backend, limits)
+
+
+def reference_diff(task: Any, backend: SandboxBackend,
+                   limits: SandboxLimits | None = None) -> str:
+    """The task's reference solution as a diff (Harbor: solve.sh run in the sandbox)."""
+    if _is_swe(task):
+        return task.gold_patch or ""
+    solution = getattr(task, "solution", None)
+    if solution is None or not Path(solution).is_file():
+        raise GradingError(f"task {task_name(task)} has no solution/solve.sh")
+    image = task_image(backend, task)
+    with prepare_workspace(getattr(task, "workspace", None)) as workspace:
+        staged = stage_copy(Path(solution).parent, workspace.base / "solution")
+        logs = workspace.scratch("logs")
+        (logs / "agent").mkdir(mode=0o755)
+        timeout = getattr(task, "agent_timeout_s", None) or getattr(task, "verifier_timeout_s", None)
+        run = run_wrapped(backend, f"bash /solution/{shlex.quote(Path(solution).name)}", workspace,
+                   task_limits(limits, timeout), {"/solution": staged}, {"/logs": logs},
+                   {"WORKSPACE": "/workspace", "LOGS_DIR": "/logs"}, image)
+        if run.error:
+            raise GradingError(f"reference solution of {task_name(task)}: {run.error}")
+        if run.result.exit_code != 0:
+            raise GradingError(f"reference solution of {task_name(task)} failed "
+                               f"({run.result.reason}): {cap_text(run_log(run), 2000)}")
+        return workspace.diff()
+
+
+@dataclass
+class ValidationResult:
+    name: str
+    reference_score: float | None
+    empty_score: float | None
+    ok: bool
+    problem: str
+
+
+def validate_tasks(tasks: list[Any], backend: SandboxBackend,
+                   limits: SandboxLimits | None = None) -> list[ValidationResult]:
+    """Each task's reference solution must grade 1 and an empty diff 0."""
+    results = []
+    for task in tasks:
+        name = task_name(task)
+        try:
+            reference = grade(task, reference_diff(task, backend, limits), backend, limits)
+            empty = grade(task, "", backend, limits)
+        except (GradingError, SandboxError, OSError) as exc:
+            results.append(ValidationResult(name, None, None, False, f"could not grade: {exc}"))
+            continue
+        problems = []
+        if reference.infrastructure_error or empty.infrastructure_error:
+            problems.append(f"infrastructure error: {reference.reason if reference.infrastructure_error else empty.reason}")
+        if reference.score != 1:
+            problems.append(f"reference solution scores {reference.score:g}: {reference.reason}")
+        if empty.score != 0:
+            problems.append(f"empty diff scores {empty.score:g}: {empty.reason}")
+        results.append(ValidationResult(name, reference.score, empty.score, not problems,
+                                        "; ".join(problems)))
+    return results
+

@@ -1,0 +1,268 @@
+"""Configuration of a run: one settings model that every service and the local run read.
+
+Values come, highest first, from environment variables (`RS_` prefix, `__` between sections:
+`RS_TRAIN__BATCH_SIZE=32`), from the JSON file named by `RS_CONFIG_FILE` (the local run writes
+the resolved config there for its services), and from the defaults below.
+`rollstream config` prints the resolved values; `rollstream config --markdown` the reference table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class BusSettings(Section):
+    max_deliveries: int = Field(5, ge=1)
+    """Deliveries of one entry before it goes to the run's dead-letter stream."""
+    reclaim_idle_ms: int = Field(30_000, ge=100)
+    """An entry pending this long on a consumer is taken over by a live one (XAUTOCLAIM)."""
+    block_ms: int = Field(500, ge=1)
+    """How long one read waits for new entries."""
+    read_count: int = Field(64, ge=1)
+    """Entries fetched per read."""
+
+
+class ModelSettings(Section):
+    path: Path = Path("models/tiny-llama-warm")
+    """HF model directory the run starts from; the default, the tiny model after a short supervised warm-up
+    (`rollstream build-model`, `rollstream warmup`), is made by `rollstream run` when missing."""
+    served_name: str = "tiny"
+    """Model name the vLLM servers serve it under."""
+
+
+class FleetSettings(Section):
+    urls: list[str] = ["http://127.0.0.1:8000"]
+    """vLLM servers (OpenAI-compatible, started with VLLM_SERVER_DEV_MODE=1 for weight sync)."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Timeout of one completion request."""
+
+
+class DataSettings(Section):
+    path: Path | None = None
+    """Prompt dataset (.parquet or .jsonl, a `prompt` column); None: the synthetic arithmetic task."""
+    samples_per_prompt: int = Field(8, ge=1)
+    """Samples per prompt group (n)."""
+    synthetic_prompts: int = Field(1000, ge=1)
+    """Size of the synthetic arithmetic dataset."""
+    synthetic_sandbox_every: int = Field(4, ge=0)
+    """Every k-th synthetic prompt is graded by a sandboxed check instead of a rule; 0: none."""
+    seed: int = 0
+    """Seed of the synthetic dataset and of the prompt order."""
+
+
+class RolloutSettings(Section):
+    max_tokens: int = Field(32, ge=1)
+    """Tokens generated per turn."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature."""
+    concurrency: int = Field(32, ge=1)
+    """Episodes one agent-runner replica runs at once."""
+
+
+class AgentSettings(Section):
+    default: str = "tool_agent"
+    """Agent loop of rows that name none: a registered name or package.module:function."""
+    tool_format: str = "hermes"
+    """How the model writes tool calls (see shared/agent/tool_calls.py)."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per episode."""
+    max_total_tokens: int = Field(1024, ge=16)
+    """Context budget of one segment: prompt, responses and observations."""
+    tool_concurrency: int = Field(8, ge=1)
+    """Tool calls of one episode run at once."""
+    max_tool_output_chars: int = Field(16_384, ge=64)
+    """Tool results are cut to this length before the model sees them."""
+    tool_timeout_s: float = Field(60.0, gt=0)
+    """Time limit of one tool call."""
+    tools_yaml: Path | None = None
+    """Extra tools from a YAML file (see shared/agent/tools.py)."""
+
+
+class TrainSettings(Section):
+    batch_size: int = Field(32, ge=1)
+    """Samples per train batch (B); a multiple of data.samples_per_prompt."""
+    max_staleness: int = Field(1, ge=0)
+    """eta: samples may be this many policy versions old; 0 is synchronous on-policy training."""
+    total_versions: int = Field(30, ge=1)
+    """Policy versions (train steps) in the run; the dispatcher admits batch_size x this samples."""
+    learning_rate: float = Field(3e-4, ge=0)
+    """Adam learning rate; 0 leaves the weights as they are (a control run: same pipeline, no learning)."""
+    clip_eps: float = Field(0.2, gt=0)
+    """PPO clip range."""
+    loss_aggregation: Literal["token", "rollout"] = "token"
+    """token: every sampled token weighs the same; rollout: every rollout (all its segments) weighs the same."""
+    decoupled: bool = True
+    """Decoupled PPO (AReaL): clip against the trainer's policy before the step (proximal), correct for the
+    rollout policy with an importance weight; off: clip against the rollout logprobs (plain PPO)."""
+    importance_weight_cap: float | None = Field(5.0, gt=0)
+    """Truncation of the proximal/behaviour importance weight; None: no cap."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per batch: the batch's rollouts are split into this many minibatches."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Token budget of one packed micro-batch; gradients accumulate over a minibatch's micro-batches."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference (starting) model; 0: no reference model is loaded."""
+    advantage_estimator: Literal["grpo", "dr_grpo"] = "grpo"
+    """grpo: (r - mean) / std over a group's rollouts; dr_grpo: r - mean (no std scaling)."""
+    filter_zero_variance: bool = False
+    """Leave out groups whose rollouts all got the same reward (no signal); their samples are re-admitted."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient norm clip."""
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Trainer backend: plain torch (CPU or one GPU) or DeepSpeed ZeRO."""
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage when backend is deepspeed."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
+    """Where training metrics go; TensorBoard logs to <storage>/<run>/tensorboard. wandb and mlflow need their
+    package installed and are configured by their own environment variables (WANDB_*, MLFLOW_*)."""
+    parity_tolerance: float = Field(1e-3, gt=0)
+    """Max |vLLM - trainer| prompt logprob on the probe after a weight sync."""
+    seed: int = 0
+    """Seed of the trainer."""
+
+
+class GraderSettings(Section):
+    backend: Literal["bubblewrap", "docker"] = "bubblewrap"
+    """Sandbox of the grader: bubblewrap (no daemon needed) or docker (an engine must be reachable)."""
+    queue: str = "sandbox"
+    """RQ queue of sandbox jobs."""
+    retries: int = Field(3, ge=0)
+    """Retries of a grading job whose sandbox failed to run (never of failing tests)."""
+    wall_time_s: float = Field(10.0, gt=0)
+    """Wall-clock limit of one check."""
+    memory_mb: int = Field(512, ge=16)
+    """Address-space limit of one check."""
+    job_timeout_s: int = Field(60, ge=1)
+    """RQ job timeout."""
+
+
+class RewardSettings(Section):
+    batch_order: Literal["finished", "completed"] = "finished"
+    """Order in which complete groups fill batches. finished: the order in which their last rollout
+    finished on the trajectories stream, so a replay of the same trajectories builds the same batches
+    however its grades interleave (a group waiting for a sandbox grade holds back the groups that
+    finished after it); completed: as soon as each group's rewards are known (lowest latency, not
+    reproducible when grades arrive in another order)."""
+    function: str | None = None
+    """Score every rollout with this function instead of the one its prompt names, and without waiting
+    for sandbox grades: a built-in name (`exact_match`) or `module:function` taking (response, label)
+    and returning a float. For re-scoring a recorded run with a new reward (`rollstream replay`)."""
+    done_ttl_s: int = Field(86_400, ge=60)
+    """How long a completed group is remembered, so that a late redelivery of one of its events is ignored."""
+
+
+class RecorderSettings(Section):
+    enabled: bool = True
+    """Archive every stream of the run to Parquet under <storage>/<run>/archive (the local run starts the
+    recorder service)."""
+    flush_s: float = Field(5.0, gt=0)
+    """Seconds between flushes of every stream to the archive."""
+    part_entries: int = Field(2000, ge=1)
+    """Most entries per Parquet part; a stream this far behind is flushed at once."""
+    trim: bool = True
+    """Trim live streams behind the archive and the slowest consumer group (Redis memory stays bounded)."""
+
+
+class Settings(BaseSettings):
+    """Everything a run is configured by."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="RS_", env_nested_delimiter="__", extra="forbid", use_attribute_docstrings=True
+    )
+
+    run_id: str = "local"
+    """Run namespace: streams are rs:{run_id}:*."""
+    redis_url: str | None = None
+    """Redis to use; unset: the local run starts an embedded one."""
+    storage_uri: str = "runs"
+    """Where batches, checkpoints and logs go (a directory)."""
+    health_port: int = Field(0, ge=0)
+    """Port of a service's /healthz and /metrics; 0: any free port."""
+    log_level: str = "INFO"
+    """Log level of the services."""
+    bus: BusSettings = BusSettings()
+    model: ModelSettings = ModelSettings()
+    fleet: FleetSettings = FleetSettings()
+    data: DataSettings = DataSettings()
+    rollout: RolloutSettings = RolloutSettings()
+    agent: AgentSettings = AgentSettings()
+    train: TrainSettings = TrainSettings()
+    grader: GraderSettings = GraderSettings()
+    reward: RewardSettings = RewardSettings()
+    recorder: RecorderSettings = RecorderSettings()
+
+    @model_validator(mode="after")
+    def _batch_holds_whole_groups(self) -> "Settings":
+        if self.train.batch_size % self.data.samples_per_prompt:
+            raise ValueError(
+                f"train.batch_size ({self.train.batch_size}) must be a multiple of "
+                f"data.samples_per_prompt ({self.data.samples_per_prompt}): batches hold whole groups"
+            )
+        if self.train.filter_zero_variance and self.data.samples_per_prompt < 2:
+            raise ValueError("train.filter_zero_variance needs data.samples_per_prompt >= 2: a group of one "
+                             "rollout has no reward variance, so every sample would be filtered out")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _ConfigFileSource(settings_cls)
+
+    @property
+    def redis(self) -> str:
+        if not self.redis_url:
+            raise RuntimeError("no Redis configured: set RS_REDIS_URL (the local run sets it for its services)")
+        return self.redis_url
+
+    def run_dir(self) -> Path:
+        return Path(self.storage_uri) / self.run_id
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The JSON file named by RS_CONFIG_FILE."""
+
+    def get_field_value(self, field, field_name):  # unused: __call__ returns the whole file
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("RS_CONFIG_FILE")
+        if not path:
+            return {}
+        try:
+            return json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"RS_CONFIG_FILE={path}: {exc}") from exc
+
+
+def reference_markdown() -> str:
+    """The configuration reference as a Markdown table (for the README)."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, Section):
+                walk(annotation, f"{prefix}{name.upper()}__")
+                continue
+            default = field.default
+            shown = json.dumps(default) if not isinstance(default, Path) else str(default)
+            meaning = " ".join((field.description or "").split())
+            rows.append(f"| `{prefix}{name.upper()}` | `{shown}` | {meaning} |")
+
+    walk(Settings, "RS_")
+    return "\n".join(rows)

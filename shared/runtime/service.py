@@ -1,0 +1,117 @@
+"""What every service process has: structured logs, a health endpoint, metrics, SIGTERM drain.
+
+    runtime = ServiceRuntime("reward", settings)   # logs, /healthz + /metrics, signal handlers
+    while not runtime.stopping: ...                 # SIGTERM/SIGINT set `stopping`; finish, then exit
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from rollstream.shared.runtime.config import Settings
+
+_STANDARD_RECORD_FIELDS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, service, logger, message, and any `extra` fields."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": round(record.created, 3),
+            "level": record.levelname,
+            "service": self.service,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD_RECORD_FIELDS:
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(service: str, level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("httpx", "httpcore", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class ServiceRuntime:
+    """Logs, health endpoint and graceful-shutdown flag of one service process."""
+
+    def __init__(self, name: str, settings: Settings) -> None:
+        self.name = name
+        self.settings = settings
+        self.started = time.time()
+        self.stopping = False
+        self.status: dict[str, Any] = {}
+        """Free-form facts the service wants /healthz to show (counts, version)."""
+        configure_logging(name, settings.log_level)
+        self.log = logging.getLogger(name)
+        signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
+        self.health_server = self._serve_health(settings.health_port)
+        self.log.info("service started", extra={"run_id": settings.run_id, "health_port": self.health_port})
+
+    @property
+    def health_port(self) -> int:
+        return self.health_server.server_address[1]
+
+    def should_stop(self) -> bool:
+        return self.stopping
+
+    def _request_stop(self, signum: int, _frame: Any) -> None:
+        if not self.stopping:
+            self.log.info("stop requested; draining", extra={"signal": signal.Signals(signum).name})
+        self.stopping = True
+
+    def _serve_health(self, port: int) -> ThreadingHTTPServer:
+        runtime = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                if self.path.startswith("/healthz"):
+                    body = json.dumps({"service": runtime.name, "status": "stopping" if runtime.stopping else "ok",
+                                       "uptime_s": round(time.time() - runtime.started, 1), **runtime.status},
+                                      default=str).encode()
+                    self._reply(503 if runtime.stopping else 200, "application/json", body)
+                elif self.path.startswith("/metrics"):
+                    self._reply(200, CONTENT_TYPE_LATEST, generate_latest())
+                else:
+                    self._reply(404, "text/plain", b"not found\n")
+
+            def _reply(self, code: int, content_type: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_args: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+        threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
+        return server
+
+    def close(self) -> None:
+        self.health_server.shutdown()
+        self.log.info("service stopped")

@@ -1,0 +1,345 @@
+"""x
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+import resource
+import selectors
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rollstream.shared.errors import (
+    BackendUnavailable,
+    SandboxError,
+    SandboxUnavailable,
+    WorkspaceError,
+)
+from rollstream.shared.sandbox.base import SandboxLimits, SandboxResult
+from rollstream.shared.sandbox.host_uids import (
+    check_reachable,
+    count_tasks,
+    kill_leftovers,
+    lent_to,
+    sandbox_host_uid,
+)
+from rollstream.shared.sandbox.python_tools import (
+    PYTHON_TOOLS_MOUNT,
+    stage_python_tools,
+)
+
+log = logging.getLogger(__name__)
+
+
+SANDBOX_UID = 1000
+"""uid and gid the command has inside the sandbox (named `sandbox` in its /etc/passwd)."""
+
+
+_KILL_GRACE_S = 5.0
+
+
+_ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+              "/etc/localtime", "/etc/nsswitch.conf")
+"""Bound read-only where the host has them, with /etc/python3* (Debian's python3 config)."""
+
+
+_PID_1 = '/bin/sh -c "$1"; exit "$?"'
+"""The sandbox's pid 1 (bwrap --as-pid-1): a shell that runs the command in a child shell (so the
+command has ordinary signal handling, not init's), reaps orphans while it waits, and passes on the
+exit status (128+N for signal N). bwrap's own reaper is not used: bwrap returns as soon as the
+command ends without reaping it, leaving one zombie per run to the host's init; counted against
+the sandbox uid's RLIMIT_NPROC until init reaps it (and forever where init never does)."""
+
+
+_TOP_LEVEL_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+
+def run_in_sandbox(command: str, workspace: Path, limits: SandboxLimits = SandboxLimits(),
+                   env: dict[str, str] | None = None,
+                   extra_binds: list[tuple[Path, str, bool]] | None = None) -> SandboxResult:
+    """Run `/bin/sh -c command` in /workspace (= `workspace` on the host) inside the sandbox.
+    extra_binds: (host path, sandbox path, read_only) mounted in addition to the workspace."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxUnavailable("bubblewrap is not installed (`bwrap` not on PATH); "
+                                 "on Debian: apt-get install bubblewrap")
+    workspace = Path(workspace).resolve()
+    if not workspace.is_dir():
+        raise WorkspaceError(f"workspace {workspace} is not a directory")
+    binds = _check_binds(extra_binds or [])
+    if os.geteuid() != 0:
+        return _run(bwrap, command, workspace, limits, env or {}, None, binds)
+    check_reachable(workspace)
+    for host, _, _ in binds:
+        check_reachable(host)
+    writable = [workspace] + [host for host, _, read_only in binds if not read_only]
+    with sandbox_host_uid() as host_uid:
+        try:
+            with lent_to(host_uid, writable):
+                return _run(bwrap, command, workspace, limits, env or {}, host_uid, binds)
+        finally:
+            kill_leftovers(host_uid)
+
+
+_RESERVED_SANDBOX_PATHS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                           "/etc", "/proc", "/dev", "/tmp", "/workspace")
+
+
+def _check_binds(binds: list[tuple[Path, str, bool]]) -> list[tuple[Path, str, bool]]:
+    """Validate extra binds: existing host paths, absolute sandbox paths outside system paths."""
+    checked: list[tuple[Path, str, bool]] = []
+    seen: set[str] = set()
+    for host, target, read_only in binds:
+        host = Path(host).resolve()
+        if not host.exists():
+            raise SandboxError(f"bind source {host} does not exist")
+        if not isinstance(target, str) or not target.startswith("/") or "\0" in target \
+                or any(part in ("..", ".") for part in target.split("/")):
+            raise SandboxError(f"bind target {target!r} must be an absolute path without . or ..")
+        target = "/" + "/".join(part for part in target.split("/") if part)
+        for reserved in _RESERVED_SANDBOX_PATHS:
+            if target == reserved or (reserved != "/" and target.startswith(reserved + "/")):
+                raise SandboxError(f"bind target {target!r} is (under) the sandbox's {reserved}")
+        if target in seen:
+            raise SandboxError(f"bind target {target!r} given twice")
+        seen.add(target)
+        checked.append((host, target, bool(read_only)))
+    return checked
+
+
+def _run(bwrap: str, command: str, workspace: Path, limits: SandboxLimits, env: dict[str, str],
+         host_uid: int | None, binds: list[tuple[Path, str, bool]] = ()) -> SandboxResult:
+    data_fds: list[int] = []
+    try:
+        args = _bwrap_args(bwrap, command, workspace, limits, env, data_fds, binds)
+        nproc = limits.max_processes if host_uid is not None else \
+            limits.max_processes + count_tasks(os.getuid())
+        started = time.monotonic()
+        proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=data_fds, start_new_session=True,
+            user=host_uid, group=host_uid, extra_groups=[] if host_uid is not None else None,
+            preexec_fn=_limit_child(limits, nproc))
+    finally:
+        for fd in data_fds:
+            os.close(fd)
+    with proc:
+        stdout, stderr, truncated, timed_out = _collect_output(proc, limits, started)
+        exit_code = None if timed_out else proc.returncode
+        duration = time.monotonic() - started
+    text_out = stdout.decode("utf-8", errors="replace")
+    text_err = stderr.decode("utf-8", errors="replace")
+    return SandboxResult(exit_code=exit_code, stdout=text_out, stderr=text_err, timed_out=timed_out,
+                         output_truncated=truncated, duration_s=duration,
+                         reason=_describe(exit_code, timed_out, limits, text_err))
+
+
+def _bwrap_args(bwrap: str, command: str, workspace: Path, limits: SandboxLimits,
+                env: dict[str, str], data_fds: list[int],
+                binds: list[tuple[Path, str, bool]] = ()) -> list[str]:
+    """The bwrap command line; files made up for the sandbox are passed as pipe fds in data_fds."""
+    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+            "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox",
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--clearenv"]
+    full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8"}
+    full_env.update(env)
+    for key, value in full_env.items():
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise SandboxError(f"bad environment variable {key!r}")
+        args += ["--setenv", key, value]
+    args += ["--ro-bind", "/usr", "/usr"]
+    for name in _TOP_LEVEL_SYSTEM_DIRS:
+        host = Path("/", name)
+        if host.is_symlink():
+            args += ["--symlink", os.readlink(host), f"/{name}"]
+        elif host.is_dir():
+            args += ["--ro-bind", str(host), f"/{name}"]
+    for path in [*_ETC_FILES, *sorted(glob.glob("/etc/python3*"))]:
+        args += ["--ro-bind-try", path, path]
+    made_up = {
+        "/etc/passwd": f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
+                       f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:/workspace:/bin/sh\n"
+                       f"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "/etc/group": f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n",
+        "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost ip6-loopback\n",
+    }
+    for path, content in made_up.items():
+        read_end, write_end = os.pipe()
+        data_fds.append(read_end)
+        with open(write_end, "wb") as pipe:  # far below a pipe's buffer, so this never blocks
+            pipe.write(content.encode())
+        args += ["--perms", "0444", "--ro-bind-data", str(read_end), path]
+    tmp_bytes = str(limits.tmp_size_mb * 1024 * 1024)
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", tmp_bytes, "--tmpfs", "/tmp",
+             "--perms", "1777", "--size", tmp_bytes, "--tmpfs", "/dev/shm",
+             "--bind", str(workspace), "/workspace"]
+    for host, target, read_only in binds:
+        args += ["--ro-bind" if read_only else "--bind", str(host), target]
+    args += ["--remount-ro", "/", "--remount-ro", "/dev",
+             "--chdir", "/workspace", "--as-pid-1", "--", "/bin/sh", "-c", _PID_1, "sandbox", command]
+    return args
+
+
+def _limit_child(limits: SandboxLimits, nproc: int) -> Callable[[], None]:
+    """preexec_fn for bwrap (runs after the switch to the sandbox's host uid); its rlimits are
+    inherited by everything in the sandbox. Kept to plain system calls: it runs in a forked child."""
+    cpu = max(1, math.ceil(limits.cpu_time_s))
+    mib = 1024 * 1024
+    rlimits = [
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_AS, (limits.memory_mb * mib, limits.memory_mb * mib)),
+        (resource.RLIMIT_NPROC, (nproc, nproc)),
+        (resource.RLIMIT_FSIZE, (limits.max_file_size_mb * mib, limits.max_file_size_mb * mib)),
+        (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]
+
+    def apply() -> None:
+        for which, value in rlimits:
+            resource.setrlimit(which, value)
+        os.nice(10)
+
+    return apply
+
+
+def _collect_output(proc: subprocess.Popen, limits: SandboxLimits,
+                    started: float) -> tuple[bytes, bytes, bool, bool]:
+    """Read stdout and stderr until both close, keeping max_output_bytes of each; kill the
+    sandbox when the wall clock runs out. Returns (stdout, stderr, truncated, timed_out)."""
+    cap = limits.max_output_bytes
+    kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    truncated = timed_out = False
+    deadline = started + limits.wall_time_s
+    with selectors.DefaultSelector() as selector:
+        for fd in kept:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if timed_out:
+                    break  # still open after the kill and the grace period: stop reading
+                timed_out = True
+                _kill_group(proc)
+                deadline = time.monotonic() + _KILL_GRACE_S
+                continue
+            for key, _ in selector.select(left):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                buffer = kept[key.fd]
+                room = cap - len(buffer)
+                if room > 0:
+                    buffer += chunk[:room]
+                if len(chunk) > room:
+                    truncated = True
+    if not timed_out:
+        try:
+            proc.wait(timeout=max(0.0, started + limits.wall_time_s - time.monotonic()))
+        except subprocess.TimeoutExpired:  # its output is closed but it runs on
+            timed_out = True
+            _kill_group(proc)
+    proc.wait()
+    return (bytes(kept[proc.stdout.fileno()]), bytes(kept[proc.stderr.fileno()]),
+            truncated, timed_out)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the sandbox's pid 1, bwrap's child: the kernel then kills every process in the
+    sandbox's pid namespace, and bwrap reaps it and exits (killing bwrap first would leave pid 1
+    to the host's init to reap). Then SIGKILL bwrap's process group in any case; --die-with-parent
+    would take the sandbox down with bwrap too."""
+    for pid in _children_of(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=1)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _children_of(parent: int) -> list[int]:
+    children = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as stat_file:
+                    fields = stat_file.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[1] == str(parent):
+                children.append(int(entry.name))
+    return children
+
+
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "memory/cpu limit?",
+    signal.SIGXCPU: "cpu time limit {cpu}s",
+    signal.SIGXFSZ: "file size limit {fsize} MiB",
+    signal.SIGSEGV: "crash, or memory limit?",
+}
+
+
+def _describe(exit_code: int | None, timed_out: bool, limits: SandboxLimits, stderr: str) -> str:
+    if timed_out:
+        return f"killed: wall-clock limit {limits.wall_time_s:g}s"
+    assert exit_code is not None
+    signum = -exit_code if exit_code < 0 else exit_code - 128 if exit_code > 128 else 0
+    try:
+        sig = signal.Signals(signum)
+    except ValueError:
+        sig = None
+    if sig is not None:
+        hint = _SIGNAL_HINTS.get(sig, "").format(cpu=max(1, math.ceil(limits.cpu_time_s)),
+                                                 fsize=limits.max_file_size_mb)
+        return f"killed by signal {sig.name}" + (f" ({hint})" if hint else "")
+    reason = f"exit {exit_code}"
+    if exit_code == 1 and stderr.startswith("bwrap: "):
+        reason += f" (sandbox setup failed? {stderr.splitlines()[0]})"
+    return reason
+
+class BubblewrapBackend:
+    """shared/sandbox/bubblewrap.py; mounts become bwrap binds; `image` is ignored. With python_tools (the
+    default), pytest is importable in the sandbox and `python` runs /usr/bin/python3 (mounted
+    read-only at /opt/rollstream; PATH and PYTHONPATH point there)."""
+
+    name = "bubblewrap"
+
+    def __init__(self, python_tools: bool = True) -> None:
+        if shutil.which("bwrap") is None:
+            raise BackendUnavailable("bubblewrap is not installed (`bwrap` not on PATH); "
+                                     "on Debian: apt-get install bubblewrap")
+        self.tools = stage_python_tools() if python_tools else None
+
+    def image_for(self, environment_dir: Path | None) -> str | None:
+        return None
+
+    def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
+            ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
+            env: dict[str, str] | None = None, image: str | None = None) -> SandboxResult:
+        binds = [(Path(host), target, True) for target, host in (ro_mounts or {}).items()]
+        binds += [(Path(host), target, False) for target, host in (rw_mounts or {}).items()]
+        full_env = dict(env or {})
+        if self.tools is not None:
+            binds.append((self.tools, PYTHON_TOOLS_MOUNT, True))
+            full_env.setdefault("PATH", f"{PYTHON_TOOLS_MOUNT}/bin:/usr/local/bin:/usr/bin:/bin")
+            full_env.setdefault("PYTHONPATH", f"{PYTHON_TOOLS_MOUNT}/site")
+        return run_in_sandbox(command, workspace, limits, full_env, extra_binds=binds)

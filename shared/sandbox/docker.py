@@ -1,0 +1,185 @@
+"""x
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from rollstream.shared.errors import BackendUnavailable
+from rollstream.shared.sandbox.base import SandboxLimits, SandboxResult
+from rollstream.shared.sandbox.host_uids import lent_to
+
+log = logging.getLogger(__name__)
+
+
+class DockerBackend:
+    """One hardened container per run (docker SDK 7). `client`: a docker client (tests pass a
+    mock); by default docker.from_env(), pinged, else BackendUnavailable."""
+
+    name = "docker"
+    SANDBOX_USER = "65534:65534"
+
+    def __init__(self, client: Any = None, default_image: str = "python:3.12-slim",
+                 cpus: float = 1.0, image_cache: dict[str, str] | None = None) -> None:
+        if client is None:
+            try:
+                import docker
+                client = docker.from_env()
+                client.ping()
+            except Exception as exc:  # docker.errors.DockerException, requests errors, ...
+                raise BackendUnavailable(f"no Docker engine reachable: {exc}") from exc
+        self.client = client
+        self.default_image = default_image
+        self.cpus = cpus
+        self.image_cache = image_cache if image_cache is not None else {}
+        """content hash -> tag of images known to exist."""
+
+    # images
+
+    def image_for(self, environment_dir: Path | None) -> str | None:
+        """The task image built from `environment_dir` (its Dockerfile), cached by content hash."""
+        if environment_dir is None or not (Path(environment_dir) / "Dockerfile").is_file():
+            return None
+        digest = directory_hash(Path(environment_dir))
+        if digest in self.image_cache:
+            return self.image_cache[digest]
+        tag = f"rollstream-task:{digest[:32]}"
+        from docker.errors import ImageNotFound
+        try:
+            self.client.images.get(tag)
+        except ImageNotFound:
+            log.info("building %s from %s", tag, environment_dir)
+            self.client.images.build(path=str(environment_dir), tag=tag, rm=True, forcerm=True,
+                                     pull=False)
+        self.image_cache[digest] = tag
+        return tag
+
+    # runs
+
+    def container_options(self, workspace: Path, limits: SandboxLimits,
+                          ro_mounts: dict[str, Path], rw_mounts: dict[str, Path],
+                          env: dict[str, str]) -> dict[str, Any]:
+        from docker.types import LogConfig, Ulimit
+        mib = 1024 * 1024
+        volumes = {str(Path(workspace).resolve()): {"bind": "/workspace", "mode": "rw"}}
+        for target, host in ro_mounts.items():
+            volumes[str(Path(host).resolve())] = {"bind": target, "mode": "ro"}
+        for target, host in rw_mounts.items():
+            volumes[str(Path(host).resolve())] = {"bind": target, "mode": "rw"}
+        full_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                    "HOME": "/workspace", "LANG": "C.UTF-8", **env}
+        return dict(
+            detach=True, network_mode="none", read_only=True, cap_drop=["ALL"],
+            security_opt=["no-new-privileges"], mem_limit=f"{limits.memory_mb}m",
+            memswap_limit=f"{limits.memory_mb}m", nano_cpus=int(self.cpus * 1e9),
+            pids_limit=limits.max_processes, user=self.SANDBOX_USER,
+            tmpfs={"/tmp": f"size={limits.tmp_size_mb}m,noexec"},
+            volumes=volumes, working_dir="/workspace", environment=full_env,
+            ulimits=[Ulimit(name="fsize", soft=limits.max_file_size_mb * mib,
+                            hard=limits.max_file_size_mb * mib),
+                     Ulimit(name="nofile", soft=limits.max_open_files, hard=limits.max_open_files),
+                     Ulimit(name="core", soft=0, hard=0)],
+            log_config=LogConfig(type="json-file",
+                                 config={"max-size": str(max(limits.max_output_bytes * 2, 65536)),
+                                         "max-file": "1"}),
+            stdin_open=False, tty=False, auto_remove=False, privileged=False, ipc_mode="none",
+        )
+
+    def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
+            ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
+            env: dict[str, str] | None = None, image: str | None = None) -> SandboxResult:
+        ro_mounts, rw_mounts = dict(ro_mounts or {}), dict(rw_mounts or {})
+        options = self.container_options(workspace, limits, ro_mounts, rw_mounts, env or {})
+        writable = [Path(workspace)] + [Path(host) for host in rw_mounts.values()]
+        sandbox_uid = int(self.SANDBOX_USER.split(":")[0])
+        # as root, the container's uid 65534 must be able to write the workspace
+        with lent_to(sandbox_uid, writable if os.geteuid() == 0 else []):
+            return self._run_container(command, image, options, limits)
+
+    def _run_container(self, command: str, image: str | None, options: dict,
+                       limits: SandboxLimits) -> SandboxResult:
+        import requests
+        from docker.errors import DockerException
+
+        container = None
+        started = time.monotonic()
+        timed_out = False
+        try:
+            try:
+                container = self.client.containers.run(
+                    image or self.default_image, ["/bin/sh", "-c", command], **options)
+            except (DockerException, requests.exceptions.RequestException) as exc:
+                raise BackendUnavailable(f"docker could not start the container: {exc}") from exc
+            try:
+                status = container.wait(timeout=limits.wall_time_s)
+                exit_code = int(status.get("StatusCode", -1))
+            except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
+                timed_out = True
+                exit_code = None
+                try:
+                    container.kill()
+                except DockerException:
+                    pass
+            cap = limits.max_output_bytes
+            out, out_cut = _capped_logs(container, cap, stdout=True)
+            err, err_cut = _capped_logs(container, cap, stdout=False)
+        finally:
+            if container is not None:
+                try:
+                    container.remove(force=True)
+                except Exception as exc:  # noqa: BLE001 - report, never mask the result
+                    log.warning("could not remove container: %s", exc)
+        duration = time.monotonic() - started
+        if timed_out:
+            reason = f"killed: wall-clock limit {limits.wall_time_s:g}s"
+        elif exit_code == 137:
+            reason = "killed by signal SIGKILL (memory/pids limit?)"
+        else:
+            reason = f"exit {exit_code}"
+        return SandboxResult(exit_code=exit_code, stdout=out, stderr=err, timed_out=timed_out,
+                             output_truncated=out_cut or err_cut, duration_s=duration,
+                             reason=reason)
+
+
+def _capped_logs(container: Any, cap: int, *, stdout: bool) -> tuple[str, bool]:
+    """At most `cap` bytes of the container's stdout (or stderr), read as a stream."""
+    kept = bytearray()
+    truncated = False
+    try:
+        stream = container.logs(stdout=stdout, stderr=not stdout, stream=True, follow=False)
+        if isinstance(stream, (bytes, bytearray)):
+            stream = [bytes(stream)]
+        for chunk in stream:
+            room = cap - len(kept)
+            if len(chunk) > room:
+                kept += chunk[:max(room, 0)]
+                truncated = True
+                break
+            kept += chunk
+    except Exception as exc:  # noqa: BLE001 - logs are best effort
+        log.warning("could not read container logs: %s", exc)
+    return kept.decode("utf-8", errors="replace"), truncated
+
+
+def directory_hash(path: Path) -> str:
+    """sha256 over a directory's relative paths, file modes and contents (symlinks as targets)."""
+    digest = hashlib.sha256()
+    root = Path(path)
+    for entry in sorted(p for p in root.rglob("*")):
+        relative = entry.relative_to(root).as_posix()
+        st = entry.lstat()
+        digest.update(relative.encode() + b"\0" + str(stat.S_IMODE(st.st_mode) & 0o111).encode())
+        if entry.is_symlink():
+            digest.update(b"L" + os.readlink(entry).encode())
+        elif entry.is_file():
+            digest.update(b"F" + hashlib.sha256(entry.read_bytes()).digest())
+        else:
+            digest.update(b"D")
+    return digest.hexdigest()
+

@@ -1,0 +1,169 @@
+"""x
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+from rollstream.shared.errors import SandboxError, WorkspaceError
+
+log = logging.getLogger(__name__)
+
+
+HOST_UID_BASE = 0x2000_0000
+"""Sandbox host uids are HOST_UID_BASE + pid * SLOTS + slot: unique per live process and run."""
+
+
+SLOTS = 256
+
+
+_MAX_DEPTH = 128
+"""Directories deeper than this below the workspace are not chowned (the walk stays bounded)."""
+
+
+@contextmanager
+def lent_to(uid: int, trees: list[Path]):
+    """chown the trees to `uid` for the duration (a sandbox user must write them), then give every
+    entry back to its previous owner."""
+    handed: list[tuple[Path, dict[int, tuple[int, int]]]] = []
+    try:
+        for top in trees:
+            owners: dict[int, tuple[int, int]] = {}
+            handed.append((top, owners))
+            _hand_over(top, uid, owners)
+        yield
+    finally:
+        for top, owners in handed:
+            _take_back(top, uid, owners)
+
+
+_slot_lock = threading.Lock()
+
+
+_slots_in_use: set[int] = set()
+
+
+@contextmanager
+def sandbox_host_uid():
+    """A host uid that no real user and no other live run has: HOST_UID_BASE + pid * 256 + slot."""
+    with _slot_lock:
+        free = [slot for slot in range(SLOTS) if slot not in _slots_in_use]
+        if not free:
+            raise SandboxError(f"more than {SLOTS} sandboxes at once in one process")
+        slot = free[0]
+        _slots_in_use.add(slot)
+    try:
+        yield HOST_UID_BASE + (os.getpid() % (1 << 22)) * SLOTS + slot
+    finally:
+        with _slot_lock:
+            _slots_in_use.discard(slot)
+
+
+def check_reachable(workspace: Path) -> None:
+    """bwrap runs as the sandbox's host uid and must be able to walk down to the workspace."""
+    for parent in workspace.parents:
+        mode = parent.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            raise WorkspaceError(
+                f"workspace {workspace} is not reachable by the sandbox user: {parent} has mode "
+                f"{stat.filemode(mode)} (others need search permission, o+x); "
+                "make workspaces under e.g. /tmp with tempfile")
+
+
+def _each_entry(top: Path, visit: Callable[[int | None, str, os.stat_result], None]) -> None:
+    """visit(dir_fd, name, lstat) for top (dir_fd None) and everything below it, never following
+    symlinks, down to _MAX_DEPTH directories; an entry that vanishes or fails is skipped."""
+    visit(None, str(top), os.lstat(top))
+    base_depth = str(top).count(os.sep)
+    for dirpath, dirnames, filenames, dir_fd in os.fwalk(top, follow_symlinks=False):
+        if dirpath.count(os.sep) - base_depth >= _MAX_DEPTH:
+            dirnames[:] = []
+        for name in dirnames + filenames:
+            try:
+                visit(dir_fd, name, os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+            except OSError:
+                continue
+
+
+def _hand_over(workspace: Path, host_uid: int, owners: dict[int, tuple[int, int]]) -> None:
+    """chown the workspace tree to the sandbox's host uid, noting the old owners by inode."""
+
+    def visit(dir_fd: int | None, name: str, st: os.stat_result) -> None:
+        if not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1:
+            return  # a hard link may be a file outside the workspace too
+        owners[st.st_ino] = (st.st_uid, st.st_gid)
+        os.chown(name, host_uid, host_uid, dir_fd=dir_fd, follow_symlinks=False)
+
+    _each_entry(workspace, visit)
+
+
+def _take_back(workspace: Path, host_uid: int, owners: dict[int, tuple[int, int]]) -> None:
+    """After the run (nothing of the sandbox is alive): give everything the sandbox uid owns back
+    to its old owner, new files to the workspace's owner, and clear set-uid/set-gid bits."""
+    default = owners.get(os.lstat(workspace).st_ino, (os.getuid(), os.getgid()))
+
+    def visit(dir_fd: int | None, name: str, st: os.stat_result) -> None:
+        if st.st_uid != host_uid and st.st_gid != host_uid:
+            return
+        new_uid, new_gid = owners.get(st.st_ino, default)
+        os.chown(name, new_uid, new_gid, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+            os.chmod(name, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=dir_fd)
+
+    try:
+        _each_entry(workspace, visit)
+    except OSError as exc:  # the workspace itself is gone or unreadable: nothing to give back
+        log.warning("could not give workspace %s back: %s", workspace, exc)
+
+
+def _proc_statuses():
+    """(pid, fields of /proc/PID/status) for each process the host shows."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/status") as status:
+                    fields = dict(line.split(":", 1) for line in status if ":" in line)
+            except OSError:
+                continue
+            yield int(entry.name), fields
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Live (not zombie) processes whose real uid is `uid`."""
+    return [pid for pid, fields in _proc_statuses()
+            if fields.get("Uid", "-1").split()[0] == str(uid)
+            and not fields.get("State", "").strip().startswith("Z")]
+
+
+def kill_leftovers(host_uid: int) -> None:
+    """SIGKILL anything still running as the sandbox's host uid (there should be nothing: the pid
+    namespace is gone with bwrap), and wait until it is gone."""
+    for attempt in range(100):
+        pids = _processes_of(host_uid)
+        if not pids:
+            return
+        if attempt == 0:
+            log.warning("sandbox uid %d still has processes %s after bwrap ended; killing them",
+                        host_uid, pids)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    log.error("sandbox uid %d: processes %s survived SIGKILL", host_uid, _processes_of(host_uid))
+
+
+def count_tasks(uid: int) -> int:
+    """Processes and threads the host shows for `uid` (RLIMIT_NPROC counts them all)."""
+    return sum(int(fields.get("Threads", "0")) for _, fields in _proc_statuses()
+               if fields.get("Uid", "-1").split()[0] == str(uid))
+

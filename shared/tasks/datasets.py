@@ -1,0 +1,73 @@
+"""x
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from rollstream.shared.errors import DatasetError
+from rollstream.shared.tasks.rows import PromptRow, parse_row
+
+
+def load_dataset(path: Path) -> list[PromptRow]:
+    if not path.exists():
+        raise DatasetError(f"{path}: no such dataset file")
+    # coding tasks (shared/tasks/): a directory of Harbor tasks, or a file of SWE-bench rows
+    from rollstream.shared.errors import TaskError
+    from rollstream.shared.tasks.harbor import load_harbor_tasks
+    from rollstream.shared.tasks.prompts import task_prompt_row
+    from rollstream.shared.tasks.swebench import is_swebench_record, load_swebench_rows
+
+    if path.is_dir():
+        try:
+            return [task_prompt_row(task) for task in load_harbor_tasks(path)]
+        except TaskError as exc:
+            raise DatasetError(str(exc)) from exc
+    if path.suffix == ".parquet":
+        records = pq.read_table(path).to_pylist()
+    elif path.suffix in (".jsonl", ".json"):
+        records = []
+        for line_number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path} line {line_number}: not JSON ({exc.msg})") from exc
+    else:
+        raise DatasetError(f"{path}: unknown dataset format {path.suffix!r} (use .parquet or .jsonl)")
+    if records and is_swebench_record(records[0]):
+        try:
+            return [task_prompt_row(task) for task in load_swebench_rows(path)]
+        except TaskError as exc:
+            raise DatasetError(str(exc)) from exc
+    rows = [parse_row(record, f"{path} row {index}") for index, record in enumerate(records)]
+    if not rows:
+        raise DatasetError(f"{path}: the dataset has no rows")
+    return rows
+
+
+def arithmetic_dataset(size: int, seed: int, sandbox_every: int) -> list[PromptRow]:
+    """The calculator task: 'What is a + b?' with the calculator tool and the answer as label; every
+    `sandbox_every`-th row is graded by a shell check in a sandbox instead of a rule."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(size):
+        a, b = rng.randint(0, 50), rng.randint(0, 50)
+        answer = str(a + b)
+        check = None
+        if sandbox_every and index % sandbox_every == sandbox_every - 1:
+            check = f'test "$(grep -Eo "[0-9]+" answer.txt | tail -n 1)" = "{answer}"'
+        rows.append(PromptRow(
+            messages=[{"role": "user", "content": f"What is {a} + {b}?"}],
+            label=answer,
+            reward_fn="exact_match",
+            sandbox_check=check,
+            tools=["calculator"],
+            metadata={"task": "arithmetic", "a": a, "b": b},
+        ))
+    return rows
+

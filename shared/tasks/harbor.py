@@ -1,0 +1,165 @@
+"""x
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollstream.shared.errors import TaskError
+
+DEFAULT_VERIFIER_TIMEOUT_S = 120.0
+
+
+DEFAULT_AGENT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class HarborTask:
+    name: str                       # the task directory's name
+    path: Path                      # the task directory (absolute)
+    instruction: str                # the text of instruction.md
+    config: dict[str, Any]          # task.toml, parsed
+    workspace: Path | None          # environment/workspace/, or None: an empty workspace
+    dockerfile: Path                # environment/Dockerfile
+    tests_dir: Path                 # tests/ (holds test.sh)
+    solution: Path | None           # solution/solve.sh, if the task has one
+    verifier_timeout_s: float = DEFAULT_VERIFIER_TIMEOUT_S
+    agent_timeout_s: float = DEFAULT_AGENT_TIMEOUT_S
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_number(table: dict[str, Any], section: str, key: str, where: Path,
+                     default: float | None = None) -> float | None:
+    if key not in table:
+        return default
+    value = table[key]
+    if not _is_number(value) or value <= 0:
+        raise TaskError(f"{where}: [{section}] {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+_KINDS = {str: (str,), "number": (int, float), bool: (bool,), dict: (dict,), list: (list,)}
+
+
+_KIND_NAMES = {str: "a string", "number": "a number", bool: "true or false", dict: "a table", list: "a list"}
+
+
+def _check_types(table: dict[str, Any], section: str, where: Path, kinds: dict[str, tuple[Any, ...]]) -> None:
+    """Each named field, when present, must be one of its kinds (str, "number", bool, dict, list)."""
+    label = f"[{section}] " if section else ""
+    for key, allowed in kinds.items():
+        if key not in table:
+            continue
+        value = table[key]
+        ok = any(isinstance(value, _KINDS[kind]) and (kind is bool or not isinstance(value, bool))
+                 for kind in allowed)
+        if not ok:
+            names = " or ".join(_KIND_NAMES[kind] for kind in allowed)
+            raise TaskError(f"{where}: {label}{key} must be {names}, got {value!r}")
+
+
+def _section(config: dict[str, Any], name: str, where: Path) -> dict[str, Any]:
+    value = config.get(name, {})
+    if not isinstance(value, dict):
+        raise TaskError(f"{where}: [{name}] must be a table, got {value!r}")
+    return value
+
+
+def _validate_config(config: dict[str, Any], where: Path) -> tuple[float, float]:
+    _check_types(config, "", where, {"version": (str,), "schema_version": (str,)})
+    task = _section(config, "task", where)
+    _check_types(task, "task", where, {"name": (str,), "description": (str,), "keywords": (list,),
+                                       "authors": (list,)})
+    _section(config, "metadata", where)
+
+    verifier = _section(config, "verifier", where)
+    verifier_timeout = _positive_number(verifier, "verifier", "timeout_sec", where, DEFAULT_VERIFIER_TIMEOUT_S)
+    _check_types(verifier, "verifier", where, {"env": (dict,), "user": (str,)})
+    env = verifier.get("env", {})
+    for key, value in env.items():
+        if not isinstance(value, str):
+            raise TaskError(f"{where}: [verifier] env.{key} must be a string, got {value!r}")
+
+    agent = _section(config, "agent", where)
+    agent_timeout = _positive_number(agent, "agent", "timeout_sec", where, DEFAULT_AGENT_TIMEOUT_S)
+
+    environment = _section(config, "environment", where)
+    for key in ("build_timeout_sec", "cpus", "memory_mb", "storage_mb"):
+        _positive_number(environment, "environment", key, where)
+    _check_types(environment, "environment", where, {
+        "memory": (str, "number"), "storage": (str, "number"), "allow_internet": (bool,),
+        "docker_image": (str,),
+    })
+    return verifier_timeout, agent_timeout
+
+
+def load_harbor_task(path: Path) -> HarborTask:
+    """One Harbor task directory, checked; see the module docstring for the layout."""
+    if not path.is_dir():
+        raise TaskError(f"{path}: not a task directory (no such directory)")
+    toml_path = path / "task.toml"
+    if not toml_path.is_file():
+        raise TaskError(f"{toml_path}: missing (every task needs its task.toml)")
+    try:
+        config = tomllib.loads(toml_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"{toml_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise TaskError(f"{toml_path}: invalid TOML: {exc}") from exc
+    verifier_timeout, agent_timeout = _validate_config(config, toml_path)
+
+    instruction_path = path / "instruction.md"
+    if not instruction_path.is_file():
+        raise TaskError(f"{instruction_path}: missing (the agent's instruction)")
+    try:
+        instruction = instruction_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"{instruction_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    if not instruction.strip():
+        raise TaskError(f"{instruction_path}: empty (the agent's instruction)")
+
+    dockerfile = path / "environment" / "Dockerfile"
+    if not dockerfile.is_file():
+        raise TaskError(f"{dockerfile}: missing (the task's environment)")
+    test_sh = path / "tests" / "test.sh"
+    if not test_sh.is_file():
+        raise TaskError(f"{test_sh}: missing (the task's verifier)")
+
+    root = path.resolve()
+    workspace = root / "environment" / "workspace"
+    solve_sh = root / "solution" / "solve.sh"
+    return HarborTask(
+        name=root.name,
+        path=root,
+        instruction=instruction.strip() + "\n",
+        config=config,
+        workspace=workspace if workspace.is_dir() else None,
+        dockerfile=root / "environment" / "Dockerfile",
+        tests_dir=root / "tests",
+        solution=solve_sh if solve_sh.is_file() else None,
+        verifier_timeout_s=verifier_timeout,
+        agent_timeout_s=agent_timeout,
+    )
+
+
+def load_harbor_tasks(root: Path) -> list[HarborTask]:
+    """`root` is one task directory (it has a task.toml) or a directory of task directories, loaded
+    in name order; hidden directories and plain files beside the tasks are skipped."""
+    if not root.is_dir():
+        raise TaskError(f"{root}: no such task directory")
+    if (root / "task.toml").exists():
+        return [load_harbor_task(root)]
+    children = sorted((child for child in root.iterdir()
+                       if child.is_dir() and not child.name.startswith((".", "__"))),
+                      key=lambda child: child.name)
+    if not children:
+        raise TaskError(f"{root}: no tasks (expected a task.toml here, or task directories in it)")
+    return [load_harbor_task(child) for child in children]
+

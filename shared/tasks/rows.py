@@ -1,0 +1,52 @@
+"""x
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollstream.shared.errors import DatasetError
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    messages: list[dict[str, Any]]
+    label: str | None = None
+    reward_fn: str = "exact_match"
+    sandbox_check: str | None = None
+    agent: str | None = None
+    tools: list[str] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_row(record: Any, where: str) -> PromptRow:
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where}: expected an object, got {type(record).__name__}")
+    prompt = record.get("prompt")
+    if prompt is None or prompt == "" or prompt == []:
+        raise DatasetError(f"{where}: missing 'prompt' (columns present: {', '.join(sorted(record)) or 'none'})")
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        raise DatasetError(f"{where}: 'prompt' must be a string or a list of {{role, content}} messages")
+    label = record.get("label", record.get("answer"))
+    metadata = record.get("metadata") or {}
+    if isinstance(metadata, str):
+        metadata = json.loads(metadata)
+    tools = record.get("tools") or []
+    if isinstance(tools, str) or not all(isinstance(t, str) for t in tools):
+        raise DatasetError(f"{where}: 'tools' must be a list of tool names")
+    return PromptRow(
+        messages=messages,
+        label=None if label is None else str(label),
+        reward_fn=record.get("reward_fn") or "exact_match",
+        sandbox_check=record.get("sandbox_check") or None,
+        agent=record.get("agent") or None,
+        tools=list(tools),
+        metadata=metadata,
+    )
+

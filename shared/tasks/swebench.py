@@ -1,0 +1,141 @@
+"""x
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollstream.shared.errors import TaskError
+
+DEFAULT_SWE_TEST_COMMAND = "python -m pytest -rA -p no:cacheprovider"
+
+
+@dataclass(frozen=True)
+class SweTask:
+    instance_id: str
+    repo_dir: Path                  # a local snapshot of the repository at its base commit
+    problem_statement: str
+    test_patch: str                 # may be empty
+    fail_to_pass: list[str]
+    pass_to_pass: list[str]
+    test_command: str = DEFAULT_SWE_TEST_COMMAND
+    gold_patch: str | None = None   # the reference `patch`
+    dataset: Path | None = None     # the file the row came from (absolute)
+
+
+def _read_records(path: Path) -> list[Any]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow raises several kinds for a bad file
+            raise TaskError(f"{path}: cannot read Parquet ({exc})") from exc
+    if path.suffix in (".jsonl", ".json"):
+        records = []
+        for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise TaskError(f"{path} line {line_number}: not JSON ({exc.msg})") from exc
+        return records
+    raise TaskError(f"{path}: unknown SWE-bench file format {path.suffix!r} (use .jsonl or .parquet)")
+
+
+def _test_ids(record: dict[str, Any], key: str, where: str, required: bool) -> list[str]:
+    value = record.get(key)
+    if value is None or value == "":
+        if required:
+            raise TaskError(f"{where}: '{key}' missing (a list of test ids)")
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise TaskError(f"{where}: '{key}' is a string but not a JSON-encoded list ({exc.msg})") from exc
+    if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) and item for item in value):
+        raise TaskError(f"{where}: '{key}' must be a list of test ids (strings), got {value!r}")
+    if required and not value:
+        raise TaskError(f"{where}: '{key}' is empty (a task needs at least one failing test to fix)")
+    return list(value)
+
+
+def _optional_str(record: dict[str, Any], key: str, where: str) -> str | None:
+    value = record.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TaskError(f"{where}: '{key}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def _swe_row(record: Any, path: Path, where: str) -> SweTask:
+    if not isinstance(record, dict):
+        raise TaskError(f"{where}: expected an object, got {type(record).__name__}")
+    instance_id = record.get("instance_id")
+    if not isinstance(instance_id, str) or not instance_id.strip():
+        raise TaskError(f"{where}: 'instance_id' missing or not a non-empty string")
+    where = f"{where} ({instance_id})"
+    problem = _optional_str(record, "problem_statement", where)
+    if not problem or not problem.strip():
+        raise TaskError(f"{where}: 'problem_statement' missing or empty")
+    fail_to_pass = _test_ids(record, "FAIL_TO_PASS", where, required=True)
+    pass_to_pass = _test_ids(record, "PASS_TO_PASS", where, required=False)
+    test_patch = _optional_str(record, "test_patch", where) or ""
+    gold_patch = _optional_str(record, "patch", where) or None
+    test_command = _optional_str(record, "test_command", where) or DEFAULT_SWE_TEST_COMMAND
+
+    base = path.resolve().parent
+    repo_value = record.get("repo_dir")
+    if repo_value is None or repo_value == "":
+        fallback = base / "repos" / instance_id
+        if "/" in instance_id or "\\" in instance_id or instance_id.startswith(".") or not fallback.is_dir():
+            raise TaskError(f"{where}: 'repo_dir' missing (a local snapshot of {record.get('repo') or 'the repository'}"
+                            f" at {record.get('base_commit') or 'its base commit'}; or put one at {fallback})")
+        repo_dir = fallback
+    elif not isinstance(repo_value, str):
+        raise TaskError(f"{where}: 'repo_dir' must be a path string, got {type(repo_value).__name__}")
+    else:
+        repo_dir = (base / repo_value).resolve()
+        if not repo_dir.is_dir():
+            raise TaskError(f"{where}: 'repo_dir' {repo_value!r} is not a directory ({repo_dir})")
+    return SweTask(
+        instance_id=instance_id,
+        repo_dir=repo_dir,
+        problem_statement=problem,
+        test_patch=test_patch,
+        fail_to_pass=fail_to_pass,
+        pass_to_pass=pass_to_pass,
+        test_command=test_command,
+        gold_patch=gold_patch,
+        dataset=path.resolve(),
+    )
+
+
+def load_swebench_rows(path: Path) -> list[SweTask]:
+    """SWE-bench rows from a JSONL or Parquet file; rows are numbered from 0 in errors, as in
+    shared/tasks/datasets.py."""
+    if not path.is_file():
+        raise TaskError(f"{path}: no such SWE-bench file")
+    tasks: list[SweTask] = []
+    seen: dict[str, int] = {}
+    for index, record in enumerate(_read_records(path)):
+        task = _swe_row(record, path, f"{path} row {index}")
+        if task.instance_id in seen:
+            raise TaskError(f"{path} row {index}: 'instance_id' {task.instance_id!r} repeats row {seen[task.instance_id]}")
+        seen[task.instance_id] = index
+        tasks.append(task)
+    if not tasks:
+        raise TaskError(f"{path}: the file has no rows")
+    return tasks
+
+
+def is_swebench_record(record: Any) -> bool:
+    """Whether a dataset record looks like a SWE-bench row (load_dataset's test on the first one)."""
+    return isinstance(record, dict) and "instance_id" in record and "FAIL_TO_PASS" in record
+
