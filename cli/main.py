@@ -21,7 +21,8 @@ import typer
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
-from rollstream.cli.inspection import inspect_app
+
+from rollstream.cli.inspect.app import inspect_app
 from rollstream.cli.replay.command import replay
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fully asynchronous RL for LLM agents.")

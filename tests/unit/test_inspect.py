@@ -14,7 +14,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from rollstream.cli.inspection import (collect_runs, collect_streams, diff_runs, inspect_app, load_decoder, load_rollout, open_run, render_diff, render_rollout, rollout_document, runs_table, tokens_text)
+from rollstream.cli.inspect.app import inspect_app
+from rollstream.cli.inspect.connections import open_run
+from rollstream.cli.inspect.diff import diff_runs, render_diff
+from rollstream.cli.inspect.runs import collect_runs, collect_streams, runs_table
+from rollstream.cli.inspect.trajectory import load_decoder, load_rollout, render_rollout, rollout_document, tokens_text
 from rollstream.shared.contract.archive import ArchiveWriter, trim_stream
 from rollstream.shared.contract.batches import BatchRow, write_batch
 from rollstream.shared.contract.bus import STREAMS, Bus
