@@ -108,7 +108,7 @@ def train(backend, cfg: TrainSettings, saves: list[str]) -> dict:
 
 
 def main(spec: dict) -> dict:
-    from rollstream.services.trainer.deepspeed_backend import DeepSpeedBackend
+    from rollstream.services.trainer.backends.deepspeed_backend import DeepSpeedBackend
 
     cfg = settings("deepspeed", spec["zero_stage"])
     if spec["task"] == "train":

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollstream.services.trainer.backends import TorchBackend, load_model
+from rollstream.services.trainer.backends.base import load_model
+from rollstream.services.trainer.backends.torch_backend import TorchBackend
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).with_name("deepspeed_step.py")

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO (stage 2 or 3) trainer backend: the same protocol as TorchBackend
-(services/trainer/backends.py), so the trainer's loss code does not know which one it drives.
+(services/trainer/backends/base.py), so the trainer's loss code does not know which one it drives.
 
 One process per device. Under the deepspeed launcher the distributed environment comes from it; without
 one (the CPU, tests) this process is a world of one, on gloo.
@@ -15,6 +15,9 @@ from all ranks, so forwards too must be run by all ranks together.
 
 A saved directory holds the full model as HF safetensors (gathered from the partitions under ZeRO-3),
 DeepSpeed's own checkpoint of the partitioned optimizer state under `deepspeed/`, and the RNG state.
+
+Tests: tests/unit/test_trainer_backends.py, which runs tests/unit/deepspeed_step.py in processes of
+their own (on the CPU, gloo) and compares their steps with the torch backend's.
 """
 
 from __future__ import annotations
@@ -25,12 +28,8 @@ import socket
 from pathlib import Path
 
 import torch
-from rollstream.services.trainer.backends import (
-    RNG_FILE,
-    load_model,
-    restore_rng_state,
-    rng_state,
-)
+
+from rollstream.services.trainer.backends.base import RNG_FILE, load_model, restore_rng_state, rng_state
 from rollstream.shared.inference.serving_weights import add_tensor_copy, tied_head_names
 from rollstream.shared.runtime.config import TrainSettings
 

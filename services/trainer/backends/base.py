@@ -1,0 +1,60 @@
+"""What every trainer backend is and shares: the Backend protocol, model loading and the RNG state.
+
+The loss is the same for every backend (services/trainer/ppo.py); a backend only accumulates
+gradients, steps, and saves. The backends (torch_backend.py, deepspeed_backend.py) import this
+module and nothing imports them back, except factory.py.
+
+A training state directory holds everything needed to continue exactly where the trainer stopped:
+the model weights (HF safetensors, loadable by vLLM and transformers), the optimizer state and the
+random-number state.
+
+Tests: tests/unit/test_trainer_backends.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+RNG_FILE = "rng.pt"
+
+
+class Backend(Protocol):
+    model: torch.nn.Module
+    """The module to run forward passes through."""
+    device: torch.device
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of `loss` (not rescaled: the loss carries its own weights)."""
+
+    def step(self) -> float:
+        """Clip the accumulated gradient to train.grad_clip, take an optimizer step, clear the
+        gradient. Returns the gradient norm before clipping."""
+
+    def save(self, directory: Path) -> None:
+        """Write the model (HF safetensors the fleet can reload, tied heads included: see
+        shared/inference/serving_weights.py), the optimizer state and the RNG state to `directory`."""
+
+    def load_training_state(self, directory: Path) -> None:
+        """Restore the optimizer and RNG state saved by `save` (the model was loaded from it already)."""
+
+
+def load_model(path: Path, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
