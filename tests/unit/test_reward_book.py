@@ -2,12 +2,16 @@
 
 import pytest
 
+from rollstream.services.reward.book import RewardBook
 from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import Bus, Delivery
-from rollstream.shared.contract.events import (GradeReported, TrajectoryFinished, TrajectorySegment, make_envelope)
+from rollstream.shared.contract.events import (
+    GradeReported,
+    TrajectoryFinished,
+    TrajectorySegment,
+    make_envelope,
+)
 from rollstream.shared.runtime.storage import Storage
-
-from rollstream.services.reward.main import RewardBook
 
 
 def deliveries_for(run_id, group, rollout, sample_index, answer, label="7", check=None, group_size=2,

@@ -1,0 +1,275 @@
+"""The reward service's book, kept in Redis: every prompt group's events until the group is complete,
+its rewards and advantages (RewardAssigned), the order in which complete groups go into batches, and
+the batches themselves (Parquet, announced with BatchReady). main.py feeds it deliveries.
+
+record stores an event in its group; complete_if_ready scores a group once all its rollouts, segments
+and grades are in; seal and release keep reward.batch_order "finished" (complete groups batched in
+the order their last rollout finished); flush_batches writes every full batch. Every step is idempotent, so a
+redelivery or a restart changes nothing (see main.py for the rules).
+
+Tests: tests/unit/test_reward_book.py, tests/unit/test_staleness_gate.py (filtered groups and the
+dispatcher's gate) against the local Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from itertools import takewhile
+
+import redis
+
+from rollstream.services.reward.rewards import (
+    advantages,
+    resolve_reward_function,
+    reward_for,
+)
+from rollstream.shared.contract.batches import BatchRow, write_batch
+from rollstream.shared.contract.bus import Bus, Delivery
+from rollstream.shared.contract.events import (
+    BatchReady,
+    GradeReported,
+    RewardAssigned,
+    TrajectoryFinished,
+    TrajectorySegment,
+    decode,
+    encode,
+)
+from rollstream.shared.runtime.config import RewardSettings
+from rollstream.shared.runtime.storage import Storage
+
+BATCH_ORDERS = ("finished", "completed")
+_DEFAULTS = RewardSettings()
+
+
+class RewardBook:
+    """The reward service's state in Redis: one hash per open group, a list of complete groups ready
+    for batching and, in batch_order "finished", the sealed groups waiting for their turn."""
+
+    def __init__(self, bus: Bus, storage: Storage, batch_size: int, advantage_estimator: str = "grpo",
+                 filter_zero_variance: bool = False, batch_order: str = _DEFAULTS.batch_order,
+                 reward_function: str | None = _DEFAULTS.function, done_ttl_s: int = _DEFAULTS.done_ttl_s) -> None:
+        if batch_order not in BATCH_ORDERS:
+            raise ValueError(f"unknown batch order {batch_order!r}; use one of {', '.join(BATCH_ORDERS)}")
+        self.bus = bus
+        self.storage = storage
+        self.batch_size = batch_size
+        self.advantage_estimator = advantage_estimator
+        self.filter_zero_variance = filter_zero_variance
+        self.batch_order = batch_order
+        self.reward_function = reward_function
+        self.score = resolve_reward_function(reward_function) if reward_function else None
+        self.done_ttl_s = done_ttl_s
+        self.ready_key = bus.keys.state("reward", "ready-groups")
+        self.ready_rollouts_key = bus.keys.state("reward", "ready-rollouts")
+        self.filtered_groups_key = bus.keys.state("reward", "filtered-groups")
+        self.seal_counter_key = bus.keys.state("reward", "seal-counter")
+        # sorted set: group -> seal number, for every sealed group not yet released
+        self.sealed_key = bus.keys.state("reward", "sealed-groups")
+        # hash: complete group still in the sealed set -> rollouts it adds to the ready list (0: filtered)
+        self.held_key = bus.keys.state("reward", "held-groups")
+
+    def group_key(self, group_id: str) -> str:
+        return self.bus.keys.state("reward", "group", group_id)
+
+    def assigned_key(self, group_id: str) -> str:
+        return self.bus.keys.state("reward", "assigned", group_id)
+
+    def done_key(self, group_id: str) -> str:
+        """Marker of a completed group; expires after done_ttl_s."""
+        return self.bus.keys.state("reward", "done", group_id)
+
+    def record(self, delivery: Delivery) -> str | None:
+        """Store the event in its group; returns the group id to check for completion."""
+        envelope, event = delivery.envelope, delivery.event
+        group_id = envelope.group_id
+        if group_id is None or self.bus.redis.exists(self.done_key(group_id)):
+            return None
+        body = encode(envelope)["body"]
+        if isinstance(event, TrajectorySegment):
+            field = f"segment:{envelope.rollout_id}:{event.attempt}:{event.segment_index}"
+        elif isinstance(event, TrajectoryFinished):
+            field = f"finished:{envelope.rollout_id}"
+        elif isinstance(event, GradeReported):
+            field = f"grade:{envelope.rollout_id}"
+        else:
+            return None
+        # hsetnx: the first finished attempt of a rollout wins; segments of other attempts are ignored.
+        self.bus.redis.hsetnx(self.group_key(group_id), field, body)
+        return group_id
+
+    def load(self, group_id: str) -> dict[str, dict]:
+        """{'segment': {(rollout, index): envelope}, 'finished': {rollout: envelope}, 'grade': {rollout: ...}},
+        keeping only the segments of each rollout's finished attempt."""
+        out: dict[str, dict] = {"segment": {}, "finished": {}, "grade": {}}
+        segments = {}
+        for field, body in self.bus.redis.hgetall(self.group_key(group_id)).items():
+            kind, rollout, *rest = field.decode().split(":")
+            event_type = {"segment": TrajectorySegment, "finished": TrajectoryFinished, "grade": GradeReported}[kind]
+            envelope = decode({"type": event_type.TYPE, "v": str(event_type.VERSION), "body": body})
+            if kind == "segment":
+                segments[(rollout, rest[0], int(rest[1]))] = envelope
+            else:
+                out[kind][rollout] = envelope
+        for (rollout, attempt, index), envelope in segments.items():
+            finished = out["finished"].get(rollout)
+            if finished is not None and finished.payload.attempt == attempt:
+                out["segment"][(rollout, index)] = envelope
+        return out
+
+    def seal(self, group_id: str) -> None:
+        """Give the group the next place in batch order, once: a redelivered event keeps its place."""
+        if self.bus.redis.zscore(self.sealed_key, group_id) is not None:
+            return
+        number = self.bus.redis.incr(self.seal_counter_key)
+        # NX: a crash between the two steps costs a number, never a second place
+        self.bus.redis.zadd(self.sealed_key, {group_id: number}, nx=True)
+
+    def complete_if_ready(self, group_id: str) -> bool:
+        state = self.load(group_id)
+        finished = state["finished"]
+        if not finished:
+            return False
+        group_size = next(iter(finished.values())).payload.group_size
+        if len(finished) < group_size:
+            return False
+        if self.batch_order == "finished":
+            # Here rather than in record(): sealed before it can complete, even if the process died
+            # between storing the last TrajectoryFinished and sealing.
+            self.seal(group_id)
+        for rollout, envelope in finished.items():
+            event: TrajectoryFinished = envelope.payload
+            segments = [key for key in state["segment"] if key[0] == rollout]
+            if len(segments) < event.segment_count:
+                return False
+            if event.needs_grade and self.score is None and rollout not in state["grade"]:
+                return False
+
+        rollouts = sorted(finished)
+        rewards, sources = [], []
+        for rollout in rollouts:
+            event = finished[rollout].payload
+            if event.status == "failed":
+                rewards.append(0.0)
+                sources.append("failed")
+            elif self.score is not None:
+                rewards.append(float(self.score(event.response_text, event.label)))
+                sources.append(self.reward_function)
+            elif event.needs_grade:
+                rewards.append(state["grade"][rollout].payload.score)
+                sources.append("sandbox")
+            else:
+                rewards.append(reward_for(event.reward_fn, event.response_text, event.label))
+                sources.append(event.reward_fn)
+        group_advantages = advantages(rewards, self.advantage_estimator)
+        filtered = self.filter_zero_variance and min(rewards) == max(rewards)
+
+        # One transaction: a crash leaves the group either untouched (redone on redelivery) or done.
+        pipe = self.bus.redis.pipeline(transaction=True)
+        for rollout, reward, advantage, source in zip(rollouts, rewards, group_advantages, sources):
+            ids = finished[rollout]
+            self.bus.publish("rewards", RewardAssigned(reward=reward, advantage=advantage, source=source), pipe=pipe,
+                             event_id=f"{rollout}:reward", rollout_id=rollout, group_id=group_id,
+                             trajectory_id=ids.trajectory_id, session_id=ids.session_id)
+            if not filtered:
+                pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
+        pipe.set(self.done_key(group_id), 1, ex=self.done_ttl_s)
+        if filtered:
+            # Counted in admitted samples (group_size per group), which is what the dispatcher gives back.
+            pipe.incrby(self.bus.keys.filtered, group_size)
+            pipe.incr(self.filtered_groups_key)
+            pipe.delete(self.group_key(group_id))
+        if self.batch_order == "finished":
+            pipe.hset(self.held_key, group_id, 0 if filtered else len(rollouts))
+        elif not filtered:
+            pipe.rpush(self.ready_key, group_id)
+            pipe.incrby(self.ready_rollouts_key, len(rollouts))
+        pipe.execute()
+        if self.batch_order == "finished":
+            self.release()
+        return True
+
+    def release(self) -> int:
+        """Move the complete groups at the head of the sealed set to the ready list, in seal order,
+        stopping at the first group that is not complete; filtered groups leave the set without
+        being batched. Returns how many groups left the set.
+
+        One transaction, watched on the sealed set: a crash releases all of them or none (the next
+        completion, or a restart, releases them), and a concurrent release makes this one start again
+        instead of releasing a group twice."""
+        with self.bus.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(self.sealed_key)
+                    sealed = [g.decode() for g in pipe.zrange(self.sealed_key, 0, -1)]
+                    held = pipe.hmget(self.held_key, sealed) if sealed else []
+                    head = [(g, int(n)) for g, n in takewhile(lambda pair: pair[1] is not None, zip(sealed, held))]
+                    if not head:
+                        pipe.unwatch()
+                        return 0
+                    pipe.multi()
+                    for group_id, rollouts in head:
+                        if rollouts:
+                            pipe.rpush(self.ready_key, group_id)
+                            pipe.incrby(self.ready_rollouts_key, rollouts)
+                    groups = [group_id for group_id, _ in head]
+                    pipe.zrem(self.sealed_key, *groups)
+                    pipe.hdel(self.held_key, *groups)
+                    pipe.execute()
+                    return len(head)
+                except redis.WatchError:
+                    continue
+
+    def filtered_groups(self) -> int:
+        return int(self.bus.redis.get(self.filtered_groups_key) or 0)
+
+    def batch_rows(self, group_id: str) -> list[BatchRow]:
+        segments = self.load(group_id)["segment"]
+        assigned = {k.decode(): v.decode().split(",") for k, v in self.bus.redis.hgetall(self.assigned_key(group_id)).items()}
+        rows = []
+        for (rollout, index), envelope in sorted(segments.items()):
+            seg: TrajectorySegment = envelope.payload
+            reward, advantage = (float(x) for x in assigned[rollout])
+            rows.append(BatchRow(
+                sample_index=seg.sample_index, trajectory_id=envelope.trajectory_id or rollout, rollout_id=rollout,
+                group_id=group_id, session_id=envelope.session_id or rollout, segment_index=index,
+                tokens=seg.tokens, response_length=seg.response_length, loss_mask=seg.loss_mask,
+                rollout_logprobs=seg.rollout_logprobs, turn_policy_versions=seg.turn_policy_versions,
+                status=seg.status, reward=reward, advantage=advantage, metadata=seg.metadata,
+            ))
+        return rows
+
+    def flush_batches(self, run_id: str) -> list[BatchReady]:
+        """Write every full batch of complete groups; returns what was announced."""
+        announced = []
+        while int(self.bus.redis.get(self.ready_rollouts_key) or 0) >= self.batch_size:
+            groups_needed = None
+            ready = [g.decode() for g in self.bus.redis.lrange(self.ready_key, 0, -1)]
+            rows: list[BatchRow] = []
+            taken: list[str] = []
+            rollouts: set[str] = set()
+            for group_id in ready:
+                group_rows = self.batch_rows(group_id)
+                rows.extend(group_rows)
+                taken.append(group_id)
+                rollouts.update(r.rollout_id for r in group_rows)
+                if len(rollouts) >= self.batch_size:
+                    groups_needed = len(taken)
+                    break
+            if groups_needed is None:
+                raise RuntimeError(f"ready-rollouts counter says {self.batch_size}+ but the ready groups hold "
+                                   f"{len(rollouts)} rollouts")
+            batch_id = "b-" + hashlib.sha1(",".join(taken).encode()).hexdigest()[:16]
+            uri = write_batch(self.storage, run_id, batch_id, rows)
+            rewards = {r.rollout_id: r.reward for r in rows}
+            event = BatchReady(batch_id=batch_id, uri=uri, sample_count=len(rows), group_ids=taken,
+                               min_policy_version=min(r.min_policy_version for r in rows),
+                               mean_reward=sum(rewards.values()) / len(rewards))
+            pipe = self.bus.redis.pipeline(transaction=True)
+            self.bus.publish("batches", event, pipe=pipe, event_id=f"{batch_id}:ready")
+            pipe.ltrim(self.ready_key, groups_needed, -1)
+            pipe.decrby(self.ready_rollouts_key, len(rollouts))
+            for group_id in taken:
+                pipe.delete(self.group_key(group_id), self.assigned_key(group_id))
+            pipe.execute()
+            announced.append(event)
+        return announced
