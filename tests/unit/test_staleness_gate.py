@@ -1,11 +1,11 @@
 import pytest
 
-from rollstream.services.dispatcher.main import StalenessGate, admit_group, filtered_samples, next_step
-from rollstream.services.reward.main import RewardBook
+from rollstream.services.dispatcher.gate import StalenessGate, admit_group, filtered_samples, next_step
+from rollstream.services.reward.book import RewardBook
 from rollstream.shared.contract.bus import Delivery
-from rollstream.shared.tasks.rows import PromptRow
 from rollstream.shared.contract.events import TrajectoryFinished, TrajectorySegment, make_envelope
 from rollstream.shared.runtime.storage import Storage
+from rollstream.shared.tasks.rows import PromptRow
 
 
 def admitted_before_first_update(gate: StalenessGate, group: int) -> int:
