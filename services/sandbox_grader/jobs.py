@@ -17,6 +17,7 @@ from typing import Any
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import GradeReported
+from rollstream.shared.errors import RollstreamError
 from rollstream.shared.grading.harbor import grade_harbor
 from rollstream.shared.grading.outcome import GradeOutcome
 from rollstream.shared.grading.swebench import grade_swebench
@@ -27,7 +28,7 @@ from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.swebench import load_swebench_rows
 
 
-class InfrastructureError(RuntimeError):
+class InfrastructureError(RollstreamError, RuntimeError):
     """The sandbox could not run the grading; the job is retried."""
 
 
