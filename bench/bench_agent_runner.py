@@ -27,10 +27,10 @@ from pathlib import Path
 import httpx
 
 from rollstream.cli.embedded_redis import EmbeddedRedis
+from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import PromptIssued, TrajectoryFinished, TrajectoryTurn, decode
 from rollstream.shared.inference.fleet import FleetClient
-from rollstream.cli.vllm_server import VllmServer, free_port
 
 QUESTION = [{"role": "user", "content": "What is 17 + 25?"}]
 

@@ -50,18 +50,19 @@ from pathlib import Path
 
 import httpx
 
+# run as a script, so bench/ is first on sys.path
+from heavy_tail_agent import ENV as AGENT_ENV
+from heavy_tail_agent import TailParams, banned_tokens, episode_turns
+from sim_fleet import parse_metrics
+
+from rollstream.cli.local_run import LocalRun, ServiceDied
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import PolicyUpdated, TrajectoryTurn, decode
+from rollstream.shared.inference.fleet import FleetClient
+from rollstream.shared.runtime.config import Settings
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))
-
-from heavy_tail_agent import ENV as AGENT_ENV, TailParams, banned_tokens, episode_turns  # noqa: E402
-from sim_fleet import parse_metrics  # noqa: E402
-
-from rollstream.cli.local_run import LocalRun, ServiceDied  # noqa: E402
-from rollstream.shared.contract.bus import Bus  # noqa: E402
-from rollstream.shared.runtime.config import Settings  # noqa: E402
-from rollstream.shared.contract.events import PolicyUpdated, TrajectoryTurn, decode  # noqa: E402
-from rollstream.shared.inference.fleet import FleetClient  # noqa: E402
 
 AGENT = "heavy_tail_agent:heavy_tail_agent"
 

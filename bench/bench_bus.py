@@ -16,8 +16,8 @@ import uuid
 import redis
 
 from rollstream.shared.contract.bus import Bus
-from rollstream.shared.runtime.config import BusSettings
 from rollstream.shared.contract.events import PromptIssued, TrajectorySegment, encode, make_envelope
+from rollstream.shared.runtime.config import BusSettings
 
 
 def small(i: int) -> PromptIssued:

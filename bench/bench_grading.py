@@ -23,9 +23,9 @@ from rq import Queue
 from rollstream.cli.embedded_redis import EmbeddedRedis
 from rollstream.services.sandbox_grader.jobs import GradeRequest, grade_rollout
 from rollstream.shared.contract.bus import Bus
-from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.grading.validation import reference_diff
 from rollstream.shared.runtime.storage import Storage
+from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.tasks.harbor import load_harbor_task
 
 TASK = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tasks" / "harbor" / "fix-add"

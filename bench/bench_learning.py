@@ -17,12 +17,10 @@ import tempfile
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rollstream.cli.local_run import LocalRun  # noqa: E402
-from rollstream.shared.contract.archive import read_history  # noqa: E402
-from rollstream.shared.runtime.config import Settings  # noqa: E402
-from rollstream.shared.contract.events import PromptIssued, RewardAssigned  # noqa: E402
+from rollstream.cli.local_run import LocalRun
+from rollstream.shared.contract.archive import read_history
+from rollstream.shared.contract.events import PromptIssued, RewardAssigned
+from rollstream.shared.runtime.config import Settings
 
 
 def rewards_by_version(local: LocalRun) -> dict[int, list[float]]:

@@ -30,7 +30,14 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rollstream.shared.agent.loop import (AgentContext, Segment, Task, TemplateError, TokenTrajectory, TurnRecord)
+from rollstream.shared.agent.loop import (
+    AgentContext,
+    Segment,
+    Task,
+    TemplateError,
+    TokenTrajectory,
+    TurnRecord,
+)
 
 ENV = "HEAVY_TAIL_AGENT"
 OBSERVATION_RESERVE = 32

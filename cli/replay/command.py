@@ -23,6 +23,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+
 from rollstream.cli.replay.plan import (
     DEFAULT_STREAMS,
     Pace,

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
+
 from rollstream.shared.contract.archive import (
     ArchiveError,
     ArchiveReader,
@@ -37,13 +38,14 @@ from rollstream.shared.contract.events import (
     TrajectoryFinished,
     decode,
 )
+from rollstream.shared.errors import RollstreamError
 from rollstream.shared.runtime.storage import Storage
 
 DEFAULT_STREAMS: tuple[StreamName, ...] = tuple(s for s in STREAMS if s != "dead")
 """A replay leaves out dead letters by default: they are the original services' failures."""
 
 
-class ReplayError(Exception):
+class ReplayError(RollstreamError):
     """The source cannot be replayed (damaged, missing, or the target is not fresh); nothing was written."""
 
 

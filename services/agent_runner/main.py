@@ -116,8 +116,9 @@ class EpisodeRunner:
 
 
 async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
-    from rollstream.shared.inference.fleet import FleetClient
     from transformers import AutoTokenizer
+
+    from rollstream.shared.inference.fleet import FleetClient
 
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     bus.ensure_group("prompts", GROUP)

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import redis
+
 from rollstream.shared.contract.archive import (
     ArchivePart,
     ArchiveWriter,

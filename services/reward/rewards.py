@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Callable
 
 import numpy as np
+
 from rollstream.shared.tasks.scoring import exact_match
 
 RewardFunction = Callable[[str, str | None], float]

@@ -14,6 +14,10 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from rq import Callback, Queue, Retry, Worker
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+
 from rollstream.services.sandbox_grader.jobs import (
     GradeRequest,
     grade_rollout,
@@ -24,9 +28,6 @@ from rollstream.shared.contract.events import TrajectoryFinished
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.tasks.harbor import load_harbor_task
-from rq import Callback, Queue, Retry, Worker
-from rq.exceptions import NoSuchJobError
-from rq.job import Job
 
 GROUP = "sandbox-grader"
 RETRY_BACKOFF_S = [2, 10, 30]

@@ -30,6 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+
 from rollstream.shared.contract.batches import BatchRow
 
 AGGREGATIONS = ("token", "rollout")

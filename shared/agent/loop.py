@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter
+
 from rollstream.shared.agent.tool_calls import ToolCallFormat
 from rollstream.shared.agent.tools import Episode, ToolResult, ToolSet
 from rollstream.shared.errors import TemplateError

@@ -47,6 +47,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 from prometheus_client import Counter as PrometheusCounter
+
 from rollstream.shared.errors import ToolError
 
 log = logging.getLogger(__name__)

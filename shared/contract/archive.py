@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import redis
+
 from rollstream.shared.contract.bus import STREAMS, Bus, Delivery, StreamName
 from rollstream.shared.contract.events import Envelope, EventDecodeError, decode
 from rollstream.shared.errors import ArchiveError

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
+
 from rollstream.shared.runtime.storage import Storage
 
 SCHEMA = pa.schema([

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import redis
+
 from rollstream.shared.contract.events import (
     DeadLettered,
     Envelope,

@@ -29,6 +29,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+
 from rollstream.shared.errors import EventDecodeError
 
 

@@ -1,4 +1,12 @@
-"""x
+"""Applying an agent's diff to a grading workspace (shared/sandbox/workspace.py) without letting it
+reach outside.
+
+`apply_diff(workspace, diff)`: first a dry run into the index only (`git apply --cached`, then
+`--cached --3way`); paths git would touch must be relative and inside the tree, and a symlink the
+patch creates must point inside the workspace (relative, never above the root): checked on the
+dry run's result BEFORE the work tree is touched. Then the real `git apply` (or `--3way`), and a
+physical check (realpath) of every symlink the patch touched. An unappliable patch gives
+(False, git's message).
 """
 
 from __future__ import annotations

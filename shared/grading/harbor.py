@@ -1,15 +1,24 @@
-"""x
+"""Grading a Harbor task: apply the diff to a fresh copy of the task's workspace and run
+tests/test.sh in the sandbox.
+
+A COPY of the task's tests/ is mounted read-only at /tests (the diff cannot reach it: it is not in
+the workspace) and a fresh host directory read-write at /logs (with verifier/ in it); env
+WORKSPACE=/workspace, wall clock = task.verifier_timeout_s. A test.sh that did not finish (wall
+clock, a signal, exit >= 128) scores 0 whatever reward file exists (model code could write one and
+then kill test.sh). The reward is read by shared/grading/untrusted.py and clamped to 0..1. Known
+limit: model code run by test.sh can write /logs itself (e.g. a reward, then make test.sh's own
+write fail); Harbor's layout gives the verifier no place it cannot reach.
+
+    python -m pytest tests/unit/shared/grading -q
 """
 
 from __future__ import annotations
-
-from rollstream.shared.errors import SandboxError
 
 import time
 from pathlib import Path
 from typing import Any
 
-from rollstream.shared.errors import GradingError
+from rollstream.shared.errors import GradingError, SandboxError
 from rollstream.shared.grading.diffs import apply_diff
 from rollstream.shared.grading.outcome import GradeOutcome, make_outcome
 from rollstream.shared.grading.runs import (

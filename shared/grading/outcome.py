@@ -1,4 +1,7 @@
-"""x
+"""What a grading says (`GradeOutcome`): the score, the reason in words, per-test outcomes, the
+capped log, and whether it was the machinery that failed (`infrastructure_error`) rather than the
+diff. An infrastructure error says nothing about the model's work: callers retry it and never
+turn it into a reward.
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""x
+"""Running a task's command in the sandbox for the grader, and telling the sandbox's failures apart
+from the command's.
+
+The command is wrapped to print a marker line before anything the task or model controls runs; a
+failed run without the marker (or a backend exception) is an infrastructure error (callers retry
+those), never a test failure, and vice versa. Also: the grading limits (the task's verifier
+timeout as the wall clock), staging trusted task files next to the workspace, the task image for
+backends that build one, and `store_log` (an atomic write of a grading log to storage).
 """
 
 from __future__ import annotations

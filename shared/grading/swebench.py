@@ -1,9 +1,17 @@
-"""x
+"""Grading a SWE-bench row: apply the model's diff, restore the test files, run the listed tests.
+
+After the model diff, every file the test_patch touches (and pytest/site hooks a diff could use to
+fake outcomes: conftest.py, pytest.ini, sitecustomize.py, usercustomize.py, *.pth, wherever the
+diff touched them) is reset to the snapshot's version (removed if it had none), and the test_patch
+is applied on top. Then `test_command` + FAIL_TO_PASS + PASS_TO_PASS ids; pytest -rA summary lines
+(PASSED/FAILED/ERROR/SKIPPED/XFAIL/XPASS) fill `tests` (XFAIL/XPASS count as passed, as in the
+SWE-bench harness; an id not in the output is "error"). Score: 1 when every F2P and P2P id passed,
+else 0; with the task flag `partial_credit` (attribute, or metadata["partial_credit"]) the score is
+the fraction of F2P passing provided all P2P pass (0 otherwise). Known limit: a diff can still
+change non-test code the tests import to special-case them; that is what the tests are for.
 """
 
 from __future__ import annotations
-
-from rollstream.shared.errors import SandboxError
 
 import json
 import os
@@ -13,7 +21,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from rollstream.shared.errors import GradingError
+from rollstream.shared.errors import GradingError, SandboxError
 from rollstream.shared.grading.diffs import (
     apply_diff,
     bad_path,

@@ -1,4 +1,11 @@
-"""x
+"""Reading what code under test wrote: the verifier's reward files.
+
+Everything below the logs directory was writable by model code, so files are read without
+following symlinks (O_NOFOLLOW at every level), only when regular (a FIFO cannot block the
+grader), and size capped (`read_untrusted_file`). The reward is /logs/verifier/reward.txt (a
+number) or reward.json ({"reward": x}, or per-test outcomes {"tests": {id: "passed"|...|bool}} ->
+fraction passed); both present is refused as ambiguous; missing or garbled gives no score, with
+the reason.
 """
 
 from __future__ import annotations

@@ -1,16 +1,19 @@
-"""x
+"""Checking tasks before training on them: `rollstream validate TASKS`.
+
+`grade(task, diff, backend)` picks Harbor or SWE-bench grading by the task's kind.
+`reference_diff(task, backend)` is the task's reference solution as a diff (Harbor: solution/solve.sh
+run in the sandbox on a fresh workspace without the tests, then the workspace's diff; SWE: the gold
+patch). `validate_tasks(tasks, backend)`: the reference must grade 1 and an empty diff 0.
 """
 
 from __future__ import annotations
-
-from rollstream.shared.errors import SandboxError
 
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollstream.shared.errors import GradingError
+from rollstream.shared.errors import GradingError, SandboxError
 from rollstream.shared.grading.harbor import grade_harbor
 from rollstream.shared.grading.outcome import GradeOutcome, cap_text
 from rollstream.shared.grading.runs import (

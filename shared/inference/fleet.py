@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
 from rollstream.shared.errors import (
     FleetRequestError,
     FleetUnavailable,

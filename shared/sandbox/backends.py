@@ -1,4 +1,11 @@
-"""x
+"""Pick a sandbox backend by name: the one switch the grader and the coding tools go through.
+
+    from rollstream.shared.sandbox.backends import get_backend
+    backend = get_backend("bubblewrap")     # or "docker"; "unsafe-local" needs allow_unsafe=True
+    result = backend.run("pytest -q", workspace, limits=SandboxLimits(wall_time_s=60))
+
+"unsafe-local" runs model-written code on the host with no isolation; it must be asked for by its
+exact name and with allow_unsafe=True, so a typo never selects it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,49 @@
-"""x
+"""Run a shell command on a workspace directory inside a bubblewrap sandbox (`run_in_sandbox`), and
+the grader's backend over it (`BubblewrapBackend`).
+
+The command was written by a model under training, so it is treated as hostile. It runs as
+`/bin/sh -c COMMAND` under `bwrap` and sees only:
+
+* read-only system directories, enough for `sh` and Debian's /usr/bin/python3: /usr, the
+  /bin, /sbin, /lib, /lib64 links (or binds where the host has real directories),
+  /etc/alternatives and a few /etc files, plus a made-up /etc/passwd, /etc/group and /etc/hosts;
+  the host's /, /root, /home, /work and every other path are not there at all;
+* a fresh /proc and /dev, and size-capped tmpfs mounts at /tmp and /dev/shm;
+* the workspace, read-write at /workspace, which is also its working directory;
+* what the caller adds with `extra_binds`: (host path, sandbox path, read_only) triples, e.g. a
+  task's tests read-only at /tests and a log directory read-write at /logs. Sandbox paths are
+  absolute, without `..`, and may not be or lie under a system path (/usr, /proc, /etc, ...) or
+  /workspace. When we are root, a read-write bind is chowned to the sandbox uid for the run and
+  back afterwards like the workspace (shared/sandbox/host_uids.py); a read-only one must be
+  readable by others (o+r, parents o+x).
+
+It gets its own user, pid, network (only a loopback: no network), ipc, uts and cgroup
+namespaces, a clean environment (PATH, HOME=/workspace, LANG, plus what the caller passes), no
+capabilities, no way to make further user namespaces, and the root of its file system is
+remounted read-only (only /workspace, /tmp and /dev/shm are writable).
+
+Limits. The wall clock kills the whole sandbox: SIGKILL to the sandbox's pid 1 (the kernel then
+kills every process in its pid namespace) and to bwrap's process group (bwrap runs with
+--die-with-parent, so that alone would do too); a last sweep kills anything still running as the
+sandbox's host uid, so nothing outlives the call. rlimits are set on bwrap in
+`preexec_fn` and inherited by the command: CPU time, address space, file size, open files and
+processes. stdout and stderr are read concurrently; each keeps at most `max_output_bytes` and the
+rest is read and thrown away, so the child never blocks and the host never buffers it. When we are
+root, bwrap runs as a fresh unprivileged host uid, so RLIMIT_NPROC holds (see host_uids.py).
+
+Not bounded here: total memory across processes (RLIMIT_AS is per process; memfd/SysV shm pages
+are not in it), disk use in the workspace (RLIMIT_FSIZE is per file) and the number of files. A
+memory and pids cgroup around bwrap is the next layer where the host lets us create one.
+
+`BubblewrapBackend` adapts it to the backend protocol (shared/sandbox/base.py): mounts become
+binds, `image` is ignored (the host's /usr is the environment), and with python_tools (the default)
+pytest is importable in the sandbox (shared/sandbox/python_tools.py).
+
+    from rollstream.shared.sandbox.bubblewrap import run_in_sandbox
+    result = run_in_sandbox("python3 check.py", Path(workspace), SandboxLimits(wall_time_s=5))
+    print(result.exit_code, result.reason, result.stdout)
+
+    python -m pytest tests/unit/shared/sandbox -q   (needs `bwrap`: apt-get install bubblewrap)
 """
 
 from __future__ import annotations

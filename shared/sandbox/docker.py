@@ -1,4 +1,13 @@
-"""x
+"""The docker sandbox backend: one hardened container per run, through the docker SDK.
+
+Each run: network "none", read-only root, all capabilities dropped, no-new-privileges, memory =
+memory+swap limit, CPU quota, pids limit, user 65534:65534, a noexec size-capped tmpfs at /tmp,
+capped logs, the workspace bind-mounted read-write at /workspace; waited on with the wall clock,
+killed after it, always removed. A Harbor task's environment/ directory is built into
+`rollstream-task:<content hash>` once (skipped when that tag exists). `BackendUnavailable` when no
+engine is reachable.
+
+    python -m pytest tests/unit/shared/sandbox/test_docker_backend.py -q
 """
 
 from __future__ import annotations

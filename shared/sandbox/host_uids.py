@@ -1,4 +1,16 @@
-"""x
+"""The sandbox's host uid when we are root, and handing a tree to it and back.
+
+The kernel never enforces RLIMIT_NPROC for processes whose host uid is 0, and `bwrap --unshare-user
+--uid N` run by root still runs the command as host uid 0 (the uid is only renamed inside the
+namespace). So when we are root, bwrap itself is started as a fresh unprivileged host uid (one per
+concurrent run, never a real user: `sandbox_host_uid`), and RLIMIT_NPROC then holds for everything
+in the sandbox. That uid must be able to write the workspace, so the tree is chowned to it for the
+run (`lent_to`; files with several hard links are left alone) and chowned back afterwards
+(set-uid/set-gid bits the command set are cleared). The workspace's parent directories must be
+searchable by other users (`check_reachable`: a directory made by `tempfile` under /tmp is fine;
+pytest's `tmp_path` is not). After a run, anything still running as that uid is killed
+(`kill_leftovers`). When we are not root, bwrap runs as the caller and nothing here is used but
+`count_tasks` (RLIMIT_NPROC then counts the caller's own processes too).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""x
+"""The unsafe-local backend: a plain subprocess on the host, NO isolation, for debugging only.
+
+`get_backend` (shared/sandbox/backends.py) refuses it unless the name is exactly "unsafe-local" and
+allow_unsafe=True. It cannot provide mounts (no /tests, /logs), so it runs commands, not Harbor
+grading.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""x
+"""Prompt datasets: Parquet or JSONL files with a `prompt` column, a directory of Harbor tasks, a
+file of SWE-bench rows, or the synthetic arithmetic task. The dispatcher reads them; the local run
+checks them before it starts anything.
+
+    python -m pytest tests/unit/shared/tasks -q
 """
 
 from __future__ import annotations
@@ -8,19 +12,18 @@ import random
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from rollstream.shared.errors import DatasetError
+
+from rollstream.shared.errors import DatasetError, TaskError
+from rollstream.shared.tasks.harbor import load_harbor_tasks
+from rollstream.shared.tasks.prompts import task_prompt_row
 from rollstream.shared.tasks.rows import PromptRow, parse_row
+from rollstream.shared.tasks.swebench import is_swebench_record, load_swebench_rows
 
 
 def load_dataset(path: Path) -> list[PromptRow]:
     if not path.exists():
         raise DatasetError(f"{path}: no such dataset file")
     # coding tasks (shared/tasks/): a directory of Harbor tasks, or a file of SWE-bench rows
-    from rollstream.shared.errors import TaskError
-    from rollstream.shared.tasks.harbor import load_harbor_tasks
-    from rollstream.shared.tasks.prompts import task_prompt_row
-    from rollstream.shared.tasks.swebench import is_swebench_record, load_swebench_rows
-
     if path.is_dir():
         try:
             return [task_prompt_row(task) for task in load_harbor_tasks(path)]

@@ -1,4 +1,48 @@
-"""x
+"""Harbor task directories: loading and checking them.
+
+Harbor tasks (the format of Harbor, terminal-bench's successor): one directory per task,
+
+    fix-add/
+        task.toml            configuration: [verifier] timeout_sec, [agent] timeout_sec, ...
+        instruction.md       the agent's instruction (markdown, non-empty)
+        environment/
+            Dockerfile       the task's container (kept for the docker backend)
+            workspace/       optional: the task's starting files (our convention, see below)
+        tests/
+            test.sh          the verifier: writes /logs/verifier/reward.txt (a number) or
+                             reward.json ({"reward": ...}); it may give partial credit
+            ...              anything test.sh needs (hidden from the agent)
+        solution/
+            solve.sh         optional reference solution
+
+task.toml, for example (unknown sections and fields are kept in `config` and ignored; the fields
+read here must have the right types):
+
+    version = "1.0"                  # or schema_version = "1.1" with a [task] table
+    [metadata]
+    difficulty = "easy"
+    [verifier]
+    timeout_sec = 60.0               # positive number; default 120
+    [agent]
+    timeout_sec = 300.0              # positive number; default 600
+    [environment]
+    build_timeout_sec = 300.0
+    cpus = 1
+    memory_mb = 1024
+
+Workspace convention: on machines without Docker the Dockerfile cannot be built, so a task's
+starting files live in `environment/workspace/` (the Dockerfile COPYs them into its WORKDIR, e.g.
+`COPY workspace/ /app/`, so both backends start from the same files). A copy of that directory is
+the agent's repository and, with the agent's diff applied, the grader's workspace; a task without
+it starts from an empty workspace. tests/test.sh runs with the workspace as its current directory
+(/app in Docker), so it should read the workspace from the current directory (or from $WORKSPACE
+when the grader sets it).
+
+Every problem raises `TaskError` naming the file and the field (and the row, for SWE-bench), e.g.
+"tasks/fix-bug/task.toml: [verifier] timeout_sec must be a positive number, got 'abc'".
+The example tasks in tests/fixtures/tasks/ show both formats:
+
+    python -m pytest tests/unit/shared/tasks -q
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""x
+"""Coding tasks as prompt rows: the instruction (or problem statement), a note on the tools, the
+coding tools, the workspace in metadata, and what the sandbox-grader needs to grade the diff.
 """
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollstream.shared.tasks.harbor import HarborTask
+from rollstream.shared.tasks.rows import CODING_TOOLS, PromptRow
 from rollstream.shared.tasks.swebench import SweTask
 
 TOOLS_NOTE = (
@@ -19,8 +21,6 @@ TOOLS_NOTE = (
 def task_prompt_row(task: HarborTask | SweTask):
     """The prompt row for one task: the instruction (or problem statement) and a note on the
     tools, the coding tools, the workspace in metadata and what the grader needs to grade it."""
-    from rollstream.shared.agent.environments.coding import CODING_TOOLS
-    from rollstream.shared.tasks.rows import PromptRow
 
     if isinstance(task, HarborTask):
         text = task.instruction.strip()

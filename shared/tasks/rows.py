@@ -1,4 +1,10 @@
-"""x
+"""A prompt row: one line of a dataset, as the dispatcher issues it.
+
+A row: `prompt` (a string, or a list of chat messages), optional `label` (reference answer),
+`reward_fn` (built-in reward name), `sandbox_check` (shell command that grades in a sandbox),
+`agent` and `tools` (the agent loop and tools it asks for), `metadata` (a map). A row without a
+usable prompt is rejected with an error naming the row. `CODING_TOOLS` are the tool names coding
+tasks ask for (registered by shared/agent/environments/coding.py).
 """
 
 from __future__ import annotations
@@ -8,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollstream.shared.errors import DatasetError
+
+CODING_TOOLS = ("read_file", "write_file", "edit_file", "list_files", "run_shell", "run_tests")
+"""The tools a coding task asks for; shared/agent/environments/coding.py registers them."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,28 @@
-"""x
+"""SWE-bench rows: loading and checking them.
+
+SWE-bench rows (JSONL, one object a line, or Parquet), with the fields of the SWE-bench datasets:
+`instance_id`, `repo`, `base_commit`, `problem_statement`, `patch` (the reference fix),
+`test_patch` (adds the tests), `FAIL_TO_PASS` and `PASS_TO_PASS` (lists of test ids, or those lists
+JSON-encoded as strings, as the published datasets store them), plus our own:
+
+    repo_dir       a local snapshot of `repo` at `base_commit` (relative paths are resolved against
+                   the dataset file's directory); without it, `repos/<instance_id>/` beside the
+                   dataset file is used if it exists
+    test_command   optional; default "python -m pytest -rA -p no:cacheprovider"
+
+Example:
+
+    {"instance_id": "rollstream__tinystats-1", "repo": "rollstream/tinystats",
+     "base_commit": "4f1c...", "problem_statement": "median() is wrong for ...",
+     "patch": "diff --git a/tinystats/core.py ...", "test_patch": "diff --git a/tests/test_core.py ...",
+     "FAIL_TO_PASS": "[\\"tests/test_core.py::test_median_even\\"]",
+     "PASS_TO_PASS": "[\\"tests/test_core.py::test_mean\\"]", "repo_dir": "repos/tiny-repo"}
+
+Every problem raises `TaskError` naming the file and the field (and the row, for SWE-bench), e.g.
+"tasks/fix-bug/task.toml: [verifier] timeout_sec must be a positive number, got 'abc'".
+The example tasks in tests/fixtures/tasks/ show both formats:
+
+    python -m pytest tests/unit/shared/tasks -q
 """
 
 from __future__ import annotations

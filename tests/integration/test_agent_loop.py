@@ -11,13 +11,13 @@ import asyncio
 
 import pytest
 
+from rollstream.cli.model.tiny_model import build_tiny_model
+from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.shared.agent.environments.calculator import calculator
 from rollstream.shared.agent.loop import AgentContext, Limits, Task, TokenTrajectory, tool_agent
 from rollstream.shared.agent.tool_calls import ParsedTurn
 from rollstream.shared.agent.tools import Episode, ToolCall, ToolSet, tool
 from rollstream.shared.inference.fleet import FleetClient
-from rollstream.cli.model.tiny_model import build_tiny_model
-from rollstream.cli.vllm_server import VllmServer, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ from rollstream.cli.local_run import LocalRun
 from rollstream.shared.contract.archive import read_history
 from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import consumer_name
-from rollstream.shared.runtime.config import Settings
 from rollstream.shared.contract.events import PolicyUpdated, PromptIssued
+from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ import pytest
 
 from rollstream.cli.local_run import LocalRun
 from rollstream.shared.contract.archive import read_history
-from rollstream.shared.runtime.config import Settings
 from rollstream.shared.contract.events import PolicyUpdated, PromptIssued, RewardAssigned
+from rollstream.shared.runtime.config import Settings
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,20 @@ import pytest
 import torch
 
 from rollstream.cli.local_run import LocalRun
-from rollstream.shared.contract.batches import read_batch
-from rollstream.shared.runtime.config import Settings
 from rollstream.shared.contract.archive import ArchiveReader, read_history
+from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import Bus
-from rollstream.shared.contract.events import (BatchReady, DeadLettered, GradeReported, PolicyUpdated, PromptIssued, RewardAssigned, TrajectoryFinished, TrajectoryTurn)
+from rollstream.shared.contract.events import (
+    BatchReady,
+    DeadLettered,
+    GradeReported,
+    PolicyUpdated,
+    PromptIssued,
+    RewardAssigned,
+    TrajectoryFinished,
+    TrajectoryTurn,
+)
+from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 
 pytestmark = pytest.mark.integration

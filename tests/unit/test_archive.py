@@ -4,7 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.shared.contract.archive import (ArchiveError, ArchiveReader, ArchiveWriter, archived_id, list_runs, trim_safe_id, trim_stream)
+from rollstream.shared.contract.archive import (
+    ArchiveError,
+    ArchiveReader,
+    ArchiveWriter,
+    archived_id,
+    list_runs,
+    trim_safe_id,
+    trim_stream,
+)
 from rollstream.shared.contract.bus import STREAMS
 from rollstream.shared.contract.events import PromptIssued, RewardAssigned, TrajectoryTurn, decode, encode
 from rollstream.shared.runtime.storage import Storage

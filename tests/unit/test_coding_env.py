@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from rollstream.shared.agent.environments import coding
-from rollstream.shared.agent.environments.coding import CODING_TOOLS, CodingTaskError
-from rollstream.shared.agent.tools import Episode, ToolError, ToolSet, ToolCall, resolve_tools
+from rollstream.shared.agent.tools import Episode, ToolCall, ToolError, ToolSet, resolve_tools
+from rollstream.shared.errors import CodingTaskError
+from rollstream.shared.tasks.rows import CODING_TOOLS
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")

@@ -42,7 +42,10 @@ def test_every_project_command_in_compose_exists():
 
 def test_redis_persists_and_services_wait_for_it():
     services = compose()
-    assert "--appendonly" in services["redis"]["command"]
+    config_path = services["redis"]["command"][-1]
+    mounted = {volume.split(":")[1]: volume.split(":")[0] for volume in services["redis"]["volumes"]}
+    redis_conf = (ROOT / mounted[config_path]).read_text()
+    assert "appendonly yes" in redis_conf.splitlines() and "maxmemory-policy noeviction" in redis_conf.splitlines()
     for name in SERVICES:
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
         assert services[name]["environment"]["RS_REDIS_URL"].startswith("redis://redis:")

@@ -6,9 +6,6 @@ real-container test that is skipped when no Docker engine is reachable.
 
 from __future__ import annotations
 
-from rollstream.shared.sandbox.docker import directory_hash
-
-
 import os
 import shutil
 import tempfile
@@ -21,11 +18,10 @@ import requests
 from docker.errors import DockerException, ImageNotFound
 from docker.types import LogConfig, Ulimit
 
-
 from rollstream.shared.errors import BackendUnavailable
-from rollstream.shared.sandbox.docker import DockerBackend
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
+from rollstream.shared.sandbox.docker import DockerBackend, directory_hash
 
 LIMITS = SandboxLimits(wall_time_s=7, cpu_time_s=7, memory_mb=256, max_processes=32,
                        max_file_size_mb=16, max_open_files=128, max_output_bytes=1000,

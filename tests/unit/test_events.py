@@ -1,7 +1,15 @@
 import msgspec
 import pytest
 
-from rollstream.shared.contract.events import (EVENT_TYPES, EventDecodeError, PromptIssued, TrajectorySegment, decode, encode, make_envelope)
+from rollstream.shared.contract.events import (
+    EVENT_TYPES,
+    EventDecodeError,
+    PromptIssued,
+    TrajectorySegment,
+    decode,
+    encode,
+    make_envelope,
+)
 
 
 def segment(**overrides):

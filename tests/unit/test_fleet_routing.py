@@ -12,7 +12,13 @@ import time
 import httpx
 import pytest
 
-from rollstream.shared.inference.fleet import (Completion, FleetClient, FleetRequestError, FleetUnavailable, WeightSyncError)
+from rollstream.shared.inference.fleet import (
+    Completion,
+    FleetClient,
+    FleetRequestError,
+    FleetUnavailable,
+    WeightSyncError,
+)
 
 URLS = [f"http://vllm-{i}:8000" for i in range(4)]
 

@@ -5,11 +5,6 @@
 
 from __future__ import annotations
 
-from rollstream.shared.grading.swebench import _test_outcomes
-from rollstream.shared.grading.untrusted import _reward_from_json
-from rollstream.shared.sandbox.base import SandboxLimits
-
-
 import json
 import os
 import shutil
@@ -17,17 +12,18 @@ from pathlib import Path
 
 import pytest
 
-
+from rollstream.shared.grading.diffs import apply_diff
+from rollstream.shared.grading.harbor import grade_harbor
+from rollstream.shared.grading.runs import store_log
+from rollstream.shared.grading.swebench import _test_outcomes, grade_swebench
+from rollstream.shared.grading.untrusted import _reward_from_json
+from rollstream.shared.grading.validation import reference_diff, validate_tasks
+from rollstream.shared.runtime.storage import Storage
+from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.sandbox.bubblewrap import BubblewrapBackend
 from rollstream.shared.sandbox.unsafe_local import UnsafeLocalBackend
-from rollstream.shared.grading.diffs import apply_diff
-from rollstream.shared.sandbox.backends import get_backend
-from rollstream.shared.grading.harbor import grade_harbor
-from rollstream.shared.grading.swebench import grade_swebench
 from rollstream.shared.sandbox.workspace import prepare_workspace
-from rollstream.shared.grading.validation import reference_diff, validate_tasks
-from rollstream.shared.grading.runs import store_log
-from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.swebench import load_swebench_rows
 

@@ -8,10 +8,6 @@ Network tests only ever use this machine's loopback (127.0.0.1).
 
 from __future__ import annotations
 
-from rollstream.shared.sandbox import host_uids
-from rollstream.shared.errors import GradingError
-
-
 import os
 import shutil
 import socket
@@ -23,13 +19,14 @@ from pathlib import Path
 
 import pytest
 
-
-from rollstream.shared.grading.outcome import MAX_LOG_CHARS
-from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.errors import GradingError
 from rollstream.shared.grading.harbor import grade_harbor
-from rollstream.shared.sandbox.workspace import prepare_workspace
+from rollstream.shared.grading.outcome import MAX_LOG_CHARS
 from rollstream.shared.grading.validation import reference_diff
+from rollstream.shared.sandbox import host_uids
+from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
+from rollstream.shared.sandbox.workspace import prepare_workspace
 from rollstream.shared.tasks.harbor import HarborTask
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,

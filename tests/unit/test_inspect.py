@@ -18,11 +18,28 @@ from rollstream.cli.inspect.app import inspect_app
 from rollstream.cli.inspect.connections import open_run
 from rollstream.cli.inspect.diff import diff_runs, render_diff
 from rollstream.cli.inspect.runs import collect_runs, collect_streams, runs_table
-from rollstream.cli.inspect.trajectory import load_decoder, load_rollout, render_rollout, rollout_document, tokens_text
+from rollstream.cli.inspect.trajectory import (
+    load_decoder,
+    load_rollout,
+    render_rollout,
+    rollout_document,
+    tokens_text,
+)
 from rollstream.shared.contract.archive import ArchiveWriter, trim_stream
 from rollstream.shared.contract.batches import BatchRow, write_batch
 from rollstream.shared.contract.bus import STREAMS, Bus
-from rollstream.shared.contract.events import (BatchReady, GradeReported, PolicyUpdated, PromptIssued, RewardAssigned, TrajectoryFinished, TrajectorySegment, TrajectoryStarted, TrajectoryTool, TrajectoryTurn)
+from rollstream.shared.contract.events import (
+    BatchReady,
+    GradeReported,
+    PolicyUpdated,
+    PromptIssued,
+    RewardAssigned,
+    TrajectoryFinished,
+    TrajectorySegment,
+    TrajectoryStarted,
+    TrajectoryTool,
+    TrajectoryTurn,
+)
 from rollstream.shared.runtime.storage import Storage
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"

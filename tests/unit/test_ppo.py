@@ -9,7 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollstream.services.trainer.ppo import (MicroBatch, make_micro_batches, merge_stats, policy_loss, sequence_logprobs, split_minibatches, token_logprobs)
+from rollstream.services.trainer.ppo import (
+    MicroBatch,
+    make_micro_batches,
+    merge_stats,
+    policy_loss,
+    sequence_logprobs,
+    split_minibatches,
+    token_logprobs,
+)
 from rollstream.shared.contract.batches import BatchRow
 
 VOCAB = 11

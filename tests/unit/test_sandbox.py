@@ -7,7 +7,6 @@ Network tests only ever use this machine's loopback.
 
 from __future__ import annotations
 
-
 import os
 import resource
 import shutil
@@ -23,10 +22,9 @@ from pathlib import Path
 
 import pytest
 
-
+from rollstream.shared.errors import SandboxUnavailable, WorkspaceError
 from rollstream.shared.sandbox import bubblewrap, host_uids
 from rollstream.shared.sandbox.base import SandboxLimits
-from rollstream.shared.errors import SandboxUnavailable, WorkspaceError
 from rollstream.shared.sandbox.bubblewrap import run_in_sandbox
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,

@@ -324,9 +324,9 @@ def test_heavy_tail_lengths_are_seeded_per_sample_with_a_long_tail():
 
 
 def test_heavy_tail_agent_makes_token_exact_segments_through_the_fleet(fleet):
+    from heavy_tail_agent import TailParams, episode_turns, heavy_tail_agent
     from transformers import AutoTokenizer
 
-    from heavy_tail_agent import TailParams, episode_turns, heavy_tail_agent
     from rollstream.shared.agent.loop import AgentContext, Limits, Task
     from rollstream.shared.agent.tool_calls import get_format
     from rollstream.shared.agent.tools import Episode, ToolSet

@@ -9,13 +9,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollstream.shared.agent.environments.coding import CODING_TOOLS
-from rollstream.shared.errors import DatasetError
+from rollstream.shared.errors import DatasetError, TaskError
 from rollstream.shared.tasks.datasets import load_dataset
-from rollstream.shared.tasks.swebench import DEFAULT_SWE_TEST_COMMAND, SweTask, load_swebench_rows
 from rollstream.shared.tasks.harbor import HarborTask, load_harbor_task, load_harbor_tasks
-from rollstream.shared.errors import TaskError
 from rollstream.shared.tasks.prompts import task_prompt_row
+from rollstream.shared.tasks.rows import CODING_TOOLS
+from rollstream.shared.tasks.swebench import DEFAULT_SWE_TEST_COMMAND, SweTask, load_swebench_rows
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tasks"
 HARBOR = FIXTURES / "harbor"

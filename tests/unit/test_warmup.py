@@ -8,10 +8,20 @@ import json
 
 import pytest
 
+from rollstream.cli.model.tiny_model import build_tiny_model
+from rollstream.cli.model.warmup import (
+    ANSWER_STYLES,
+    LocalFleet,
+    calculator_schemas,
+    evaluate,
+    exact_match,
+    gold_episode,
+    gold_messages,
+    supervised_loss,
+    warmup,
+)
 from rollstream.shared.agent.loop import TokenTrajectory
 from rollstream.shared.runtime.config import Settings
-from rollstream.cli.model.tiny_model import build_tiny_model
-from rollstream.cli.model.warmup import (ANSWER_STYLES, LocalFleet, calculator_schemas, evaluate, exact_match, gold_episode, gold_messages, supervised_loss, warmup)
 
 CASES = [(0, 0, 0), (7, 3, 1), (12, 7, 2), (50, 50, 3), (9, 41, 0), (33, 42, 1)]
 

@@ -12,38 +12,23 @@ metadata:
                   "env": {"PYTHONPATH": "/workspace/src"},      # sandbox environment (optional)
                   "sandbox_backend": "bubblewrap"}}            # or "docker", as the grader (optional)
 
-(`CODING_TOOLS` is that list of tool names; a row may name only some of them.)
+(`CODING_TOOLS` in shared/tasks/rows.py is that list of tool names; a row may name only some of
+them.)
 
 One `Workspace` per episode, shared by all coding tools through `episode.state["workspace"]`: the
-first tool's `create()` makes it, the others find it there. It is a fresh
-`tempfile.mkdtemp(prefix="rs-ws-")` directory holding
+first tool's `create()` makes it, the others find it there. It is the project's one hardened git
+workspace (shared/sandbox/workspace.py: our git directory outside the model-written tree, a clean
+git environment, snapshots that nothing in the tree can hide from), in a fresh `rs-ws-{pid}-*`
+temporary directory, holding
 
     repo/   the task repository (a copy of metadata["repo"], with metadata["files"] written over
             it); the model's tools work here, and it is /workspace inside the sandbox
     git/    a git directory of our own, outside repo/ and never visible to the sandbox
     diff    the episode's diff, written at release
 
-The source directory is only ever read. The git directory lives outside the work tree because the
-work tree is model-written: a `.git/config` in it (the task's own, copied with the repository, or
-one the model made with run_shell) could name commands for git to run on the host
-(core.fsmonitor, filters, diff drivers). Our git directory's configuration is ours; git runs on
-the host with hooks off (`core.hooksPath=/dev/null`), a clean environment (no system or global
-config), no external diff or textconv, and `$GIT_DIR/info/attributes` overriding the work tree's
-.gitattributes (no filters, no end-of-line conversion). The task repository's own `.git`, if it
-had one, is copied along so the model can read its history inside the sandbox, but it plays no part
-in the diff.
-
-Snapshots, the baseline at creation and the final one at release, are built the same way: a walk
-of repo/ (never following symlinks) lists every regular file and symlink, and `git update-index`
-records exactly those in a fresh index. So .gitignore rules, nested repositories and ignored files
-cannot hide anything. Left out, always and in both snapshots: `.git` entries at any depth
-(repository metadata), Python caches (`__pycache__` directories, `*.pyc`/`*.pyo`,
-`.pytest_cache`; see `rollstream.shared.grading.SNAPSHOT_EXCLUDED_NAMES`), special files (FIFOs, sockets), names git
-refuses to record (a symlink named .gitmodules, a `.GIT` directory) and empty directories (git
-records files only). Left-out entries are counted and logged at release, never
-dropped without a word. The diff is `git diff --cached --binary --no-renames <baseline>`: text
-and binary changes, new and deleted files, mode changes and symlinks, as a patch that
-`git apply` applies to a fresh copy of the source. It is stored at
+The source directory is only ever read. At release the diff against the baseline (text and binary
+changes, new and deleted files, mode changes and symlinks, as a patch that `git apply` applies to a
+fresh copy of the source; what the snapshot left out is counted and logged) is stored at
 `{run_id}/artifacts/{episode_id}.diff` in `Storage(episode.storage_uri)` and its path set as
 `episode.artifacts["diff"]` (with no storage_uri it is not stored), then the workspace is
 deleted. Release is idempotent: the first tool to get there does it; the others, and any later
@@ -52,12 +37,12 @@ call, find it done.
 Host-side file tools (read_file, write_file, edit_file, list_files) take relative paths only and
 refuse `..`, absolute paths, and symlinks that resolve outside repo/; they only open regular files
 (a FIFO the model made cannot block the host) and cap what they read and write. run_shell and
-run_tests run in the bubblewrap sandbox (shared/sandbox/bubblewrap.py) with repo/ bound at /workspace: no
-network, rlimits from metadata["limits"] over the defaults here (30 s wall clock). Calls on one
+run_tests run in the task's sandbox backend (bubblewrap by default, shared/sandbox/) with repo/
+bound at /workspace: no network, rlimits from metadata["limits"] over the defaults here (30 s wall clock). Calls on one
 workspace are serialized by a thread lock (the sandbox chowns the tree for a run), so a file tool
 never races a shell command, nor release a call still running after its coroutine was cancelled.
 
-    python -m pytest tests/unit/test_coding_env.py -q
+    python -m pytest tests/unit/shared/agent/test_coding_env.py -q
 """
 
 from __future__ import annotations
@@ -83,7 +68,6 @@ from rollstream.shared.sandbox.workspace import GitWorkspace
 
 log = logging.getLogger(__name__)
 
-CODING_TOOLS = ("read_file", "write_file", "edit_file", "list_files", "run_shell", "run_tests")
 
 DEFAULT_LIMITS = SandboxLimits(wall_time_s=30, cpu_time_s=30)
 """Sandbox limits for run_shell and run_tests; metadata["limits"] overrides fields of it."""
