@@ -3,7 +3,7 @@ what the dispatcher does next under it (admit a group, wait for a new policy ver
 inputs read from Redis (filtered samples, the policy version), and admit_group, which publishes a
 group's samples and advances the admitted counter in one transaction. main.py runs the loop around it.
 
-Tests: tests/unit/test_staleness_gate.py (against the local Redis).
+Tests: tests/unit/services/dispatcher/test_staleness_gate.py (against the local Redis).
 """
 
 from __future__ import annotations

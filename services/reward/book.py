@@ -7,7 +7,7 @@ and grades are in; seal and release keep reward.batch_order "finished" (complete
 the order their last rollout finished); flush_batches writes every full batch. Every step is idempotent, so a
 redelivery or a restart changes nothing (see main.py for the rules).
 
-Tests: tests/unit/test_reward_book.py, tests/unit/test_staleness_gate.py (filtered groups and the
+Tests: tests/unit/services/reward/test_reward_book.py, tests/unit/services/dispatcher/test_staleness_gate.py (filtered groups and the
 dispatcher's gate) against the local Redis.
 """
 

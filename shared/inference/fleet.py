@@ -20,7 +20,7 @@ Response fields used (vLLM 0.32, /v1/completions with `return_token_ids`, `logpr
     choices[0].prompt_logprobs            [null, {"<id>": {"logprob": float, "rank": int,
                                                           "decoded_token": str}}, ...]
 Library module, not run directly; `tests/integration/test_vllm_fleet.py` exercises it on a real server:
-    python -m pytest tests/unit/test_fleet_routing.py tests/integration/test_vllm_fleet.py -q
+    python -m pytest tests/unit/shared/inference/test_fleet_routing.py tests/integration/test_vllm_fleet.py -q
 """
 
 from __future__ import annotations

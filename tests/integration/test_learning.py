@@ -18,6 +18,7 @@ from rollstream.cli.local_run import LocalRun
 from rollstream.shared.contract.archive import read_history
 from rollstream.shared.contract.events import PolicyUpdated, PromptIssued, RewardAssigned
 from rollstream.shared.runtime.config import Settings
+from tests.support import MODELS
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +34,7 @@ def welch_z(early: list[float], late: list[float]) -> float:
 @pytest.fixture(scope="module")
 def warm_model(tmp_path_factory) -> Path:
     """The main job's warm start (`make setup` builds it), or the same made here."""
-    built = Path(__file__).resolve().parents[2] / "models" / "tiny-llama-warm"
+    built = MODELS / "tiny-llama-warm"
     if (built / "config.json").exists():
         return built
     from rollstream.cli.model.tiny_model import build_tiny_model

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 ROOTS = {"shared": "rollstream.shared", "services": "rollstream.services", "cli": "rollstream.cli"}
 OLD_TOP_LEVEL = ("shared", "services", "cli")
 

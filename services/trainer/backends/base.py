@@ -8,7 +8,7 @@ A training state directory holds everything needed to continue exactly where the
 the model weights (HF safetensors, loadable by vLLM and transformers), the optimizer state and the
 random-number state.
 
-Tests: tests/unit/test_trainer_backends.py.
+Tests: tests/unit/services/trainer/test_trainer_backends.py.
 """
 
 from __future__ import annotations

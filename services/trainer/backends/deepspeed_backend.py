@@ -16,7 +16,7 @@ from all ranks, so forwards too must be run by all ranks together.
 A saved directory holds the full model as HF safetensors (gathered from the partitions under ZeRO-3),
 DeepSpeed's own checkpoint of the partitioned optimizer state under `deepspeed/`, and the RNG state.
 
-Tests: tests/unit/test_trainer_backends.py, which runs tests/unit/deepspeed_step.py in processes of
+Tests: tests/unit/services/trainer/test_trainer_backends.py, which runs tests/unit/services/trainer/deepspeed_step.py in processes of
 their own (on the CPU, gloo) and compares their steps with the torch backend's.
 """
 

@@ -4,7 +4,7 @@ or training state directory.
 Both backend modules are cheap to import: deepspeed itself is imported only when a DeepSpeedBackend
 is made.
 
-Tests: tests/unit/test_trainer_backends.py; the trainer goes through it in
+Tests: tests/unit/services/trainer/test_trainer_backends.py; the trainer goes through it in
 tests/integration/test_trainer_restart.py.
 """
 

@@ -5,7 +5,7 @@ test_trainer_backends.py imports it for the torch backend and runs it as a scrip
 backend: DeepSpeed sets up process-global state (torch.distributed), so each DeepSpeed run gets
 processes of its own.
 
-    python tests/unit/deepspeed_step.py '{"task": "train" | "resume" | "ranks", ...}'   (see main())
+    python tests/unit/services/trainer/deepspeed_step.py '{"task": "train" | "resume" | "ranks", ...}'   (see main())
 
 writes its results as JSON to the path given as "result" ("{rank}" in it becomes the process's rank).
 """
@@ -19,10 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from rollstream.services.trainer.ppo import make_micro_batches, policy_loss, sequence_logprobs, token_logprobs  # noqa: E402
 from rollstream.shared.contract.batches import BatchRow  # noqa: E402

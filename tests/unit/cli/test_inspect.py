@@ -8,7 +8,6 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -41,8 +40,9 @@ from rollstream.shared.contract.events import (
     TrajectoryTurn,
 )
 from rollstream.shared.runtime.storage import Storage
+from tests.support import MODELS
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
+MODEL = MODELS / "tiny-llama"
 SERVER = "http://127.0.0.1:8000"
 QUESTION = "What is 40+2?"
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "40+2"}}</tool_call>'

@@ -1,7 +1,7 @@
 """rollstream.shared.agent.environments.coding against real bubblewrap and git: a coding episode on a small task repository,
 driven through the tools directly (create / execute / release with an Episode, no agent loop).
 
-    python -m pytest tests/unit/test_coding_env.py -q      (skipped where `bwrap` is not installed)
+    python -m pytest tests/unit/shared/agent/test_coding_env.py -q      (skipped where `bwrap` is not installed)
 
 Network tests only ever use this machine's loopback.
 """

@@ -4,6 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from rollstream.shared.runtime.config import Settings, reference_markdown
+from tests.support import REPO
 
 
 def test_environment_overrides_nested_sections(monkeypatch):
@@ -50,7 +51,6 @@ def test_reference_lists_every_field_with_its_doc():
 
 
 def test_readme_configuration_reference_is_current():
-    from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     assert reference_markdown() in readme, "regenerate it: rollstream config --markdown"

@@ -15,8 +15,8 @@ from rollstream.shared.tasks.harbor import HarborTask, load_harbor_task, load_ha
 from rollstream.shared.tasks.prompts import task_prompt_row
 from rollstream.shared.tasks.rows import CODING_TOOLS
 from rollstream.shared.tasks.swebench import DEFAULT_SWE_TEST_COMMAND, SweTask, load_swebench_rows
+from tests.support import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tasks"
 HARBOR = FIXTURES / "harbor"
 SWE_ROWS = FIXTURES / "swebench" / "rows.jsonl"
 TINY_REPO = FIXTURES / "swebench" / "repos" / "tiny-repo"

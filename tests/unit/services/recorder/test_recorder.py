@@ -4,7 +4,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -16,12 +15,9 @@ import rollstream.shared.contract.archive
 from rollstream.services.recorder.main import Recorder, main, record_once
 from rollstream.shared.contract.archive import ArchiveReader, ArchiveWriter, archived_id
 from rollstream.shared.contract.bus import Bus
-from rollstream.shared.contract.events import PromptIssued, TrajectoryStarted
+from rollstream.shared.contract.events import TrajectoryStarted
 from rollstream.shared.runtime.storage import Storage
-
-
-def prompt(i: int) -> PromptIssued:
-    return PromptIssued(sample_index=i, group_size=1, messages=[{"role": "user", "content": f"q{i}"}], policy_version=0)
+from tests.support import free_port, prompt
 
 
 def started(i: int) -> TrajectoryStarted:
@@ -128,11 +124,6 @@ def test_entries_deleted_before_they_were_archived_are_reported(bus, tmp_path):
     assert (again["prompts"].lost, again["prompts"].archived) == (1, 1)
     assert record_once(bus, ArchiveWriter(Storage(str(tmp_path)), bus.keys.run_id))["prompts"].lost == 0
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

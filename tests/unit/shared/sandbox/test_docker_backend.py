@@ -1,7 +1,7 @@
 """rollstream.shared.grading.DockerBackend against a mocked docker SDK client (no engine runs here), plus one
 real-container test that is skipped when no Docker engine is reachable.
 
-    python -m pytest tests/unit/test_docker_backend.py -q
+    python -m pytest tests/unit/shared/sandbox/test_docker_backend.py -q
 """
 
 from __future__ import annotations

@@ -2,20 +2,20 @@
 
 import importlib
 import tomllib
-from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 SERVICES = {"dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
 
 
 def compose():
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
 
 
 def scripts():
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
 
 def resolve(target: str):
@@ -44,7 +44,7 @@ def test_redis_persists_and_services_wait_for_it():
     services = compose()
     config_path = services["redis"]["command"][-1]
     mounted = {volume.split(":")[1]: volume.split(":")[0] for volume in services["redis"]["volumes"]}
-    redis_conf = (ROOT / mounted[config_path]).read_text()
+    redis_conf = (REPO / mounted[config_path]).read_text()
     assert "appendonly yes" in redis_conf.splitlines() and "maxmemory-policy noeviction" in redis_conf.splitlines()
     for name in SERVICES:
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"

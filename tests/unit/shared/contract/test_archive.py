@@ -14,24 +14,9 @@ from rollstream.shared.contract.archive import (
     trim_stream,
 )
 from rollstream.shared.contract.bus import STREAMS
-from rollstream.shared.contract.events import PromptIssued, RewardAssigned, TrajectoryTurn, decode, encode
+from rollstream.shared.contract.events import RewardAssigned, decode, encode
 from rollstream.shared.runtime.storage import Storage
-
-
-def prompt(i: int) -> PromptIssued:
-    return PromptIssued(sample_index=i, group_size=2, messages=[{"role": "user", "content": f"q{i}"}], policy_version=0)
-
-
-def turn(i: int) -> TrajectoryTurn:
-    return TrajectoryTurn(turn=i, offset=3, appended_ids=[1, 2, 3], response_ids=[7, 8 + i], logprobs=[-0.5, -1.25],
-                          policy_version=0, policy_version_end=0, finish_reason="stop", server_url="http://s")
-
-
-def archive_all(bus, root: Path) -> ArchiveWriter:
-    writer = ArchiveWriter(Storage(str(root)), bus.keys.run_id)
-    for stream in STREAMS:
-        writer.archive_new(bus, stream, 1000)
-    return writer
+from tests.support import archive_all, prompt, turn
 
 
 def stream_ids(bus, stream) -> list[str]:
@@ -40,7 +25,7 @@ def stream_ids(bus, stream) -> list[str]:
 
 def test_archive_reads_back_exactly_what_the_streams_held(bus, tmp_path):
     for i in range(4):
-        bus.publish("prompts", prompt(i), rollout_id=f"r{i}", group_id="g0")
+        bus.publish("prompts", prompt(i, group_size=2), rollout_id=f"r{i}", group_id="g0")
         bus.publish("trajectories", turn(i), rollout_id=f"r{i}")
     bus.publish("rewards", RewardAssigned(reward=1.0, advantage=0.5, source="exact_match"), rollout_id="r0")
     archive_all(bus, tmp_path)
@@ -76,7 +61,7 @@ def test_parts_are_laid_out_by_stream_and_hour_and_runs_are_listed(bus, tmp_path
     t0 = 1_700_000_000_000  # 2023-11-14 22:13:20 UTC
     ids = [f"{t0}-0", f"{t0}-1", f"{t0 + hour}-0"]
     for i, entry_id in enumerate(ids):
-        bus.redis.xadd(key, encode(bus.envelope(prompt(i))), id=entry_id)
+        bus.redis.xadd(key, encode(bus.envelope(prompt(i, group_size=2))), id=entry_id)
     parts = ArchiveWriter(Storage(str(tmp_path)), bus.keys.run_id).archive_new(bus, "prompts", 1000)
 
     base = tmp_path / bus.keys.run_id / "archive" / "prompts"
@@ -97,7 +82,7 @@ def test_parts_are_laid_out_by_stream_and_hour_and_runs_are_listed(bus, tmp_path
 
 
 def test_a_write_interrupted_before_its_rename_is_not_part_of_the_archive(bus, tmp_path):
-    bus.publish("prompts", prompt(0))
+    bus.publish("prompts", prompt(0, group_size=2))
     archive_all(bus, tmp_path)
     reader = ArchiveReader(str(tmp_path), bus.keys.run_id)
     (part,) = reader.parts("prompts")
@@ -108,7 +93,7 @@ def test_a_write_interrupted_before_its_rename_is_not_part_of_the_archive(bus, t
 
 def test_a_truncated_part_is_an_error_naming_the_file(bus, tmp_path):
     for i in range(3):
-        bus.publish("prompts", prompt(i))
+        bus.publish("prompts", prompt(i, group_size=2))
     archive_all(bus, tmp_path)
     reader = ArchiveReader(str(tmp_path), bus.keys.run_id)
     (part,) = reader.parts("prompts")
@@ -127,8 +112,8 @@ def test_a_truncated_part_is_an_error_naming_the_file(bus, tmp_path):
     ({"type": "PromptRetold", "v": "1"}, "unknown event type 'PromptRetold'"),
 ])
 def test_an_entry_this_code_cannot_decode_is_an_error_naming_file_and_entry(bus, tmp_path, fields, says):
-    good = bus.publish("prompts", prompt(0))
-    body = encode(bus.envelope(prompt(1)))["body"]
+    good = bus.publish("prompts", prompt(0, group_size=2))
+    body = encode(bus.envelope(prompt(1, group_size=2)))["body"]
     bad = bus.redis.xadd(bus.keys.stream("prompts"), {**fields, "body": body}).decode()
     archive_all(bus, tmp_path)
     reader = ArchiveReader(str(tmp_path), bus.keys.run_id)
@@ -144,7 +129,7 @@ def test_an_entry_this_code_cannot_decode_is_an_error_naming_file_and_entry(bus,
 
 
 def test_trimming_spares_undelivered_pending_and_unarchived_entries(bus, tmp_path):
-    ids = [bus.publish("prompts", prompt(i)) for i in range(10)]
+    ids = [bus.publish("prompts", prompt(i, group_size=2)) for i in range(10)]
     for group in ("fast", "slow"):
         bus.ensure_group("prompts", group)
     for delivery in bus.consume("prompts", "fast", "c", count=10):
@@ -181,7 +166,7 @@ def test_trimming_spares_undelivered_pending_and_unarchived_entries(bus, tmp_pat
 
 
 def test_a_stream_without_groups_is_never_trimmed(bus, tmp_path):
-    ids = [bus.publish("policy", prompt(i)) for i in range(3)]
+    ids = [bus.publish("policy", prompt(i, group_size=2)) for i in range(3)]
     archive_all(bus, tmp_path)
     assert trim_safe_id(bus, "policy") is None
     assert trim_stream(bus, "policy") == 0 and stream_ids(bus, "policy") == ids
@@ -189,7 +174,7 @@ def test_a_stream_without_groups_is_never_trimmed(bus, tmp_path):
 
 
 def test_without_recording_trimming_follows_the_groups_alone(bus):
-    ids = [bus.publish("prompts", prompt(i)) for i in range(4)]
+    ids = [bus.publish("prompts", prompt(i, group_size=2)) for i in range(4)]
     bus.ensure_group("prompts", "g")
     for delivery in bus.consume("prompts", "g", "c", count=3):
         bus.ack(delivery, "g")

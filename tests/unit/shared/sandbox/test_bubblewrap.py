@@ -1,6 +1,6 @@
 """rollstream.shared.sandbox against real bubblewrap: isolation, limits and output capture.
 
-    python -m pytest tests/unit/test_sandbox.py -q      (skipped where `bwrap` is not installed)
+    python -m pytest tests/unit/shared/sandbox/test_bubblewrap.py -q      (skipped where `bwrap` is not installed)
 
 Network tests only ever use this machine's loopback.
 """

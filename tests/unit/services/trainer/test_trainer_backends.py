@@ -2,7 +2,7 @@
 gradient norm, same update, a saved model transformers loads, and an exact resume from its saved state.
 
 DeepSpeed sets up process-global state (torch.distributed), so its runs go to processes of their own
-(tests/unit/deepspeed_step.py, which writes JSON); the torch backend runs here, through the same step
+(tests/unit/services/trainer/deepspeed_step.py, which writes JSON); the torch backend runs here, through the same step
 code.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +20,8 @@ import torch
 
 from rollstream.services.trainer.backends.base import load_model
 from rollstream.services.trainer.backends.torch_backend import TorchBackend
+from tests.support import REPO, free_port
 
-REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).with_name("deepspeed_step.py")
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Generous: the first DeepSpeed run on a machine compiles DeepSpeed's shared-memory comm op.
@@ -39,18 +38,12 @@ def _load_helper():
 steps = _load_helper()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def run_deepspeed(spec: dict, workdir: Path, world_size: int = 1) -> list[dict]:
     """Run the helper in `world_size` processes (ranks of one gloo group); their results, by rank."""
     base = {key: value for key, value in os.environ.items() if key not in DIST_ENV}
-    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), base.get("PYTHONPATH")]))
     spec = {**spec, "result": str(workdir / "result-{rank}.json")}
-    port = _free_port()
+    port = free_port()
     processes, logs = [], []
     try:
         for rank in range(world_size):

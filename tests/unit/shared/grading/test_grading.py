@@ -1,6 +1,6 @@
 """rollstream.shared.grading on the fixture tasks (tests/fixtures/tasks) with the real bubblewrap backend.
 
-    python -m pytest tests/unit/test_grading.py -q      (skipped where `bwrap` is not installed)
+    python -m pytest tests/unit/shared/grading/test_grading.py -q      (skipped where `bwrap` is not installed)
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from rollstream.shared.sandbox.unsafe_local import UnsafeLocalBackend
 from rollstream.shared.sandbox.workspace import prepare_workspace
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.swebench import load_swebench_rows
+from tests.support import FIXTURES
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tasks"
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,8 @@ import time
 import pytest
 
 from rollstream.shared.contract.bus import Keys, StopConsuming, run_consumer
-from rollstream.shared.contract.events import DeadLettered, PromptIssued, encode, make_envelope
-
-
-def prompt(i: int) -> PromptIssued:
-    return PromptIssued(sample_index=i, group_size=1, messages=[{"role": "user", "content": f"q{i}"}], policy_version=0)
+from rollstream.shared.contract.events import DeadLettered, encode, make_envelope
+from tests.support import prompt
 
 
 def test_keys_are_namespaced_per_run():

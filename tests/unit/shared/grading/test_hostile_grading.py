@@ -1,7 +1,7 @@
 """Hostile diffs, test.sh and solutions through grade_harbor with the real bubblewrap backend:
 each is contained, reported with a reason, and the host is unaffected afterwards.
 
-    python -m pytest tests/unit/test_hostile_grading.py -q   (skipped where `bwrap` is missing)
+    python -m pytest tests/unit/shared/grading/test_hostile_grading.py -q   (skipped where `bwrap` is missing)
 
 Network tests only ever use this machine's loopback (127.0.0.1).
 """

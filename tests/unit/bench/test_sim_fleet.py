@@ -1,23 +1,18 @@
 """The simulated vLLM fleet (bench/sim_fleet.py): it answers the API rollstream.shared.inference.fleet.FleetClient uses the
 way vLLM does, and its latency model accounts busy time exactly.
 
-    python -m pytest tests/unit/test_sim_fleet.py -q
+    python -m pytest tests/unit/bench/test_sim_fleet.py -q
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.sim_fleet import Engine, LatencyModel, SimFleet, parse_metrics
 from rollstream.shared.inference.fleet import FleetClient, FleetRequestError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from sim_fleet import Engine, LatencyModel, SimFleet, parse_metrics  # noqa: E402
 
 FAST = LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.001, overhead_s=0.0, batch_size=8, reload_s=0.0)
 

@@ -12,7 +12,7 @@ from rollstream.shared.contract.archive import ArchiveWriter, StreamHistory, str
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import TrajectoryFinished, decode, encode
 from rollstream.shared.runtime.storage import Storage
-from tests.unit.test_archive import archive_all, prompt, turn
+from tests.support import archive_all, prompt, turn
 
 runner = CliRunner()
 
@@ -25,7 +25,7 @@ def finished(i: int) -> TrajectoryFinished:
 def record_a_run(bus, tmp_path: Path) -> None:
     """Two rollouts finish (r0, r1), one does not (r2); then everything is archived."""
     for i in range(3):
-        bus.publish("prompts", prompt(i), rollout_id=f"r{i}", group_id="g0", event_id=f"r{i}:prompt")
+        bus.publish("prompts", prompt(i, group_size=2), rollout_id=f"r{i}", group_id="g0", event_id=f"r{i}:prompt")
         bus.publish("trajectories", turn(i), rollout_id=f"r{i}", event_id=f"r{i}:turn")
     for i in range(2):
         bus.publish("trajectories", finished(i), rollout_id=f"r{i}", event_id=f"r{i}:finished")
@@ -115,7 +115,7 @@ def test_a_bad_pace_is_a_clear_error(text):
 def test_original_pace_keeps_the_recorded_gaps_scaled(bus, target, tmp_path):
     """Entries recorded 0, 1000 and 3000 ms apart are published at those offsets divided by the speed-up."""
     base = 1_700_000_000_000
-    entries = [(f"{base + offset}-0", encode(bus.envelope(prompt(i), rollout_id=f"r{i}")))
+    entries = [(f"{base + offset}-0", encode(bus.envelope(prompt(i, group_size=2), rollout_id=f"r{i}")))
                for i, offset in enumerate((0, 1000, 3000))]
     ArchiveWriter(Storage(str(tmp_path)), bus.keys.run_id).write_part("prompts", entries)
     plan = ReplayPlan(bus.keys.run_id, str(tmp_path), streams=("prompts",))

@@ -1,0 +1,44 @@
+"""What tests share besides fixtures (those are in tests/conftest.py): where things are, and small
+helpers. Tests import it as `tests.support` (tests/ is a package, so pytest puts the repository
+root on sys.path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollstream.cli.vllm_server import free_port
+from rollstream.shared.contract.archive import ArchiveWriter
+from rollstream.shared.contract.bus import STREAMS, Bus
+from rollstream.shared.contract.events import PromptIssued, TrajectoryTurn
+from rollstream.shared.runtime.storage import Storage
+
+REPO = Path(__file__).resolve().parents[1]
+"""The repository root."""
+FIXTURES = REPO / "tests" / "fixtures" / "tasks"
+"""Example Harbor tasks and SWE-bench rows."""
+MODELS = REPO / "models"
+"""Where `make setup` builds the tiny models (tiny-llama, tiny-llama-warm)."""
+
+
+
+def prompt(i: int, group_size: int = 1) -> PromptIssued:
+    """A small PromptIssued event: sample i of a group of `group_size`."""
+    return PromptIssued(sample_index=i, group_size=group_size, messages=[{"role": "user", "content": f"q{i}"}],
+                        policy_version=0)
+
+
+def turn(i: int) -> TrajectoryTurn:
+    """A small TrajectoryTurn event whose sampled ids depend on i."""
+    return TrajectoryTurn(turn=i, offset=3, appended_ids=[1, 2, 3], response_ids=[7, 8 + i], logprobs=[-0.5, -1.25],
+                          policy_version=0, policy_version_end=0, finish_reason="stop", server_url="http://s")
+
+
+def archive_all(bus: Bus, root: Path) -> ArchiveWriter:
+    """Archive every stream of the bus's run under `root`, as the recorder would."""
+    writer = ArchiveWriter(Storage(str(root)), bus.keys.run_id)
+    for stream in STREAMS:
+        writer.archive_new(bus, stream, 1000)
+    return writer
+
+
+__all__ = ["FIXTURES", "MODELS", "REPO", "archive_all", "free_port", "prompt", "turn"]
