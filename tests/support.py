@@ -4,6 +4,7 @@ root on sys.path)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rollstream.cli.vllm_server import free_port
@@ -11,6 +12,7 @@ from rollstream.shared.contract.archive import ArchiveWriter
 from rollstream.shared.contract.bus import STREAMS, Bus
 from rollstream.shared.contract.events import PromptIssued, TrajectoryTurn
 from rollstream.shared.runtime.storage import Storage
+from rollstream.shared.sandbox import host_uids
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root."""
@@ -18,7 +20,6 @@ FIXTURES = REPO / "tests" / "fixtures" / "tasks"
 """Example Harbor tasks and SWE-bench rows."""
 MODELS = REPO / "models"
 """Where `make setup` builds the tiny models (tiny-llama, tiny-llama-warm)."""
-
 
 
 def prompt(i: int, group_size: int = 1) -> PromptIssued:
@@ -41,4 +42,21 @@ def archive_all(bus: Bus, root: Path) -> ArchiveWriter:
     return writer
 
 
-__all__ = ["FIXTURES", "MODELS", "REPO", "archive_all", "free_port", "prompt", "turn"]
+def sandbox_uid_processes() -> list[int]:
+    """Host processes, zombies included, running as a sandbox host uid of this test process's runs
+    (there must be none after a sandbox run; only meaningful when the tests run as root)."""
+    first = host_uids.HOST_UID_BASE + (os.getpid() % (1 << 22)) * host_uids.SLOTS
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                status = Path(entry.path, "status").read_text()
+            except OSError:
+                continue
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if first <= int(fields["Uid"].split()[0]) < first + host_uids.SLOTS:
+                found.append(int(entry.name))
+    return found
+
+
+__all__ = ["FIXTURES", "MODELS", "REPO", "archive_all", "free_port", "prompt", "sandbox_uid_processes", "turn"]

@@ -53,7 +53,6 @@ EVAL_SEED = 1_000_003  # far from the training seeds people pick (0, 1, 2...)
 CHECK_SEED = EVAL_SEED + 1  # warm-up's stopping checks: a final evaluation on EVAL_SEED is not the one it stopped on
 
 
-
 def calculator_schemas() -> list[dict]:
     """The schemas tool_agent passes to the chat template for a row with tools ["calculator"]."""
     return ToolSet(resolve_tools([TOOL_NAME])).schemas()

@@ -1,0 +1,2 @@
+"""The dispatcher service: issues prompt groups under the staleness gate (`rollstream-dispatcher`).
+"""

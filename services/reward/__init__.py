@@ -1,0 +1,2 @@
+"""The reward service: rewards and group advantages, then batch files (`rollstream-reward`).
+"""

@@ -154,8 +154,6 @@ def resolve_agent(spec: str) -> Agent:
     return agent
 
 
-
-
 class TokenTrajectory:
     """The token sequence of one segment, built turn by turn."""
 

@@ -63,8 +63,6 @@ UNKNOWN_TOOL_LABEL = "<unknown>"
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI-style chat templates accept
 
 
-
-
 @dataclass(frozen=True)
 class ToolCall:
     """One call the model made: `id` ties the result to it."""

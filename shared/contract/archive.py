@@ -62,8 +62,6 @@ _TEMP_NAME = re.compile(r"\.parquet\.tmp-[0-9a-f]+$")
 _MAX_SEQ = 2**64 - 1
 
 
-
-
 # ---------------------------------------------------------------------------------------- entry ids
 EntryKey = tuple[int, int]
 

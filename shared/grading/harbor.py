@@ -42,7 +42,7 @@ def grade_harbor(task: Any, diff: str, backend: SandboxBackend,
         workspace = prepare_workspace(getattr(task, "workspace", None))
     except (GradingError, SandboxError, OSError) as exc:
         return make_outcome(0, f"grading setup failed: {exc}", started=started,
-                        infrastructure_error=True)
+                            infrastructure_error=True)
     with workspace:
         ok, why = apply_diff(workspace, diff)
         if not ok:
@@ -52,26 +52,26 @@ def grade_harbor(task: Any, diff: str, backend: SandboxBackend,
         (logs / "verifier").mkdir(mode=0o755)
         (logs / "agent").mkdir(mode=0o755)
         run = run_wrapped(backend, "bash /tests/test.sh", workspace,
-                   task_limits(limits, getattr(task, "verifier_timeout_s", None)),
-                   {"/tests": tests_dir}, {"/logs": logs},
-                   {"WORKSPACE": "/workspace", "TESTS_DIR": "/tests", "LOGS_DIR": "/logs"}, image)
+                          task_limits(limits, getattr(task, "verifier_timeout_s", None)),
+                          {"/tests": tests_dir}, {"/logs": logs},
+                          {"WORKSPACE": "/workspace", "TESTS_DIR": "/tests", "LOGS_DIR": "/logs"}, image)
         log_text = run_log(run)
         if run.error:
             return make_outcome(0, run.error, log_text=log_text, started=started,
-                            infrastructure_error=True)
+                                infrastructure_error=True)
         status = run.result.reason
         exit_code = run.result.exit_code
         if run.result.timed_out or exit_code is None or exit_code >= 128 or exit_code < 0:
             # killed: whatever reward is there may have been written by the model's code before
             # it stopped test.sh from writing the real one
             return make_outcome(0, f"test.sh did not finish ({status}); its reward is not trusted",
-                            log_text=log_text, started=started)
+                                log_text=log_text, started=started)
         score, reason, tests = parse_reward(logs)
         if score is None:
             return make_outcome(0, f"{reason} (test.sh: {status})", tests=tests, log_text=log_text,
-                            started=started)
+                                started=started)
         if not 0 <= score <= 1:
             reason += f", clamped to {min(1.0, max(0.0, score)):g}"
         return make_outcome(score, f"{reason} (test.sh: {status})", tests=tests, log_text=log_text,
-                        started=started)
+                            started=started)
 

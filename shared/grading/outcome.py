@@ -6,13 +6,9 @@ turn it into a reward.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass, field
-
-log = logging.getLogger(__name__)
-
 
 MAX_LOG_CHARS = 64 * 1024
 """GradeOutcome.log keeps at most this much (head and tail)."""
@@ -35,7 +31,7 @@ class GradeOutcome:
 
 
 def make_outcome(score: float, reason: str, *, tests: dict[str, str] | None = None, log_text: str = "",
-             started: float, infrastructure_error: bool = False) -> GradeOutcome:
+                 started: float, infrastructure_error: bool = False) -> GradeOutcome:
     if not isinstance(score, (int, float)) or math.isnan(score):
         score = 0.0
     score = min(1.0, max(0.0, float(score)))

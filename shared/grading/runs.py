@@ -54,8 +54,8 @@ class SandboxRun:
 
 
 def run_wrapped(backend: SandboxBackend, command: str, workspace: GitWorkspace, limits: SandboxLimits,
-         ro_mounts: dict[str, Path], rw_mounts: dict[str, Path], env: dict[str, str],
-         image: str | None) -> SandboxRun:
+                ro_mounts: dict[str, Path], rw_mounts: dict[str, Path], env: dict[str, str],
+                image: str | None) -> SandboxRun:
     try:
         result = backend.run(_wrap(command), workspace.root, limits=limits, ro_mounts=ro_mounts,
                              rw_mounts=rw_mounts, env=env, image=image)
@@ -64,7 +64,7 @@ def run_wrapped(backend: SandboxBackend, command: str, workspace: GitWorkspace, 
     first, _, rest = result.stdout.partition("\n")
     if first != STARTED_MARKER:
         return SandboxRun(result, f"sandbox did not start the command ({result.reason}): "
-                            f"{result.stderr.strip()[:500]}")
+                          f"{result.stderr.strip()[:500]}")
     return SandboxRun(result, None, rest)
 
 

@@ -158,7 +158,7 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
         workspace = prepare_workspace(Path(task.repo_dir))
     except (GradingError, SandboxError, OSError) as exc:
         return make_outcome(0, f"grading setup failed: {exc}", started=started,
-                        infrastructure_error=True)
+                            infrastructure_error=True)
     with workspace:
         ok, why = apply_diff(workspace, diff)
         if not ok:
@@ -169,7 +169,7 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
         test_paths = numstat_paths(workspace, patch_file) if test_patch.strip() else []
         if test_paths is None:
             return make_outcome(0, "the task's test_patch cannot be parsed", started=started,
-                            infrastructure_error=True)
+                                infrastructure_error=True)
         restored = sorted(set(test_paths) | set(_protected_paths(workspace)))
         for path in restored:
             _restore(workspace, path)
@@ -177,18 +177,18 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
             proc = workspace.git("apply", str(patch_file), check=False)
             if proc.returncode != 0:
                 return make_outcome(0, f"the task's test_patch did not apply after restoring the "
-                                   f"test files: {git_message(proc)}", started=started,
-                                infrastructure_error=True)
+                                    f"test files: {git_message(proc)}", started=started,
+                                    infrastructure_error=True)
         ids = " ".join(shlex.quote(test_id) for test_id in fail_to_pass + pass_to_pass)
         command = (f"set -o pipefail 2>/dev/null; ( {task.test_command} {ids} ) 2>&1 "
                    f"| tail -c {MAX_TEST_OUTPUT_BYTES}")
         run = run_wrapped(backend, f"bash -c {shlex.quote(command)}", workspace,
-                   task_limits(limits, getattr(task, "verifier_timeout_s", None)),
-                   {}, {}, {"WORKSPACE": "/workspace", "PYTHONDONTWRITEBYTECODE": "1"}, image)
+                          task_limits(limits, getattr(task, "verifier_timeout_s", None)),
+                          {}, {}, {"WORKSPACE": "/workspace", "PYTHONDONTWRITEBYTECODE": "1"}, image)
         log_text = run_log(run)
         if run.error:
             return make_outcome(0, run.error, log_text=log_text, started=started,
-                            infrastructure_error=True)
+                                infrastructure_error=True)
         tests = _test_outcomes(run.stdout, fail_to_pass + pass_to_pass)
         f2p_ok = [test_id for test_id in fail_to_pass if tests[test_id] == "passed"]
         p2p_bad = [test_id for test_id in pass_to_pass if tests[test_id] != "passed"]

@@ -56,8 +56,8 @@ def reference_diff(task: Any, backend: SandboxBackend,
         (logs / "agent").mkdir(mode=0o755)
         timeout = getattr(task, "agent_timeout_s", None) or getattr(task, "verifier_timeout_s", None)
         run = run_wrapped(backend, f"bash /solution/{shlex.quote(Path(solution).name)}", workspace,
-                   task_limits(limits, timeout), {"/solution": staged}, {"/logs": logs},
-                   {"WORKSPACE": "/workspace", "LOGS_DIR": "/logs"}, image)
+                          task_limits(limits, timeout), {"/solution": staged}, {"/logs": logs},
+                          {"WORKSPACE": "/workspace", "LOGS_DIR": "/logs"}, image)
         if run.error:
             raise GradingError(f"reference solution of {task_name(task)}: {run.error}")
         if run.result.exit_code != 0:

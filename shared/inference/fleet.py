@@ -43,12 +43,6 @@ from rollstream.shared.errors import (
 SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key")
 
 
-
-
-
-
-
-
 @dataclass(frozen=True)
 class Completion:
     token_ids: list[int]

@@ -45,8 +45,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-
-
 def write_serving_checkpoint(model: Any, directory: Path, tokenizer_source: Path | None = None) -> Path:
     """Save `model` (a transformers PreTrainedModel) as an HF safetensors checkpoint vLLM can reload.
 

@@ -1,0 +1,3 @@
+"""What every service runs on: the configuration (config.py), the service runtime with JSON logs,
+/healthz and /metrics (service.py), storage (storage.py) and experiment tracking (tracking.py).
+"""

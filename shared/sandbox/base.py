@@ -9,14 +9,6 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 
-@runtime_checkable
-class SandboxBackend(Protocol):
-    name: str
-
-    def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
-            ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
-            env: dict[str, str] | None = None, image: str | None = None) -> SandboxResult: ...
-
 @dataclass(frozen=True)
 class SandboxLimits:
     wall_time_s: float = 10
@@ -53,3 +45,20 @@ class SandboxResult:
     """Wall time from starting bwrap to its end."""
     reason: str
     """What happened, in words: "exit 0", "killed: wall-clock limit 10s", ..."""
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    """What the grader and the coding tools need of a sandbox: run a command on a workspace, within
+    limits, with extra mounts and environment, in the task's image where the backend has images."""
+
+    name: str
+
+    def image_for(self, environment_dir: Path | None) -> str | None:
+        """The image to run a task in, built from its environment directory; None: the backend's
+        default (or no images at all)."""
+        ...
+
+    def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
+            ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
+            env: dict[str, str] | None = None, image: str | None = None) -> SandboxResult: ...

@@ -49,7 +49,6 @@ pytest is importable in the sandbox (shared/sandbox/python_tools.py).
 from __future__ import annotations
 
 import glob
-import logging
 import math
 import os
 import resource
@@ -79,9 +78,6 @@ from rollstream.shared.sandbox.python_tools import (
     PYTHON_TOOLS_MOUNT,
     stage_python_tools,
 )
-
-log = logging.getLogger(__name__)
-
 
 SANDBOX_UID = 1000
 """uid and gid the command has inside the sandbox (named `sandbox` in its /etc/passwd)."""
@@ -360,6 +356,7 @@ def _describe(exit_code: int | None, timed_out: bool, limits: SandboxLimits, std
     if exit_code == 1 and stderr.startswith("bwrap: "):
         reason += f" (sandbox setup failed? {stderr.splitlines()[0]})"
     return reason
+
 
 class BubblewrapBackend:
     """shared/sandbox/bubblewrap.py; mounts become bwrap binds; `image` is ignored. With python_tools (the

@@ -200,7 +200,7 @@ class DeepSpeedBackend:
         engine_dir = directory / ENGINE_DIR
         if engine_dir.exists():
             path, _ = self.engine.load_checkpoint(str(engine_dir), tag=ENGINE_TAG, load_optimizer_states=True,
-                                                 load_lr_scheduler_states=False)
+                                                  load_lr_scheduler_states=False)
             if path is None:
                 raise RuntimeError(f"{engine_dir}: DeepSpeed found no checkpoint tagged {ENGINE_TAG!r}")
         else:

@@ -125,7 +125,6 @@ def test_entries_deleted_before_they_were_archived_are_reported(bus, tmp_path):
     assert record_once(bus, ArchiveWriter(Storage(str(tmp_path)), bus.keys.run_id))["prompts"].lost == 0
 
 
-
 @pytest.fixture
 def restored_process_state():
     """main() installs signal handlers and JSON logging for the whole process; give them back."""

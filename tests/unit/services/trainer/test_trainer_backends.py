@@ -38,7 +38,6 @@ def _load_helper():
 steps = _load_helper()
 
 
-
 def run_deepspeed(spec: dict, workdir: Path, world_size: int = 1) -> list[dict]:
     """Run the helper in `world_size` processes (ranks of one gloo group); their results, by rank."""
     base = {key: value for key, value in os.environ.items() if key not in DIST_ENV}

@@ -32,7 +32,6 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
 
 
-
 @pytest.fixture(scope="module")
 def backend():
     return get_backend("bubblewrap")

@@ -23,11 +23,11 @@ from rollstream.shared.errors import GradingError
 from rollstream.shared.grading.harbor import grade_harbor
 from rollstream.shared.grading.outcome import MAX_LOG_CHARS
 from rollstream.shared.grading.validation import reference_diff
-from rollstream.shared.sandbox import host_uids
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.sandbox.workspace import prepare_workspace
 from rollstream.shared.tasks.harbor import HarborTask
+from tests.support import sandbox_uid_processes
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
@@ -66,27 +66,12 @@ def make_task(tmp_path):
     return make
 
 
-def _sandbox_uid_processes() -> list[int]:
-    first = host_uids.HOST_UID_BASE + (os.getpid() % (1 << 22)) * host_uids.SLOTS
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                status = Path(entry.path, "status").read_text()
-            except OSError:
-                continue
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if first <= int(fields["Uid"].split()[0]) < first + host_uids.SLOTS:
-                found.append(int(entry.name))
-    return found
-
-
 @pytest.fixture(autouse=True)
 def host_unaffected():
     """After each test: nothing of the sandbox runs, no grading workspace is left, we can fork."""
     before = set(Path(tempfile.gettempdir()).glob("rs-grade-*"))
     yield
-    assert _sandbox_uid_processes() == []
+    assert sandbox_uid_processes() == []
     assert set(Path(tempfile.gettempdir()).glob("rs-grade-*")) - before == set()
     assert subprocess.run(["true"]).returncode == 0
 

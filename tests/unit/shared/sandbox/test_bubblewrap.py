@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from rollstream.shared.errors import SandboxUnavailable, WorkspaceError
-from rollstream.shared.sandbox import bubblewrap, host_uids
+from rollstream.shared.sandbox import bubblewrap
 from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.sandbox.bubblewrap import run_in_sandbox
+from tests.support import sandbox_uid_processes
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
@@ -69,27 +70,10 @@ def _processes_with(marker: bytes) -> list[int]:
     return found
 
 
-def _sandbox_uid_processes() -> list[int]:
-    """Host processes, zombies included, running as a sandbox host uid of this test process's
-    runs (only meaningful when the tests run as root)."""
-    first = host_uids.HOST_UID_BASE + (os.getpid() % (1 << 22)) * host_uids.SLOTS
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                status = Path(entry.path, "status").read_text()
-            except OSError:
-                continue
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if first <= int(fields["Uid"].split()[0]) < first + host_uids.SLOTS:
-                found.append(int(entry.name))
-    return found
-
-
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_sandbox():
     yield
-    assert _sandbox_uid_processes() == []
+    assert sandbox_uid_processes() == []
 
 
 def test_exit_codes_and_output(workspace):
