@@ -262,7 +262,7 @@ def test_many_servers_share_one_process_and_each_counts_its_own(checkpoints):
 
 # ------------------------------------------------------------------ metering a real server's busy time
 def test_in_flight_meter_counts_time_with_a_request_in_flight_and_not_paused():
-    from sim_fleet import InFlightMeter
+    from bench.sim_fleet import InFlightMeter
 
     meter = InFlightMeter(now=0.0)
     meter.enter(1.0)
@@ -277,7 +277,7 @@ def test_in_flight_meter_counts_time_with_a_request_in_flight_and_not_paused():
 
 
 def test_metered_proxy_forwards_the_fleet_api_and_meters_busy_time(checkpoints):
-    from sim_fleet import MeteredProxy
+    from bench.sim_fleet import MeteredProxy
 
     model = LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.002, overhead_s=0.0, batch_size=8, reload_s=0.0)
     with SimFleet(checkpoints[0], 1, latency=model) as sim, MeteredProxy(sim.urls[0]) as proxy:
@@ -306,7 +306,7 @@ def test_metered_proxy_forwards_the_fleet_api_and_meters_busy_time(checkpoints):
 def test_heavy_tail_lengths_are_seeded_per_sample_with_a_long_tail():
     import statistics
 
-    from heavy_tail_agent import TailParams, episode_turns
+    from bench.heavy_tail_agent import TailParams, episode_turns
 
     params = TailParams(seed=3)
     turns = [episode_turns(i, params) for i in range(4000)]
@@ -319,9 +319,9 @@ def test_heavy_tail_lengths_are_seeded_per_sample_with_a_long_tail():
 
 
 def test_heavy_tail_agent_makes_token_exact_segments_through_the_fleet(fleet):
-    from heavy_tail_agent import TailParams, episode_turns, heavy_tail_agent
     from transformers import AutoTokenizer
 
+    from bench.heavy_tail_agent import TailParams, episode_turns, heavy_tail_agent
     from rollstream.shared.agent.loop import AgentContext, Limits, Task
     from rollstream.shared.agent.tool_calls import get_format
     from rollstream.shared.agent.tools import Episode, ToolSet

@@ -10,8 +10,9 @@ from rq import Callback, Queue, Retry, SimpleWorker
 
 from rollstream.services.sandbox_grader.jobs import GradeRequest, grade_rollout, report_job_failure
 from rollstream.shared.runtime.storage import Storage
+from tests.support import FIXTURES
 
-TASK = Path(__file__).resolve().parents[1] / "fixtures" / "tasks" / "harbor" / "fix-add"
+TASK = FIXTURES / "harbor" / "fix-add"
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 
 
