@@ -28,6 +28,7 @@ from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import (
     BatchReady,
     GradeReported,
+    GradingFailed,
     RewardAssigned,
     TrajectoryFinished,
     TrajectorySegment,
@@ -67,6 +68,8 @@ class RewardBook:
         self.sealed_key = bus.keys.state("reward", "sealed-groups")
         # hash: complete group still in the sealed set -> rollouts it adds to the ready list (0: filtered)
         self.held_key = bus.keys.state("reward", "held-groups")
+        # hash: reason -> rollouts left out of their group's batch
+        self.dropped_key = bus.keys.state("reward", "dropped")
 
     def group_key(self, group_id: str) -> str:
         return self.bus.keys.state("reward", "group", group_id)
@@ -91,6 +94,8 @@ class RewardBook:
             field = f"finished:{envelope.rollout_id}"
         elif isinstance(event, GradeReported):
             field = f"grade:{envelope.rollout_id}"
+        elif isinstance(event, GradingFailed):
+            field = f"grading-failed:{envelope.rollout_id}"
         else:
             return None
         # hsetnx: the first finished attempt of a rollout wins; segments of other attempts are ignored.
@@ -98,13 +103,14 @@ class RewardBook:
         return group_id
 
     def load(self, group_id: str) -> dict[str, dict]:
-        """{'segment': {(rollout, index): envelope}, 'finished': {rollout: envelope}, 'grade': {rollout: ...}},
-        keeping only the segments of each rollout's finished attempt."""
-        out: dict[str, dict] = {"segment": {}, "finished": {}, "grade": {}}
+        """{'segment': {(rollout, index): envelope}, 'finished': {rollout: envelope}, 'grade': {rollout: ...},
+        'grading-failed': {rollout: ...}}, keeping only the segments of each rollout's finished attempt."""
+        out: dict[str, dict] = {"segment": {}, "finished": {}, "grade": {}, "grading-failed": {}}
         segments = {}
         for field, body in self.bus.redis.hgetall(self.group_key(group_id)).items():
             kind, rollout, *rest = field.decode().split(":")
-            event_type = {"segment": TrajectorySegment, "finished": TrajectoryFinished, "grade": GradeReported}[kind]
+            event_type = {"segment": TrajectorySegment, "finished": TrajectoryFinished, "grade": GradeReported,
+                          "grading-failed": GradingFailed}[kind]
             envelope = decode({"type": event_type.TYPE, "v": str(event_type.VERSION), "body": body})
             if kind == "segment":
                 segments[(rollout, rest[0], int(rest[1]))] = envelope
@@ -141,10 +147,15 @@ class RewardBook:
             segments = [key for key in state["segment"] if key[0] == rollout]
             if len(segments) < event.segment_count:
                 return False
-            if event.needs_grade and self.score is None and rollout not in state["grade"]:
+            if event.needs_grade and self.score is None and rollout not in state["grade"] \
+                    and rollout not in state["grading-failed"]:
                 return False
 
-        rollouts = sorted(finished)
+        # A rollout whose grading failed was never judged: it gets no reward, stays out of the batch and
+        # the group's advantages, and its sample slot goes back to the dispatcher.
+        ungraded = sorted(rollout for rollout, envelope in finished.items()
+                          if self.score is None and envelope.payload.needs_grade and rollout not in state["grade"])
+        rollouts = sorted(set(finished) - set(ungraded))
         rewards, sources = [], []
         for rollout in rollouts:
             event = finished[rollout].payload
@@ -160,8 +171,8 @@ class RewardBook:
             else:
                 rewards.append(reward_for(event.reward_fn, event.response_text, event.label))
                 sources.append(event.reward_fn)
-        group_advantages = advantages(rewards, self.advantage_estimator)
-        filtered = self.filter_zero_variance and min(rewards) == max(rewards)
+        group_advantages = advantages(rewards, self.advantage_estimator) if rewards else []
+        filtered = not rollouts or (self.filter_zero_variance and min(rewards) == max(rewards))
 
         # One transaction: a crash leaves the group either untouched (redone on redelivery) or done.
         pipe = self.bus.redis.pipeline(transaction=True)
@@ -173,11 +184,16 @@ class RewardBook:
             if not filtered:
                 pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
         pipe.set(self.done_key(group_id), 1, ex=self.done_ttl_s)
+        if ungraded:
+            pipe.hincrby(self.dropped_key, "grading_failed", len(ungraded))
         if filtered:
             # Counted in admitted samples (group_size per group), which is what the dispatcher gives back.
             pipe.incrby(self.bus.keys.filtered, group_size)
-            pipe.incr(self.filtered_groups_key)
+            if rollouts:
+                pipe.incr(self.filtered_groups_key)
             pipe.delete(self.group_key(group_id))
+        elif ungraded:
+            pipe.incrby(self.bus.keys.filtered, len(ungraded))
         if self.batch_order == "finished":
             pipe.hset(self.held_key, group_id, 0 if filtered else len(rollouts))
         elif not filtered:
@@ -222,11 +238,17 @@ class RewardBook:
     def filtered_groups(self) -> int:
         return int(self.bus.redis.get(self.filtered_groups_key) or 0)
 
+    def dropped(self) -> dict[str, int]:
+        """Rollouts left out of their group's batch, by reason (`grading_failed`)."""
+        return {k.decode(): int(v) for k, v in self.bus.redis.hgetall(self.dropped_key).items()}
+
     def batch_rows(self, group_id: str) -> list[BatchRow]:
         segments = self.load(group_id)["segment"]
         assigned = {k.decode(): v.decode().split(",") for k, v in self.bus.redis.hgetall(self.assigned_key(group_id)).items()}
         rows = []
         for (rollout, index), envelope in sorted(segments.items()):
+            if rollout not in assigned:
+                continue  # dropped from the group: its grading failed
             seg: TrajectorySegment = envelope.payload
             reward, advantage = (float(x) for x in assigned[rollout])
             rows.append(BatchRow(

@@ -21,6 +21,11 @@ With train.filter_zero_variance, a group whose rollouts all got the same reward 
 everywhere: no learning signal) still gets its RewardAssigned events but is never batched; its
 samples are added to the run's filtered counter, and the dispatcher admits as many again.
 
+A rollout whose grading failed (GradingFailed: the sandbox could not run, not the rollout's fault or
+merit) is never given a reward: it is left out of its group's advantages and batch, counted in
+/healthz `rollouts_dropped` by reason, and its sample slot is given back to the dispatcher the same
+way. A group whose every rollout was dropped is batched not at all.
+
 Group state lives in Redis, so a restarted or duplicate delivery changes nothing: event ids are
 deterministic, a group completes once, a batch's id is derived from its groups. A completed group is
 remembered for reward.done_ttl_s (one expiring marker key each), long enough to ignore any late
@@ -50,7 +55,8 @@ def main() -> None:
                       settings.train.filter_zero_variance, batch_order=settings.reward.batch_order,
                       reward_function=settings.reward.function, done_ttl_s=settings.reward.done_ttl_s)
     consumer = consumer_name(GROUP)
-    counts = {"groups_completed": 0, "batches": 0, "groups_filtered": book.filtered_groups()}
+    counts = {"groups_completed": 0, "batches": 0, "groups_filtered": book.filtered_groups(),
+              "rollouts_dropped": book.dropped()}
 
     def flush() -> None:
         for event in book.flush_batches(settings.run_id):
@@ -63,6 +69,7 @@ def main() -> None:
         if group_id and book.complete_if_ready(group_id):
             counts["groups_completed"] += 1
             counts["groups_filtered"] = book.filtered_groups()
+            counts["rollouts_dropped"] = book.dropped()
         flush()
         # sealed, not yet batched: a number that keeps growing means a group waits for a grade that is not coming
         counts["groups_waiting_in_order"] = bus.redis.zcard(book.sealed_key)

@@ -4,8 +4,8 @@ A `GradeRequest` says what to grade: a shell `check` run on the rollout's answer
 or a task (`harbor` directory or `swebench` row) whose tests judge the rollout's stored diff.
 An infrastructure error (the sandbox could not run at all) raises, so RQ retries the job with
 backoff; failing tests are a grade, never retried. When the retries are spent, or the worker died
-under the job, `report_job_failure` still publishes a failed grade with the reason, so the
-rollout's group can complete.
+under the job, `report_job_failure` publishes GradingFailed with the reason: the reward service
+leaves that rollout out of its group (counted), so the group completes without a made-up reward.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.shared.contract.bus import Bus
-from rollstream.shared.contract.events import GradeReported
+from rollstream.shared.contract.events import GradeReported, GradingFailed
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.grading.harbor import grade_harbor
 from rollstream.shared.grading.outcome import GradeOutcome
@@ -46,6 +46,8 @@ class GradeRequest:
     grader: dict[str, Any] = field(default_factory=dict)
     """{"kind": "harbor", "task_dir": ...} or {"kind": "swebench", "dataset": ..., "instance_id": ...}"""
     diff_uri: str | None = None
+    retries: int = 0
+    """Retries RQ was given for the job (infrastructure errors only)."""
 
     def as_job_arg(self) -> dict:
         return asdict(self)
@@ -90,15 +92,18 @@ def grade_answer(req: GradeRequest, backend, limits: SandboxLimits) -> GradeOutc
                         duration_s=result.duration_s, infrastructure_error=False)
 
 
-def publish(req: GradeRequest, grade: GradeReported, connection=None) -> None:
+def publish(req: GradeRequest, grade: GradeReported | GradingFailed, connection=None) -> None:
+    """On `grades`, under one event id per rollout whichever it is: a rollout has one verdict."""
     bus = Bus(connection, req.run_id) if connection is not None else Bus.connect(req.redis_url, req.run_id)
     bus.publish("grades", grade, event_id=f"{req.ids['rollout_id']}:grade", **req.ids)
 
 
 def report_job_failure(job, connection, exc_type, exc_value, _traceback) -> None:
-    """RQ failure callback: once no retry is left, a failed grade with the reason."""
+    """RQ failure callback: once no retry is left, GradingFailed with the reason. Never a grade: the
+    job failing is the machinery's failure, and the rollout's work was never judged."""
     if job.should_retry:
         return
     req = GradeRequest(**job.args[0])
     reason = f"grading failed and no retry is left: {exc_type.__name__}: {exc_value}"
-    publish(req, GradeReported(score=0.0, passed=False, duration_s=0.0, reason=reason), connection=connection)
+    attempts = req.retries - (job.retries_left or 0) + 1
+    publish(req, GradingFailed(reason=reason, attempts=attempts), connection=connection)

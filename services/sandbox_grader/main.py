@@ -4,7 +4,12 @@ Consumes finished rollouts on `trajectories` that need a sandbox grade (a row's 
 on the answer, or a Harbor / SWE-bench task whose tests judge the episode's stored diff), enqueues
 one RQ job per rollout on the `sandbox` queue (job id = rollout id, so a re-delivery enqueues
 nothing new) with retries and backoff for infrastructure errors, and runs an RQ worker in the same
-process: throughput is set by the number of replicas. The job publishes GradeReported on `grades`.
+process: throughput is set by the number of replicas. The job publishes GradeReported on `grades`
+(or GradingFailed when the sandbox could not run it, see jobs.py).
+
+It grades nothing while its sandbox backend cannot run (bubblewrap not installed, no Docker engine):
+/healthz answers 503 with the reason and the install hint, finished rollouts stay on the stream, and
+grading starts once the backend is there (checked every BACKEND_RECHECK_S seconds).
 
     rollstream-sandbox-grader    # configured by RS_* variables or RS_CONFIG_FILE
 """
@@ -12,6 +17,7 @@ process: throughput is set by the number of replicas. The job publishes GradeRep
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from rq import Callback, Queue, Retry, Worker
@@ -25,13 +31,16 @@ from rollstream.services.sandbox_grader.jobs import (
 )
 from rollstream.shared.contract.bus import Bus, Delivery, consumer_name, run_consumer
 from rollstream.shared.contract.events import TrajectoryFinished
+from rollstream.shared.errors import BackendUnavailable
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
+from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.tasks.harbor import load_harbor_task
 
 GROUP = "sandbox-grader"
 RETRY_BACKOFF_S = [2, 10, 30]
 JOB_SETUP_S = 60
+BACKEND_RECHECK_S = 10
 
 
 def job_timeout(event: TrajectoryFinished, settings: Settings) -> float:
@@ -41,10 +50,32 @@ def job_timeout(event: TrajectoryFinished, settings: Settings) -> float:
     return settings.grader.job_timeout_s
 
 
+def wait_for_backend(settings: Settings, runtime: ServiceRuntime) -> bool:
+    """Grade nothing until the sandbox backend can run: until then /healthz says why (with the
+    install hint) and finished rollouts wait on the stream. False when asked to stop first."""
+    while not runtime.should_stop():
+        try:
+            get_backend(settings.grader.backend)
+        except BackendUnavailable as exc:
+            if runtime.not_ready is None:
+                runtime.log.error("sandbox backend cannot run; not grading", extra={"reason": str(exc)})
+            runtime.not_ready = f"sandbox backend {settings.grader.backend!r} cannot run: {exc}"
+            time.sleep(BACKEND_RECHECK_S)
+            continue
+        if runtime.not_ready is not None:
+            runtime.log.info("sandbox backend can run now; grading")
+        runtime.not_ready = None
+        return True
+    return False
+
+
 def main() -> None:
     settings = Settings()
     runtime = ServiceRuntime("sandbox-grader", settings)
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
+    if not wait_for_backend(settings, runtime):
+        runtime.close()
+        return
     queue = Queue(f"{bus.keys.prefix}:{settings.grader.queue}", connection=bus.redis)
     enqueued = 0
 
@@ -66,7 +97,8 @@ def main() -> None:
         request = GradeRequest(redis_url=settings.redis, run_id=settings.run_id, storage_uri=settings.storage_uri,
                                ids=ids, backend=settings.grader.backend, wall_time_s=settings.grader.wall_time_s,
                                memory_mb=settings.grader.memory_mb, check=event.sandbox_check,
-                               answer=event.response_text, grader=event.grader, diff_uri=event.artifacts.get("diff"))
+                               answer=event.response_text, grader=event.grader, diff_uri=event.artifacts.get("diff"),
+                               retries=settings.grader.retries)
         retry = Retry(max=settings.grader.retries, interval=RETRY_BACKOFF_S) if settings.grader.retries else None
         queue.enqueue(grade_rollout, request.as_job_arg(), job_id=job_id, job_timeout=job_timeout(event, settings),
                       result_ttl=3600, failure_ttl=86400, retry=retry, on_failure=Callback(report_job_failure))

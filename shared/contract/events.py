@@ -229,6 +229,20 @@ class GradeReported(Event):
     """Per-test outcome (passed, failed, error, skipped) where the task's tests report them."""
 
 
+class GradingFailed(Event):
+    """The sandbox could not grade the rollout (stream `grades`): its backend cannot run here, the
+    task's files or image could not be prepared, the worker died under the job, or every retry met
+    an infrastructure error. This is not a grade and never becomes a reward: the reward service
+    leaves the rollout out of its group's batch and counts it (its sample slot is given back to the
+    dispatcher). Whatever the rollout's own code did, time-outs and crashes included, is a
+    GradeReported instead, so a policy cannot turn bad attempts into unpunished failures."""
+
+    TYPE = "GradingFailed"
+    reason: str
+    attempts: int
+    """How many times the job ran before it was given up."""
+
+
 class RewardAssigned(Event):
     """A rollout's reward and its group-relative advantage (stream `rewards`)."""
 
@@ -292,6 +306,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         TrajectorySegment,
         TrajectoryFinished,
         GradeReported,
+        GradingFailed,
         RewardAssigned,
         BatchReady,
         PolicyUpdated,

@@ -65,6 +65,8 @@ class ServiceRuntime:
         self.stopping = False
         self.status: dict[str, Any] = {}
         """Free-form facts the service wants /healthz to show (counts, version)."""
+        self.not_ready: str | None = None
+        """Why the service cannot do its work now (shown by /healthz, which then answers 503)."""
         configure_logging(name, settings.log_level)
         self.log = logging.getLogger(name)
         signal.signal(signal.SIGTERM, self._request_stop)
@@ -90,10 +92,12 @@ class ServiceRuntime:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 if self.path.startswith("/healthz"):
-                    body = json.dumps({"service": runtime.name, "status": "stopping" if runtime.stopping else "ok",
+                    state = "stopping" if runtime.stopping else "not ready" if runtime.not_ready else "ok"
+                    reason = {"reason": runtime.not_ready} if runtime.not_ready else {}
+                    body = json.dumps({"service": runtime.name, "status": state, **reason,
                                        "uptime_s": round(time.time() - runtime.started, 1), **runtime.status},
                                       default=str).encode()
-                    self._reply(503 if runtime.stopping else 200, "application/json", body)
+                    self._reply(200 if state == "ok" else 503, "application/json", body)
                 elif self.path.startswith("/metrics"):
                     self._reply(200, CONTENT_TYPE_LATEST, generate_latest())
                 else:

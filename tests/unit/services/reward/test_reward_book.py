@@ -7,6 +7,7 @@ from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import (
     GradeReported,
+    GradingFailed,
     TrajectoryFinished,
     TrajectorySegment,
     make_envelope,
@@ -37,6 +38,11 @@ def pair(run_id, group, first, answers, check=None):
 
 def grade(run_id, group, rollout, score):
     event = GradeReported(score=score, passed=score == 1.0, reason="exit 0" if score else "exit 1", duration_s=0.1)
+    return Delivery("grades", "0-3", make_envelope(event, run_id=run_id, group_id=group, rollout_id=rollout))
+
+
+def grading_failed(run_id, group, rollout):
+    event = GradingFailed(reason="grading failed and no retry is left: BackendUnavailable: no engine", attempts=4)
     return Delivery("grades", "0-3", make_envelope(event, run_id=run_id, group_id=group, rollout_id=rollout))
 
 
@@ -292,3 +298,36 @@ def test_a_reward_function_scores_every_rollout_without_waiting_for_grades(bus, 
 def test_a_bad_setting_stops_the_book_at_start(bus, tmp_path, setting, error):
     with pytest.raises(ValueError, match=error):
         RewardBook(bus, Storage(str(tmp_path)), batch_size=2, **setting)
+
+
+def test_a_rollout_whose_grading_failed_gets_no_reward_and_is_left_out_of_the_batch(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=3)
+    group = [d for i, answer in enumerate(("3", "4", "5"))
+             for d in deliveries_for(run, "g1", f"r{i + 1}", i, answer, check="test", group_size=3)]
+    assert feed(book, group + [grade(run, "g1", "r1", 1.0), grade(run, "g1", "r2", 0.0)]) == []
+    assert feed(book, [grading_failed(run, "g1", "r3")]) == ["g1"]
+    rewards = assigned(bus)
+    assert set(rewards) == {"r1", "r2"}  # no reward, not even 0, for the rollout nobody judged
+    assert rewards["r1"][1] > 0 > rewards["r2"][1] and rewards["r1"][1] == -rewards["r2"][1]
+    assert book.dropped() == {"grading_failed": 1}
+    assert int(bus.redis.get(bus.keys.filtered)) == 1  # its sample slot goes back to the dispatcher
+    assert book.flush_batches(run) == []  # two rollouts are not a batch of three
+    more = deliveries_for(run, "g2", "r4", 3, "7", group_size=1)
+    (batch,) = serve(book, more)
+    rows = read_batch(book.storage, batch.uri)
+    assert [r.rollout_id for r in rows] == ["r1", "r2", "r4"] and batch.group_ids == ["g1", "g2"]
+    assert feed(book, [grading_failed(run, "g1", "r3")]) == [] and book.dropped() == {"grading_failed": 1}
+
+
+def test_a_group_whose_every_grading_failed_is_never_batched_and_holds_nothing_back(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2)
+    broken = pair(run, "g1", 1, ("3", "4"), check="test")
+    later = pair(run, "g2", 3, ("7", "nope"))
+    assert serve(book, broken + later) == []  # g2 waits behind g1 in finish order
+    batches = serve(book, [grading_failed(run, "g1", "r1"), grading_failed(run, "g1", "r2")])
+    assert [b.group_ids for b in batches] == [["g2"]]
+    assert set(assigned(bus)) == {"r3", "r4"}
+    assert book.dropped() == {"grading_failed": 2} and book.filtered_groups() == 0
+    assert int(bus.redis.get(bus.keys.filtered)) == 2

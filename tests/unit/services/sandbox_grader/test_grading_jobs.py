@@ -9,6 +9,7 @@ import pytest
 from rq import Callback, Queue, Retry, SimpleWorker
 
 from rollstream.services.sandbox_grader.jobs import GradeRequest, grade_rollout, report_job_failure
+from rollstream.shared.contract.events import GradeReported, GradingFailed
 from rollstream.shared.runtime.storage import Storage
 from tests.support import FIXTURES
 
@@ -60,11 +61,20 @@ def test_a_passing_diff_grades_one_and_the_log_is_stored(published, tmp_path):
     assert grade.score == 1.0 and grade.passed
 
 
-def test_an_infrastructure_error_is_retried_then_reported_as_a_failed_grade(published, tmp_path):
-    queue = run_jobs(published, [("grade-r3", request(published, tmp_path, "r3", backend="docker"))])
+def test_an_infrastructure_error_is_retried_then_reported_as_grading_failed_never_as_a_grade(published, tmp_path):
+    payload = request(published, tmp_path, "r3", backend="docker", retries=2)
+    queue = run_jobs(published, [("grade-r3", payload)])
     job = queue.fetch_job("grade-r3")
     assert job.get_status() == "failed"
     assert job.retries_left == 0  # two retries were spent
-    (grade,) = [d.event for d in published.read_all("grades")]
-    assert not grade.passed and "no Docker engine reachable" in grade.reason
-    assert "no retry is left" in grade.reason
+    (failed,) = published.read_all("grades")
+    assert isinstance(failed.event, GradingFailed) and not isinstance(failed.event, GradeReported)
+    assert "no Docker engine reachable" in failed.event.reason and "no retry is left" in failed.event.reason
+    assert failed.event.attempts == 3 and failed.envelope.rollout_id == "r3"
+
+
+def test_task_files_that_vanished_are_the_machinerys_failure_not_the_rollouts(published, tmp_path):
+    payload = request(published, tmp_path, "r4", grader={"kind": "harbor", "task_dir": str(tmp_path / "gone")})
+    run_jobs(published, [("grade-r4", payload)])
+    (failed,) = [d.event for d in published.read_all("grades")]
+    assert isinstance(failed, GradingFailed) and "not a task directory" in failed.reason
