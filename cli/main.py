@@ -166,7 +166,7 @@ def run(
     """Train locally: embedded Redis (unless RS_REDIS_URL), vLLM on the CPU, every service as a process."""
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the run's services too, as Ctrl-C does
     from rollstream.cli.local_run import LocalRun, RunExists, ServiceDied, write_summary
-    from rollstream.shared.errors import DatasetError
+    from rollstream.shared.errors import BackendUnavailable, DatasetError
     from rollstream.shared.runtime.config import Settings
 
     overrides: dict = {"run_id": run_id or time.strftime("run-%Y%m%d-%H%M%S")}
@@ -190,7 +190,7 @@ def run(
             progress = local.wait_for_version(target, timeout, on_progress=lambda p: live.update(progress_table(p, target)))
     except KeyboardInterrupt:
         console.print("interrupted: stopping every service")
-    except (DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
+    except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
         console.print(f"[bold red]run failed:[/] {exc}", markup=True)
         raise typer.Exit(1) from None
     finally:
@@ -202,19 +202,26 @@ def run(
     path = write_summary(local.run_dir, summary)
     console.print()
     console.print(summary_table(summary))
+    if summary["grading_failed"]:
+        console.print(f"[bold yellow]warning:[/] {summary['grading_failed']} rollouts could not be graded (the sandbox "
+                      f"did not run them); they got no reward and were left out of their batches: see the "
+                      f"sandbox-grader log in {local.log_dir}", markup=True)
     console.print(f"run files: {local.run_dir} (summary: {path})")
 
 
 def progress_table(progress, target: int) -> Table:
     table = Table(title="rollstream: local run", show_header=True)
-    for column in ("admitted", "finished", "graded", "batches", "policy version", "last batch reward", "dead letters"):
+    for column in ("admitted", "finished", "graded", "grading failed", "batches", "policy version",
+                   "last batch reward", "dead letters"):
         table.add_column(column, justify="right")
     if progress is None:
-        table.add_row("-", "-", "-", "-", f"0/{target}", "-", "-")
+        table.add_row("-", "-", "-", "-", "-", f"0/{target}", "-", "-")
         return table
     reward = f"{progress.batches[-1].mean_reward:.3f}" if progress.batches else "-"
-    table.add_row(str(progress.admitted), str(progress.finished), str(progress.graded), str(len(progress.batches)),
-                  f"{progress.version}/{target}", reward, str(len(progress.dead_letters)))
+    failed = f"[bold red]{progress.grading_failed}[/]" if progress.grading_failed else "0"
+    table.add_row(str(progress.admitted), str(progress.finished), str(progress.graded - progress.grading_failed),
+                  failed, str(len(progress.batches)), f"{progress.version}/{target}", reward,
+                  str(len(progress.dead_letters)))
     return table
 
 
@@ -234,7 +241,9 @@ def summary_table(summary: dict) -> Table:
     learning = (f"batch mean reward {sum(rewards[:window]) / window:.3f} (first {window} versions) -> "
                 f"{sum(rewards[-window:]) / window:.3f} (last {window}); " if rewards else "")
     table.caption = (learning + f"{summary['samples_admitted']} samples, {summary['trajectories_finished']} trajectories, "
-                     f"{summary['grades']} sandbox grades, {summary['batches']} batches, "
+                     f"{summary['grades'] - summary['grading_failed']} sandbox grades, "
+                     f"{summary['grading_failed']} gradings that could not run (left out of their batches), "
+                     f"{summary['batches']} batches, "
                      f"{summary['dead_letters']} dead letters"
                      + (f", vLLM up in {summary['vllm_startup_s']}s" if summary.get("vllm_startup_s") else ""))
     return table

@@ -40,7 +40,7 @@ from rollstream.shared.tasks.harbor import load_harbor_task
 GROUP = "sandbox-grader"
 RETRY_BACKOFF_S = [2, 10, 30]
 JOB_SETUP_S = 60
-BACKEND_RECHECK_S = 10
+BACKEND_RECHECK_S = 5
 
 
 def job_timeout(event: TrajectoryFinished, settings: Settings) -> float:
@@ -60,7 +60,9 @@ def wait_for_backend(settings: Settings, runtime: ServiceRuntime) -> bool:
             if runtime.not_ready is None:
                 runtime.log.error("sandbox backend cannot run; not grading", extra={"reason": str(exc)})
             runtime.not_ready = f"sandbox backend {settings.grader.backend!r} cannot run: {exc}"
-            time.sleep(BACKEND_RECHECK_S)
+            recheck = time.monotonic() + BACKEND_RECHECK_S
+            while time.monotonic() < recheck and not runtime.should_stop():
+                time.sleep(0.2)
             continue
         if runtime.not_ready is not None:
             runtime.log.info("sandbox backend can run now; grading")

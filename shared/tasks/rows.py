@@ -29,6 +29,11 @@ class PromptRow:
     tools: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def needs_sandbox(self) -> bool:
+        """Graded in a sandbox: by its shell check, or by a task's tests (metadata["grader"])."""
+        return bool(self.sandbox_check or self.metadata.get("grader"))
+
 
 def parse_row(record: Any, where: str) -> PromptRow:
     if not isinstance(record, dict):
