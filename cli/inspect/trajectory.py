@@ -33,6 +33,7 @@ from rollstream.shared.contract.events import (
     BatchReady,
     Envelope,
     GradeReported,
+    GradingFailed,
     PolicyUpdated,
     PromptIssued,
     RewardAssigned,
@@ -138,7 +139,7 @@ def load_rollout(source: RunSource, rollout_id: str) -> RolloutView:
 
     prompts = [e for e in histories["prompts"] if mine(e) and isinstance(e.payload, PromptIssued)]
     trajectory = [e for e in histories["trajectories"] if mine(e)]
-    grades = [e for e in histories["grades"] if mine(e) and isinstance(e.payload, GradeReported)]
+    grades = [e for e in histories["grades"] if mine(e) and isinstance(e.payload, (GradeReported, GradingFailed))]
     rewards = [e for e in histories["rewards"] if mine(e) and isinstance(e.payload, RewardAssigned)]
     if not (prompts or trajectory or grades or rewards):
         known: list[str] = []
@@ -232,7 +233,7 @@ def rollout_document(view: RolloutView, decoder: TokenDecoder | None) -> dict[st
         attempts.append({"attempt": attempt.attempt, "server_url": started, "turns": turns, "segments": segments,
                          "finished": finished})
     doc["attempts"] = attempts
-    doc["grades"] = [{"event_id": g.event_id, **g.payload.model_dump(mode="json")} for g in view.grades]
+    doc["grades"] = [{"event_id": g.event_id, "type": g.type, **g.payload.model_dump(mode="json")} for g in view.grades]
     doc["rewards"] = [{"event_id": r.event_id, **r.payload.model_dump(mode="json")} for r in view.rewards]
     batches = []
     for envelope in view.batches:
@@ -338,6 +339,11 @@ def render_rollout(doc: dict[str, Any]) -> Group:
     if not doc["attempts"]:
         out.append(Text("no trajectory events", style="yellow"))
     for grade in doc["grades"]:
+        if grade["type"] == GradingFailed.TYPE:
+            out.append(Text.assemble(("GradingFailed", "bold red"), f"  the sandbox could not grade it after "
+                                     f"{grade['attempts']} attempt(s): {grade['reason']!r}; no reward, left out "
+                                     "of its group's batch"))
+            continue
         out.append(Text.assemble(("GradeReported", "bold"), f"  score {grade['score']}, ",
                                  ("passed", "green") if grade["passed"] else ("failed", "red"),
                                  f", reason {grade['reason']!r}, {grade['duration_s']:.2f}s"))

@@ -1,0 +1,97 @@
+"""A grading the sandbox could not run never becomes a reward, in a running pipeline: the real
+sandbox-grader (RQ worker, bubblewrap) and reward services, with an infrastructure failure injected
+by the environment (the grader's temp directory is out of the sandbox user's reach, so no sandbox
+can start). The affected rollouts end as GradingFailed, get no reward, stay out of every batch and
+are counted; the rollouts around them are rewarded and batched as usual.
+
+    python -m pytest tests/integration/test_grading_failures.py -q   (needs bwrap and a local Redis)
+"""
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollstream.cli.local_run import LocalRun
+from rollstream.shared.contract.batches import read_batch
+from rollstream.shared.contract.events import (
+    GradeReported,
+    GradingFailed,
+    RewardAssigned,
+    TrajectoryFinished,
+    TrajectorySegment,
+)
+from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.storage import Storage
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(os.geteuid() != 0 or shutil.which("bwrap") is None,
+                                 reason="needs bwrap, run as root (the sandbox then uses a host uid of its own)")]
+
+
+def publish_rollout(bus, group: str, rollout: str, sample_index: int, answer: str, check: str | None) -> None:
+    ids = dict(group_id=group, rollout_id=rollout, trajectory_id=rollout, session_id=rollout)
+    segment = TrajectorySegment(segment_index=0, attempt="a1", tokens=[1, 2, 3], response_length=1, loss_mask=[0, 0, 1],
+                                rollout_logprobs=[0.0, 0.0, -0.3], turn_policy_versions=[0], status="completed",
+                                response_text=answer, sample_index=sample_index, group_size=2)
+    bus.publish("trajectories", segment, **ids)
+    bus.publish("trajectories", TrajectoryFinished(status="completed", attempt="a1", segment_count=1, group_size=2,
+                                                   sample_index=sample_index, response_text=answer, label="7",
+                                                   sandbox_check=check), **ids)
+
+
+@pytest.fixture
+def unreachable_tmp(monkeypatch):
+    """A temp directory only root can enter: every sandbox workspace made in it is out of reach of the
+    sandbox's unprivileged uid, which is what a misconfigured grader host looks like."""
+    path = Path(tempfile.mkdtemp(prefix="rs-test-private-tmp-"))
+    path.chmod(0o700)
+    monkeypatch.setenv("TMPDIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_rollouts_whose_grading_could_not_run_get_no_reward_and_no_batch(tmp_path, machine_redis_url, unreachable_tmp):
+    run_id = f"gradefail-{uuid.uuid4().hex[:8]}"
+    settings = Settings(run_id=run_id, redis_url=machine_redis_url, storage_uri=str(tmp_path / "runs"),
+                        data={"samples_per_prompt": 2}, train={"batch_size": 2}, grader={"retries": 1},
+                        recorder={"enabled": False})
+    local = LocalRun(settings, services=("sandbox-grader", "reward"))
+    try:
+        local.start()
+        bus = local.bus
+        check = "grep -q 7 answer.txt"
+        publish_rollout(bus, "g1", "r1", 0, "7", check)   # both sandboxed: the whole group cannot be graded
+        publish_rollout(bus, "g1", "r2", 1, "3", check)
+        publish_rollout(bus, "g2", "r3", 2, "7", check)   # one sandboxed, one by rule
+        publish_rollout(bus, "g2", "r4", 3, "7", None)
+        publish_rollout(bus, "g3", "r5", 4, "7", None)    # no sandbox at all
+        publish_rollout(bus, "g3", "r6", 5, "x", None)
+        local.wait_drained(timeout_s=180)
+
+        grades = {d.envelope.rollout_id: d.event for d in bus.read_all("grades")}
+        assert set(grades) == {"r1", "r2", "r3"}
+        assert all(isinstance(event, GradingFailed) for event in grades.values())
+        assert not any(isinstance(event, GradeReported) for event in grades.values())
+        assert all("WorkspaceError" in event.reason and event.attempts == 2 for event in grades.values())
+
+        rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards") if isinstance(d.event, RewardAssigned)}
+        assert set(rewards) == {"r4", "r5", "r6"}  # nothing for r1..r3: not even a reward of 0
+        rows = [row for d in bus.read_all("batches") for row in read_batch(Storage(settings.storage_uri), d.event.uri)]
+        assert sorted(row.rollout_id for row in rows) == ["r4", "r5", "r6"]
+
+        reward_health = httpx.get(f"http://127.0.0.1:{local.health_ports['reward']}/healthz", timeout=5).json()
+        assert reward_health["rollouts_dropped"] == {"grading_failed": 3}
+        assert int(bus.redis.get(bus.keys.filtered)) == 3  # their slots go back to the dispatcher
+        assert local.progress_reader.update().grading_failed == 3
+    except BaseException:
+        for name in local.processes:
+            print(f"--- {name}\n{local.log_tail(name, 40)}")
+        raise
+    finally:
+        local.stop()
+        local.bus.delete_run()
