@@ -30,6 +30,7 @@ from rollstream.shared.contract.bus import STREAMS, Bus
 from rollstream.shared.contract.events import (
     BatchReady,
     GradeReported,
+    GradingFailed,
     PolicyUpdated,
     PromptIssued,
     RewardAssigned,
@@ -338,6 +339,20 @@ def test_trajectory_without_a_tokenizer_shows_ids_and_an_unknown_rollout_lists_r
     assert result.exit_code == 1
     output = " ".join(result.output.split())
     assert "no rollout 'nope'" in output and built.rollouts[0] in output and built.rollouts[1] in output
+
+
+def test_trajectory_shows_a_grading_that_could_not_run_as_such(bus, tmp_path, tokenizer):
+    built = build_run(bus, str(tmp_path), tokenizer)
+    rollout = built.rollouts[1]
+    bus.publish("grades", GradingFailed(reason="grading failed and no retry is left: WorkspaceError: unreachable",
+                                        attempts=4), event_id=f"{rollout}:grade", rollout_id=rollout,
+                trajectory_id=rollout, session_id=rollout)
+    view = load_rollout(open_run(bus.redis, str(tmp_path), built.run), rollout)
+    doc = rollout_document(view, None)
+    assert [(g["type"], g["attempts"]) for g in doc["grades"]] == [("GradingFailed", 4)]
+    text = " ".join(rendered(render_rollout(doc)).split())
+    assert "GradingFailed the sandbox could not grade it after 4 attempt(s)" in text
+    assert "no reward, left out of its group's batch" in text
 
 
 # ---------------------------------------------------------------------------------------------- diff
