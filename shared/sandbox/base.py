@@ -1,12 +1,25 @@
-"""The sandbox contract: what one run may use (SandboxLimits), what it gives back (SandboxResult), and
-the protocol every backend implements.
+"""The sandbox contract: what one run may use (SandboxLimits), what it gives back (SandboxResult), the
+protocol every backend implements, and where in the sandbox a caller may put things (`place_mounts`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+from rollstream.shared.errors import SandboxError
+
+DEFAULT_WORKDIR = "/workspace"
+"""Where the workspace is in the sandbox unless the caller names another place (a Harbor task's
+WORKDIR, e.g. /app)."""
+
+
+SYSTEM_PATHS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc",
+                "/sys", "/dev", "/tmp")
+"""The sandbox's own paths: the workspace and extra mounts may be none of them nor lie under one
+(except "/", under which everything lies)."""
 
 
 @dataclass(frozen=True)
@@ -61,4 +74,39 @@ class SandboxBackend(Protocol):
 
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
-            env: dict[str, str] | None = None, image: str | None = None) -> SandboxResult: ...
+            env: dict[str, str] | None = None, image: str | None = None,
+            workdir: str = DEFAULT_WORKDIR) -> SandboxResult:
+        """Run `/bin/sh -c command` with `workspace` mounted read-write at `workdir` in the sandbox,
+        which is also the command's working directory and HOME; mounts map sandbox paths to host
+        paths (see place_mounts)."""
+        ...
+
+
+def sandbox_path(path: str, what: str) -> str:
+    """`path` with repeated and trailing slashes dropped, when it is a place a caller may mount
+    something in the sandbox: absolute, without `.` or `..`, not (under) one of SYSTEM_PATHS.
+    Else SandboxError, naming it as `what`."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path \
+            or any(part in ("..", ".") for part in path.split("/")):
+        raise SandboxError(f"{what} {path!r} must be an absolute path without . or ..")
+    path = "/" + "/".join(part for part in path.split("/") if part)
+    for reserved in SYSTEM_PATHS:
+        if path == reserved or (reserved != "/" and path.startswith(reserved + "/")):
+            raise SandboxError(f"{what} {path!r} is (under) the sandbox's {reserved}")
+    return path
+
+
+def place_mounts(workdir: str, targets: Iterable[str]) -> tuple[str, list[str]]:
+    """The workspace's sandbox path and the extra mounts' sandbox paths, each checked and
+    normalized by sandbox_path. A mount may not be, contain or lie under the workspace (one would
+    hide the other), and no target may be given twice."""
+    workdir = sandbox_path(workdir, "workdir")
+    checked: list[str] = []
+    for target in targets:
+        target = sandbox_path(target, "bind target")
+        if target == workdir or target.startswith(workdir + "/") or workdir.startswith(target + "/"):
+            raise SandboxError(f"bind target {target!r} overlaps the workspace at {workdir}")
+        if target in checked:
+            raise SandboxError(f"bind target {target!r} given twice")
+        checked.append(target)
+    return workdir, checked

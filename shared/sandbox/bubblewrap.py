@@ -9,18 +9,20 @@ The command was written by a model under training, so it is treated as hostile. 
   /etc/alternatives and a few /etc files, plus a made-up /etc/passwd, /etc/group and /etc/hosts;
   the host's /, /root, /home, /work and every other path are not there at all;
 * a fresh /proc and /dev, and size-capped tmpfs mounts at /tmp and /dev/shm;
-* the workspace, read-write at /workspace, which is also its working directory;
+* the workspace, read-write at `workdir` (/workspace unless the caller names another place, e.g.
+  a Harbor task's WORKDIR /app), which is also its working directory;
 * what the caller adds with `extra_binds`: (host path, sandbox path, read_only) triples, e.g. a
-  task's tests read-only at /tests and a log directory read-write at /logs. Sandbox paths are
-  absolute, without `..`, and may not be or lie under a system path (/usr, /proc, /etc, ...) or
-  /workspace. When we are root, a read-write bind is chowned to the sandbox uid for the run and
-  back afterwards like the workspace (shared/sandbox/host_uids.py); a read-only one must be
-  readable by others (o+r, parents o+x).
+  task's tests read-only at /tests and a log directory read-write at /logs. The workdir and the
+  binds' sandbox paths are absolute, without `..`, and may not be or lie under a system path
+  (/usr, /proc, /etc, /tmp, ...); a bind may not overlap the workdir (base.place_mounts). When we
+  are root, a read-write bind is chowned to the sandbox uid for the run and back afterwards like
+  the workspace (shared/sandbox/host_uids.py); a read-only one must be readable by others (o+r,
+  parents o+x).
 
 It gets its own user, pid, network (only a loopback: no network), ipc, uts and cgroup
-namespaces, a clean environment (PATH, HOME=/workspace, LANG, plus what the caller passes), no
+namespaces, a clean environment (PATH, HOME=the workdir, LANG, plus what the caller passes), no
 capabilities, no way to make further user namespaces, and the root of its file system is
-remounted read-only (only /workspace, /tmp and /dev/shm are writable).
+remounted read-only (only the workdir, read-write binds, /tmp and /dev/shm are writable).
 
 Limits. The wall clock kills the whole sandbox: SIGKILL to the sandbox's pid 1 (the kernel then
 kills every process in its pid namespace) and to bwrap's process group (bwrap runs with
@@ -66,7 +68,12 @@ from rollstream.shared.errors import (
     SandboxUnavailable,
     WorkspaceError,
 )
-from rollstream.shared.sandbox.base import SandboxLimits, SandboxResult
+from rollstream.shared.sandbox.base import (
+    DEFAULT_WORKDIR,
+    SandboxLimits,
+    SandboxResult,
+    place_mounts,
+)
 from rollstream.shared.sandbox.host_uids import (
     check_reachable,
     count_tasks,
@@ -104,8 +111,9 @@ _TOP_LEVEL_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
 def run_in_sandbox(command: str, workspace: Path, limits: SandboxLimits = SandboxLimits(),
                    env: dict[str, str] | None = None,
-                   extra_binds: list[tuple[Path, str, bool]] | None = None) -> SandboxResult:
-    """Run `/bin/sh -c command` in /workspace (= `workspace` on the host) inside the sandbox.
+                   extra_binds: list[tuple[Path, str, bool]] | None = None,
+                   workdir: str = DEFAULT_WORKDIR) -> SandboxResult:
+    """Run `/bin/sh -c command` in `workdir` (= `workspace` on the host) inside the sandbox.
     extra_binds: (host path, sandbox path, read_only) mounted in addition to the workspace."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
@@ -114,9 +122,9 @@ def run_in_sandbox(command: str, workspace: Path, limits: SandboxLimits = Sandbo
     workspace = Path(workspace).resolve()
     if not workspace.is_dir():
         raise WorkspaceError(f"workspace {workspace} is not a directory")
-    binds = _check_binds(extra_binds or [])
+    workdir, binds = _check_binds(extra_binds or [], workdir)
     if os.geteuid() != 0:
-        return _run(bwrap, command, workspace, limits, env or {}, None, binds)
+        return _run(bwrap, command, workspace, limits, env or {}, None, binds, workdir)
     check_reachable(workspace)
     for host, _, _ in binds:
         check_reachable(host)
@@ -124,42 +132,32 @@ def run_in_sandbox(command: str, workspace: Path, limits: SandboxLimits = Sandbo
     with sandbox_host_uid() as host_uid:
         try:
             with lent_to(host_uid, writable):
-                return _run(bwrap, command, workspace, limits, env or {}, host_uid, binds)
+                return _run(bwrap, command, workspace, limits, env or {}, host_uid, binds, workdir)
         finally:
             kill_leftovers(host_uid)
 
 
-_RESERVED_SANDBOX_PATHS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
-                           "/etc", "/proc", "/dev", "/tmp", "/workspace")
-
-
-def _check_binds(binds: list[tuple[Path, str, bool]]) -> list[tuple[Path, str, bool]]:
-    """Validate extra binds: existing host paths, absolute sandbox paths outside system paths."""
-    checked: list[tuple[Path, str, bool]] = []
-    seen: set[str] = set()
-    for host, target, read_only in binds:
+def _check_binds(binds: list[tuple[Path, str, bool]],
+                 workdir: str) -> tuple[str, list[tuple[Path, str, bool]]]:
+    """The workdir and the extra binds, checked: existing host paths, sandbox paths a caller may
+    use (base.place_mounts), normalized."""
+    hosts = []
+    for host, _, _ in binds:
         host = Path(host).resolve()
         if not host.exists():
             raise SandboxError(f"bind source {host} does not exist")
-        if not isinstance(target, str) or not target.startswith("/") or "\0" in target \
-                or any(part in ("..", ".") for part in target.split("/")):
-            raise SandboxError(f"bind target {target!r} must be an absolute path without . or ..")
-        target = "/" + "/".join(part for part in target.split("/") if part)
-        for reserved in _RESERVED_SANDBOX_PATHS:
-            if target == reserved or (reserved != "/" and target.startswith(reserved + "/")):
-                raise SandboxError(f"bind target {target!r} is (under) the sandbox's {reserved}")
-        if target in seen:
-            raise SandboxError(f"bind target {target!r} given twice")
-        seen.add(target)
-        checked.append((host, target, bool(read_only)))
-    return checked
+        hosts.append(host)
+    workdir, targets = place_mounts(workdir, [target for _, target, _ in binds])
+    return workdir, [(host, target, bool(read_only))
+                     for host, target, (_, _, read_only) in zip(hosts, targets, binds)]
 
 
 def _run(bwrap: str, command: str, workspace: Path, limits: SandboxLimits, env: dict[str, str],
-         host_uid: int | None, binds: list[tuple[Path, str, bool]] = ()) -> SandboxResult:
+         host_uid: int | None, binds: list[tuple[Path, str, bool]],
+         workdir: str) -> SandboxResult:
     data_fds: list[int] = []
     try:
-        args = _bwrap_args(bwrap, command, workspace, limits, env, data_fds, binds)
+        args = _bwrap_args(bwrap, command, workspace, limits, env, data_fds, binds, workdir)
         nproc = limits.max_processes if host_uid is not None else \
             limits.max_processes + count_tasks(os.getuid())
         started = time.monotonic()
@@ -183,13 +181,13 @@ def _run(bwrap: str, command: str, workspace: Path, limits: SandboxLimits, env: 
 
 
 def _bwrap_args(bwrap: str, command: str, workspace: Path, limits: SandboxLimits,
-                env: dict[str, str], data_fds: list[int],
-                binds: list[tuple[Path, str, bool]] = ()) -> list[str]:
+                env: dict[str, str], data_fds: list[int], binds: list[tuple[Path, str, bool]],
+                workdir: str) -> list[str]:
     """The bwrap command line; files made up for the sandbox are passed as pipe fds in data_fds."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--cap-drop", "ALL", "--hostname", "sandbox",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--clearenv"]
-    full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8"}
+    full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"}
     full_env.update(env)
     for key, value in full_env.items():
         if not key or "=" in key or "\0" in key or "\0" in value:
@@ -206,7 +204,7 @@ def _bwrap_args(bwrap: str, command: str, workspace: Path, limits: SandboxLimits
         args += ["--ro-bind-try", path, path]
     made_up = {
         "/etc/passwd": f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
-                       f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:/workspace:/bin/sh\n"
+                       f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{workdir}:/bin/sh\n"
                        f"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
         "/etc/group": f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n",
         "/etc/hosts": "127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost ip6-loopback\n",
@@ -221,11 +219,11 @@ def _bwrap_args(bwrap: str, command: str, workspace: Path, limits: SandboxLimits
     args += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", tmp_bytes, "--tmpfs", "/tmp",
              "--perms", "1777", "--size", tmp_bytes, "--tmpfs", "/dev/shm",
-             "--bind", str(workspace), "/workspace"]
+             "--bind", str(workspace), workdir]
     for host, target, read_only in binds:
         args += ["--ro-bind" if read_only else "--bind", str(host), target]
     args += ["--remount-ro", "/", "--remount-ro", "/dev",
-             "--chdir", "/workspace", "--as-pid-1", "--", "/bin/sh", "-c", _PID_1, "sandbox", command]
+             "--chdir", workdir, "--as-pid-1", "--", "/bin/sh", "-c", _PID_1, "sandbox", command]
     return args
 
 
@@ -376,7 +374,8 @@ class BubblewrapBackend:
 
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
-            env: dict[str, str] | None = None, image: str | None = None) -> SandboxResult:
+            env: dict[str, str] | None = None, image: str | None = None,
+            workdir: str = DEFAULT_WORKDIR) -> SandboxResult:
         binds = [(Path(host), target, True) for target, host in (ro_mounts or {}).items()]
         binds += [(Path(host), target, False) for target, host in (rw_mounts or {}).items()]
         full_env = dict(env or {})
@@ -384,4 +383,5 @@ class BubblewrapBackend:
             binds.append((self.tools, PYTHON_TOOLS_MOUNT, True))
             full_env.setdefault("PATH", f"{PYTHON_TOOLS_MOUNT}/bin:/usr/local/bin:/usr/bin:/bin")
             full_env.setdefault("PYTHONPATH", f"{PYTHON_TOOLS_MOUNT}/site")
-        return run_in_sandbox(command, workspace, limits, full_env, extra_binds=binds)
+        return run_in_sandbox(command, workspace, limits, full_env, extra_binds=binds,
+                              workdir=workdir)

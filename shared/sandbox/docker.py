@@ -2,8 +2,10 @@
 
 Each run: network "none", read-only root, all capabilities dropped, no-new-privileges, memory =
 memory+swap limit, CPU quota, pids limit, user 65534:65534, a noexec size-capped tmpfs at /tmp,
-capped logs, the workspace bind-mounted read-write at /workspace; waited on with the wall clock,
-killed after it, always removed. A Harbor task's environment/ directory is built into
+capped logs, the workspace bind-mounted read-write at `workdir` (/workspace unless the caller names
+another place, e.g. a Harbor task's WORKDIR /app, where the mount hides what the image has there)
+and the command run in it; waited on with the wall clock, killed after it, always removed. The
+workdir and the mounts' targets are checked as bubblewrap checks them (base.place_mounts). A Harbor task's environment/ directory is built into
 `rollstream-task:<content hash>` once (skipped when that tag exists). `BackendUnavailable` when no
 engine is reachable.
 
@@ -21,7 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.shared.errors import BackendUnavailable
-from rollstream.shared.sandbox.base import SandboxLimits, SandboxResult
+from rollstream.shared.sandbox.base import (
+    DEFAULT_WORKDIR,
+    SandboxLimits,
+    SandboxResult,
+    place_mounts,
+)
 from rollstream.shared.sandbox.host_uids import lent_to
 
 log = logging.getLogger(__name__)
@@ -73,23 +80,26 @@ class DockerBackend:
 
     def container_options(self, workspace: Path, limits: SandboxLimits,
                           ro_mounts: dict[str, Path], rw_mounts: dict[str, Path],
-                          env: dict[str, str]) -> dict[str, Any]:
+                          env: dict[str, str], workdir: str = DEFAULT_WORKDIR) -> dict[str, Any]:
+        """The containers.run keyword arguments of one run; SandboxError for a workdir or mount
+        target that place_mounts refuses."""
         from docker.types import LogConfig, Ulimit
         mib = 1024 * 1024
-        volumes = {str(Path(workspace).resolve()): {"bind": "/workspace", "mode": "rw"}}
-        for target, host in ro_mounts.items():
-            volumes[str(Path(host).resolve())] = {"bind": target, "mode": "ro"}
-        for target, host in rw_mounts.items():
-            volumes[str(Path(host).resolve())] = {"bind": target, "mode": "rw"}
+        mounts = [(host, "ro") for host in ro_mounts.values()] + \
+            [(host, "rw") for host in rw_mounts.values()]
+        workdir, targets = place_mounts(workdir, [*ro_mounts, *rw_mounts])
+        volumes = {str(Path(workspace).resolve()): {"bind": workdir, "mode": "rw"}}
+        for (host, mode), target in zip(mounts, targets):
+            volumes[str(Path(host).resolve())] = {"bind": target, "mode": mode}
         full_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                    "HOME": "/workspace", "LANG": "C.UTF-8", **env}
+                    "HOME": workdir, "LANG": "C.UTF-8", **env}
         return dict(
             detach=True, network_mode="none", read_only=True, cap_drop=["ALL"],
             security_opt=["no-new-privileges"], mem_limit=f"{limits.memory_mb}m",
             memswap_limit=f"{limits.memory_mb}m", nano_cpus=int(self.cpus * 1e9),
             pids_limit=limits.max_processes, user=self.SANDBOX_USER,
             tmpfs={"/tmp": f"size={limits.tmp_size_mb}m,noexec"},
-            volumes=volumes, working_dir="/workspace", environment=full_env,
+            volumes=volumes, working_dir=workdir, environment=full_env,
             ulimits=[Ulimit(name="fsize", soft=limits.max_file_size_mb * mib,
                             hard=limits.max_file_size_mb * mib),
                      Ulimit(name="nofile", soft=limits.max_open_files, hard=limits.max_open_files),
@@ -102,9 +112,11 @@ class DockerBackend:
 
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
-            env: dict[str, str] | None = None, image: str | None = None) -> SandboxResult:
+            env: dict[str, str] | None = None, image: str | None = None,
+            workdir: str = DEFAULT_WORKDIR) -> SandboxResult:
         ro_mounts, rw_mounts = dict(ro_mounts or {}), dict(rw_mounts or {})
-        options = self.container_options(workspace, limits, ro_mounts, rw_mounts, env or {})
+        options = self.container_options(workspace, limits, ro_mounts, rw_mounts, env or {},
+                                         workdir)
         writable = [Path(workspace)] + [Path(host) for host in rw_mounts.values()]
         sandbox_uid = int(self.SANDBOX_USER.split(":")[0])
         # as root, the container's uid 65534 must be able to write the workspace

@@ -2,7 +2,8 @@
 
 `get_backend` (shared/sandbox/backends.py) refuses it unless the name is exactly "unsafe-local" and
 allow_unsafe=True. It cannot provide mounts (no /tests, /logs), so it runs commands, not Harbor
-grading.
+grading; nor can it put the workspace at a `workdir`: the command runs in the host directory
+itself, so absolute paths such as /app or /workspace do not lead to it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 from rollstream.shared.errors import BackendUnavailable
-from rollstream.shared.sandbox.base import SandboxLimits, SandboxResult
+from rollstream.shared.sandbox.base import DEFAULT_WORKDIR, SandboxLimits, SandboxResult
 
 
 class UnsafeLocalBackend:
@@ -26,7 +27,8 @@ class UnsafeLocalBackend:
 
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
-            env: dict[str, str] | None = None, image: str | None = None) -> SandboxResult:
+            env: dict[str, str] | None = None, image: str | None = None,
+            workdir: str = DEFAULT_WORKDIR) -> SandboxResult:
         if ro_mounts or rw_mounts:
             raise BackendUnavailable("unsafe-local cannot mount "
                                      f"{sorted({**(ro_mounts or {}), **(rw_mounts or {})})}: it "

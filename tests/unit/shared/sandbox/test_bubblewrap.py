@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.shared.errors import SandboxUnavailable, WorkspaceError
+from rollstream.shared.errors import SandboxError, SandboxUnavailable, WorkspaceError
 from rollstream.shared.sandbox import bubblewrap
 from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.sandbox.bubblewrap import run_in_sandbox
@@ -337,6 +337,60 @@ def test_workspace_out_of_reach_is_a_clear_error(tmp_path):
         pytest.skip(f"{hidden} is searchable by others here")
     with pytest.raises(WorkspaceError, match="not reachable"):
         run_in_sandbox("true", tmp_path)
+
+
+def test_the_workspace_can_sit_at_a_tasks_workdir(base, workspace):
+    (workspace / "data.txt").write_text("in the workspace\n")
+    (base / "tests").mkdir()
+    (base / "tests" / "check.sh").write_text("cat /app/data.txt\n")
+    result = run_in_sandbox("pwd; echo $HOME; sh /tests/check.sh; echo new > /app/new.txt; "
+                            "ls /workspace 2>/dev/null || echo no-workspace", workspace,
+                            extra_binds=[(base / "tests", "/tests", True)], workdir="/app")
+    assert result.exit_code == 0, result
+    assert result.stdout == "/app\n/app\nin the workspace\nno-workspace\n"
+    assert (workspace / "new.txt").read_text() == "new\n"
+    nested = run_in_sandbox("pwd", workspace, workdir="//srv/task//app/")
+    assert (nested.exit_code, nested.stdout) == (0, "/srv/task/app\n")
+
+
+@pytest.mark.parametrize("workdir, message", [
+    ("app", "must be an absolute path"),
+    ("/app/../etc", "must be an absolute path without . or .."),
+    ("/srv/./app", "must be an absolute path without . or .."),
+    ("/", "is \\(under\\) the sandbox's /"),
+    ("/usr/src/app", "is \\(under\\) the sandbox's /usr"),
+    ("/etc", "is \\(under\\) the sandbox's /etc"),
+    ("/proc/app", "is \\(under\\) the sandbox's /proc"),
+    ("/tmp/app", "is \\(under\\) the sandbox's /tmp"),
+    ("/dev/shm", "is \\(under\\) the sandbox's /dev"),
+    ("/lib64", "is \\(under\\) the sandbox's /lib64"),
+])
+def test_a_bad_workdir_is_refused(workspace, workdir, message):
+    with pytest.raises(SandboxError, match=f"workdir .*{message}"):
+        run_in_sandbox("touch /tmp/ran", workspace, workdir=workdir)
+    with pytest.raises(SandboxError, match=f"workdir .*{message}"):
+        bubblewrap.BubblewrapBackend(python_tools=False).run(
+            "true", workspace, limits=SandboxLimits(), workdir=workdir)
+
+
+def test_binds_may_not_overlap_the_workspace(base, workspace):
+    (base / "other").mkdir()
+    for target, workdir in [("/workspace", "/workspace"), ("/workspace/tests", "/workspace"),
+                            ("/app", "/app"), ("/app/tests", "/app"), ("/srv", "/srv/app")]:
+        with pytest.raises(SandboxError, match=f"bind target '{target}' overlaps the workspace"):
+            run_in_sandbox("true", workspace, extra_binds=[(base / "other", target, True)],
+                           workdir=workdir)
+    with pytest.raises(SandboxError, match="bind target '/usr/x' is \\(under\\) the sandbox's /usr"):
+        run_in_sandbox("true", workspace, extra_binds=[(base / "other", "/usr/x", True)])
+    with pytest.raises(SandboxError, match="given twice"):
+        run_in_sandbox("true", workspace, extra_binds=[(base / "other", "/o", True),
+                                                      (base / "other", "/o/", False)])
+    # /workspace is only reserved while the workspace is there
+    (base / "other" / "marker").write_text("other\n")
+    (base / "other" / "marker").chmod(0o644)
+    moved = run_in_sandbox("cat /workspace/marker", workspace, workdir="/app",
+                           extra_binds=[(base / "other", "/workspace", True)])
+    assert (moved.exit_code, moved.stdout) == (0, "other\n"), moved
 
 
 def test_missing_bwrap_is_a_clear_error(workspace, monkeypatch):

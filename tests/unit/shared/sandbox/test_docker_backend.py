@@ -18,7 +18,7 @@ import requests
 from docker.errors import DockerException, ImageNotFound
 from docker.types import LogConfig, Ulimit
 
-from rollstream.shared.errors import BackendUnavailable
+from rollstream.shared.errors import BackendUnavailable, SandboxError
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.sandbox.docker import DockerBackend, directory_hash
@@ -92,6 +92,41 @@ def test_hardened_container_parameters(dirs):
     container.remove.assert_called_once_with(force=True)
     # the workspace is the caller's again afterwards (it was handed to uid 65534 for the run)
     assert (dirs / "workspace" / "a.txt").stat().st_uid == os.getuid()
+
+
+def test_workspace_bind_and_working_dir_follow_the_workdir(dirs):
+    client, container = _client()
+    result = DockerBackend(client=client).run(
+        "pytest /tests", dirs / "workspace", limits=LIMITS, ro_mounts={"/tests": dirs / "tests"},
+        rw_mounts={"/logs": dirs / "logs"}, env={"WORKSPACE": "/app"}, image="rollstream-task:abc",
+        workdir="/app/")
+    assert result.exit_code == 0
+    kwargs = client.containers.run.call_args.kwargs
+    assert kwargs["volumes"] == {
+        str((dirs / "workspace").resolve()): {"bind": "/app", "mode": "rw"},
+        str((dirs / "tests").resolve()): {"bind": "/tests", "mode": "ro"},
+        str((dirs / "logs").resolve()): {"bind": "/logs", "mode": "rw"},
+    }
+    assert kwargs["working_dir"] == "/app"
+    assert kwargs["environment"]["HOME"] == "/app" and kwargs["environment"]["WORKSPACE"] == "/app"
+    container.remove.assert_called_once_with(force=True)
+
+
+@pytest.mark.parametrize("workdir, mounts, message", [
+    ("app", {}, "workdir 'app' must be an absolute path"),
+    ("/app/../etc", {}, "must be an absolute path without . or .."),
+    ("/usr/src/app", {}, "workdir '/usr/src/app' is \\(under\\) the sandbox's /usr"),
+    ("/proc", {}, "is \\(under\\) the sandbox's /proc"),
+    ("/tmp/app", {}, "is \\(under\\) the sandbox's /tmp"),
+    ("/app", {"/app/tests": "tests"}, "bind target '/app/tests' overlaps the workspace at /app"),
+    ("/app", {"/etc/x": "tests"}, "bind target '/etc/x' is \\(under\\) the sandbox's /etc"),
+])
+def test_a_bad_workdir_or_mount_is_refused_before_any_container(dirs, workdir, mounts, message):
+    client, _ = _client()
+    with pytest.raises(SandboxError, match=message):
+        DockerBackend(client=client).run("true", dirs / "workspace", limits=LIMITS, workdir=workdir,
+                                         ro_mounts={t: dirs / h for t, h in mounts.items()})
+    client.containers.run.assert_not_called()
 
 
 def test_timeout_kills_and_removes(dirs):
@@ -174,3 +209,5 @@ def test_real_container(dirs):
     assert result.exit_code == 0, result
     assert result.stdout.split()[0] == "65534" and "ro" in result.stdout
     assert (dirs / "workspace" / "out.txt").read_text() == "hi\n"
+    moved = backend.run("pwd; cat /app/out.txt", dirs / "workspace", limits=LIMITS, workdir="/app")
+    assert (moved.exit_code, moved.stdout) == (0, "/app\nhi\n"), moved
