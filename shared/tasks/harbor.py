@@ -34,9 +34,10 @@ Workspace convention: on machines without Docker the Dockerfile cannot be built,
 starting files live in `environment/workspace/` (the Dockerfile COPYs them into its WORKDIR, e.g.
 `COPY workspace/ /app/`, so both backends start from the same files). A copy of that directory is
 the agent's repository and, with the agent's diff applied, the grader's workspace; a task without
-it starts from an empty workspace. tests/test.sh runs with the workspace as its current directory
-(/app in Docker), so it should read the workspace from the current directory (or from $WORKSPACE
-when the grader sets it).
+it starts from an empty workspace. Every sandbox mounts that workspace at the task's `workdir`: the
+Dockerfile's WORKDIR (`dockerfile_workdir`; /app when it sets none), as in the task's own
+container, so tests and solutions may use its absolute paths (`sys.path.insert(0, "/app")`,
+`cat > /app/x.py`). tests/test.sh runs there, with $WORKSPACE naming it too.
 
 Every problem raises `TaskError` naming the file and the field (and the row, for SWE-bench), e.g.
 "tasks/fix-bug/task.toml: [verifier] timeout_sec must be a positive number, got 'abc'".
@@ -48,17 +49,25 @@ The example tasks in tests/fixtures/tasks/ show both formats:
 from __future__ import annotations
 
 import math
+import posixpath
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollstream.shared.errors import TaskError
+from rollstream.shared.errors import SandboxError, TaskError
+from rollstream.shared.sandbox.base import sandbox_path
 
 DEFAULT_VERIFIER_TIMEOUT_S = 120.0
 
 
 DEFAULT_AGENT_TIMEOUT_S = 600.0
+
+
+DEFAULT_WORKDIR = "/app"
+"""A task's workdir when its Dockerfile sets no WORKDIR: where Harbor and terminal-bench tasks
+keep their files."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class HarborTask:
     solution: Path | None           # solution/solve.sh, if the task has one
     verifier_timeout_s: float = DEFAULT_VERIFIER_TIMEOUT_S
     agent_timeout_s: float = DEFAULT_AGENT_TIMEOUT_S
+    workdir: str = DEFAULT_WORKDIR  # the workspace's path in the sandbox (dockerfile_workdir)
 
 
 def _is_number(value: Any) -> bool:
@@ -144,6 +154,79 @@ def _validate_config(config: dict[str, Any], where: Path) -> tuple[float, float]
     return verifier_timeout, agent_timeout
 
 
+_HEREDOC = re.compile(r"(?<!<)<<(?!<)(-?)\s*([\"']?)([A-Za-z_][\w.-]*)\2")
+"""A heredoc opener in a RUN, COPY or ADD line (BuildKit): `<<EOF`, `<<-"EOF"`; not bash's `<<<`."""
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """(keyword in upper case, arguments) of each Dockerfile instruction: continuation lines
+    joined, comments dropped, heredoc bodies skipped (a `from x import y` line in a Python
+    heredoc is no FROM)."""
+    lines = text.splitlines()
+    found: list[tuple[str, str]] = []
+    index = 0
+    while index < len(lines):
+        line = lines[index].strip()
+        index += 1
+        if not line or line.startswith("#"):
+            continue
+        while line.endswith("\\") and index < len(lines):
+            following = lines[index].strip()
+            index += 1
+            if not following.startswith("#"):
+                line = line[:-1] + " " + following
+        keyword, arguments = (line.split(None, 1) + [""])[:2]
+        keyword = keyword.upper()
+        if keyword in ("RUN", "COPY", "ADD"):
+            for strip_tabs, _, delimiter in _HEREDOC.findall(arguments):
+                while index < len(lines):
+                    body = lines[index].lstrip("\t") if strip_tabs else lines[index]
+                    index += 1
+                    if body == delimiter:
+                        break
+        found.append((keyword, arguments.strip()))
+    return found
+
+
+def dockerfile_workdir(dockerfile: Path | None) -> str:
+    """The WORKDIR the final stage of `dockerfile` runs in, as Docker sets it: the last WORKDIR of
+    that stage, or of the earlier stage it is built FROM; a relative WORKDIR is taken from the one
+    before it (from / when there is none). DEFAULT_WORKDIR (/app) when there is no Dockerfile or
+    no WORKDIR applies. TaskError when the final one depends on a variable (not expanded here)."""
+    if dockerfile is None or not dockerfile.is_file():
+        return DEFAULT_WORKDIR
+    try:
+        text = dockerfile.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"{dockerfile}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    stages: list[str | None] = []
+    names: dict[str, int] = {}
+    for keyword, arguments in _instructions(text):
+        if keyword == "FROM":
+            words = [word for word in arguments.split() if not word.startswith("--")]
+            base = words[0].lower() if words else ""
+            # an image's own WORKDIR is not known here; an earlier stage's is
+            inherited = stages[names[base]] if base in names else None
+            if len(words) >= 3 and words[1].lower() == "as":
+                names[words[2].lower()] = len(stages)
+            stages.append(inherited)
+        elif keyword == "WORKDIR" and stages:
+            requested = arguments
+            if len(requested) >= 2 and requested[0] == requested[-1] and requested[0] in "\"'":
+                requested = requested[1:-1]
+            previous = stages[-1] or "/"
+            if "$" in requested or ("$" in previous and not requested.startswith("/")):
+                # only Docker can expand it; kept unnormalized, refused below if it is the final one
+                stages[-1] = posixpath.join(previous, requested)
+            else:
+                stages[-1] = "/" + posixpath.normpath(posixpath.join(previous, requested)).lstrip("/")
+    workdir = (stages[-1] if stages else None) or DEFAULT_WORKDIR
+    if "$" in workdir:
+        raise TaskError(f"{dockerfile}: WORKDIR {workdir} depends on a variable, which is not "
+                        "expanded here; write the path out")
+    return workdir
+
+
 def load_harbor_task(path: Path) -> HarborTask:
     """One Harbor task directory, checked; see the module docstring for the layout."""
     if not path.is_dir():
@@ -175,6 +258,10 @@ def load_harbor_task(path: Path) -> HarborTask:
     test_sh = path / "tests" / "test.sh"
     if not test_sh.is_file():
         raise TaskError(f"{test_sh}: missing (the task's verifier)")
+    try:
+        workdir = sandbox_path(dockerfile_workdir(dockerfile), "WORKDIR")
+    except SandboxError as exc:
+        raise TaskError(f"{dockerfile}: the workspace cannot be mounted at its WORKDIR: {exc}") from None
 
     root = path.resolve()
     workspace = root / "environment" / "workspace"
@@ -190,6 +277,7 @@ def load_harbor_task(path: Path) -> HarborTask:
         solution=solve_sh if solve_sh.is_file() else None,
         verifier_timeout_s=verifier_timeout,
         agent_timeout_s=agent_timeout,
+        workdir=workdir,
     )
 
 

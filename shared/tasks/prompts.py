@@ -1,5 +1,6 @@
 """Coding tasks as prompt rows: the instruction (or problem statement), a note on the tools, the
-coding tools, the workspace in metadata, and what the sandbox-grader needs to grade the diff.
+coding tools, the workspace in metadata (for a Harbor task also its `workdir`, where the coding
+tools mount it, as the grader does), and what the sandbox-grader needs to grade the diff.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def task_prompt_row(task: HarborTask | SweTask):
             metadata["repo"] = str(task.workspace)
         else:
             metadata["files"] = {}
+        metadata["workdir"] = task.workdir
         metadata["grader"] = {"kind": "harbor", "task_dir": str(task.path)}
     elif isinstance(task, SweTask):
         text = task.problem_statement.strip()

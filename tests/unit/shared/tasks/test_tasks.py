@@ -11,7 +11,12 @@ import pytest
 
 from rollstream.shared.errors import DatasetError, TaskError
 from rollstream.shared.tasks.datasets import load_dataset
-from rollstream.shared.tasks.harbor import HarborTask, load_harbor_task, load_harbor_tasks
+from rollstream.shared.tasks.harbor import (
+    HarborTask,
+    dockerfile_workdir,
+    load_harbor_task,
+    load_harbor_tasks,
+)
 from rollstream.shared.tasks.prompts import task_prompt_row
 from rollstream.shared.tasks.rows import CODING_TOOLS
 from rollstream.shared.tasks.swebench import DEFAULT_SWE_TEST_COMMAND, SweTask, load_swebench_rows
@@ -45,8 +50,9 @@ def write_jsonl(path, records):
 
 def test_harbor_fixtures_load_in_name_order():
     tasks = load_harbor_tasks(HARBOR)
-    assert [t.name for t in tasks] == ["fix-add", "three-functions"]
-    add = tasks[0]
+    assert [t.name for t in tasks] == ["app-stats", "fix-add", "three-functions"]
+    assert [t.workdir for t in tasks] == ["/app", "/app", "/app"]
+    add = tasks[1]
     assert isinstance(add, HarborTask) and add.path == HARBOR / "fix-add"
     assert add.instruction.startswith("# Fix `add`")
     assert add.workspace == HARBOR / "fix-add" / "environment" / "workspace"
@@ -56,7 +62,7 @@ def test_harbor_fixtures_load_in_name_order():
     assert add.solution == HARBOR / "fix-add" / "solution" / "solve.sh"
     assert add.verifier_timeout_s == 60.0 and add.agent_timeout_s == 300.0
     assert add.config["metadata"]["difficulty"] == "easy"
-    assert tasks[1].agent_timeout_s == 600.0 and tasks[1].solution is not None
+    assert tasks[2].agent_timeout_s == 600.0 and tasks[2].solution is not None
 
 
 def test_one_task_directory_is_a_dataset_of_one():
@@ -101,6 +107,55 @@ def test_three_functions_gives_partial_credit(tmp_path):
     assert run_verifier(task, workspace, tmp_path / "logs") == "0.3333"
     source.write_text(source.read_text().replace('" ".join(sentence.split())', '" ".join(sentence.split()[::-1])'))
     assert run_verifier(task, workspace, tmp_path / "logs") == "0.6667"
+
+
+# Harbor: the workdir, from the Dockerfile
+
+
+@pytest.mark.parametrize("dockerfile, workdir", [
+    ("FROM python:3.12-slim\nCOPY workspace/ /app/\n", "/app"),
+    ("FROM python:3.12-slim\nWORKDIR /srv\nWORKDIR /code\nCOPY workspace/ .\n", "/code"),
+    ("FROM python:3.12-slim\nWORKDIR /srv\nWORKDIR project\nWORKDIR ../other//x/\n", "/srv/other/x"),
+    ("FROM python:3.12-slim\nWORKDIR app\n", "/app"),
+    ("FROM golang:1.22 AS build\nWORKDIR /src\nRUN go build\n"
+     "FROM debian:bookworm-slim\nCOPY --from=build /src/tool /usr/local/bin/\n", "/app"),
+    ("FROM golang:1.22 AS build\nWORKDIR /src\nFROM debian:bookworm-slim\nWORKDIR /opt/task\n",
+     "/opt/task"),
+    ("FROM python:3.12 AS Base\nWORKDIR /work\nFROM base AS test\nWORKDIR tests\n", "/work/tests"),
+    ("FROM --platform=linux/amd64 python:3.12 AS base\nWORKDIR /work\nFROM base\n", "/work"),
+    ("FROM python:3.12 AS build\nWORKDIR $GOPATH/src\nFROM python:3.12\nWORKDIR /ok\n", "/ok"),
+    ('# a comment\nfrom python:3.12\nworkdir\t"/quoted"\n', "/quoted"),
+    ("FROM python:3.12\nRUN apt-get update \\\n    # a comment inside\n    && true\nWORKDIR /after\n",
+     "/after"),
+    ("FROM python:3.12\nWORKDIR /code\nRUN cat > /code/x.py <<'EOF'\nfrom os import path\n"
+     "WORKDIR /not-an-instruction\nEOF\nRUN cat <<<'no heredoc'\n", "/code"),
+])
+def test_workdir_is_the_final_stages_last_workdir(tmp_path, dockerfile, workdir):
+    (tmp_path / "Dockerfile").write_text(dockerfile)
+    assert dockerfile_workdir(tmp_path / "Dockerfile") == workdir
+
+
+def test_workdir_without_a_dockerfile_is_app(tmp_path):
+    assert dockerfile_workdir(None) == dockerfile_workdir(tmp_path / "Dockerfile") == "/app"
+
+
+def test_a_task_runs_in_its_dockerfiles_workdir(task_dir):
+    (task_dir / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /srv/task\n")
+    assert load_harbor_task(task_dir).workdir == "/srv/task"
+    assert task_prompt_row(load_harbor_task(task_dir)).metadata["workdir"] == "/srv/task"
+
+
+@pytest.mark.parametrize("workdir, message", [
+    ("/usr/src/app", r"the workspace cannot be mounted at its WORKDIR: WORKDIR '/usr/src/app' is \(under\) "
+                     r"the sandbox's /usr"),
+    ("/", r"WORKDIR '/' is \(under\) the sandbox's /$"),
+    ("/tmp", r"the sandbox's /tmp"),
+    ("$HOME/app", r"WORKDIR /\$HOME/app depends on a variable"),
+])
+def test_a_workdir_no_sandbox_can_use_is_a_task_error(task_dir, workdir, message):
+    (task_dir / "environment" / "Dockerfile").write_text(f"FROM python:3.12-slim\nWORKDIR {workdir}\n")
+    with pytest.raises(TaskError, match=r"fix-add/environment/Dockerfile: .*" + message):
+        load_harbor_task(task_dir)
 
 
 # Harbor: broken tasks name the file and the field
@@ -285,6 +340,7 @@ def test_harbor_prompt_row():
     assert row.tools == list(CODING_TOOLS) and row.agent is None
     assert row.label is None and row.sandbox_check is None and row.reward_fn == "exact_match"
     assert row.metadata == {"repo": str(HARBOR / "fix-add" / "environment" / "workspace"),
+                            "workdir": "/app",
                             "grader": {"kind": "harbor", "task_dir": str(HARBOR / "fix-add")}}
     assert json.loads(json.dumps(row.metadata)) == row.metadata
 
@@ -310,7 +366,8 @@ def test_swebench_prompt_row():
 
 def test_load_dataset_reads_task_directories_and_swebench_files(tmp_path):
     rows = load_dataset(HARBOR)
-    assert [r.metadata["grader"]["task_dir"] for r in rows] == [str(HARBOR / "fix-add"),
+    assert [r.metadata["grader"]["task_dir"] for r in rows] == [str(HARBOR / "app-stats"),
+                                                                str(HARBOR / "fix-add"),
                                                                 str(HARBOR / "three-functions")]
     assert [r.metadata["grader"]["kind"] for r in load_dataset(SWE_ROWS)] == ["swebench"]
     pq.write_table(pa.Table.from_pylist([swe_record()]), tmp_path / "rows.parquet")
