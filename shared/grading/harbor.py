@@ -1,9 +1,11 @@
 """Grading a Harbor task: apply the diff to a fresh copy of the task's workspace and run
 tests/test.sh in the sandbox.
 
-A COPY of the task's tests/ is mounted read-only at /tests (the diff cannot reach it: it is not in
-the workspace) and a fresh host directory read-write at /logs (with verifier/ in it); env
-WORKSPACE=/workspace, wall clock = task.verifier_timeout_s. A test.sh that did not finish (wall
+The workspace is mounted at the task's workdir (its Dockerfile's WORKDIR, /app by default), as in
+the task's own container, so tests that import from /app read the patched files; it is test.sh's
+working directory and env WORKSPACE names it. A COPY of the task's tests/ is mounted read-only at
+/tests (the diff cannot reach it: it is not in the workspace) and a fresh host directory read-write
+at /logs (with verifier/ in it); wall clock = task.verifier_timeout_s. A test.sh that did not finish (wall
 clock, a signal, exit >= 128) scores 0 whatever reward file exists (model code could write one and
 then kill test.sh). The reward is read by shared/grading/untrusted.py and clamped to 0..1. Known
 limit: model code run by test.sh can write /logs itself (e.g. a reward, then make test.sh's own
@@ -54,7 +56,8 @@ def grade_harbor(task: Any, diff: str, backend: SandboxBackend,
         run = run_wrapped(backend, "bash /tests/test.sh", workspace,
                           task_limits(limits, getattr(task, "verifier_timeout_s", None)),
                           {"/tests": tests_dir}, {"/logs": logs},
-                          {"WORKSPACE": "/workspace", "TESTS_DIR": "/tests", "LOGS_DIR": "/logs"}, image)
+                          {"WORKSPACE": task.workdir, "TESTS_DIR": "/tests", "LOGS_DIR": "/logs"}, image,
+                          task.workdir)
         log_text = run_log(run)
         if run.error:
             return make_outcome(0, run.error, log_text=log_text, started=started,

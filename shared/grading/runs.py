@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.shared.errors import GradingError, SandboxError
-from rollstream.shared.sandbox.base import SandboxBackend, SandboxLimits, SandboxResult
+from rollstream.shared.sandbox.base import (
+    DEFAULT_WORKDIR,
+    SandboxBackend,
+    SandboxLimits,
+    SandboxResult,
+)
 from rollstream.shared.sandbox.workspace import GitWorkspace
 
 MAX_TEST_OUTPUT_BYTES = 512 * 1024
@@ -55,10 +60,12 @@ class SandboxRun:
 
 def run_wrapped(backend: SandboxBackend, command: str, workspace: GitWorkspace, limits: SandboxLimits,
                 ro_mounts: dict[str, Path], rw_mounts: dict[str, Path], env: dict[str, str],
-                image: str | None) -> SandboxRun:
+                image: str | None, workdir: str = DEFAULT_WORKDIR) -> SandboxRun:
+    """Run `command` behind the start marker with the workspace at `workdir` in the sandbox; a
+    backend exception or a missing marker is an infrastructure error (SandboxRun.error)."""
     try:
         result = backend.run(_wrap(command), workspace.root, limits=limits, ro_mounts=ro_mounts,
-                             rw_mounts=rw_mounts, env=env, image=image)
+                             rw_mounts=rw_mounts, env=env, image=image, workdir=workdir)
     except (SandboxError, GradingError, OSError) as exc:
         return SandboxRun(None, f"sandbox failed: {type(exc).__name__}: {exc}")
     first, _, rest = result.stdout.partition("\n")

@@ -2,8 +2,10 @@
 
 `grade(task, diff, backend)` picks Harbor or SWE-bench grading by the task's kind.
 `reference_diff(task, backend)` is the task's reference solution as a diff (Harbor: solution/solve.sh
-run in the sandbox on a fresh workspace without the tests, then the workspace's diff; SWE: the gold
-patch). `validate_tasks(tasks, backend)`: the reference must grade 1 and an empty diff 0.
+run in the sandbox on a fresh workspace, mounted at the task's workdir as for grading, without the
+tests, then the workspace's diff; SWE: the gold patch). `validate_tasks(tasks, backend)`: the
+reference must grade 1 and an empty diff 0; a task that cannot be graded (its reference solution
+fails, say) is invalid, with the reason and no scores.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def reference_diff(task: Any, backend: SandboxBackend,
         timeout = getattr(task, "agent_timeout_s", None) or getattr(task, "verifier_timeout_s", None)
         run = run_wrapped(backend, f"bash /solution/{shlex.quote(Path(solution).name)}", workspace,
                           task_limits(limits, timeout), {"/solution": staged}, {"/logs": logs},
-                          {"WORKSPACE": "/workspace", "LOGS_DIR": "/logs"}, image)
+                          {"WORKSPACE": task.workdir, "LOGS_DIR": "/logs"}, image, task.workdir)
         if run.error:
             raise GradingError(f"reference solution of {task_name(task)}: {run.error}")
         if run.result.exit_code != 0:
@@ -68,6 +70,7 @@ def reference_diff(task: Any, backend: SandboxBackend,
 
 @dataclass
 class ValidationResult:
+    """One task's verdict; the scores are None when the task could not be graded at all."""
     name: str
     reference_score: float | None
     empty_score: float | None

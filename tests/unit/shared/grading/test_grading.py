@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -48,6 +49,12 @@ def three_functions():
 
 
 @pytest.fixture(scope="module")
+def app_stats():
+    """A task written as terminal-bench's are: its tests and solution use /app by absolute path."""
+    return load_harbor_task(FIXTURES / "harbor" / "app-stats")
+
+
+@pytest.fixture(scope="module")
 def swe():
     return load_swebench_rows(FIXTURES / "swebench" / "rows.jsonl")[0]
 
@@ -67,8 +74,8 @@ def _edit_diff(source: Path | None, edits: dict[str, str | None], symlinks=None)
         return workspace.diff()
 
 
-def test_reference_solutions_score_1(backend, fix_add, three_functions, swe):
-    for task in (fix_add, three_functions):
+def test_reference_solutions_score_1(backend, fix_add, three_functions, app_stats, swe):
+    for task in (fix_add, three_functions, app_stats):
         diff = reference_diff(task, backend)
         assert diff.startswith("diff --git"), diff
         outcome = grade_harbor(task, diff, backend)
@@ -79,8 +86,8 @@ def test_reference_solutions_score_1(backend, fix_add, three_functions, swe):
     assert outcome.tests["tests/test_core.py::test_median_even"] == "passed"
 
 
-def test_empty_diff_scores_0(backend, fix_add, three_functions, swe):
-    for task in (fix_add, three_functions):
+def test_empty_diff_scores_0(backend, fix_add, three_functions, app_stats, swe):
+    for task in (fix_add, three_functions, app_stats):
         outcome = grade_harbor(task, "", backend)
         assert (outcome.score, outcome.passed, outcome.infrastructure_error) == (0.0, False, False)
         assert "reward 0" in outcome.reason
@@ -89,6 +96,37 @@ def test_empty_diff_scores_0(backend, fix_add, three_functions, swe):
     assert outcome.tests["tests/test_core.py::test_median_even"] == "failed"
     assert outcome.tests["tests/test_core.py::test_mean"] == "passed"
     assert "FAIL_TO_PASS 0/1" in outcome.reason
+
+
+def test_an_app_task_grades_the_patched_files_at_its_workdir(backend, app_stats):
+    assert app_stats.workdir == "/app"
+    source = (app_stats.workspace / "stats.py").read_text()
+    fixed = source.replace("/ (len(values) - 1)", "/ len(values)")
+    assert fixed != source
+    outcome = grade_harbor(app_stats, _edit_diff(app_stats.workspace, {"stats.py": fixed}), backend)
+    assert (outcome.score, outcome.infrastructure_error) == (1.0, False), outcome
+    assert "variance([1, 2, 3, 4]) = 1.25, expected 1.25: ok" in outcome.log
+    outcome = grade_harbor(app_stats, "", backend)
+    assert "variance([1, 2, 3, 4]) = 1.6666666666666667, expected 1.25: FAILED" in outcome.log
+
+
+def test_the_workdir_is_read_from_the_dockerfile(backend, tmp_path):
+    """The same task with /srv/stats instead of /app everywhere: graded where its Dockerfile says."""
+    task_dir = Path(shutil.copytree(FIXTURES / "harbor" / "app-stats", tmp_path / "srv-stats"))
+    for path in [task_dir / "environment" / "Dockerfile", task_dir / "tests" / "test_stats.py",
+                 task_dir / "solution" / "solve.sh"]:
+        path.write_text(path.read_text().replace("/app", "/srv/stats"))
+    task = load_harbor_task(task_dir)
+    assert task.workdir == "/srv/stats"
+    [result] = validate_tasks([task], backend)
+    assert (result.ok, result.reference_score, result.empty_score) == (True, 1.0, 0.0), result
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "test.sh").write_text('echo "test.sh in $(pwd), WORKSPACE=$WORKSPACE"; ls\n'
+                                   "echo 1 > /logs/verifier/reward.txt\n")
+    outcome = grade_harbor(dataclasses.replace(task, tests_dir=probe), "", backend)
+    assert outcome.score == 1, outcome
+    assert "test.sh in /srv/stats, WORKSPACE=/srv/stats\nstats.py\n" in outcome.log
 
 
 def test_partial_fix_gets_the_fraction(backend, three_functions):
@@ -188,9 +226,9 @@ def test_paths_outside_the_workspace_are_refused(fix_add):
         assert not (workspace.root / "d").exists() and not (workspace.root / "x.txt").exists()
 
 
-def test_validate_tasks_on_the_fixtures(backend, fix_add, three_functions, swe):
-    results = validate_tasks([fix_add, three_functions, swe], backend)
-    assert [r.name for r in results] == ["fix-add", "three-functions", swe.instance_id]
+def test_validate_tasks_on_the_fixtures(backend, fix_add, three_functions, app_stats, swe):
+    results = validate_tasks([fix_add, three_functions, app_stats, swe], backend)
+    assert [r.name for r in results] == ["fix-add", "three-functions", "app-stats", swe.instance_id]
     assert all(r.ok and r.reference_score == 1 and r.empty_score == 0 for r in results), results
 
 
@@ -200,6 +238,15 @@ def test_validate_tasks_reports_a_broken_task(backend, fix_add, tmp_path):
     [result] = validate_tasks([load_harbor_task(broken)], backend)
     assert not result.ok and result.reference_score == 0
     assert "reference solution scores 0" in result.problem
+
+
+def test_validate_tasks_reports_a_reference_solution_that_fails(backend, app_stats, tmp_path):
+    broken = shutil.copytree(FIXTURES / "harbor" / "app-stats", tmp_path / "broken")
+    (broken / "solution" / "solve.sh").write_text("#!/bin/bash\necho 'no solution here' >&2\nexit 3\n")
+    [result] = validate_tasks([load_harbor_task(broken)], backend)
+    assert (result.ok, result.reference_score, result.empty_score) == (False, None, None)
+    assert "reference solution of broken failed (exit 3)" in result.problem
+    assert "no solution here" in result.problem
 
 
 def test_unsafe_local_is_refused_unless_explicitly_allowed(tmp_path):
