@@ -10,7 +10,11 @@ metadata:
                   "test_command": "python3 test_calc.py",     # for run_tests (optional)
                   "limits": {"wall_time_s": 60},               # SandboxLimits fields (optional)
                   "env": {"PYTHONPATH": "/workspace/src"},      # sandbox environment (optional)
+                  "workdir": "/workspace",                     # the repository's sandbox path (optional)
                   "sandbox_backend": "bubblewrap"}}            # or "docker", as the grader (optional)
+
+A Harbor task's row (shared/tasks/prompts.py) sets "workdir" to the task's WORKDIR (e.g. /app), so
+the model's shell commands find the repository where the task's tests and the grader expect it.
 
 (`CODING_TOOLS` in shared/tasks/rows.py is that list of tool names; a row may name only some of
 them.)
@@ -22,7 +26,8 @@ git environment, snapshots that nothing in the tree can hide from), in a fresh `
 temporary directory, holding
 
     repo/   the task repository (a copy of metadata["repo"], with metadata["files"] written over
-            it); the model's tools work here, and it is /workspace inside the sandbox
+            it); the model's tools work here, and it is metadata["workdir"] (default /workspace)
+            inside the sandbox
     git/    a git directory of our own, outside repo/ and never visible to the sandbox
     diff    the episode's diff, written at release
 
@@ -38,7 +43,7 @@ Host-side file tools (read_file, write_file, edit_file, list_files) take relativ
 refuse `..`, absolute paths, and symlinks that resolve outside repo/; they only open regular files
 (a FIFO the model made cannot block the host) and cap what they read and write. run_shell and
 run_tests run in the task's sandbox backend (bubblewrap by default, shared/sandbox/) with repo/
-bound at /workspace: no network, rlimits from metadata["limits"] over the defaults here (30 s wall clock). Calls on one
+bound at the workdir: no network, rlimits from metadata["limits"] over the defaults here (30 s wall clock). Calls on one
 workspace are serialized by a thread lock (the sandbox chowns the tree for a run), so a file tool
 never races a shell command, nor release a call still running after its coroutine was cancelled.
 
@@ -60,10 +65,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rollstream.shared.agent.tools import Episode, Tool, ToolError, register_tool
-from rollstream.shared.errors import CodingTaskError
+from rollstream.shared.errors import CodingTaskError, SandboxError
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox.backends import get_backend
-from rollstream.shared.sandbox.base import SandboxLimits, SandboxResult
+from rollstream.shared.sandbox.base import DEFAULT_WORKDIR, SandboxLimits, SandboxResult, sandbox_path
 from rollstream.shared.sandbox.workspace import GitWorkspace
 
 log = logging.getLogger(__name__)
@@ -103,13 +108,15 @@ class Workspace(GitWorkspace):
 
     def __init__(self, base: Path, limits: SandboxLimits = DEFAULT_LIMITS,
                  env: dict[str, str] | None = None, test_command: str | None = None,
-                 backend: str = "bubblewrap") -> None:
+                 backend: str = "bubblewrap", workdir: str = DEFAULT_WORKDIR) -> None:
         super().__init__(base)
         self.diff_file = base / "diff"
         self.limits = limits
         self.env = env or {}
         self.test_command = test_command
         self.backend = backend
+        self.workdir = workdir
+        """Where repo/ is inside the sandbox."""
         self.closed = False
         """Set (synchronously) by the first release; later calls find the workspace gone."""
         self.lock = threading.Lock()
@@ -118,7 +125,7 @@ class Workspace(GitWorkspace):
     def for_task(cls, metadata: dict[str, Any]) -> Workspace:
         """Copy the task's repository into a fresh temporary directory, write metadata["files"]
         over it, and snapshot it."""
-        limits, env, test_command = _task_settings(metadata)
+        limits, env, test_command, workdir = _task_settings(metadata)
         repo, files = _task_source(metadata)
 
         def write_files(workspace: Workspace) -> None:
@@ -133,7 +140,8 @@ class Workspace(GitWorkspace):
         try:
             workspace = cls.create("ws", repo, write_files, limits=limits, env=env,
                                    test_command=test_command,
-                                   backend=metadata.get("sandbox_backend") or "bubblewrap")
+                                   backend=metadata.get("sandbox_backend") or "bubblewrap",
+                                   workdir=workdir)
         except ToolError as exc:
             raise CodingTaskError(f"metadata['files']: {exc}") from None
         return workspace
@@ -175,11 +183,12 @@ class Workspace(GitWorkspace):
 
     def run(self, command: str) -> SandboxResult:
         """Run in the sandbox backend the task names (`sandbox_backend`, default bubblewrap): the same
-        backends the grader uses."""
-        return get_backend(self.backend).run(command, self.root, limits=self.limits, env=self.env)
+        backends the grader uses, with repo/ at the same place (`workdir`)."""
+        return get_backend(self.backend).run(command, self.root, limits=self.limits, env=self.env,
+                                             workdir=self.workdir)
 
 
-def _task_settings(metadata: dict[str, Any]) -> tuple[SandboxLimits, dict[str, str], str | None]:
+def _task_settings(metadata: dict[str, Any]) -> tuple[SandboxLimits, dict[str, str], str | None, str]:
     limits = DEFAULT_LIMITS
     overrides = metadata.get("limits") or {}
     if not isinstance(overrides, dict):
@@ -197,7 +206,11 @@ def _task_settings(metadata: dict[str, Any]) -> tuple[SandboxLimits, dict[str, s
     test_command = metadata.get("test_command") or None
     if test_command is not None and not isinstance(test_command, str):
         raise CodingTaskError("metadata['test_command'] must be a shell command string")
-    return limits, {**DEFAULT_ENV, **extra_env}, test_command
+    try:
+        workdir = sandbox_path(metadata.get("workdir") or DEFAULT_WORKDIR, "metadata['workdir']")
+    except SandboxError as exc:
+        raise CodingTaskError(str(exc)) from None
+    return limits, {**DEFAULT_ENV, **extra_env}, test_command, workdir
 
 
 def _task_source(metadata: dict[str, Any]) -> tuple[Path | None, dict[str, str | bytes]]:

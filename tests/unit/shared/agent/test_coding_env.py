@@ -23,7 +23,12 @@ import pytest
 from rollstream.shared.agent.environments import coding
 from rollstream.shared.agent.tools import Episode, ToolCall, ToolError, ToolSet, resolve_tools
 from rollstream.shared.errors import CodingTaskError
+from rollstream.shared.grading.harbor import grade_harbor
+from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.tasks.harbor import load_harbor_task
+from rollstream.shared.tasks.prompts import task_prompt_row
 from rollstream.shared.tasks.rows import CODING_TOOLS
+from tests.support import FIXTURES
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
@@ -378,12 +383,60 @@ def test_through_a_toolset_and_without_storage(source):
     assert not workspace.base.exists()
 
 
+def test_a_harbor_tasks_repository_is_at_its_workdir_and_its_diff_grades(store):
+    """The agent sees an /app task's files at /app, as its tests and the grader do, and what it
+    changes there by absolute path is its diff."""
+    task = load_harbor_task(FIXTURES / "harbor" / "app-stats")
+    row = task_prompt_row(task)
+    assert row.metadata["workdir"] == "/app"
+    tools = _tools()
+    episode = _episode(row.metadata, store)
+    check = ("python3 -c 'import sys; sys.path.insert(0, \"/app\"); from stats import variance; "
+             "print(variance([1, 2, 3, 4]))'")
+
+    async def scenario():
+        await _start(tools, episode)
+        where = await tools["run_shell"].execute({"command": "pwd; echo $HOME; ls /app"}, episode)
+        assert where.startswith("exit code: 0\nstdout:\n/app\n/app\nstats.py\n"), where
+        before = await tools["run_shell"].execute({"command": check}, episode)
+        assert "1.6666666666666667" in before
+        fixed = await tools["run_shell"].execute(
+            {"command": "sed -i 's|/ (len(values) - 1)|/ len(values)|' /app/stats.py && " + check},
+            episode)
+        assert fixed.startswith("exit code: 0") and "1.25" in fixed, fixed
+        await _finish(tools, episode)
+
+    asyncio.run(scenario())
+    diff = Path(episode.artifacts["diff"]).read_text()
+    assert diff.startswith("diff --git a/stats.py b/stats.py")
+    outcome = grade_harbor(task, diff, get_backend("bubblewrap"))
+    assert (outcome.score, outcome.infrastructure_error) == (1.0, False), outcome
+
+
+def test_without_a_workdir_the_repository_is_at_workspace(source):
+    tool = _tools()["run_shell"]
+    episode = _episode({"repo": str(source)})
+
+    async def scenario():
+        await tool.create(episode)
+        try:
+            return await tool.execute({"command": "pwd"}, episode)
+        finally:
+            await tool.release(episode)
+
+    assert asyncio.run(scenario()).startswith("exit code: 0\nstdout:\n/workspace\n")
+
+
 def test_bad_task_metadata_is_a_clear_error(source, workspaces):
     tool = _tools()["read_file"]
     for metadata, message in [({}, "needs metadata\\['repo'\\]"),
                               ({"repo": str(source / "missing")}, "is not a directory"),
                               ({"files": {"../up.py": "x"}}, "contains '..'"),
-                              ({"repo": str(source), "limits": {"wall": 3}}, "unknown fields")]:
+                              ({"repo": str(source), "limits": {"wall": 3}}, "unknown fields"),
+                              ({"repo": str(source), "workdir": "app"}, "must be an absolute path"),
+                              ({"repo": str(source), "workdir": "/etc/app"},
+                               "metadata\\['workdir'\\] '/etc/app' is \\(under\\) the sandbox's /etc"),
+                              ({"repo": str(source), "workdir": 7}, "metadata\\['workdir'\\] 7 must be")]:
         with pytest.raises(CodingTaskError, match=message):
             asyncio.run(tool.create(_episode(metadata)))
     assert workspaces and not any(Path(path).exists() for path in workspaces)  # a failed create cleans up
