@@ -20,7 +20,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from rollstream.cli.inspect.app import inspect_app
 from rollstream.cli.replay.command import replay
@@ -107,7 +109,7 @@ def validate(
     backend: Annotated[str, typer.Option(help="Sandbox backend: bubblewrap or docker.")] = "bubblewrap",
 ) -> None:
     """Check a task set: each task's reference solution must grade 1 and an empty diff 0."""
-    from rollstream.shared.errors import TaskError
+    from rollstream.shared.errors import SandboxError, TaskError
     from rollstream.shared.grading.validation import validate_tasks
     from rollstream.shared.sandbox.backends import get_backend
     from rollstream.shared.tasks.harbor import load_harbor_tasks
@@ -116,18 +118,30 @@ def validate(
     try:
         loaded = load_harbor_tasks(tasks) if tasks.is_dir() else load_swebench_rows(tasks)
     except TaskError as exc:
-        console.print(f"[bold red]invalid task set:[/] {exc}")
+        # escaped: the messages name TOML sections ("[verifier] timeout_sec ..."), not markup
+        console.print(f"[bold red]invalid task set:[/] {escape(str(exc))}")
         raise typer.Exit(1) from None
-    results = validate_tasks(loaded, get_backend(backend))
+    try:
+        sandbox = get_backend(backend)
+    except (SandboxError, ValueError) as exc:
+        console.print(f"[bold red]no sandbox:[/] {escape(str(exc))}")
+        raise typer.Exit(1) from None
+    results = validate_tasks(loaded, sandbox)
     table = Table(title=f"{len(results)} tasks, {backend} sandbox")
     for column in ("task", "reference", "empty diff", "ok", "problem"):
         table.add_column(column)
     for r in results:
-        table.add_row(r.name, f"{r.reference_score:.3g}", f"{r.empty_score:.3g}",
-                      "[green]yes[/]" if r.ok else "[red]no[/]", r.problem or "")
+        # Text, not markup: problems quote logs ("[exit 3; 0.1s]"); a task that could not be
+        # graded has no scores, and its problem says why
+        table.add_row(Text(r.name), _score(r.reference_score), _score(r.empty_score),
+                      "[green]yes[/]" if r.ok else "[red]no[/]", Text(r.problem))
     console.print(table)
     if not all(r.ok for r in results):
         raise typer.Exit(1)
+
+
+def _score(score: float | None) -> str:
+    return "-" if score is None else f"{score:.3g}"
 
 
 @app.command("config")
