@@ -5,9 +5,9 @@ The workspace is mounted at the task's workdir (its Dockerfile's WORKDIR, /app b
 the task's own container, so tests that import from /app read the patched files; it is test.sh's
 working directory and env WORKSPACE names it. A COPY of the task's tests/ is mounted read-only at
 /tests (the diff cannot reach it: it is not in the workspace) and a fresh host directory read-write
-at /logs (with verifier/ in it); wall clock = task.verifier_timeout_s. A test.sh that did not finish (wall
-clock, a signal, exit >= 128) scores 0 whatever reward file exists (model code could write one and
-then kill test.sh). The reward is read by shared/grading/untrusted.py and clamped to 0..1. Known
+at /logs (with verifier/ in it); wall clock = task.verifier_timeout_s. A test.sh that did not
+finish (wall clock, a signal, exit >= 128) scores 0 whatever reward file exists (model code could
+write one and then kill test.sh). The reward is read by shared/grading/untrusted.py and clamped to 0..1. Known
 limit: model code run by test.sh can write /logs itself (e.g. a reward, then make test.sh's own
 write fail); Harbor's layout gives the verifier no place it cannot reach.
 

@@ -5,9 +5,9 @@ memory+swap limit, CPU quota, pids limit, user 65534:65534, a noexec size-capped
 capped logs, the workspace bind-mounted read-write at `workdir` (/workspace unless the caller names
 another place, e.g. a Harbor task's WORKDIR /app, where the mount hides what the image has there)
 and the command run in it; waited on with the wall clock, killed after it, always removed. The
-workdir and the mounts' targets are checked as bubblewrap checks them (base.place_mounts). A Harbor task's environment/ directory is built into
-`rollstream-task:<content hash>` once (skipped when that tag exists). `BackendUnavailable` when no
-engine is reachable.
+workdir and the mounts' targets are checked as bubblewrap checks them (base.place_mounts). A
+Harbor task's environment/ directory is built into `rollstream-task:<content hash>` once (skipped
+when that tag exists). `BackendUnavailable` when no engine is reachable.
 
     python -m pytest tests/unit/shared/sandbox/test_docker_backend.py -q
 """

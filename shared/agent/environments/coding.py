@@ -43,9 +43,10 @@ Host-side file tools (read_file, write_file, edit_file, list_files) take relativ
 refuse `..`, absolute paths, and symlinks that resolve outside repo/; they only open regular files
 (a FIFO the model made cannot block the host) and cap what they read and write. run_shell and
 run_tests run in the task's sandbox backend (bubblewrap by default, shared/sandbox/) with repo/
-bound at the workdir: no network, rlimits from metadata["limits"] over the defaults here (30 s wall clock). Calls on one
-workspace are serialized by a thread lock (the sandbox chowns the tree for a run), so a file tool
-never races a shell command, nor release a call still running after its coroutine was cancelled.
+bound at the workdir: no network, rlimits from metadata["limits"] over the defaults here (30 s
+wall clock). Calls on one workspace are serialized by a thread lock (the sandbox chowns the tree
+for a run), so a file tool never races a shell command, nor release a call still running after
+its coroutine was cancelled.
 
     python -m pytest tests/unit/shared/agent/test_coding_env.py -q
 """
