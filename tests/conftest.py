@@ -53,3 +53,25 @@ def bus(redis_url, run_id):
     yield bus
     bus.delete_run()
     client.close()
+
+
+@pytest.fixture(scope="session")
+def docker_engine():
+    """A Docker engine that answers (DOCKER_HOST is honoured) and has the sandbox's default image;
+    skipped with the reason otherwise (CI starts one: infra/docker-engine.sh, then builds the image
+    offline: compose/build-offline-base.sh)."""
+    import docker
+    from docker.errors import DockerException, ImageNotFound
+
+    from rollstream.shared.sandbox.docker import DEFAULT_IMAGE
+
+    try:
+        client = docker.from_env()
+        client.ping()
+    except DockerException as exc:
+        pytest.skip(f"no Docker engine reachable: {exc}")
+    try:
+        client.images.get(DEFAULT_IMAGE)
+    except ImageNotFound:
+        pytest.skip(f"the Docker engine has no {DEFAULT_IMAGE} image: build it offline with compose/build-offline-base.sh")
+    return client

@@ -2,8 +2,11 @@
 
 Each run: network "none", read-only root, all capabilities dropped, no-new-privileges, memory =
 memory+swap limit, CPU quota, pids limit, user 65534:65534, a noexec size-capped tmpfs at /tmp,
-capped logs, the workspace bind-mounted read-write at `workdir` (/workspace unless the caller names
-another place, e.g. a Harbor task's WORKDIR /app, where the mount hides what the image has there)
+output read through a stream attached before the start (its head kept up to the cap, the rest
+dropped, nothing logged to disk: a flood can neither fill the disk nor push out the start marker
+the grader looks for), the workspace bind-mounted read-write at `workdir` (/workspace unless the
+caller names another place, e.g. a Harbor task's WORKDIR /app, where the mount hides what the image
+has there)
 and the command run in it; waited on with the wall clock, killed after it, always removed. The
 workdir and the mounts' targets are checked as bubblewrap checks them (base.place_mounts). A
 Harbor task's environment/ directory is built into `rollstream-task:<content hash>` once (skipped
@@ -18,6 +21,7 @@ import hashlib
 import logging
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,11 @@ from rollstream.shared.sandbox.host_uids import lent_to
 log = logging.getLogger(__name__)
 
 
+DEFAULT_IMAGE = "python:3.11-slim"
+"""Image of runs whose task brings no environment/Dockerfile (the compose file's Python base)."""
+OUTPUT_DRAIN_S = 10.0
+"""How long the rest of a finished container's output may take to arrive."""
+
 class DockerBackend:
     """One hardened container per run (docker SDK 7). `client`: a docker client (tests pass a
     mock); by default docker.from_env(), pinged, else BackendUnavailable."""
@@ -41,7 +50,7 @@ class DockerBackend:
     name = "docker"
     SANDBOX_USER = "65534:65534"
 
-    def __init__(self, client: Any = None, default_image: str = "python:3.12-slim",
+    def __init__(self, client: Any = None, default_image: str = DEFAULT_IMAGE,
                  cpus: float = 1.0, image_cache: dict[str, str] | None = None) -> None:
         if client is None:
             try:
@@ -94,7 +103,7 @@ class DockerBackend:
         full_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                     "HOME": workdir, "LANG": "C.UTF-8", **env}
         return dict(
-            detach=True, network_mode="none", read_only=True, cap_drop=["ALL"],
+            network_mode="none", read_only=True, cap_drop=["ALL"],
             security_opt=["no-new-privileges"], mem_limit=f"{limits.memory_mb}m",
             memswap_limit=f"{limits.memory_mb}m", nano_cpus=int(self.cpus * 1e9),
             pids_limit=limits.max_processes, user=self.SANDBOX_USER,
@@ -104,9 +113,7 @@ class DockerBackend:
                             hard=limits.max_file_size_mb * mib),
                      Ulimit(name="nofile", soft=limits.max_open_files, hard=limits.max_open_files),
                      Ulimit(name="core", soft=0, hard=0)],
-            log_config=LogConfig(type="json-file",
-                                 config={"max-size": str(max(limits.max_output_bytes * 2, 65536)),
-                                         "max-file": "1"}),
+            log_config=LogConfig(type="none", config={}),
             stdin_open=False, tty=False, auto_remove=False, privileged=False, ipc_mode="none",
         )
 
@@ -133,8 +140,16 @@ class DockerBackend:
         timed_out = False
         try:
             try:
-                container = self.client.containers.run(
+                container = self.client.containers.create(
                     image or self.default_image, ["/bin/sh", "-c", command], **options)
+                # Attached before the start, so the output is read from its first byte, and kept only
+                # up to the cap: a flood can neither fill the disk nor push out the start marker.
+                stream = container.attach(stdout=True, stderr=True, stream=True, logs=False, demux=True)
+                output = _CappedOutput(limits.max_output_bytes)
+                reader = threading.Thread(target=output.drain, args=(stream,), name="container-output",
+                                          daemon=True)
+                reader.start()
+                container.start()
             except (DockerException, requests.exceptions.RequestException) as exc:
                 raise BackendUnavailable(f"docker could not start the container: {exc}") from exc
             try:
@@ -147,9 +162,7 @@ class DockerBackend:
                     container.kill()
                 except DockerException:
                     pass
-            cap = limits.max_output_bytes
-            out, out_cut = _capped_logs(container, cap, stdout=True)
-            err, err_cut = _capped_logs(container, cap, stdout=False)
+            reader.join(timeout=OUTPUT_DRAIN_S)
         finally:
             if container is not None:
                 try:
@@ -163,29 +176,35 @@ class DockerBackend:
             reason = "killed by signal SIGKILL (memory/pids limit?)"
         else:
             reason = f"exit {exit_code}"
+        out, err = output.text()
         return SandboxResult(exit_code=exit_code, stdout=out, stderr=err, timed_out=timed_out,
-                             output_truncated=out_cut or err_cut, duration_s=duration,
-                             reason=reason)
+                             output_truncated=output.truncated, duration_s=duration, reason=reason)
 
 
-def _capped_logs(container: Any, cap: int, *, stdout: bool) -> tuple[str, bool]:
-    """At most `cap` bytes of the container's stdout (or stderr), read as a stream."""
-    kept = bytearray()
-    truncated = False
-    try:
-        stream = container.logs(stdout=stdout, stderr=not stdout, stream=True, follow=False)
-        if isinstance(stream, (bytes, bytearray)):
-            stream = [bytes(stream)]
-        for chunk in stream:
-            room = cap - len(kept)
-            if len(chunk) > room:
-                kept += chunk[:max(room, 0)]
-                truncated = True
-                break
-            kept += chunk
-    except Exception as exc:  # noqa: BLE001 - logs are best effort
-        log.warning("could not read container logs: %s", exc)
-    return kept.decode("utf-8", errors="replace"), truncated
+class _CappedOutput:
+    """The head of a container's stdout and stderr, at most `cap` bytes each; the rest is read and
+    dropped, so the container never blocks on a full pipe."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.kept = (bytearray(), bytearray())
+        self.truncated = False
+
+    def drain(self, stream: Any) -> None:
+        try:
+            for chunks in stream:
+                for kept, chunk in zip(self.kept, chunks):
+                    if not chunk:
+                        continue
+                    room = self.cap - len(kept)
+                    if len(chunk) > room:
+                        self.truncated = True
+                    kept += chunk[:max(room, 0)]
+        except Exception as exc:  # noqa: BLE001 - the engine closing the stream early is reported, not raised
+            log.warning("container output stream ended early: %s", exc)
+
+    def text(self) -> tuple[str, str]:
+        return tuple(kept.decode("utf-8", errors="replace") for kept in self.kept)
 
 
 def directory_hash(path: Path) -> str:

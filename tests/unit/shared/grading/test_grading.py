@@ -25,7 +25,7 @@ from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.sandbox.bubblewrap import BubblewrapBackend
 from rollstream.shared.sandbox.unsafe_local import UnsafeLocalBackend
 from rollstream.shared.sandbox.workspace import prepare_workspace
-from rollstream.shared.tasks.harbor import load_harbor_task
+from rollstream.shared.tasks.harbor import load_harbor_task, load_harbor_tasks
 from rollstream.shared.tasks.swebench import load_swebench_rows
 from tests.support import FIXTURES
 
@@ -36,6 +36,15 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
 @pytest.fixture(scope="module")
 def backend():
     return get_backend("bubblewrap")
+
+
+@pytest.fixture(scope="module", params=["bubblewrap", "docker"])
+def harbor_backend(request):
+    """Harbor tasks graded in both real sandboxes: under docker each task's environment/Dockerfile is
+    built (offline: FROM the local python:3.11-slim) and the workspace mounted at its WORKDIR."""
+    if request.param == "docker":
+        request.getfixturevalue("docker_engine")
+    return get_backend(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +107,19 @@ def test_empty_diff_scores_0(backend, fix_add, three_functions, app_stats, swe):
     assert "FAIL_TO_PASS 0/1" in outcome.reason
 
 
-def test_an_app_task_grades_the_patched_files_at_its_workdir(backend, app_stats):
+def test_an_app_task_grades_the_patched_files_at_its_workdir(harbor_backend, app_stats):
     assert app_stats.workdir == "/app"
     source = (app_stats.workspace / "stats.py").read_text()
     fixed = source.replace("/ (len(values) - 1)", "/ len(values)")
     assert fixed != source
-    outcome = grade_harbor(app_stats, _edit_diff(app_stats.workspace, {"stats.py": fixed}), backend)
+    outcome = grade_harbor(app_stats, _edit_diff(app_stats.workspace, {"stats.py": fixed}), harbor_backend)
     assert (outcome.score, outcome.infrastructure_error) == (1.0, False), outcome
     assert "variance([1, 2, 3, 4]) = 1.25, expected 1.25: ok" in outcome.log
-    outcome = grade_harbor(app_stats, "", backend)
+    outcome = grade_harbor(app_stats, "", harbor_backend)
     assert "variance([1, 2, 3, 4]) = 1.6666666666666667, expected 1.25: FAILED" in outcome.log
 
 
-def test_the_workdir_is_read_from_the_dockerfile(backend, tmp_path):
+def test_the_workdir_is_read_from_the_dockerfile(harbor_backend, tmp_path):
     """The same task with /srv/stats instead of /app everywhere: graded where its Dockerfile says."""
     task_dir = Path(shutil.copytree(FIXTURES / "harbor" / "app-stats", tmp_path / "srv-stats"))
     for path in [task_dir / "environment" / "Dockerfile", task_dir / "tests" / "test_stats.py",
@@ -118,24 +127,24 @@ def test_the_workdir_is_read_from_the_dockerfile(backend, tmp_path):
         path.write_text(path.read_text().replace("/app", "/srv/stats"))
     task = load_harbor_task(task_dir)
     assert task.workdir == "/srv/stats"
-    [result] = validate_tasks([task], backend)
+    [result] = validate_tasks([task], harbor_backend)
     assert (result.ok, result.reference_score, result.empty_score) == (True, 1.0, 0.0), result
     probe = tmp_path / "probe"
     probe.mkdir()
     (probe / "test.sh").write_text('echo "test.sh in $(pwd), WORKSPACE=$WORKSPACE"; ls\n'
                                    "echo 1 > /logs/verifier/reward.txt\n")
-    outcome = grade_harbor(dataclasses.replace(task, tests_dir=probe), "", backend)
+    outcome = grade_harbor(dataclasses.replace(task, tests_dir=probe), "", harbor_backend)
     assert outcome.score == 1, outcome
     assert "test.sh in /srv/stats, WORKSPACE=/srv/stats\nstats.py\n" in outcome.log
 
 
-def test_partial_fix_gets_the_fraction(backend, three_functions):
+def test_partial_fix_gets_the_fraction(harbor_backend, three_functions):
     source = (three_functions.workspace / "textutils.py").read_text()
     old = 'return " ".join(sentence.split())'
     assert old in source
     diff = _edit_diff(three_functions.workspace, {
         "textutils.py": source.replace(old, 'return " ".join(reversed(sentence.split()))')})
-    outcome = grade_harbor(three_functions, diff, backend)
+    outcome = grade_harbor(three_functions, diff, harbor_backend)
     assert outcome.score == pytest.approx(1 / 3, abs=1e-3), outcome
     assert not outcome.passed
     assert "reverse_words: ok" in outcome.log and "count_vowels: FAILED" in outcome.log
@@ -229,6 +238,13 @@ def test_paths_outside_the_workspace_are_refused(fix_add):
 def test_validate_tasks_on_the_fixtures(backend, fix_add, three_functions, app_stats, swe):
     results = validate_tasks([fix_add, three_functions, app_stats, swe], backend)
     assert [r.name for r in results] == ["fix-add", "three-functions", "app-stats", swe.instance_id]
+    assert all(r.ok and r.reference_score == 1 and r.empty_score == 0 for r in results), results
+
+
+def test_every_harbor_fixture_validates_in_both_sandboxes(harbor_backend):
+    tasks = load_harbor_tasks(FIXTURES / "harbor")
+    results = validate_tasks(tasks, harbor_backend)
+    assert {r.name for r in results} == {"app-stats", "fix-add", "three-functions"}
     assert all(r.ok and r.reference_score == 1 and r.empty_score == 0 for r in results), results
 
 

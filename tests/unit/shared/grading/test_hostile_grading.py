@@ -1,4 +1,4 @@
-"""Hostile diffs, test.sh and solutions through grade_harbor with the real bubblewrap backend:
+"""Hostile diffs, test.sh and solutions through grade_harbor with the real bubblewrap and docker backends:
 each is contained, reported with a reason, and the host is unaffected afterwards.
 
     python -m pytest tests/unit/shared/grading/test_hostile_grading.py -q   (skipped where `bwrap` is missing)
@@ -29,18 +29,20 @@ from rollstream.shared.sandbox.workspace import prepare_workspace
 from rollstream.shared.tasks.harbor import HarborTask
 from tests.support import sandbox_uid_processes
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
-
 LIMITS = SandboxLimits(wall_time_s=8, cpu_time_s=8, memory_mb=256, max_processes=32,
                        max_file_size_mb=16, max_open_files=256, max_output_bytes=64 * 1024,
                        tmp_size_mb=16)
 REWARD = "/logs/verifier/reward.txt"
 
 
-@pytest.fixture(scope="module")
-def backend():
-    return get_backend("bubblewrap")
+@pytest.fixture(scope="module", params=["bubblewrap", "docker"])
+def backend(request):
+    """Every attack against both real sandboxes: bubblewrap here, and containers on a real engine."""
+    if request.param == "docker":
+        request.getfixturevalue("docker_engine")
+    elif shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
+    return get_backend(request.param)
 
 
 @pytest.fixture
@@ -49,7 +51,7 @@ def make_task(tmp_path):
              solve_sh: str | None = None) -> HarborTask:
         root = tmp_path / f"task-{uuid.uuid4().hex[:6]}"
         (root / "environment" / "workspace").mkdir(parents=True)
-        (root / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\n")
+        (root / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nWORKDIR /app\n")
         for name, content in (files or {"app.py": "print('hi')\n"}).items():
             (root / "environment" / "workspace" / name).write_text(content)
         (root / "tests").mkdir()
@@ -129,7 +131,10 @@ def test_memory_bomb_is_stopped(backend, make_task):
     task = make_task(f"python3 -c 'x = bytearray(8 * 1024 ** 3)' && echo 1 > {REWARD} "
                      f"|| echo 0 > {REWARD}\n")
     outcome = grade_harbor(task, "", backend, LIMITS)
-    assert outcome.score == 0 and "MemoryError" in outcome.log, outcome
+    # stopped by the address-space rlimit (bubblewrap: MemoryError) or the memory cgroup (docker: SIGKILL);
+    # either way the code under test's own outcome, never an infrastructure error
+    assert outcome.score == 0 and not outcome.infrastructure_error, outcome
+    assert ("MemoryError" if backend.name == "bubblewrap" else "Killed") in outcome.log, outcome
 
 
 def test_disk_fill_is_stopped_by_the_file_size_limit(backend, make_task):
@@ -149,14 +154,15 @@ def test_infinite_loop_hits_the_wall_clock(backend, make_task):
     task = make_task(f"echo 1 > {REWARD}\nwhile :; do :; done\n", timeout=2)
     outcome = grade_harbor(task, "", backend, LIMITS)
     assert outcome.score == 0 and "wall-clock limit 2s" in outcome.reason, outcome.reason
-    assert outcome.duration_s < 10
+    assert not outcome.infrastructure_error and outcome.duration_s < 10
 
 
 def test_gigabytes_of_output_are_capped(backend, make_task):
     task = make_task(f"yes xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx | head -c 2G\n"
                      f"yes yyyy | head -c 100M >&2\necho 0.5 > {REWARD}\n", timeout=30)
     outcome = grade_harbor(task, "", backend, LIMITS)
-    assert outcome.score == 0.5, outcome.reason
+    # the flood is the code's own business: the grade still comes (the start marker is in the kept head)
+    assert outcome.score == 0.5 and not outcome.infrastructure_error, outcome.reason
     assert len(outcome.log) <= MAX_LOG_CHARS + 200
     assert "output truncated" in outcome.log
 

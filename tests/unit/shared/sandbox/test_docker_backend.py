@@ -41,13 +41,13 @@ def dirs():
 
 def _client(wait=None, stdout=b"out\n", stderr=b"err\n"):
     client = mock.MagicMock(name="docker-client")
-    container = client.containers.run.return_value
+    container = client.containers.create.return_value
     if isinstance(wait, BaseException) or (isinstance(wait, type) and issubclass(wait, BaseException)):
         container.wait.side_effect = wait
     else:
         container.wait.return_value = wait or {"StatusCode": 0}
-    container.logs.side_effect = lambda stdout_=None, **kw: iter(
-        [stdout] if kw.get("stdout") else [stderr])
+    # the attached stream, demultiplexed: (stdout chunk, stderr chunk) pairs
+    container.attach.return_value = iter([(stdout, None), (None, stderr)])
     return client, container
 
 
@@ -58,11 +58,10 @@ def test_hardened_container_parameters(dirs):
                          ro_mounts={"/tests": dirs / "tests"}, rw_mounts={"/logs": dirs / "logs"},
                          env={"WORKSPACE": "/workspace"}, image="rollstream-task:abc")
     assert (result.exit_code, result.stdout, result.stderr, result.timed_out) == (0, "out\n", "err\n", False)
-    client.containers.run.assert_called_once()
-    args, kwargs = client.containers.run.call_args
+    client.containers.create.assert_called_once()
+    args, kwargs = client.containers.create.call_args
     assert args == ("rollstream-task:abc", ["/bin/sh", "-c", "echo hi"])
     assert kwargs == {
-        "detach": True,
         "network_mode": "none",
         "read_only": True,
         "cap_drop": ["ALL"],
@@ -83,10 +82,14 @@ def test_hardened_container_parameters(dirs):
                         "HOME": "/workspace", "LANG": "C.UTF-8", "WORKSPACE": "/workspace"},
         "ulimits": [Ulimit(name="fsize", soft=16 * 1024 * 1024, hard=16 * 1024 * 1024),
                     Ulimit(name="nofile", soft=128, hard=128), Ulimit(name="core", soft=0, hard=0)],
-        "log_config": LogConfig(type="json-file", config={"max-size": "65536", "max-file": "1"}),
+        "log_config": LogConfig(type="none", config={}),
         "stdin_open": False, "tty": False, "auto_remove": False, "privileged": False,
         "ipc_mode": "none",
     }
+    # attached before the start: the output is read from its first byte, whatever follows
+    assert [c[0] for c in container.method_calls[:2]] == ["attach", "start"]
+    assert container.attach.call_args.kwargs == {"stdout": True, "stderr": True, "stream": True, "logs": False,
+                                                 "demux": True}
     container.wait.assert_called_once_with(timeout=7)
     container.kill.assert_not_called()
     container.remove.assert_called_once_with(force=True)
@@ -101,7 +104,7 @@ def test_workspace_bind_and_working_dir_follow_the_workdir(dirs):
         rw_mounts={"/logs": dirs / "logs"}, env={"WORKSPACE": "/app"}, image="rollstream-task:abc",
         workdir="/app/")
     assert result.exit_code == 0
-    kwargs = client.containers.run.call_args.kwargs
+    kwargs = client.containers.create.call_args.kwargs
     assert kwargs["volumes"] == {
         str((dirs / "workspace").resolve()): {"bind": "/app", "mode": "rw"},
         str((dirs / "tests").resolve()): {"bind": "/tests", "mode": "ro"},
@@ -126,7 +129,7 @@ def test_a_bad_workdir_or_mount_is_refused_before_any_container(dirs, workdir, m
     with pytest.raises(SandboxError, match=message):
         DockerBackend(client=client).run("true", dirs / "workspace", limits=LIMITS, workdir=workdir,
                                          ro_mounts={t: dirs / h for t, h in mounts.items()})
-    client.containers.run.assert_not_called()
+    client.containers.create.assert_not_called()
 
 
 def test_timeout_kills_and_removes(dirs):
@@ -186,24 +189,13 @@ def test_no_engine_is_a_clear_error():
 
 def test_start_failure_is_an_infrastructure_error(dirs):
     client, _ = _client()
-    client.containers.run.side_effect = DockerException("boom")
+    client.containers.create.side_effect = DockerException("boom")
     with pytest.raises(BackendUnavailable, match="could not start"):
         DockerBackend(client=client).run("true", dirs / "workspace", limits=LIMITS)
 
 
-def _engine_problem() -> str | None:
-    try:
-        docker.from_env().ping()
-    except Exception as exc:  # noqa: BLE001
-        return str(exc)
-    return None
-
-
-def test_real_container(dirs):
-    problem = _engine_problem()
-    if problem is not None:
-        pytest.skip(f"no Docker engine reachable: {problem}")
-    backend = DockerBackend(default_image="busybox:latest")
+def test_real_container(dirs, docker_engine):
+    backend = DockerBackend()
     result = backend.run("id -u; echo hi > out.txt; touch /etc/x 2>&1 || echo ro", dirs / "workspace",
                          limits=LIMITS, ro_mounts={"/tests": dirs / "tests"})
     assert result.exit_code == 0, result
