@@ -61,7 +61,10 @@ def test_a_passing_diff_grades_one_and_the_log_is_stored(published, tmp_path):
     assert grade.score == 1.0 and grade.passed
 
 
-def test_an_infrastructure_error_is_retried_then_reported_as_grading_failed_never_as_a_grade(published, tmp_path):
+def test_an_infrastructure_error_is_retried_then_reported_as_grading_failed_never_as_a_grade(published, tmp_path,
+                                                                                           monkeypatch):
+    # the docker backend pointed at an engine that is not there (SimpleWorker runs jobs in this process)
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
     payload = request(published, tmp_path, "r3", backend="docker", retries=2)
     queue = run_jobs(published, [("grade-r3", payload)])
     job = queue.fetch_job("grade-r3")
