@@ -55,3 +55,124 @@ def test_trainer_and_vllm_see_checkpoints_at_the_same_path():
     services = compose()
     for vllm in ("vllm-cpu", "vllm-gpu"):
         assert set(services["trainer"]["volumes"]) <= set(services[vllm]["volumes"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What `docker compose up` needs on a real engine (tests/e2e/test_compose.py runs it where one answers).
+LONG_RUNNING = SERVICES | {"redis", "vllm-cpu", "vllm-gpu"}
+DOCKERFILES = {name: (REPO / "compose" / name).read_text()
+               for name in ("Dockerfile.slim", "Dockerfile.torch")}
+
+
+def raw_compose():
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def test_every_long_running_service_has_a_healthcheck_and_restarts():
+    services = compose()
+    for name in LONG_RUNNING:
+        assert services[name]["restart"] == "unless-stopped", name
+        health = services[name]["healthcheck"]
+        assert not health.get("disable") and health["test"][0] == "CMD", name
+    for name in SERVICES:
+        # every service serves /healthz on RS_HEALTH_PORT: 200 ready, 503 (urlopen raises) otherwise
+        assert services[name]["environment"]["RS_HEALTH_PORT"] == "8080"
+        assert "http://127.0.0.1:8080/healthz" in " ".join(services[name]["healthcheck"]["test"])
+    assert services["model"]["restart"] == "no" and "healthcheck" not in services["model"]
+
+
+def test_dependencies_wait_for_health_or_completion():
+    services = compose()
+    for name, service in services.items():
+        for dependency, spec in (service.get("depends_on") or {}).items():
+            expected = "service_completed_successfully" if dependency == "model" else "service_healthy"
+            assert spec["condition"] == expected, (name, dependency)
+    for name in ("agent-runner", "trainer"):  # they talk to vLLM: whichever server the profile started
+        deps = services[name]["depends_on"]
+        assert deps["vllm-cpu"]["required"] is False and deps["vllm-gpu"]["required"] is False
+
+
+def test_scalable_services_have_no_fixed_names_or_host_ports():
+    for name, service in compose().items():
+        assert "container_name" not in service, name
+        assert "ports" not in service, name  # nothing is published; `docker compose port` needs an override
+
+
+def test_volumes_are_named_and_declared():
+    raw = raw_compose()
+    declared = set(raw["volumes"])
+    assert {"redis", "runs", "models"} <= declared
+    for name, service in raw["services"].items():
+        for volume in service.get("volumes") or []:
+            source = volume.split(":")[0]
+            assert source in declared or source.startswith("./infra/"), (name, volume)
+
+
+def test_vllm_cpu_has_the_shared_memory_it_needs_and_serves_dev_endpoints():
+    service = compose()["vllm-cpu"]
+    size = service["shm_size"].lower().rstrip("b")
+    megabytes = float(size[:-1]) * {"k": 1 / 1024, "m": 1, "g": 1024}[size[-1]]
+    assert megabytes >= 256
+    assert service["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert service["profiles"] == ["cpu"] and compose()["vllm-gpu"]["profiles"] == ["gpu"]
+    for vllm in ("vllm-cpu", "vllm-gpu"):
+        assert compose()[vllm]["networks"]["default"]["aliases"] == ["vllm"]
+
+
+def test_the_sandbox_grader_gets_what_bubblewrap_needs_and_no_more():
+    service = compose()["sandbox-grader"]
+    assert {"seccomp=unconfined", "systempaths=unconfined"} <= set(service["security_opt"])
+    assert "cap_add" not in service and not service.get("privileged")
+
+
+def test_each_image_is_built_by_one_service_and_named_by_the_others():
+    services = compose()
+    builders: dict[str, list[str]] = {}
+    for name, service in services.items():
+        if "build" in service:
+            builders.setdefault(service["image"], []).append(name)
+            assert service["build"]["dockerfile"] in {f"compose/{f}" for f in DOCKERFILES}
+            assert service["build"]["args"]["PYTHON_IMAGE"] == "${PYTHON_IMAGE:-python:3.11-slim}"
+    assert all(len(names) == 1 for names in builders.values()), builders
+    for name, service in services.items():
+        if service["image"].startswith("rollstream-"):
+            assert service["image"] in builders, name
+    slim = {name for name, service in services.items() if service["image"].startswith("rollstream-slim:")}
+    assert slim == SERVICES - {"trainer"}
+
+
+def test_dockerfiles_default_to_the_public_base_and_keep_the_pins():
+    for name, text in DOCKERFILES.items():
+        assert "ARG PYTHON_IMAGE=python:3.11-slim" in text, name
+        assert "-c constraints.txt" in text, name
+        assert "PIP_CERT" in text and "useradd --uid 10001" in text and "USER rollstream" in text, name
+        assert (REPO / "compose" / f"{name}.dockerignore").exists(), name
+    # torch's CPU build only: the local wheel or PyTorch's CPU index, never an unpinned `torch`
+    assert "torch==2.13.0+cpu" in DOCKERFILES["Dockerfile.torch"]
+    assert "download.pytorch.org/whl/cpu" in DOCKERFILES["Dockerfile.torch"]
+    instructions = [line for line in DOCKERFILES["Dockerfile.slim"].splitlines() if not line.startswith("#")]
+    assert not [line for line in instructions if "torch" in line or "[train" in line]
+
+
+def test_the_slim_image_installs_no_torch():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    heavy = ("torch", "deepspeed", "vllm", "tensorboard")
+    assert not [d for d in project["dependencies"] if d.startswith(heavy)]
+    assert any(d.startswith("torch==") for d in project["optional-dependencies"]["train"])
+
+
+def test_the_offline_base_builds_the_images_compose_and_the_dockerfiles_name():
+    script = (REPO / "compose" / "build-offline-base.sh").read_text()
+    assert "build_base python:3.11-slim " in script
+    redis_image = raw_compose()["services"]["redis"]["image"]
+    assert redis_image == "${REDIS_IMAGE:-redis:7.0}" and "build_base redis:7.0 " in script
+    assert "debootstrap --variant=minbase bookworm" in script and "docker import" in script
+
+
+def test_the_scripts_parse():
+    import subprocess
+
+    for script in ("compose/build-offline-base.sh", "infra/docker-engine.sh"):
+        result = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True,
+                                check=False)
+        assert result.returncode == 0, (script, result.stderr)

@@ -1,0 +1,270 @@
+"""`docker compose --profile cpu up` on a real Docker engine, the way users run it: images built offline
+(compose/build-offline-base.sh, then `docker compose build`), Redis, vLLM on the CPU, the one-shot model
+builder and every service as containers, three agent-runner replicas. Skipped, with the reason, when no
+engine answers (DOCKER_HOST is honoured; CI starts one with infra/docker-engine.sh).
+
+One run of a unique compose project: the test waits until every replica has finished episodes, then
+takes down two replicas while they hold prompts: one with `docker kill` (Docker counts that as a manual
+stop: the restart policy leaves it down) and one whose process dies by SIGKILL (a crash: the restart
+policy, unless-stopped, brings it back). The prompts both held are reclaimed (XAUTOCLAIM) and the run
+goes on to its last policy version with nothing lost; `docker compose down -v` leaves nothing behind.
+
+Redis is published on a random localhost port by a test-only override file, so the test watches the run
+as it goes; the final accounting (streams' whole history, archive included, and the batch Parquet files
+in the `runs` volume) runs inside the reward container (tests/e2e/run_report.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from tests.support import REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+
+VERSIONS = 8
+BATCH = 16
+GROUP = 4
+REPLICAS = 3
+SETTINGS = {
+    "RS_TRAIN__TOTAL_VERSIONS": VERSIONS,
+    "RS_TRAIN__BATCH_SIZE": BATCH,
+    "RS_DATA__SAMPLES_PER_PROMPT": GROUP,
+    # few episodes per replica at once, so all three take prompts from the start
+    "RS_ROLLOUT__CONCURRENCY": 4,
+    # a dead replica's prompts are reclaimed after this long (live ones refresh theirs every third of it)
+    "RS_BUS__RECLAIM_IDLE_MS": 6000,
+}
+HEALTHZ = ("import urllib.request; "
+           "print(urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=3).read().decode())")
+
+
+def engine():
+    """The docker SDK's client for the engine DOCKER_HOST names, or skip with why."""
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - no SDK, no engine, an engine not answering: all mean skip
+        host = os.environ.get("DOCKER_HOST", "unset")
+        pytest.skip(f"no Docker engine answers (DOCKER_HOST={host}): {exc}; "
+                    "infra/docker-engine.sh starts one")
+    if shutil.which("docker") is None:
+        pytest.skip("a Docker engine answers but there is no docker CLI on PATH")
+    version = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, check=False)
+    if version.returncode != 0:
+        pytest.skip(f"no Compose v2 plugin (`docker compose version`: {version.stderr.strip()}); "
+                    "infra/docker-engine.sh installs it")
+    return client
+
+
+class Stack:
+    """One compose project of the repository's docker-compose.yml plus the test's override file."""
+
+    def __init__(self, client, tmp_path):
+        self.client = client
+        self.project = f"rse2e{uuid.uuid4().hex[:8]}"
+        self.run_id = f"e2e-{uuid.uuid4().hex[:6]}"
+        env_file = tmp_path / "run.env"
+        env_file.write_text("".join(f"{key}={value}\n" for key, value in SETTINGS.items()))
+        override = tmp_path / "publish-redis.yml"
+        override.write_text('services:\n  redis:\n    ports: ["127.0.0.1::6379"]\n')
+        self.env = {**os.environ, "COMPOSE_BAKE": "false", "RS_ENV_FILE": str(env_file),
+                    "RS_RUN_ID": self.run_id}
+        self.base = ["docker", "compose", "-p", self.project, "-f", str(REPO / "docker-compose.yml"),
+                     "-f", str(override), "--profile", "cpu"]
+
+    def compose(self, *args: str, timeout: float = 900, check: bool = True,
+                **kwargs) -> subprocess.CompletedProcess:
+        result = subprocess.run([*self.base, *args], cwd=REPO, env=self.env, capture_output=True, text=True,
+                                timeout=timeout, check=False, **kwargs)
+        if check and result.returncode != 0:
+            raise AssertionError(f"docker compose {' '.join(args)} exited {result.returncode}:\n"
+                                 f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+        return result
+
+    def containers(self, service: str | None = None, all: bool = False):
+        labels = [f"com.docker.compose.project={self.project}"]
+        if service:
+            labels.append(f"com.docker.compose.service={service}")
+        return self.client.containers.list(all=all, filters={"label": labels})
+
+    def bus(self):
+        from rollstream.shared.contract.bus import Bus
+
+        host_port = self.compose("port", "redis", "6379").stdout.strip()
+        return Bus.connect(f"redis://{host_port}/0", self.run_id)
+
+    def report(self, *args: str) -> dict:
+        script = (REPO / "tests" / "e2e" / "run_report.py").read_text()
+        out = self.compose("exec", "-T", "reward", "python", "-", *args, input=script, timeout=120).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def logs(self) -> str:
+        return self.compose("logs", "--no-color", "--tail", "40", check=False, timeout=120).stdout
+
+
+def healthz(container) -> dict:
+    code, out = container.exec_run(["python", "-c", HEALTHZ])
+    return json.loads(out) if code == 0 else {}
+
+
+def consumers_by_host(bus) -> dict[str, str]:
+    """The prompts group's consumers (agent-runner-<hostname>-<pid>) by the replica's hostname."""
+    names = [c["name"] for c in bus.redis.xinfo_consumers(bus.keys.stream("prompts"), "agent-runner")]
+    return {name.split("-")[2]: name for name in (n.decode() if isinstance(n, bytes) else n for n in names)}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    client = engine()
+    timings: dict[str, float] = {}
+    started = time.monotonic()
+    subprocess.run(["bash", str(REPO / "compose" / "build-offline-base.sh")], check=True, timeout=900)
+    timings["offline base"] = time.monotonic() - started
+    s = Stack(client, tmp_path_factory.mktemp("compose"))
+    started = time.monotonic()
+    s.compose("build", timeout=1500)
+    timings["build"] = time.monotonic() - started
+    result = {"stack": s, "timings": timings}
+    try:
+        up_wall = time.time()
+        started = time.monotonic()
+        s.compose("up", "-d", "--scale", f"agent-runner={REPLICAS}", timeout=900)
+        timings["up -d (healthy)"] = time.monotonic() - started
+        bus = s.bus()
+        runners = s.containers("agent-runner")
+        assert len(runners) == REPLICAS
+
+        # every replica has finished episodes before any is taken down
+        done: dict[str, int] = {}
+        deadline = time.monotonic() + 300
+        while len([n for n in done.values() if n > 0]) < REPLICAS:
+            assert time.monotonic() < deadline, f"replicas' finished episodes: {done}\n{s.logs()}"
+            for c in runners:
+                done[c.id] = max(done.get(c.id, 0), healthz(c).get("episodes_done", 0))
+            time.sleep(0.5)
+        result["episodes_before_faults"] = dict(done)
+        by_host = consumers_by_host(bus)
+        result["consumers"] = {c.id: by_host[c.attrs["Config"]["Hostname"]] for c in runners}
+
+        # two replicas holding prompts: one `docker kill`ed, one crashing (its process SIGKILLed)
+        key = bus.keys.stream("prompts")
+        held: dict[str, list[str]] = {}
+        victims = []
+        deadline = time.monotonic() + 120
+        while len(victims) < 2:
+            assert time.monotonic() < deadline, f"no replica held prompts; victims: {victims}\n{s.logs()}"
+            for c in runners:
+                if c in victims:
+                    continue
+                pending = bus.redis.xpending_range(key, "agent-runner", "-", "+", 100,
+                                                   consumername=result["consumers"][c.id])
+                if pending:
+                    held[c.id] = [row["message_id"].decode() for row in pending]
+                    if not victims:
+                        c.kill()  # SIGKILL through the engine
+                    else:
+                        c.exec_run(["python", "-c", "import os, signal; os.kill(-1, signal.SIGKILL)"])
+                    victims.append(c)
+                    break
+            time.sleep(0.05)
+        result["killed"], result["crashed"] = victims
+        result["held"] = held
+
+        # the run goes on to its last version
+        deadline = time.monotonic() + 600
+        while True:
+            last = bus.last("policy")
+            if last is not None and getattr(last.event, "version", 0) >= VERSIONS:
+                break
+            assert time.monotonic() < deadline, f"the run did not reach version {VERSIONS}\n{s.logs()}"
+            time.sleep(1)
+        time.sleep(2)  # the recorder's next flush
+        result["report"] = s.report()
+        timings["up to policy version 1"] = result["report"]["version_times"]["1"] - up_wall
+        timings["up to the last version"] = result["report"]["version_times"][str(VERSIONS)] - up_wall
+        for victim in victims:
+            victim.reload()
+        result["states"] = {c.id: (c.status, c.attrs["RestartCount"]) for c in victims}
+        result["episodes_after"] = {c.id: healthz(c).get("episodes_done", 0)
+                                    for c in s.containers("agent-runner")}
+        result["services"] = {c.name: c.status for c in s.containers(all=True)}
+    except BaseException:
+        print(s.logs())
+        raise
+    finally:
+        started = time.monotonic()
+        down = s.compose("down", "-v", "--remove-orphans", "--timeout", "20", check=False, timeout=300)
+        timings["down -v"] = time.monotonic() - started
+        result["down"] = down
+        mine = {"label": f"com.docker.compose.project={s.project}"}
+        result["left"] = {
+            "containers": [c.name for c in s.containers(all=True)],
+            "networks": [n.name for n in client.networks.list(filters=mine)],
+            "volumes": [v.name for v in client.volumes.list(filters=mine)],
+        }
+        print("compose e2e timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
+    yield result
+
+
+def test_every_replica_ran_episodes(stack):
+    assert len(stack["episodes_before_faults"]) == REPLICAS
+    assert all(n > 0 for n in stack["episodes_before_faults"].values()), stack["episodes_before_faults"]
+    hostnames = {name.split("-")[2] for name in stack["report"]["consumers"]}
+    assert {name.split("-")[2] for name in stack["consumers"].values()} <= hostnames
+
+
+def test_the_run_reached_its_last_version(stack):
+    assert stack["report"]["versions"] == list(range(1, VERSIONS + 1))
+    assert stack["report"]["batches"] == VERSIONS
+
+
+def test_every_admitted_sample_reached_exactly_one_batch(stack):
+    report = stack["report"]
+    assert report["dispatched"] and report["batched_rollouts"] == report["dispatched"]
+    assert len(report["dispatched"]) == VERSIONS * BATCH
+    assert report["segments_batched_more_than_once"] == []
+    assert report["grading_failed"] == 0 and report["dead_lettered"] == 0
+
+
+def test_the_sandbox_grader_ran_bubblewrap_in_its_container(stack):
+    # every 4th synthetic prompt is graded by a shell check in the sandbox (data.synthetic_sandbox_every)
+    assert stack["report"]["graded_in_sandbox"] > 0
+    assert stack["report"]["grading_failed"] == 0
+
+
+def test_prompts_held_by_killed_and_crashed_replicas_were_finished_by_others(stack):
+    report = stack["report"]
+    batched = set(report["batched_rollouts"])
+    for entries in stack["held"].values():
+        assert entries and {report["rollout_of_entry"][e] for e in entries} <= batched
+    assert all(pending == 0 for pending in report["consumers"].values()), report["consumers"]
+
+
+def test_a_crashed_replica_is_restarted_and_a_docker_killed_one_is_not(stack):
+    killed, crashed = stack["killed"], stack["crashed"]
+    status, restarts = stack["states"][crashed.id]
+    assert status == "running" and restarts >= 1  # restart: unless-stopped
+    # Docker treats `docker kill` as a manual stop: no restart policy revives it
+    assert stack["states"][killed.id][0] == "exited"
+
+
+def test_no_service_died(stack):
+    expected = {"redis", "vllm-cpu", "dispatcher", "sandbox-grader", "reward", "trainer", "recorder"}
+    statuses = {name.split("-", 1)[1].rsplit("-", 1)[0]: status for name, status in stack["services"].items()
+                if not name.split("-", 1)[1].startswith(("agent-runner", "model"))}
+    assert set(statuses) == expected and set(statuses.values()) == {"running"}, statuses
+
+
+def test_down_removes_every_container_network_and_volume(stack):
+    assert stack["down"].returncode == 0, stack["down"].stderr
+    assert stack["left"] == {"containers": [], "networks": [], "volumes": []}
