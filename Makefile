@@ -1,8 +1,11 @@
 # rollstream: the commands the README names.
 #   make setup   install everything into .venv and build the tiny model
 #   make run     the local run (embedded Redis, vLLM on the CPU, every service)
-#   make test    the test suite (unit + integration: real Redis, real vLLM, real bubblewrap)
+#   make test    the test suite (unit + integration: real Redis, real vLLM, real bubblewrap; e2e: compose
+#                on a real Docker engine when one answers)
 #   make bench   the benchmarks
+#   make test-e2e  only the compose test (docker compose --profile cpu up on a real engine; DOCKER_HOST from
+#                  `eval "$(infra/docker-engine.sh)"`, base images from compose/build-offline-base.sh)
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +17,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 MODEL := models/tiny-llama
 WARM_MODEL := models/tiny-llama-warm
 
-.PHONY: setup run test test-unit bench clean
+.PHONY: setup run test test-unit test-e2e bench clean
 
 setup: $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json
 
@@ -43,6 +46,9 @@ test: setup
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
+
+test-e2e: setup
+	$(PY) -m pytest tests/e2e -m e2e
 
 bench: setup
 	$(PY) bench/bench_encoding.py
