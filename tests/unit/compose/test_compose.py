@@ -1,4 +1,5 @@
-"""docker-compose.yml (no Docker engine runs here): every service runs a real entry point."""
+"""docker-compose.yml, statically: every service runs a real entry point, and what `docker compose up` needs
+on a real engine is in the file (tests/e2e/test_compose.py runs it where an engine answers)."""
 
 import importlib
 import tomllib
