@@ -17,9 +17,21 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 MODEL := models/tiny-llama
 WARM_MODEL := models/tiny-llama-warm
 
-.PHONY: setup run test test-unit test-e2e bench clean
+.PHONY: setup system run test test-unit test-e2e bench clean
 
-setup: $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json
+setup: system $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json
+
+# What the run needs from the system: bubblewrap, the grader's sandbox (the main job grades every 4th
+# prompt in it). Installed with apt when we are root, else a clear error: never a run without a sandbox.
+system:
+	@command -v bwrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing bubblewrap (the grader's sandbox)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	  else \
+	    echo "bubblewrap is missing: the grader's sandbox needs it. On Debian/Ubuntu: sudo apt-get install bubblewrap" >&2; \
+	    exit 1; \
+	  fi; }
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -d $(VENV) || python3 -m venv $(VENV)
