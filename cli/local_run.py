@@ -146,6 +146,9 @@ class LocalRun:
         """Process name (the service, with a replica number when it has several) -> process."""
         self.killed: dict[str, subprocess.Popen] = {}
         self.health_ports: dict[str, int] = {}
+        """Process name -> the port its /healthz answers on, as the service logged it at start."""
+        self.log_offsets: dict[str, int] = {}
+        """Process name -> size of its log before this start (earlier runs of the name log there too)."""
         self.redis_server = None
         self.vllm = None
         self.vllm_startup_s: float | None = None
@@ -194,13 +197,29 @@ class LocalRun:
             for replica in range(1, count + 1):
                 name = service if count == 1 else f"{service}-{replica}"
                 on_step(f"starting {name}")
-                port = free_port()
-                self.health_ports[name] = port
-                with open(self.log_dir / f"{name}.log", "ab") as log:
+                log_path = self.log_dir / f"{name}.log"
+                self.log_offsets[name] = log_path.stat().st_size if log_path.exists() else 0
+                # Port 0: each service binds a free port itself and logs it. A port picked here and bound
+                # later by the service could be taken in between (two services were once handed the same
+                # one), and the service died on "Address already in use".
+                with open(log_path, "ab") as log:
                     self.processes[name] = subprocess.Popen(
-                        service_command(service), env={**env, "RS_HEALTH_PORT": str(port)}, stdout=log,
+                        service_command(service), env={**env, "RS_HEALTH_PORT": "0"}, stdout=log,
                         stderr=subprocess.STDOUT, start_new_session=True)
         self.wait_healthy()
+
+    def _find_health_port(self, name: str) -> int | None:
+        """The port the service says it serves /healthz on (its "service started" log line)."""
+        with open(self.log_dir / f"{name}.log", "rb") as log:
+            log.seek(self.log_offsets.get(name, 0))
+            for line in log:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("message") == "service started" and "health_port" in record:
+                    return int(record["health_port"])
+        return None
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -208,6 +227,11 @@ class LocalRun:
         while pending:
             self.check_alive()
             for name in list(pending):
+                if name not in self.health_ports:
+                    port = self._find_health_port(name)
+                    if port is None:
+                        continue
+                    self.health_ports[name] = port
                 try:
                     if httpx.get(f"http://127.0.0.1:{self.health_ports[name]}/healthz", timeout=1).status_code == 200:
                         pending.discard(name)
