@@ -31,16 +31,13 @@ from rollstream.shared.sandbox.workspace import GitWorkspace
 MAX_TEST_OUTPUT_BYTES = 512 * 1024
 """SWE test output: the last this many bytes are kept (pytest's -rA summary is at the end)."""
 
-
 DEFAULT_GRADE_LIMITS = SandboxLimits(wall_time_s=600, cpu_time_s=600, memory_mb=4096,
                                      max_processes=256, max_file_size_mb=256, max_open_files=1024,
                                      max_output_bytes=MAX_TEST_OUTPUT_BYTES + 4096, tmp_size_mb=512)
 """Limits for test runs; the wall clock (and CPU time) is the task's verifier timeout when set."""
 
-
 STARTED_MARKER = "rs-grader: sandbox started"
 """Printed by our wrapper before any task or model code runs (see infrastructure_error)."""
-
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 

@@ -42,7 +42,6 @@ from rollstream.shared.sandbox.workspace import GitWorkspace, prepare_workspace
 PROTECTED_NAMES = ("conftest.py", "pytest.ini", "sitecustomize.py", "usercustomize.py")
 """SWE: files with these names (and *.pth) that a diff touches are reset to the snapshot."""
 
-
 _PYTEST_STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
                   "XFAIL": "passed", "XPASS": "passed"}
 

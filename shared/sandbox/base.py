@@ -15,7 +15,6 @@ DEFAULT_WORKDIR = "/workspace"
 """Where the workspace is in the sandbox unless the caller names another place (a Harbor task's
 WORKDIR, e.g. /app)."""
 
-
 SYSTEM_PATHS = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc",
                 "/sys", "/dev", "/tmp")
 """The sandbox's own paths: the workspace and extra mounts may be none of them nor lie under one

@@ -89,14 +89,11 @@ from rollstream.shared.sandbox.python_tools import (
 SANDBOX_UID = 1000
 """uid and gid the command has inside the sandbox (named `sandbox` in its /etc/passwd)."""
 
-
 _KILL_GRACE_S = 5.0
-
 
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
               "/etc/localtime", "/etc/nsswitch.conf")
 """Bound read-only where the host has them, with /etc/python3* (Debian's python3 config)."""
-
 
 _PID_1 = '/bin/sh -c "$1"; exit "$?"'
 """The sandbox's pid 1 (bwrap --as-pid-1): a shell that runs the command in a child shell (so the
@@ -104,7 +101,6 @@ command has ordinary signal handling, not init's), reaps orphans while it waits,
 exit status (128+N for signal N). bwrap's own reaper is not used: bwrap returns as soon as the
 command ends without reaping it, leaving one zombie per run to the host's init; counted against
 the sandbox uid's RLIMIT_NPROC until init reaps it (and forever where init never does)."""
-
 
 _TOP_LEVEL_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 

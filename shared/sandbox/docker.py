@@ -37,11 +37,11 @@ from rollstream.shared.sandbox.host_uids import lent_to
 
 log = logging.getLogger(__name__)
 
-
 DEFAULT_IMAGE = "python:3.11-slim"
 """Image of runs whose task brings no environment/Dockerfile (the compose file's Python base)."""
 OUTPUT_DRAIN_S = 10.0
 """How long the rest of a finished container's output may take to arrive."""
+
 
 class DockerBackend:
     """One hardened container per run (docker SDK 7). `client`: a docker client (tests pass a

@@ -29,13 +29,10 @@ from rollstream.shared.errors import SandboxError, WorkspaceError
 
 log = logging.getLogger(__name__)
 
-
 HOST_UID_BASE = 0x2000_0000
 """Sandbox host uids are HOST_UID_BASE + pid * SLOTS + slot: unique per live process and run."""
 
-
 SLOTS = 256
-
 
 _MAX_DEPTH = 128
 """Directories deeper than this below the workspace are not chowned (the walk stays bounded)."""

@@ -13,9 +13,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-
 PYTHON_TOOLS_MOUNT = "/opt/rollstream"
-
 
 PYTHON_TOOLS = ("pytest",)
 """Distributions (with their requirements) the bubblewrap backend makes importable in the

@@ -61,9 +61,7 @@ from rollstream.shared.sandbox.base import sandbox_path
 
 DEFAULT_VERIFIER_TIMEOUT_S = 120.0
 
-
 DEFAULT_AGENT_TIMEOUT_S = 600.0
-
 
 DEFAULT_WORKDIR = "/app"
 """A task's workdir when its Dockerfile sets no WORKDIR: where Harbor and terminal-bench tasks
@@ -100,7 +98,6 @@ def _positive_number(table: dict[str, Any], section: str, key: str, where: Path,
 
 
 _KINDS = {str: (str,), "number": (int, float), bool: (bool,), dict: (dict,), list: (list,)}
-
 
 _KIND_NAMES = {str: "a string", "number": "a number", bool: "true or false", dict: "a table", list: "a list"}
 
