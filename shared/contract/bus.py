@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 StreamName = Literal["prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead"]
 STREAMS: tuple[StreamName, ...] = ("prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead")
+LAST_PAGE = 16
+"""Entries Bus.last reads at a time while it looks for the newest one that decodes."""
 
 
 @dataclass(frozen=True)
@@ -137,9 +139,19 @@ class Bus:
         return out
 
     def last(self, stream: StreamName) -> Delivery | None:
-        for entry_id, fields in self.redis.xrevrange(self.keys.stream(stream), count=1):
-            return Delivery(stream, entry_id.decode(), decode(fields))
-        return None
+        """The newest entry that decodes; entries that do not are passed over (a malformed entry at the
+        end of `policy` must not stop the dispatcher or the trainer from reading the policy version)."""
+        end = "+"
+        while True:
+            page = self.redis.xrevrange(self.keys.stream(stream), max=end, count=LAST_PAGE)
+            for entry_id, fields in page:
+                try:
+                    return Delivery(stream, entry_id.decode(), decode(fields))
+                except EventDecodeError:
+                    continue
+            if len(page) < LAST_PAGE:
+                return None
+            end = f"({page[-1][0].decode()}"
 
     # ---------------------------------------------------------------------------------- consume
     def ensure_group(self, stream: StreamName, group: str) -> None:

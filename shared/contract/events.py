@@ -375,7 +375,7 @@ def decode(fields: dict) -> Envelope:
         raw = raw.encode()
     try:
         body = _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # a msgpack string of bad UTF-8 is the latter
         raise EventDecodeError(f"{type_name} body is not msgpack: {exc}") from exc
     if not isinstance(body, dict):
         raise EventDecodeError(f"{type_name} body is a {type(body).__name__}, not a map")
@@ -384,6 +384,8 @@ def decode(fields: dict) -> Envelope:
         envelope = Envelope.model_validate({**body, "payload": payload})
     except ValidationError as exc:
         raise EventDecodeError(f"malformed {type_name} payload: {exc}") from exc
+    except (TypeError, ValueError) as exc:  # e.g. a map with non-string keys: the entry's fault, never the reader's
+        raise EventDecodeError(f"malformed {type_name} body: {type(exc).__name__}: {exc}") from exc
     if envelope.type != type_name or envelope.schema_version != cls.VERSION:
         raise EventDecodeError(f"body says {envelope.type} v{envelope.schema_version}, fields say {type_name} v{version}")
     return envelope

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from rollstream.shared.contract.bus import Keys, StopConsuming, run_consumer
+from rollstream.shared.contract.bus import LAST_PAGE, Keys, StopConsuming, run_consumer
 from rollstream.shared.contract.events import DeadLettered, encode, make_envelope
 from tests.support import prompt
 
@@ -100,6 +100,18 @@ def test_a_handler_that_fails_once_succeeds_on_redelivery(bus):
     assert seen == [4, 4]
     assert bus.read_all("dead") == []
     assert bus.group_lag("prompts", "g") == (0, 0)
+
+
+def test_last_passes_over_entries_that_do_not_decode(bus):
+    assert bus.last("policy") is None
+    key = bus.keys.stream("policy")
+    bus.redis.xadd(key, {"type": "BatchReady", "v": "1", "body": b"\x81\xa3key\xa2\xff\xfe"})
+    assert bus.last("policy") is None  # nothing decodes: as if empty, never an exception
+    good = bus.publish("policy", prompt(0))
+    for _ in range(LAST_PAGE + 3):  # more malformed entries after it than one page holds
+        bus.redis.xadd(key, {"type": "PolicyUpdated", "v": "1", "body": b"\x00garbage"})
+    newest = bus.last("policy")
+    assert newest.entry_id == good and newest.event.sample_index == 0
 
 
 def test_encoded_fields_go_through_redis_unchanged(bus):

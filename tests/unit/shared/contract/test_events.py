@@ -1,3 +1,5 @@
+import random
+
 import msgspec
 import pytest
 
@@ -59,6 +61,35 @@ def test_unknown_schema_version_is_rejected():
 def test_malformed_body_is_rejected(body):
     with pytest.raises(EventDecodeError):
         decode({"type": "TrajectorySegment", "v": "1", "body": body})
+
+
+def test_a_string_of_bad_utf8_in_the_body_is_a_decode_error_not_a_crash():
+    body = b"\x81\xa3key\xa2\xff\xfe"  # {"key": <a msgpack string that is not UTF-8>}
+    with pytest.raises(EventDecodeError, match="BatchReady body is not msgpack"):
+        decode({"type": "BatchReady", "v": "1", "body": body})
+
+
+def test_whatever_bytes_a_body_holds_decoding_fails_only_with_event_decode_error():
+    """Random bodies and valid bodies with bytes flipped, cut or appended, for every event type: one
+    malformed entry must be that entry's failure (dead-lettered), never an exception that stops a reader."""
+    rng = random.Random(0)
+    valid = encode(make_envelope(segment(), run_id="r1", rollout_id="ro"))["body"]
+    outcomes = {"decoded": 0, "rejected": 0}
+    for trial in range(4000):
+        if trial % 2:
+            body = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
+        else:
+            body = bytearray(valid)
+            for _ in range(rng.randint(1, 4)):
+                body[rng.randrange(len(body))] = rng.getrandbits(8)
+            body = bytes(body[:rng.randint(1, len(body))] if trial % 4 == 2 else body)
+        for type_name in EVENT_TYPES:
+            try:
+                decode({"type": type_name, "v": str(EVENT_TYPES[type_name].VERSION), "body": body})
+                outcomes["decoded"] += 1
+            except EventDecodeError:
+                outcomes["rejected"] += 1
+    assert outcomes["rejected"] > 0.9 * 4000 * len(EVENT_TYPES)
 
 
 def test_misaligned_segment_is_rejected():
