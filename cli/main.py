@@ -205,7 +205,8 @@ def run(
     except KeyboardInterrupt:
         console.print("interrupted: stopping every service")
     except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
-        console.print(f"[bold red]run failed:[/] {exc}", markup=True)
+        # escaped: messages name TOML sections ("[verifier] ...") and quote logs, not markup
+        console.print(f"[bold red]run failed:[/] {escape(str(exc))}", markup=True)
         raise typer.Exit(1) from None
     finally:
         codes = local.stop() if local.processes or local.vllm or local.redis_server else {}

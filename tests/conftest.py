@@ -11,6 +11,7 @@ import redis
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.runtime.config import BusSettings
+from tests.support import docker_client
 
 MACHINE_REDIS_URL = os.environ.get("RS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -60,16 +61,11 @@ def docker_engine():
     """A Docker engine that answers (DOCKER_HOST is honoured) and has the sandbox's default image;
     skipped with the reason otherwise (CI starts one: infra/docker-engine.sh, then builds the image
     offline: compose/build-offline-base.sh)."""
-    import docker
-    from docker.errors import DockerException, ImageNotFound
+    from docker.errors import ImageNotFound
 
     from rollstream.shared.sandbox.docker import DEFAULT_IMAGE
 
-    try:
-        client = docker.from_env()
-        client.ping()
-    except DockerException as exc:
-        pytest.skip(f"no Docker engine reachable: {exc}")
+    client = docker_client()
     try:
         client.images.get(DEFAULT_IMAGE)
     except ImageNotFound:

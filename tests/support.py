@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from rollstream.cli.vllm_server import free_port
 from rollstream.shared.contract.archive import ArchiveWriter
 from rollstream.shared.contract.bus import STREAMS, Bus
@@ -59,4 +61,19 @@ def sandbox_uid_processes() -> list[int]:
     return found
 
 
-__all__ = ["FIXTURES", "MODELS", "REPO", "archive_all", "free_port", "prompt", "sandbox_uid_processes", "turn"]
+
+def docker_client():
+    """The docker SDK's client for the engine DOCKER_HOST names, or skip the test with the reason
+    (CI starts one with infra/docker-engine.sh)."""
+    import docker
+    from docker.errors import DockerException
+
+    try:
+        client = docker.from_env()
+        client.ping()
+    except DockerException as exc:
+        pytest.skip(f"no Docker engine answers (DOCKER_HOST={os.environ.get('DOCKER_HOST', 'unset')}): {exc}; "
+                    "infra/docker-engine.sh starts one")
+    return client
+
+__all__ = ["FIXTURES", "MODELS", "REPO", "archive_all", "docker_client", "free_port", "prompt", "sandbox_uid_processes", "turn"]

@@ -185,6 +185,13 @@ def _instructions(text: str) -> list[tuple[str, str]]:
     return found
 
 
+def _read_text(path: Path) -> str:
+    """A task file's text; TaskError naming the file and the byte when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+
 def dockerfile_workdir(dockerfile: Path | None) -> str:
     """The WORKDIR the final stage of `dockerfile` runs in, as Docker sets it: the last WORKDIR of
     that stage, or of the earlier stage it is built FROM; a relative WORKDIR is taken from the one
@@ -192,10 +199,7 @@ def dockerfile_workdir(dockerfile: Path | None) -> str:
     no WORKDIR applies. TaskError when the final one depends on a variable (not expanded here)."""
     if dockerfile is None or not dockerfile.is_file():
         return DEFAULT_WORKDIR
-    try:
-        text = dockerfile.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise TaskError(f"{dockerfile}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    text = _read_text(dockerfile)
     stages: list[str | None] = []
     names: dict[str, int] = {}
     for keyword, arguments in _instructions(text):
@@ -232,9 +236,7 @@ def load_harbor_task(path: Path) -> HarborTask:
     if not toml_path.is_file():
         raise TaskError(f"{toml_path}: missing (every task needs its task.toml)")
     try:
-        config = tomllib.loads(toml_path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise TaskError(f"{toml_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+        config = tomllib.loads(_read_text(toml_path))
     except tomllib.TOMLDecodeError as exc:
         raise TaskError(f"{toml_path}: invalid TOML: {exc}") from exc
     verifier_timeout, agent_timeout = _validate_config(config, toml_path)
@@ -242,10 +244,7 @@ def load_harbor_task(path: Path) -> HarborTask:
     instruction_path = path / "instruction.md"
     if not instruction_path.is_file():
         raise TaskError(f"{instruction_path}: missing (the agent's instruction)")
-    try:
-        instruction = instruction_path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise TaskError(f"{instruction_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    instruction = _read_text(instruction_path)
     if not instruction.strip():
         raise TaskError(f"{instruction_path}: empty (the agent's instruction)")
 

@@ -25,7 +25,7 @@ import uuid
 
 import pytest
 
-from tests.support import REPO
+from tests.support import REPO, docker_client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -48,15 +48,7 @@ HEALTHZ = ("import urllib.request; "
 
 def engine():
     """The docker SDK's client for the engine DOCKER_HOST names, or skip with why."""
-    try:
-        import docker
-
-        client = docker.from_env()
-        client.ping()
-    except Exception as exc:  # noqa: BLE001 - no SDK, no engine, an engine not answering: all mean skip
-        host = os.environ.get("DOCKER_HOST", "unset")
-        pytest.skip(f"no Docker engine answers (DOCKER_HOST={host}): {exc}; "
-                    "infra/docker-engine.sh starts one")
+    client = docker_client()
     if shutil.which("docker") is None:
         pytest.skip("a Docker engine answers but there is no docker CLI on PATH")
     version = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, check=False)
