@@ -3,7 +3,8 @@ its rewards and advantages (RewardAssigned), the order in which complete groups 
 the batches themselves (Parquet, announced with BatchReady). main.py feeds it deliveries.
 
 record stores an event in its group; complete_if_ready scores a group once all its rollouts, segments
-and grades are in; seal and release keep reward.batch_order "finished" (complete groups batched in
+and grades are in, or are accounted for as dropped (a dead letter of one of the rollout's events, a
+failed grading, or expire_overdue: no grade within reward.grade_timeout_s); seal and release keep reward.batch_order "finished" (complete groups batched in
 the order their last rollout finished); flush_batches writes every full batch. Every step is idempotent, so a
 redelivery or a restart changes nothing (see main.py for the rules).
 
@@ -14,6 +15,7 @@ dispatcher's gate) against the local Redis.
 from __future__ import annotations
 
 import hashlib
+import time
 from itertools import takewhile
 
 import redis
@@ -27,9 +29,11 @@ from rollstream.shared.contract.batches import BatchRow, write_batch
 from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import (
     BatchReady,
+    DeadLettered,
     GradeReported,
     GradingFailed,
     RewardAssigned,
+    RolloutDropped,
     TrajectoryFinished,
     TrajectorySegment,
     decode,
@@ -40,6 +44,8 @@ from rollstream.shared.runtime.storage import Storage
 
 BATCH_ORDERS = ("finished", "completed")
 _DEFAULTS = RewardSettings()
+DROPPING_STREAMS = ("prompts", "trajectories", "grades")
+"""A dead letter of an event on these streams means its rollout can never complete: it is dropped."""
 
 
 class RewardBook:
@@ -48,7 +54,8 @@ class RewardBook:
 
     def __init__(self, bus: Bus, storage: Storage, batch_size: int, advantage_estimator: str = "grpo",
                  filter_zero_variance: bool = False, batch_order: str = _DEFAULTS.batch_order,
-                 reward_function: str | None = _DEFAULTS.function, done_ttl_s: int = _DEFAULTS.done_ttl_s) -> None:
+                 reward_function: str | None = _DEFAULTS.function, done_ttl_s: int = _DEFAULTS.done_ttl_s,
+                 group_size: int | None = None, grade_timeout_s: float = _DEFAULTS.grade_timeout_s) -> None:
         if batch_order not in BATCH_ORDERS:
             raise ValueError(f"unknown batch order {batch_order!r}; use one of {', '.join(BATCH_ORDERS)}")
         self.bus = bus
@@ -60,6 +67,9 @@ class RewardBook:
         self.reward_function = reward_function
         self.score = resolve_reward_function(reward_function) if reward_function else None
         self.done_ttl_s = done_ttl_s
+        self.group_size = group_size
+        """Rollouts per group, for a group known only from dead letters (no TrajectoryFinished says it)."""
+        self.grade_timeout_s = grade_timeout_s
         self.ready_key = bus.keys.state("reward", "ready-groups")
         self.ready_rollouts_key = bus.keys.state("reward", "ready-rollouts")
         self.filtered_groups_key = bus.keys.state("reward", "filtered-groups")
@@ -70,6 +80,8 @@ class RewardBook:
         self.held_key = bus.keys.state("reward", "held-groups")
         # hash: reason -> rollouts left out of their group's batch
         self.dropped_key = bus.keys.state("reward", "dropped")
+        # sorted set: group whose every rollout finished (or was dropped) -> when it got there; left at completion
+        self.awaiting_key = bus.keys.state("reward", "awaiting-grades")
 
     def group_key(self, group_id: str) -> str:
         return self.bus.keys.state("reward", "group", group_id)
@@ -96,6 +108,10 @@ class RewardBook:
             field = f"grade:{envelope.rollout_id}"
         elif isinstance(event, GradingFailed):
             field = f"grading-failed:{envelope.rollout_id}"
+        elif isinstance(event, DeadLettered) and envelope.rollout_id and event.stream in DROPPING_STREAMS:
+            field = f"dropped:{envelope.rollout_id}"
+            body = (f"dead_lettered|{event.fields.get('type', 'an event')} dead-lettered on {event.stream} "
+                    f"by {event.group}: {event.error}")
         else:
             return None
         # hsetnx: the first finished attempt of a rollout wins; segments of other attempts are ignored.
@@ -104,11 +120,16 @@ class RewardBook:
 
     def load(self, group_id: str) -> dict[str, dict]:
         """{'segment': {(rollout, index): envelope}, 'finished': {rollout: envelope}, 'grade': {rollout: ...},
-        'grading-failed': {rollout: ...}}, keeping only the segments of each rollout's finished attempt."""
-        out: dict[str, dict] = {"segment": {}, "finished": {}, "grade": {}, "grading-failed": {}}
+        'grading-failed': {rollout: ...}, 'dropped': {rollout: (cause, reason)}}, keeping only the segments of
+        each rollout's finished attempt."""
+        out: dict[str, dict] = {"segment": {}, "finished": {}, "grade": {}, "grading-failed": {}, "dropped": {}}
         segments = {}
         for field, body in self.bus.redis.hgetall(self.group_key(group_id)).items():
             kind, rollout, *rest = field.decode().split(":")
+            if kind == "dropped":
+                cause, _, reason = body.decode(errors="replace").partition("|")
+                out[kind][rollout] = (cause, reason)
+                continue
             event_type = {"segment": TrajectorySegment, "finished": TrajectoryFinished, "grade": GradeReported,
                           "grading-failed": GradingFailed}[kind]
             envelope = decode({"type": event_type.TYPE, "v": str(event_type.VERSION), "body": body})
@@ -122,6 +143,39 @@ class RewardBook:
                 out["segment"][(rollout, index)] = envelope
         return out
 
+    def missing(self, state: dict[str, dict]) -> dict[str, str]:
+        """Rollouts that finished and were not dropped but still lack segments or a grade -> what they lack."""
+        out = {}
+        for rollout, envelope in state["finished"].items():
+            if rollout in state["dropped"]:
+                continue
+            event: TrajectoryFinished = envelope.payload
+            segments = sum(1 for key in state["segment"] if key[0] == rollout)
+            if segments < event.segment_count:
+                out[rollout] = f"{event.segment_count - segments} of its {event.segment_count} segments"
+            elif event.needs_grade and self.score is None and rollout not in state["grade"] \
+                    and rollout not in state["grading-failed"]:
+                out[rollout] = "its grade"
+        return out
+
+    def expire_overdue(self, now: float | None = None) -> list[str]:
+        """Resolve the groups that have waited longer than grade_timeout_s since their last rollout finished:
+        the rollouts still missing a grade or segments are dropped with the reason (grade_timeout), the rest
+        are scored as usual. Returns the groups completed."""
+        now = time.time() if now is None else now
+        overdue = [g.decode() for g in self.bus.redis.zrangebyscore(self.awaiting_key, "-inf", now - self.grade_timeout_s)]
+        completed = []
+        for group_id in overdue:
+            if self.bus.redis.exists(self.done_key(group_id)):
+                self.bus.redis.zrem(self.awaiting_key, group_id)
+                continue
+            for rollout, lacking in self.missing(self.load(group_id)).items():
+                self.bus.redis.hsetnx(self.group_key(group_id), f"dropped:{rollout}",
+                                      f"grade_timeout|{lacking} did not come within {self.grade_timeout_s:g} s")
+            if self.complete_if_ready(group_id):
+                completed.append(group_id)
+        return completed
+
     def seal(self, group_id: str) -> None:
         """Give the group the next place in batch order, once: a redelivered event keeps its place."""
         if self.bus.redis.zscore(self.sealed_key, group_id) is not None:
@@ -132,30 +186,35 @@ class RewardBook:
 
     def complete_if_ready(self, group_id: str) -> bool:
         state = self.load(group_id)
-        finished = state["finished"]
-        if not finished:
+        finished, dropped = state["finished"], state["dropped"]
+        if finished:
+            group_size = next(iter(finished.values())).payload.group_size
+        elif dropped and self.group_size:
+            group_size = self.group_size
+        else:
             return False
-        group_size = next(iter(finished.values())).payload.group_size
-        if len(finished) < group_size:
+        if len(set(finished) | set(dropped)) < group_size:
             return False
+        # Every rollout has finished or was dropped: from now on only grades (or segments) can be missing,
+        # and expire_overdue resolves the group if they do not come.
+        self.bus.redis.zadd(self.awaiting_key, {group_id: time.time()}, nx=True)
         if self.batch_order == "finished":
             # Here rather than in record(): sealed before it can complete, even if the process died
             # between storing the last TrajectoryFinished and sealing.
             self.seal(group_id)
-        for rollout, envelope in finished.items():
-            event: TrajectoryFinished = envelope.payload
-            segments = [key for key in state["segment"] if key[0] == rollout]
-            if len(segments) < event.segment_count:
-                return False
-            if event.needs_grade and self.score is None and rollout not in state["grade"] \
-                    and rollout not in state["grading-failed"]:
-                return False
+        missing = self.missing(state)
+        if missing:
+            return False
 
         # A rollout whose grading failed was never judged: it gets no reward, stays out of the batch and
-        # the group's advantages, and its sample slot goes back to the dispatcher.
-        ungraded = sorted(rollout for rollout, envelope in finished.items()
-                          if self.score is None and envelope.payload.needs_grade and rollout not in state["grade"])
-        rollouts = sorted(set(finished) - set(ungraded))
+        # the group's advantages, and its sample slot goes back to the dispatcher. So does one whose
+        # events were dead-lettered or whose grade never came.
+        drops = dict(dropped)
+        for rollout, envelope in finished.items():
+            if rollout not in drops and self.score is None and envelope.payload.needs_grade \
+                    and rollout not in state["grade"]:
+                drops[rollout] = ("grading_failed", state["grading-failed"][rollout].payload.reason)
+        rollouts = sorted(set(finished) - set(drops))
         rewards, sources = [], []
         for rollout in rollouts:
             event = finished[rollout].payload
@@ -173,6 +232,9 @@ class RewardBook:
                 sources.append(event.reward_fn)
         group_advantages = advantages(rewards, self.advantage_estimator) if rewards else []
         filtered = not rollouts or (self.filter_zero_variance and min(rewards) == max(rewards))
+        if filtered and rollouts:
+            drops.update((rollout, ("filtered", "every rollout of its group got the same reward: no learning signal"))
+                         for rollout in rollouts)
 
         # One transaction: a crash leaves the group either untouched (redone on redelivery) or done.
         pipe = self.bus.redis.pipeline(transaction=True)
@@ -183,17 +245,21 @@ class RewardBook:
                              trajectory_id=ids.trajectory_id, session_id=ids.session_id)
             if not filtered:
                 pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
+        for rollout, (cause, reason) in sorted(drops.items()):
+            self.bus.publish("rewards", RolloutDropped(reason=reason, cause=cause), pipe=pipe,
+                             event_id=f"{rollout}:dropped", rollout_id=rollout, group_id=group_id)
+            if cause != "filtered":
+                pipe.hincrby(self.dropped_key, cause, 1)
         pipe.set(self.done_key(group_id), 1, ex=self.done_ttl_s)
-        if ungraded:
-            pipe.hincrby(self.dropped_key, "grading_failed", len(ungraded))
+        pipe.zrem(self.awaiting_key, group_id)
+        # The dispatcher counts admitted samples, group_size per group: it admits as many again as were left out.
+        given_back = group_size if filtered else len(drops)
+        if given_back:
+            pipe.incrby(self.bus.keys.filtered, given_back)
         if filtered:
-            # Counted in admitted samples (group_size per group), which is what the dispatcher gives back.
-            pipe.incrby(self.bus.keys.filtered, group_size)
             if rollouts:
                 pipe.incr(self.filtered_groups_key)
             pipe.delete(self.group_key(group_id))
-        elif ungraded:
-            pipe.incrby(self.bus.keys.filtered, len(ungraded))
         if self.batch_order == "finished":
             pipe.hset(self.held_key, group_id, 0 if filtered else len(rollouts))
         elif not filtered:
@@ -239,7 +305,7 @@ class RewardBook:
         return int(self.bus.redis.get(self.filtered_groups_key) or 0)
 
     def dropped(self) -> dict[str, int]:
-        """Rollouts left out of their group's batch, by reason (`grading_failed`)."""
+        """Rollouts left out of their group's batch, by cause (grading_failed, dead_lettered, grade_timeout)."""
         return {k.decode(): int(v) for k, v in self.bus.redis.hgetall(self.dropped_key).items()}
 
     def batch_rows(self, group_id: str) -> list[BatchRow]:
@@ -248,7 +314,7 @@ class RewardBook:
         rows = []
         for (rollout, index), envelope in sorted(segments.items()):
             if rollout not in assigned:
-                continue  # dropped from the group: its grading failed
+                continue  # dropped from the group (see RolloutDropped)
             seg: TrajectorySegment = envelope.payload
             reward, advantage = (float(x) for x in assigned[rollout])
             rows.append(BatchRow(

@@ -1,6 +1,7 @@
 """Reward: scores finished rollouts, computes group advantages, writes reward-complete batches.
 
-Consumes `trajectories` (segments and finished rollouts) and `grades` (sandbox results). When every
+Consumes `trajectories` (segments and finished rollouts), `grades` (sandbox results) and `dead` (a
+dead-lettered event of a rollout means the rollout can never complete: it is dropped from its group). When every
 rollout of a prompt group has finished, with all its segments and, where the task asks for one, its
 sandbox grade, it assigns rewards (the grade, or a built-in rule), computes advantages
 (train.advantage_estimator) over the group's rollouts (not its segments) and publishes RewardAssigned.
@@ -22,9 +23,12 @@ everywhere: no learning signal) still gets its RewardAssigned events but is neve
 samples are added to the run's filtered counter, and the dispatcher admits as many again.
 
 A rollout whose grading failed (GradingFailed: the sandbox could not run, not the rollout's fault or
-merit) is never given a reward: it is left out of its group's advantages and batch, counted in
-/healthz `rollouts_dropped` by reason, and its sample slot is given back to the dispatcher the same
-way. A group whose every rollout was dropped is batched not at all.
+merit), one with a dead-lettered event, and one whose grade has not come reward.grade_timeout_s after
+its group's last rollout finished (a lost job) are never given a reward: each is left out of its
+group's advantages and batch, announced with RolloutDropped (the reason) on `rewards`, counted in
+/healthz `rollouts_dropped` by cause, and its sample slot is given back to the dispatcher the same way.
+A group whose every rollout was dropped is batched not at all. One lost grade never holds back the
+groups behind it for longer than the timeout.
 
 Group state lives in Redis, so a restarted or duplicate delivery changes nothing: event ids are
 deterministic, a group completes once, a batch's id is derived from its groups. A completed group is
@@ -37,6 +41,8 @@ redelivery of its events without keeping a set that grows with the run. The book
 
 from __future__ import annotations
 
+import time
+
 from rollstream.services.reward.book import RewardBook
 from rollstream.shared.contract.bus import Bus, Delivery, consumer_name, run_consumer
 from rollstream.shared.runtime.config import Settings
@@ -44,6 +50,7 @@ from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.runtime.storage import Storage
 
 GROUP = "reward"
+OVERDUE_CHECK_S = 5.0
 
 
 def main() -> None:
@@ -53,7 +60,8 @@ def main() -> None:
     storage = Storage(settings.storage_uri)
     book = RewardBook(bus, storage, settings.train.batch_size, settings.train.advantage_estimator,
                       settings.train.filter_zero_variance, batch_order=settings.reward.batch_order,
-                      reward_function=settings.reward.function, done_ttl_s=settings.reward.done_ttl_s)
+                      reward_function=settings.reward.function, done_ttl_s=settings.reward.done_ttl_s,
+                      group_size=settings.data.samples_per_prompt, grade_timeout_s=settings.reward.grade_timeout_s)
     consumer = consumer_name(GROUP)
     counts = {"groups_completed": 0, "batches": 0, "groups_filtered": book.filtered_groups(),
               "rollouts_dropped": book.dropped()}
@@ -64,22 +72,34 @@ def main() -> None:
             runtime.log.info("batch ready", extra={"batch_id": event.batch_id, "samples": event.sample_count,
                                                    "mean_reward": round(event.mean_reward, 4)})
 
+    def completed(groups: int) -> None:
+        counts["groups_completed"] += groups
+        counts["groups_filtered"] = book.filtered_groups()
+        counts["rollouts_dropped"] = book.dropped()
+        flush()
+        # sealed, not yet batched: groups held back by an earlier one that waits for its grades
+        counts["groups_waiting_in_order"] = bus.redis.zcard(book.sealed_key)
+        counts["groups_awaiting_grades"] = bus.redis.zcard(book.awaiting_key)
+        runtime.status.update(counts)
+
     def handle(delivery: Delivery) -> None:
         group_id = book.record(delivery)
-        if group_id and book.complete_if_ready(group_id):
-            counts["groups_completed"] += 1
-            counts["groups_filtered"] = book.filtered_groups()
-            counts["rollouts_dropped"] = book.dropped()
-        flush()
-        # sealed, not yet batched: a number that keeps growing means a group waits for a grade that is not coming
-        counts["groups_waiting_in_order"] = bus.redis.zcard(book.sealed_key)
-        runtime.status.update(counts)
+        completed(1 if group_id and book.complete_if_ready(group_id) else 0)
+
+    next_overdue_check = 0.0
+
+    def resolve_overdue() -> None:
+        nonlocal next_overdue_check
+        if time.monotonic() >= next_overdue_check:
+            next_overdue_check = time.monotonic() + OVERDUE_CHECK_S
+            completed(len(book.expire_overdue()))
 
     # what a crashed predecessor completed but had not released or batched yet
     book.release()
     flush()
 
-    run_consumer(bus, ("grades", "trajectories"), GROUP, consumer, handle, runtime.should_stop)
+    run_consumer(bus, ("grades", "trajectories", "dead"), GROUP, consumer, handle, runtime.should_stop,
+                 between_reads=resolve_overdue)
     runtime.close()
 
 

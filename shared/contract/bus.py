@@ -5,6 +5,10 @@ left pending by a dead consumer for `reclaim_idle_ms` is taken over by a live on
 entry that failed `max_deliveries` times, or does not decode at all, goes to the run's `dead` stream
 with the error, and the pipeline goes on. Works on Redis 7.0 and on Valkey.
 
+Services ride out a Redis restart or failover: their client (`connect_redis`) retries every command
+on a lost connection with capped exponential back-off, for as long as it takes, and logs the outage;
+a consumer group that the restarted Redis no longer has is created again before the next read.
+
 All Redis key names are built by `Keys`; no other code writes a key string by hand.
 `python bench/bench_bus.py` measures events/s against raw redis-py XADD / XREADGROUP.
 """
@@ -20,6 +24,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import BusyLoadingError
+from redis.retry import Retry
 
 from rollstream.shared.contract.events import (
     DeadLettered,
@@ -38,6 +45,30 @@ StreamName = Literal["prompts", "trajectories", "grades", "rewards", "batches", 
 STREAMS: tuple[StreamName, ...] = ("prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead")
 LAST_PAGE = 16
 """Entries Bus.last reads at a time while it looks for the newest one that decodes."""
+RECONNECT_BASE_S = 0.1
+RECONNECT_CAP_S = 5.0
+"""Back-off between reconnection attempts: doubling from the base, never longer than the cap."""
+
+
+class _LoggedBackoff(ExponentialWithJitterBackoff):
+    """The back-off of a lost connection, which says so in the log: at the first failed attempt, then
+    at every power of two, so that a long outage is visible without a line per attempt."""
+
+    def compute(self, failures: int) -> float:
+        if failures & (failures - 1) == 0:
+            log.warning("Redis unreachable; retrying with back-off", extra={"attempts": failures})
+        return super().compute(failures)
+
+
+def connect_redis(url: str, *, ride_out_outages: bool = True) -> redis.Redis:
+    """A client for a service: every command is retried on a lost connection (ConnectionError,
+    TimeoutError, and LOADING while a restarted Redis reads its append-only file) until Redis answers
+    again. ride_out_outages=False: fail at once (commands a person waits on, such as `inspect`)."""
+    if not ride_out_outages:
+        return redis.Redis.from_url(url, socket_connect_timeout=5)
+    retry = Retry(_LoggedBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), retries=-1)
+    return redis.Redis.from_url(url, retry=retry, socket_connect_timeout=5, socket_keepalive=True,
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError, BusyLoadingError])
 
 
 @dataclass(frozen=True)
@@ -88,6 +119,10 @@ class Keys:
         return f"{self.prefix}:filtered"
 
 
+ENVELOPE_IDS = ("trajectory_id", "rollout_id", "group_id", "session_id")
+"""The ids an envelope belongs to."""
+
+
 @dataclass(frozen=True)
 class Delivery:
     """One entry handed to a consumer."""
@@ -115,8 +150,9 @@ class Bus:
         self.settings = settings or BusSettings()
 
     @classmethod
-    def connect(cls, url: str, run_id: str, settings: BusSettings | None = None) -> "Bus":
-        return cls(redis.Redis.from_url(url), run_id, settings)
+    def connect(cls, url: str, run_id: str, settings: BusSettings | None = None, *,
+                ride_out_outages: bool = True) -> "Bus":
+        return cls(connect_redis(url, ride_out_outages=ride_out_outages), run_id, settings)
 
     # ---------------------------------------------------------------------------------- publish
     def envelope(self, payload: Event, **ids: str | None) -> Envelope:
@@ -170,12 +206,21 @@ class Bus:
         """
         count = count or self.settings.read_count
         key = self.keys.stream(stream)
-        reclaimed = self.redis.xautoclaim(key, group, consumer, self.settings.reclaim_idle_ms, "0-0", count=count)
-        raw = [entry for entry in reclaimed[1] if entry[1]]
-        if not raw:
-            response = self.redis.xreadgroup(group, consumer, {key: ">"}, count=count,
-                                             block=self.settings.block_ms if block_ms is None else block_ms)
-            raw = response[0][1] if response else []
+        try:
+            reclaimed = self.redis.xautoclaim(key, group, consumer, self.settings.reclaim_idle_ms, "0-0", count=count)
+            raw = [entry for entry in reclaimed[1] if entry[1]]
+            if not raw:
+                response = self.redis.xreadgroup(group, consumer, {key: ">"}, count=count,
+                                                 block=self.settings.block_ms if block_ms is None else block_ms)
+                raw = response[0][1] if response else []
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # A Redis that came back without our group (restarted without its data, or the stream was
+            # deleted): make it again and read on; there is nothing pending in a new group.
+            log.warning("consumer group missing; creating it again", extra={"stream": stream, "group": group})
+            self.ensure_group(stream, group)
+            return []
         if not raw:
             return []
         counts = self._delivery_counts(key, group, raw) if reclaimed[1] else {}
@@ -248,12 +293,19 @@ class Bus:
 
     def dead_letter(self, stream: StreamName, group: str, entry_id: str, fields: dict, deliveries: int,
                     error: str) -> None:
-        """Move an entry to the dead-letter stream and acknowledge it, atomically."""
+        """Move an entry to the dead-letter stream and acknowledge it, atomically. The dead letter carries
+        the entry's ids when the entry decodes, so that the rollout it belonged to can be accounted for
+        (the reward service drops it from its group with the reason)."""
         shown = {_show(k): _show(v) for k, v in fields.items()}
         event = DeadLettered(stream=stream, entry_id=entry_id, group=group, deliveries=deliveries,
                              error=error, fields=shown)
+        try:
+            envelope = decode(fields)
+            ids = {name: getattr(envelope, name) for name in ENVELOPE_IDS}
+        except EventDecodeError:
+            ids = {}
         pipe = self.redis.pipeline(transaction=True)
-        self.publish("dead", event, pipe=pipe)
+        self.publish("dead", event, pipe=pipe, **ids)
         pipe.xack(self.keys.stream(stream), group, entry_id)
         pipe.hdel(self._errors_key(stream, group), entry_id)
         pipe.execute()
@@ -303,12 +355,14 @@ class StopConsuming(Exception):
 
 
 def run_consumer(bus: Bus, streams: tuple[StreamName, ...], group: str, consumer: str, handle: Handler,
-                 should_stop: Callable[[], bool], take_over_pending: bool = False) -> None:
+                 should_stop: Callable[[], bool], take_over_pending: bool = False,
+                 between_reads: Callable[[], None] = lambda: None) -> None:
     """The consume loop services use: read, handle, ack. A failing handler leaves the entry pending,
     so that it is retried (reclaimed) and, after too many failures, dead-lettered.
 
     take_over_pending: first handle, in order, every entry the group left pending (see
-    Bus.take_over_pending); for a consumer that is alone in its group."""
+    Bus.take_over_pending); for a consumer that is alone in its group.
+    between_reads: called after every round of reads (at least every bus.block_ms), for time-driven work."""
 
     def handle_and_ack(delivery: Delivery) -> None:
         try:
@@ -334,3 +388,4 @@ def run_consumer(bus: Bus, streams: tuple[StreamName, ...], group: str, consumer
         for stream in streams:
             for delivery in bus.consume(stream, group, consumer, block_ms=block_ms):
                 handle_and_ack(delivery)
+        between_reads()

@@ -253,6 +253,18 @@ class RewardAssigned(Event):
     """Which reward produced it: a built-in function name, or `sandbox`."""
 
 
+class RolloutDropped(Event):
+    """A rollout that will never be in a batch, and why (stream `rewards`): its grading failed, an event
+    it needed was dead-lettered, its grade did not come within reward.grade_timeout_s, or its group
+    was filtered out (no reward variance). Its sample slot goes back to the dispatcher."""
+
+    TYPE = "RolloutDropped"
+    reason: str
+    """What happened, with the error or the timeout where there is one."""
+    cause: Literal["grading_failed", "dead_lettered", "grade_timeout", "filtered"]
+    """The reason's kind, as counted in the reward service's /healthz `rollouts_dropped`."""
+
+
 class BatchReady(Event):
     """A reward-complete Parquet batch is in storage (stream `batches`); mean_reward is over its rollouts."""
 
@@ -308,6 +320,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         GradeReported,
         GradingFailed,
         RewardAssigned,
+        RolloutDropped,
         BatchReady,
         PolicyUpdated,
         DeadLettered,

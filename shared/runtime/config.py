@@ -163,6 +163,10 @@ class RewardSettings(Section):
     and returning a float. For re-scoring a recorded run with a new reward (`rollstream replay`)."""
     done_ttl_s: int = Field(86_400, ge=60)
     """How long a completed group is remembered, so that a late redelivery of one of its events is ignored."""
+    grade_timeout_s: float = Field(3600.0, gt=0)
+    """A group whose rollouts have all finished is resolved after this long even if a grade (or a segment)
+    never came (a dead-lettered event, a lost job): the rollouts still missing theirs are dropped with the
+    reason, so that one lost grade never holds back training. Longer than the slowest task's grading."""
 
 
 class RecorderSettings(Section):

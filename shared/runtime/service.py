@@ -15,6 +15,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rollstream.shared.runtime.config import Settings
@@ -67,6 +68,10 @@ class ServiceRuntime:
         """Free-form facts the service wants /healthz to show (counts, version)."""
         self.not_ready: str | None = None
         """Why the service cannot do its work now (shown by /healthz, which then answers 503)."""
+        # Its own client, which fails fast: /healthz must say "Redis unreachable" while the service's
+        # client waits for Redis to come back.
+        self._redis_probe = (redis.Redis.from_url(settings.redis_url, socket_timeout=1, socket_connect_timeout=1)
+                             if settings.redis_url else None)
         configure_logging(name, settings.log_level)
         self.log = logging.getLogger(name)
         signal.signal(signal.SIGTERM, self._request_stop)
@@ -81,6 +86,17 @@ class ServiceRuntime:
     def should_stop(self) -> bool:
         return self.stopping
 
+    def readiness_problem(self) -> str | None:
+        """Why /healthz answers 503 now: the service's own reason, or a Redis it cannot reach."""
+        if self.not_ready:
+            return self.not_ready
+        if self._redis_probe is not None:
+            try:
+                self._redis_probe.ping()
+            except redis.RedisError as exc:
+                return f"Redis unreachable: {exc}"
+        return None
+
     def _request_stop(self, signum: int, _frame: Any) -> None:
         if not self.stopping:
             self.log.info("stop requested; draining", extra={"signal": signal.Signals(signum).name})
@@ -92,8 +108,9 @@ class ServiceRuntime:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 if self.path.startswith("/healthz"):
-                    state = "stopping" if runtime.stopping else "not ready" if runtime.not_ready else "ok"
-                    reason = {"reason": runtime.not_ready} if runtime.not_ready else {}
+                    problem = None if runtime.stopping else runtime.readiness_problem()
+                    state = "stopping" if runtime.stopping else "not ready" if problem else "ok"
+                    reason = {"reason": problem} if problem else {}
                     body = json.dumps({"service": runtime.name, "status": state, **reason,
                                        "uptime_s": round(time.time() - runtime.started, 1), **runtime.status},
                                       default=str).encode()

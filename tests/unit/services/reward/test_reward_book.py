@@ -1,13 +1,18 @@
 """The reward service's group bookkeeping and batching, on real Redis."""
 
+import time
+
 import pytest
 
 from rollstream.services.reward.book import RewardBook
 from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import (
+    DeadLettered,
     GradeReported,
     GradingFailed,
+    RewardAssigned,
+    RolloutDropped,
     TrajectoryFinished,
     TrajectorySegment,
     make_envelope,
@@ -67,7 +72,8 @@ def serve(book, deliveries):
 
 
 def assigned(bus):
-    return {d.envelope.rollout_id: (d.event.reward, d.event.advantage, d.event.source) for d in bus.read_all("rewards")}
+    return {d.envelope.rollout_id: (d.event.reward, d.event.advantage, d.event.source) for d in bus.read_all("rewards")
+            if isinstance(d.event, RewardAssigned)}
 
 
 def answer_length(response: str, label: str | None) -> float:
@@ -109,7 +115,7 @@ def test_group_completes_once_with_grpo_advantages_and_batches_whole_groups(bus,
     assert feed(book, first[:3]) == []  # r2 not finished yet
     assert feed(book, first[3:]) == ["g1"]
     assert feed(book, first) == []  # a re-delivery changes nothing
-    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards")}
+    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards") if isinstance(d.event, RewardAssigned)}
     assert rewards["r1"].reward == 1.0 and rewards["r2"].reward == 0.0
     assert rewards["r1"].advantage > 0 > rewards["r2"].advantage
     assert book.flush_batches(run) == []  # 2 of 4 rollouts
@@ -166,7 +172,7 @@ def test_dr_grpo_advantages_are_reward_minus_the_group_mean(bus, tmp_path):
                   + deliveries_for(run, "g", "r2", 1, "8", group_size=3)
                   + deliveries_for(run, "g", "r3", 2, "none", group_size=3))
     assert feed(book, deliveries) == ["g"]
-    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards")}
+    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards") if isinstance(d.event, RewardAssigned)}
     mean = (1.0 + 0.1 + 0.0) / 3
     assert {r: e.advantage for r, e in rewards.items()} == pytest.approx({"r1": 1 - mean, "r2": 0.1 - mean,
                                                                           "r3": -mean})
@@ -180,7 +186,7 @@ def test_a_group_with_one_reward_for_all_is_recorded_but_not_batched_when_filter
     same = deliveries_for(run, "g1", "r1", 0, "7") + deliveries_for(run, "g1", "r2", 1, "the answer is 7")
     assert feed(book, same) == ["g1"]
     assert feed(book, same) == []  # a re-delivery neither completes nor counts it again
-    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards")}
+    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards") if isinstance(d.event, RewardAssigned)}
     assert {r: (e.reward, e.advantage, e.source) for r, e in rewards.items()} == {
         "r1": (1.0, 0.0, "exact_match"), "r2": (1.0, 0.0, "exact_match")}
     assert book.flush_batches(run) == []
@@ -331,3 +337,63 @@ def test_a_group_whose_every_grading_failed_is_never_batched_and_holds_nothing_b
     assert set(assigned(bus)) == {"r3", "r4"}
     assert book.dropped() == {"grading_failed": 2} and book.filtered_groups() == 0
     assert int(bus.redis.get(bus.keys.filtered)) == 2
+
+
+def dead_letter(run, group, rollout, stream="prompts", consumer_group="agent-runner", event_type="PromptIssued"):
+    """The dead letter of one of a rollout's events, as Bus.dead_letter publishes it (with the entry's ids)."""
+    event = DeadLettered(stream=stream, entry_id="1-0", group=consumer_group, deliveries=6,
+                         error="gave up after 5 failed deliveries; last error: ValueError: bad tool spec",
+                         fields={"type": event_type})
+    return Delivery("dead", "0-4", make_envelope(event, run_id=run, group_id=group, rollout_id=rollout))
+
+
+def dropped_events(bus):
+    return {d.envelope.rollout_id: d.event for d in bus.read_all("rewards") if isinstance(d.event, RolloutDropped)}
+
+
+def test_a_rollout_whose_prompt_was_dead_lettered_is_dropped_and_its_group_completes(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2, group_size=3)
+    group = [d for i, answer in enumerate(("7", "4")) for d in deliveries_for(run, "g1", f"r{i + 1}", i, answer, group_size=3)]
+    later = pair(run, "g2", 4, ("7", "nope"))
+    assert [b.group_ids for b in serve(book, group + later)] == [["g2"]]  # g1 waits for r3
+    assert [b.group_ids for b in serve(book, [dead_letter(run, "g1", "r3")])] == [["g1"]]
+    assert set(assigned(bus)) == {"r1", "r2", "r4", "r5"}
+    (drop,) = dropped_events(bus).values()
+    assert drop.cause == "dead_lettered" and "PromptIssued dead-lettered on prompts by agent-runner" in drop.reason
+    assert book.dropped() == {"dead_lettered": 1} and int(bus.redis.get(bus.keys.filtered)) == 1
+
+
+def test_a_group_known_only_from_dead_letters_gives_every_slot_back(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2, group_size=2)
+    assert feed(book, [dead_letter(run, "g1", "r1")]) == []
+    assert feed(book, [dead_letter(run, "g1", "r2")]) == ["g1"]
+    assert set(dropped_events(bus)) == {"r1", "r2"} and assigned(bus) == {}
+    assert int(bus.redis.get(bus.keys.filtered)) == 2 and book.flush_batches(run) == []
+
+
+def test_a_dead_letter_of_an_event_the_pipeline_does_not_wait_for_drops_nothing(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2, group_size=2)
+    assert book.record(dead_letter(run, "g1", "r1", stream="batches", consumer_group="trainer",
+                                   event_type="BatchReady")) is None
+    assert book.record(Delivery("dead", "0-5", make_envelope(
+        DeadLettered(stream="prompts", entry_id="1-0", group="agent-runner", deliveries=1, error="not msgpack",
+                     fields={"type": "PromptIssued", "body": "b'\\x80'"}), run_id=run))) is None  # no ids: nothing to drop
+
+
+def test_a_grade_that_never_comes_is_dropped_after_the_timeout_and_releases_the_groups_behind(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2, grade_timeout_s=600)
+    waiting = pair(run, "g1", 1, ("3", "4"), check="test")
+    later = pair(run, "g2", 3, ("7", "nope"))
+    assert serve(book, waiting + later + [grade(run, "g1", "r1", 1.0)]) == []
+    assert book.expire_overdue() == []  # not yet overdue
+    assert book.expire_overdue(now=time.time() + 601) == ["g1"]
+    (drop,) = dropped_events(bus).values()
+    assert drop.cause == "grade_timeout" and drop.reason == "its grade did not come within 600 s"
+    assert set(assigned(bus)) == {"r1", "r3", "r4"} and book.dropped() == {"grade_timeout": 1}
+    assert [b.group_ids for b in book.flush_batches(run)] == [["g1", "g2"]]
+    assert feed(book, [grade(run, "g1", "r2", 1.0)]) == []  # the late grade changes nothing
+    assert book.expire_overdue(now=time.time() + 6000) == []
