@@ -7,7 +7,10 @@ Token ids and logprobs travel as packed little-endian int32 / float32 bytes insi
 `python bench/bench_encoding.py` measures this against JSON lists (smaller and faster to decode).
 
 Decoding rejects, with an `EventDecodeError` that says why, an unknown type, an unknown schema
-version, and a payload that does not validate.
+version, and a payload that does not validate: besides the field types, counts and indices that
+cannot be negative (a group of 0 samples, a rollout of 0 segments), scores and rewards that are not
+finite, and token arrays longer than MAX_SEQUENCE_TOKENS, so that one entry cannot make a reader
+allocate without bound. `STREAM_EVENTS` says which event types belong on which stream.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ from pydantic import (
 
 from rollstream.shared.errors import EventDecodeError
 
+MAX_SEQUENCE_TOKENS = 1 << 19
+"""Most items a token array (ids, logprobs, mask) of one event may hold: longer than any context this
+code trains on, and small enough that decoding one entry stays within tens of MB."""
+
+
+def _bounded(length: int) -> None:
+    if length > MAX_SEQUENCE_TOKENS:
+        raise ValueError(f"array of {length} items is longer than MAX_SEQUENCE_TOKENS ({MAX_SEQUENCE_TOKENS})")
+
 
 def _pack(dtype: str):
     def serialize(values: list, info: SerializationInfo) -> Any:
@@ -41,9 +53,13 @@ def _pack(dtype: str):
 
     def validate(value: Any) -> Any:
         if isinstance(value, (bytes, bytearray, memoryview)):
-            if len(value) % np.dtype(dtype).itemsize:
+            itemsize = np.dtype(dtype).itemsize
+            if len(value) % itemsize:
                 raise ValueError(f"packed {dtype} array has {len(value)} bytes, not a multiple of the item size")
+            _bounded(len(value) // itemsize)  # before unpacking: a huge array is refused without allocating it
             return np.frombuffer(value, dtype=dtype).tolist()
+        if isinstance(value, (list, tuple)):
+            _bounded(len(value))
         return value
 
     return BeforeValidator(validate), PlainSerializer(serialize)
@@ -55,6 +71,12 @@ Floats = Annotated[list[float], *_pack("<f4")]
 """Logprobs and similar per-token floats; packed as float32 bytes on the wire."""
 Mask = Annotated[list[int], *_pack("<i1")]
 """0/1 per token; packed as int8 bytes on the wire."""
+Count = Annotated[int, Field(ge=1)]
+"""A number of things that exist at least once (samples in a group, segments of a rollout)."""
+Index = Annotated[int, Field(ge=0)]
+"""A position or a version: never negative."""
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+"""A score, reward or advantage: NaN or infinity would poison every mean and gradient it reaches."""
 
 Status = Literal["completed", "truncated", "aborted", "failed"]
 
@@ -88,9 +110,9 @@ class PromptIssued(Event):
     """The dispatcher admitted one sample of a prompt group (stream `prompts`)."""
 
     TYPE = "PromptIssued"
-    sample_index: int
+    sample_index: Index
     """Position of this sample in the run's admission order (0-based)."""
-    group_size: int
+    group_size: Count
     """Samples in this prompt group (n)."""
     messages: list[dict[str, Any]]
     """Chat messages of the prompt (role, content)."""
@@ -104,7 +126,7 @@ class PromptIssued(Event):
     """Agent loop: a registered name or package.module:function; None: the configured default."""
     tools: list[str] = Field(default_factory=list)
     """Tools the episode may call: registered names or package.module:attr."""
-    policy_version: int
+    policy_version: Index
     """The policy version the dispatcher saw when it admitted the sample."""
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -112,7 +134,7 @@ class PromptIssued(Event):
 # ------------------------------------------------------------------------------------ trajectories
 class TrajectoryStarted(Event):
     TYPE = "TrajectoryStarted"
-    sample_index: int
+    sample_index: Index
     server_url: str | None = None
 
 
@@ -124,16 +146,16 @@ class TrajectoryTurn(Event):
     """
 
     TYPE = "TrajectoryTurn"
-    turn: int
-    segment_index: int = 0
-    offset: int
+    turn: Index
+    segment_index: Index = 0
+    offset: Index
     appended_ids: TokenIds
     """Tokens added since the previous turn: the prompt, or tool observations and template glue."""
     response_ids: TokenIds
     logprobs: Floats
-    policy_version: int
+    policy_version: Index
     """Version the server reported before the turn."""
-    policy_version_end: int
+    policy_version_end: Index
     """Version it reported after; differs when a weight sync happened mid-turn."""
     finish_reason: str
     server_url: str
@@ -160,18 +182,18 @@ class TrajectorySegment(Event):
     """
 
     TYPE = "TrajectorySegment"
-    segment_index: int
+    segment_index: Index
     attempt: str = ""
     """Which execution of the rollout produced it (a reclaimed prompt can run twice)."""
     tokens: TokenIds
     response_length: int
     loss_mask: Mask
     rollout_logprobs: Floats
-    turn_policy_versions: list[int]
+    turn_policy_versions: list[Index]
     status: Status
     response_text: str
-    sample_index: int
-    group_size: int
+    sample_index: Index
+    group_size: Count
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -194,9 +216,10 @@ class TrajectoryFinished(Event):
     status: Status
     attempt: str = ""
     """Which execution of the rollout this closes; its segments carry the same attempt."""
-    segment_count: int
-    group_size: int
-    sample_index: int
+    segment_count: Count
+    """A rollout has at least one segment (the agent-runner refuses an agent that returns none)."""
+    group_size: Count
+    sample_index: Index
     sandbox_check: str | None = None
     """A shell check a sandbox runs on the answer to grade this rollout."""
     grader: dict[str, Any] = Field(default_factory=dict)
@@ -220,10 +243,10 @@ class GradeReported(Event):
     """A sandbox ran the task's check on the rollout (stream `grades`)."""
 
     TYPE = "GradeReported"
-    score: float
+    score: Finite
     passed: bool
     reason: str
-    duration_s: float
+    duration_s: Finite
     log_uri: str | None = None
     tests: dict[str, str] = Field(default_factory=dict)
     """Per-test outcome (passed, failed, error, skipped) where the task's tests report them."""
@@ -247,8 +270,8 @@ class RewardAssigned(Event):
     """A rollout's reward and its group-relative advantage (stream `rewards`)."""
 
     TYPE = "RewardAssigned"
-    reward: float
-    advantage: float
+    reward: Finite
+    advantage: Finite
     source: str
     """Which reward produced it: a built-in function name, or `sandbox`."""
 
@@ -271,17 +294,17 @@ class BatchReady(Event):
     TYPE = "BatchReady"
     batch_id: str
     uri: str
-    sample_count: int
+    sample_count: Count
     group_ids: list[str]
-    min_policy_version: int
-    mean_reward: float
+    min_policy_version: Index
+    mean_reward: Finite
 
 
 class PolicyUpdated(Event):
     """The fleet serves a new policy version, checked for logprob parity (stream `policy`)."""
 
     TYPE = "PolicyUpdated"
-    version: int
+    version: Index
     checkpoint_uri: str
     batch_id: str
     servers: list[str]
@@ -326,6 +349,18 @@ EVENT_TYPES: dict[str, type[Event]] = {
         DeadLettered,
     )
 }
+
+STREAM_EVENTS: dict[str, tuple[type[Event], ...]] = {
+    "prompts": (PromptIssued,),
+    "trajectories": (TrajectoryStarted, TrajectoryTurn, TrajectoryTool, TrajectorySegment, TrajectoryFinished),
+    "grades": (GradeReported, GradingFailed),
+    "rewards": (RewardAssigned, RolloutDropped),
+    "batches": (BatchReady,),
+    "policy": (PolicyUpdated,),
+    "dead": (DeadLettered,),
+}
+"""The event types each stream carries; anything else on a stream is misplaced (its consumer cannot
+tell what it means), and is dead-lettered rather than passed over."""
 
 
 def make_envelope(

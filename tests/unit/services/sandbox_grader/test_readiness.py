@@ -75,7 +75,7 @@ def test_without_its_backend_the_grader_is_not_ready_and_grades_nothing_until_it
     status, body = wait_for(lambda: health(port), 60, "the grader's /healthz")
     assert status == 503 and body["status"] == "not ready"
     assert "bubblewrap is not installed" in body["reason"] and "apt-get install bubblewrap" in body["reason"]
-    finished = TrajectoryFinished(status="completed", attempt="a1", segment_count=0, group_size=1, sample_index=0,
+    finished = TrajectoryFinished(status="completed", attempt="a1", segment_count=1, group_size=1, sample_index=0,
                                   response_text="7", sandbox_check="grep -q 7 answer.txt")
     bus.publish("trajectories", finished, rollout_id="r0", group_id="g0", trajectory_id="r0", session_id="r0")
     time.sleep(2)

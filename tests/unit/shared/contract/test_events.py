@@ -117,3 +117,58 @@ def test_every_event_type_has_a_unique_name_and_a_version():
 def test_envelope_json_shows_the_payload():
     envelope = make_envelope(segment(), run_id="r")
     assert '"tokens":[5,6,7,8]' in envelope.model_dump_json()
+
+
+def test_a_token_array_longer_than_the_contract_allows_is_rejected_before_it_is_unpacked():
+    from rollstream.shared.contract.events import MAX_SEQUENCE_TOKENS
+
+    fields = encode(make_envelope(segment(), run_id="r"))
+    body = msgspec.msgpack.decode(fields["body"])
+    n = MAX_SEQUENCE_TOKENS + 1
+    body["payload"].update(tokens=bytes(4 * n), loss_mask=bytes(n), rollout_logprobs=bytes(4 * n))
+    with pytest.raises(EventDecodeError, match="MAX_SEQUENCE_TOKENS"):
+        decode({**fields, "body": msgspec.msgpack.encode(body)})
+    with pytest.raises(ValueError, match="MAX_SEQUENCE_TOKENS"):
+        segment(tokens=[0] * n, loss_mask=[0] * n, rollout_logprobs=[0.0] * n)
+
+
+@pytest.mark.parametrize("event_type, field, value", [
+    ("TrajectorySegment", "group_size", 0),
+    ("TrajectorySegment", "sample_index", -1),
+    ("TrajectorySegment", "turn_policy_versions", [-2]),
+    ("TrajectoryFinished", "segment_count", 0),
+    ("GradeReported", "score", float("nan")),
+    ("RewardAssigned", "advantage", float("inf")),
+    ("BatchReady", "sample_count", 0),
+])
+def test_counts_indices_and_scores_out_of_their_range_are_rejected(event_type, field, value):
+    from rollstream.shared.contract.events import (
+        BatchReady,
+        GradeReported,
+        RewardAssigned,
+        TrajectoryFinished,
+    )
+
+    valid = {
+        "TrajectorySegment": segment(),
+        "TrajectoryFinished": TrajectoryFinished(status="completed", segment_count=1, group_size=2, sample_index=0),
+        "GradeReported": GradeReported(score=1.0, passed=True, reason="exit 0", duration_s=0.1),
+        "RewardAssigned": RewardAssigned(reward=1.0, advantage=0.5, source="exact_match"),
+        "BatchReady": BatchReady(batch_id="b", uri="/b.parquet", sample_count=1, group_ids=["g"],
+                                 min_policy_version=0, mean_reward=0.5),
+    }[event_type]
+    fields = encode(make_envelope(valid, run_id="r"))
+    assert decode(fields).payload == valid
+    body = msgspec.msgpack.decode(fields["body"])
+    body["payload"][field] = value
+    with pytest.raises(EventDecodeError, match=field):
+        decode({**fields, "body": msgspec.msgpack.encode(body)})
+
+
+def test_every_event_type_belongs_to_exactly_one_stream():
+    from rollstream.shared.contract.bus import STREAMS
+    from rollstream.shared.contract.events import STREAM_EVENTS
+
+    assert set(STREAM_EVENTS) == set(STREAMS)
+    placed = [cls.TYPE for types in STREAM_EVENTS.values() for cls in types]
+    assert sorted(placed) == sorted(EVENT_TYPES)
