@@ -67,7 +67,11 @@ def main() -> None:
     admitted = int(bus.redis.get(bus.keys.admitted) or 0)
     while not runtime.stopping:
         if time.monotonic() - lock_renewed > LOCK_TTL_MS / 3000:
-            if bus.redis.get(lock) != token.encode():
+            # An outage longer than the lock's TTL lets it expire: take it again unless another took it.
+            holder = bus.redis.get(lock)
+            if holder is None and bus.redis.set(lock, token, nx=True, px=LOCK_TTL_MS):
+                holder = token.encode()
+            if holder != token.encode():
                 raise RuntimeError("lost the dispatcher lock to another dispatcher")
             bus.redis.pexpire(lock, LOCK_TTL_MS)
             lock_renewed = time.monotonic()

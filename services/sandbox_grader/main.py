@@ -7,6 +7,9 @@ nothing new) with retries and backoff for infrastructure errors, and runs an RQ 
 process: throughput is set by the number of replicas. The job publishes GradeReported on `grades`
 (or GradingFailed when the sandbox could not run it, see jobs.py).
 
+A process that can no longer do its job exits non-zero, so that it is restarted: when the enqueuer
+thread dies (the worker finishes its job first) or the worker quits on an error of its own.
+
 It grades nothing while its sandbox backend cannot run (bubblewrap not installed, no Docker engine):
 /healthz answers 503 with the reason and the install hint, finished rollouts stay on the stream, and
 grading starts once the backend is there (checked every BACKEND_RECHECK_S seconds).
@@ -16,6 +19,8 @@ grading starts once the backend is there (checked every BACKEND_RECHECK_S second
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -96,8 +101,8 @@ def main() -> None:
         except NoSuchJobError:
             pass
         ids = {k: getattr(envelope, k) for k in ("trajectory_id", "rollout_id", "group_id", "session_id")}
-        request = GradeRequest(redis_url=settings.redis, run_id=settings.run_id, storage_uri=settings.storage_uri,
-                               ids=ids, backend=settings.grader.backend, wall_time_s=settings.grader.wall_time_s,
+        request = GradeRequest(run_id=settings.run_id, storage_uri=settings.storage_uri, ids=ids,
+                               backend=settings.grader.backend, wall_time_s=settings.grader.wall_time_s,
                                memory_mb=settings.grader.memory_mb, check=event.sandbox_check,
                                answer=event.response_text, grader=event.grader, diff_uri=event.artifacts.get("diff"),
                                retries=settings.grader.retries)
@@ -107,16 +112,36 @@ def main() -> None:
         enqueued += 1
         runtime.status["enqueued"] = enqueued
 
-    enqueuer = threading.Thread(target=run_consumer, name="enqueuer", daemon=True,
-                                args=(bus, ("trajectories",), GROUP, consumer_name(GROUP), handle, runtime.should_stop))
-    enqueuer.start()
     worker = Worker([queue], connection=bus.redis, name=consumer_name("sandbox-worker"))
+    enqueuer_failed: list[BaseException] = []
+
+    def enqueue_until_stopped() -> None:
+        try:
+            run_consumer(bus, ("trajectories",), GROUP, consumer_name(GROUP), handle, runtime.should_stop)
+        except BaseException as exc:
+            # A process that goes on grading without enqueuing would look healthy and grade nothing new:
+            # stop it so that it exits non-zero and is restarted. Through the worker's own SIGTERM handler
+            # (installed when work() starts), so that the job it is running is finished first.
+            enqueuer_failed.append(exc)
+            runtime.log.critical("enqueuer died; stopping the service", exc_info=True)
+            runtime.not_ready = f"enqueuer died: {type(exc).__name__}: {exc}"
+            while signal.getsignal(signal.SIGTERM) != worker.request_stop:
+                time.sleep(0.1)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    enqueuer = threading.Thread(target=enqueue_until_stopped, name="enqueuer", daemon=True)
+    enqueuer.start()
     # The worker owns SIGTERM from here on (warm shutdown: it finishes the running job).
     # The scheduler moves retries with a back-off interval back onto the queue when they are due.
     worker.work(with_scheduler=True)
+    # set by the worker's SIGTERM/SIGINT handler (RQ has no public flag for it)
+    asked_to_stop = worker._shutdown_requested_date is not None and not enqueuer_failed
     runtime.stopping = True
     enqueuer.join(timeout=10)
     runtime.close()
+    if not asked_to_stop:
+        # the worker quit on its own (an error it does not survive), or the enqueuer died
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
