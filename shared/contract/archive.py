@@ -517,12 +517,19 @@ def read_history(bus: Bus, stream: StreamName, storage_uri: str | None) -> list[
 
 
 # --------------------------------------------------------------------------------------------- trim
+UNCONSUMED_STREAMS: tuple[StreamName, ...] = ("rewards", "policy")
+"""Streams that no service reads through a consumer group (people, the archive and Bus.last read them): with
+no group to wait for, they are trimmed as soon as they are archived, or Redis would grow by an entry per
+rollout for the whole run."""
+
+
 def trim_safe_id(bus: Bus, stream: StreamName, require_archived: bool = True) -> str | None:
     """The highest entry id that may be trimmed, with every entry before it; None: nothing may.
 
     An entry may go once every consumer group of the stream has had it delivered and acknowledged,
     and, with `require_archived` (recording on), once it is archived. A stream with no group keeps
-    everything. The newest entry always stays: `Bus.last` reads current state from it (the policy
+    everything, except the streams that no consumer group ever reads (UNCONSUMED_STREAMS), which are
+    trimmed behind the archive alone (with recording on). The newest entry always stays: `Bus.last` reads current state from it (the policy
     version a restarted dispatcher or trainer resumes from).
 
     A group created after this returns finds the stream as if it had been created after the trim:
@@ -533,7 +540,7 @@ def trim_safe_id(bus: Bus, stream: StreamName, require_archived: bool = True) ->
         groups = bus.redis.xinfo_groups(key)
     except redis.ResponseError:  # no such stream
         return None
-    if not groups:
+    if not groups and not (require_archived and stream in UNCONSUMED_STREAMS):
         return None
     newest = bus.redis.xrevrange(key, count=2)
     if len(newest) < 2:

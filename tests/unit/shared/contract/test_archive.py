@@ -10,6 +10,7 @@ from rollstream.shared.contract.archive import (
     ArchiveWriter,
     archived_id,
     list_runs,
+    UNCONSUMED_STREAMS,
     trim_safe_id,
     trim_stream,
 )
@@ -165,12 +166,25 @@ def test_trimming_spares_undelivered_pending_and_unarchived_entries(bus, tmp_pat
     assert [e.entry_id for e in ArchiveReader(str(tmp_path), bus.keys.run_id).entries()] == ids
 
 
-def test_a_stream_without_groups_is_never_trimmed(bus, tmp_path):
-    ids = [bus.publish("policy", prompt(i, group_size=2)) for i in range(3)]
+def test_a_consumed_stream_without_groups_is_never_trimmed(bus, tmp_path):
+    ids = [bus.publish("batches", prompt(i, group_size=2)) for i in range(3)]
     archive_all(bus, tmp_path)
-    assert trim_safe_id(bus, "policy") is None
-    assert trim_stream(bus, "policy") == 0 and stream_ids(bus, "policy") == ids
+    assert trim_safe_id(bus, "batches") is None  # its consumer (the trainer) has not made its group yet
+    assert trim_stream(bus, "batches") == 0 and stream_ids(bus, "batches") == ids
     assert trim_stream(bus, "grades") == 0  # no such stream at all
+
+
+@pytest.mark.parametrize("stream", UNCONSUMED_STREAMS)
+def test_a_stream_no_group_reads_is_trimmed_behind_the_archive_down_to_its_newest_entry(bus, tmp_path, stream):
+    ids = [bus.publish(stream, prompt(i, group_size=2)) for i in range(5)]
+    assert trim_stream(bus, stream) == 0  # nothing archived: everything stays
+    writer = ArchiveWriter(Storage(str(tmp_path)), bus.keys.run_id)
+    writer.archive_new(bus, stream, 2)
+    assert trim_stream(bus, stream) == 2 and stream_ids(bus, stream) == ids[2:]
+    assert trim_stream(bus, stream, require_archived=False) == 0  # without recording nothing else keeps them
+    writer.archive_new(bus, stream, 100)
+    assert trim_stream(bus, stream) == 2 and stream_ids(bus, stream) == ids[4:]  # Bus.last still reads the newest
+    assert bus.last(stream).entry_id == ids[4]
 
 
 def test_without_recording_trimming_follows_the_groups_alone(bus):
