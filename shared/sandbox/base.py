@@ -74,10 +74,15 @@ class SandboxBackend(Protocol):
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
             env: dict[str, str] | None = None, image: str | None = None,
-            workdir: str = DEFAULT_WORKDIR) -> SandboxResult:
+            workdir: str = DEFAULT_WORKDIR,
+            kept_mounts: dict[str, Path] | None = None) -> SandboxResult:
         """Run `/bin/sh -c command` with `workspace` mounted read-write at `workdir` in the sandbox,
         which is also the command's working directory and HOME; mounts map sandbox paths to host
-        paths (see place_mounts)."""
+        paths (see place_mounts). rw_mounts are lent to the sandbox's user for the run, like the
+        workspace; kept_mounts are read-write but stay with their owner, so the sandbox may do
+        there only what their modes let any user do (write a 0666 file, add to a 1777 directory)
+        and cannot chmod, delete or replace what it does not own. That holds where the sandbox's
+        user is not the caller's (docker; bubblewrap run as root)."""
         ...
 
 

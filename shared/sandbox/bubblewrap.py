@@ -17,7 +17,10 @@ The command was written by a model under training, so it is treated as hostile. 
   (/usr, /proc, /etc, /tmp, ...); a bind may not overlap the workdir (base.place_mounts). When we
   are root, a read-write bind is chowned to the sandbox uid for the run and back afterwards like
   the workspace (shared/sandbox/host_uids.py); a read-only one must be readable by others (o+r,
-  parents o+x).
+  parents o+x);
+* what the caller adds with `kept_binds`: (host path, sandbox path) pairs mounted read-write but
+  left with their owner, so when we are root the sandbox's uid can only do there what their modes
+  let any user do (a grader's reward files: writable, never chmod-ed, deleted or replaced by it).
 
 It gets its own user, pid, network (only a loopback: no network), ipc, uts and cgroup
 namespaces, a clean environment (PATH, HOME=the workdir, LANG, plus what the caller passes), no
@@ -108,9 +111,11 @@ _TOP_LEVEL_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 def run_in_sandbox(command: str, workspace: Path, limits: SandboxLimits = SandboxLimits(),
                    env: dict[str, str] | None = None,
                    extra_binds: list[tuple[Path, str, bool]] | None = None,
-                   workdir: str = DEFAULT_WORKDIR) -> SandboxResult:
+                   workdir: str = DEFAULT_WORKDIR,
+                   kept_binds: list[tuple[Path, str]] | None = None) -> SandboxResult:
     """Run `/bin/sh -c command` in `workdir` (= `workspace` on the host) inside the sandbox.
-    extra_binds: (host path, sandbox path, read_only) mounted in addition to the workspace."""
+    extra_binds: (host path, sandbox path, read_only) mounted in addition to the workspace;
+    kept_binds: (host path, sandbox path) mounted read-write without lending them to the sandbox."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap is not installed (`bwrap` not on PATH); "
@@ -118,16 +123,19 @@ def run_in_sandbox(command: str, workspace: Path, limits: SandboxLimits = Sandbo
     workspace = Path(workspace).resolve()
     if not workspace.is_dir():
         raise WorkspaceError(f"workspace {workspace} is not a directory")
-    workdir, binds = _check_binds(extra_binds or [], workdir)
+    lendable = list(extra_binds or [])
+    workdir, binds = _check_binds(lendable + [(host, target, False) for host, target in kept_binds or []],
+                                  workdir)
     if os.geteuid() != 0:
         return _run(bwrap, command, workspace, limits, env or {}, None, binds, workdir)
     check_reachable(workspace)
     for host, _, _ in binds:
         check_reachable(host)
-    writable = [workspace] + [host for host, _, read_only in binds if not read_only]
+    writable = [workspace] + [host for host, _, read_only in binds[:len(lendable)] if not read_only]
+    kept = [host for host, _, _ in binds[len(lendable):]]
     with sandbox_host_uid() as host_uid:
         try:
-            with lent_to(host_uid, writable):
+            with lent_to(host_uid, writable, kept):
                 return _run(bwrap, command, workspace, limits, env or {}, host_uid, binds, workdir)
         finally:
             kill_leftovers(host_uid)
@@ -371,7 +379,8 @@ class BubblewrapBackend:
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
             env: dict[str, str] | None = None, image: str | None = None,
-            workdir: str = DEFAULT_WORKDIR) -> SandboxResult:
+            workdir: str = DEFAULT_WORKDIR,
+            kept_mounts: dict[str, Path] | None = None) -> SandboxResult:
         binds = [(Path(host), target, True) for target, host in (ro_mounts or {}).items()]
         binds += [(Path(host), target, False) for target, host in (rw_mounts or {}).items()]
         full_env = dict(env or {})
@@ -380,4 +389,6 @@ class BubblewrapBackend:
             full_env.setdefault("PATH", f"{PYTHON_TOOLS_MOUNT}/bin:/usr/local/bin:/usr/bin:/bin")
             full_env.setdefault("PYTHONPATH", f"{PYTHON_TOOLS_MOUNT}/site")
         return run_in_sandbox(command, workspace, limits, full_env, extra_binds=binds,
-                              workdir=workdir)
+                              workdir=workdir,
+                              kept_binds=[(Path(host), target)
+                                          for target, host in (kept_mounts or {}).items()])

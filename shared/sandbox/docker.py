@@ -6,9 +6,11 @@ output read through a stream attached before the start (its head kept up to the 
 dropped, nothing logged to disk: a flood can neither fill the disk nor push out the start marker
 the grader looks for), the workspace bind-mounted read-write at `workdir` (/workspace unless the
 caller names another place, e.g. a Harbor task's WORKDIR /app, where the mount hides what the image
-has there)
-and the command run in it; waited on with the wall clock, killed after it, always removed. The
-workdir and the mounts' targets are checked as bubblewrap checks them (base.place_mounts). A
+has there), the caller's read-write mounts lent to the container's user like the workspace and its
+kept mounts left with their owner (the container's user can do there only what their modes let any
+user do), and the command run in it; waited on with the wall clock, killed after it, always
+removed. The workdir and the mounts' targets are checked as bubblewrap checks them
+(base.place_mounts). A
 Harbor task's environment/ directory is built into `rollstream-task:<content hash>` once (skipped
 when that tag exists). `BackendUnavailable` when no engine is reachable.
 
@@ -89,14 +91,16 @@ class DockerBackend:
 
     def container_options(self, workspace: Path, limits: SandboxLimits,
                           ro_mounts: dict[str, Path], rw_mounts: dict[str, Path],
-                          env: dict[str, str], workdir: str = DEFAULT_WORKDIR) -> dict[str, Any]:
+                          env: dict[str, str], workdir: str = DEFAULT_WORKDIR,
+                          kept_mounts: dict[str, Path] | None = None) -> dict[str, Any]:
         """The containers.run keyword arguments of one run; SandboxError for a workdir or mount
         target that place_mounts refuses."""
         from docker.types import LogConfig, Ulimit
         mib = 1024 * 1024
+        kept_mounts = kept_mounts or {}
         mounts = [(host, "ro") for host in ro_mounts.values()] + \
-            [(host, "rw") for host in rw_mounts.values()]
-        workdir, targets = place_mounts(workdir, [*ro_mounts, *rw_mounts])
+            [(host, "rw") for host in [*rw_mounts.values(), *kept_mounts.values()]]
+        workdir, targets = place_mounts(workdir, [*ro_mounts, *rw_mounts, *kept_mounts])
         volumes = {str(Path(workspace).resolve()): {"bind": workdir, "mode": "rw"}}
         for (host, mode), target in zip(mounts, targets):
             volumes[str(Path(host).resolve())] = {"bind": target, "mode": mode}
@@ -120,14 +124,18 @@ class DockerBackend:
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
             env: dict[str, str] | None = None, image: str | None = None,
-            workdir: str = DEFAULT_WORKDIR) -> SandboxResult:
+            workdir: str = DEFAULT_WORKDIR,
+            kept_mounts: dict[str, Path] | None = None) -> SandboxResult:
         ro_mounts, rw_mounts = dict(ro_mounts or {}), dict(rw_mounts or {})
+        kept_mounts = dict(kept_mounts or {})
         options = self.container_options(workspace, limits, ro_mounts, rw_mounts, env or {},
-                                         workdir)
+                                         workdir, kept_mounts)
         writable = [Path(workspace)] + [Path(host) for host in rw_mounts.values()]
+        kept = [Path(host) for host in kept_mounts.values()]
         sandbox_uid = int(self.SANDBOX_USER.split(":")[0])
         # as root, the container's uid 65534 must be able to write the workspace
-        with lent_to(sandbox_uid, writable if os.geteuid() == 0 else []):
+        as_root = os.geteuid() == 0
+        with lent_to(sandbox_uid, writable if as_root else [], kept if as_root else []):
             return self._run_container(command, image, options, limits)
 
     def _run_container(self, command: str, image: str | None, options: dict,

@@ -6,7 +6,9 @@ namespace). So when we are root, bwrap itself is started as a fresh unprivileged
 concurrent run, never a real user: `sandbox_host_uid`), and RLIMIT_NPROC then holds for everything
 in the sandbox. That uid must be able to write the workspace, so the tree is chowned to it for the
 run (`lent_to`; files with several hard links are left alone) and chowned back afterwards
-(set-uid/set-gid bits the command set are cleared). The workspace's parent directories must be
+(set-uid/set-gid bits the command set are cleared); a tree the caller keeps (`lent_to(kept=...)`,
+e.g. a grader's reward files, which the sandbox may write but must not own) is not handed over,
+only what the sandbox created in it is taken back. The workspace's parent directories must be
 searchable by other users (`check_reachable`: a directory made by `tempfile` under /tmp is fine;
 pytest's `tmp_path` is not). After a run, anything still running as that uid is killed
 (`kill_leftovers`). When we are not root, bwrap runs as the caller and nothing here is used but
@@ -39,10 +41,11 @@ _MAX_DEPTH = 128
 
 
 @contextmanager
-def lent_to(uid: int, trees: list[Path]):
+def lent_to(uid: int, trees: list[Path], kept: list[Path] | tuple[Path, ...] = ()):
     """chown the trees to `uid` for the duration (a sandbox user must write them), then give every
-    entry back to its previous owner."""
-    handed: list[tuple[Path, dict[int, tuple[int, int]]]] = []
+    entry back to its previous owner. `kept` trees stay with their owner (the sandbox may only do
+    there what their modes let any user do); what `uid` created in them is taken back all the same."""
+    handed: list[tuple[Path, dict[int, tuple[int, int]]]] = [(top, {}) for top in kept]
     try:
         for top in trees:
             owners: dict[int, tuple[int, int]] = {}

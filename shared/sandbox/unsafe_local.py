@@ -28,10 +28,11 @@ class UnsafeLocalBackend:
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
             env: dict[str, str] | None = None, image: str | None = None,
-            workdir: str = DEFAULT_WORKDIR) -> SandboxResult:
-        if ro_mounts or rw_mounts:
-            raise BackendUnavailable("unsafe-local cannot mount "
-                                     f"{sorted({**(ro_mounts or {}), **(rw_mounts or {})})}: it "
+            workdir: str = DEFAULT_WORKDIR,
+            kept_mounts: dict[str, Path] | None = None) -> SandboxResult:
+        mounts = {**(ro_mounts or {}), **(rw_mounts or {}), **(kept_mounts or {})}
+        if mounts:
+            raise BackendUnavailable(f"unsafe-local cannot mount {sorted(mounts)}: it "
                                      "runs on the host as is; grade with bubblewrap or docker")
         started = time.monotonic()
         full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workspace),
