@@ -3,7 +3,10 @@ from the command's.
 
 The command is wrapped to print a marker line before anything the task or model controls runs; a
 failed run without the marker (or a backend exception) is an infrastructure error (callers retry
-those), never a test failure, and vice versa. Also: the grading limits (the task's verifier
+those), never a test failure, and vice versa. With `flag_leftovers`, the wrapper then looks for
+processes the command left running in the sandbox (any of them could still change what the command
+wrote) and says so through its exit status, PROCESSES_LEFT_EXIT (SandboxRun.processes_left): the
+status, unlike output, is the wrapper's alone to set. Also: the grading limits (the task's verifier
 timeout as the wall clock), staging trusted task files next to the workspace, the task image for
 backends that build one, and `store_log` (an atomic write of a grading log to storage).
 """
@@ -39,12 +42,53 @@ DEFAULT_GRADE_LIMITS = SandboxLimits(wall_time_s=600, cpu_time_s=600, memory_mb=
 STARTED_MARKER = "rs-grader: sandbox started"
 """Printed by our wrapper before any task or model code runs (see infrastructure_error)."""
 
+PROCESSES_LEFT_EXIT = 254
+"""The wrapper's exit status when the command ended (status < 128) but left processes running; a
+command's own exit 254 is passed on as 255, so this status is never the command's."""
+
+_SCAN_ROUNDS = 50
+
+_LEFTOVER_SCAN = f"""status=$?
+if [ "$status" -lt 128 ]; then
+  left= rounds=0
+  while :; do
+    vanished=
+    for proc in /proc/[0-9]*; do
+      pid=${{proc#/proc/}}
+      case $pid in 1|$$) continue ;; esac
+      if read -r stat 2>/dev/null < "$proc/stat"; then
+        state=${{stat##*)}}; state=${{state# }}; state=${{state%% *}}
+        case $state in Z|X) ;; *) left="$left $pid" ;; esac
+      else
+        vanished=1
+      fi
+    done
+    [ -n "$left" ] || [ -z "$vanished" ] && break
+    rounds=$((rounds + 1))
+    if [ "$rounds" -ge {_SCAN_ROUNDS} ]; then left=" (new ones kept appearing)"; break; fi
+  done
+  if [ -n "$left" ]; then
+    echo "rs-grader: still running after the command:$left" >&2
+    exit {PROCESSES_LEFT_EXIT}
+  fi
+fi
+[ "$status" -eq {PROCESSES_LEFT_EXIT} ] && status=255
+exit "$status"
+"""
+"""Run by the wrapper (never forking, so it sees only what the command left) right after the command:
+each process in the sandbox but pid 1 and the wrapper, zombies aside, is one the command left
+running. A pid that vanishes between listing and reading forces another look, so a process that
+keeps forking and exiting cannot slip between them. Signals (status >= 128) are passed on as they
+are: such a run is not trusted anyway."""
+
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-def _wrap(command: str) -> str:
-    """Print the start marker (nothing the task controls runs before it), then the command."""
-    return f"printf '%s\\n' {shlex.quote(STARTED_MARKER)}; {command}"
+def _wrap(command: str, flag_leftovers: bool = False) -> str:
+    """Print the start marker (nothing the task controls runs before it), then the command, then
+    (flag_leftovers) look for processes it left running."""
+    wrapped = f"printf '%s\\n' {shlex.quote(STARTED_MARKER)}; {command}"
+    return f"{wrapped}\n{_LEFTOVER_SCAN}" if flag_leftovers else wrapped
 
 
 @dataclass
@@ -53,23 +97,31 @@ class SandboxRun:
     error: str | None
     """Set when the sandbox could not run (an infrastructure error)."""
     stdout: str = ""
+    processes_left: bool = False
+    """The command ended but left processes running (only looked for with flag_leftovers)."""
 
 
 def run_wrapped(backend: SandboxBackend, command: str, workspace: GitWorkspace, limits: SandboxLimits,
                 ro_mounts: dict[str, Path], rw_mounts: dict[str, Path], env: dict[str, str],
-                image: str | None, workdir: str = DEFAULT_WORKDIR) -> SandboxRun:
+                image: str | None, workdir: str = DEFAULT_WORKDIR, *,
+                kept_mounts: dict[str, Path] | None = None,
+                flag_leftovers: bool = False) -> SandboxRun:
     """Run `command` behind the start marker with the workspace at `workdir` in the sandbox; a
-    backend exception or a missing marker is an infrastructure error (SandboxRun.error)."""
+    backend exception or a missing marker is an infrastructure error (SandboxRun.error).
+    kept_mounts: read-write mounts left with their owner (SandboxBackend.run); flag_leftovers: tell
+    whether the command left processes running (SandboxRun.processes_left)."""
     try:
-        result = backend.run(_wrap(command), workspace.root, limits=limits, ro_mounts=ro_mounts,
-                             rw_mounts=rw_mounts, env=env, image=image, workdir=workdir)
+        result = backend.run(_wrap(command, flag_leftovers), workspace.root, limits=limits,
+                             ro_mounts=ro_mounts, rw_mounts=rw_mounts, env=env, image=image,
+                             workdir=workdir, kept_mounts=kept_mounts)
     except (SandboxError, GradingError, OSError) as exc:
         return SandboxRun(None, f"sandbox failed: {type(exc).__name__}: {exc}")
     first, _, rest = result.stdout.partition("\n")
     if first != STARTED_MARKER:
         return SandboxRun(result, f"sandbox did not start the command ({result.reason}): "
                           f"{result.stderr.strip()[:500]}")
-    return SandboxRun(result, None, rest)
+    return SandboxRun(result, None, rest,
+                      processes_left=flag_leftovers and result.exit_code == PROCESSES_LEFT_EXIT)
 
 
 def run_log(run: SandboxRun) -> str:

@@ -1,11 +1,23 @@
-"""Reading what code under test wrote: the verifier's reward files.
+"""Reading what code under test wrote: the verifier's reward files, made so that the code under test
+can neither prepare nor protect them.
 
-Everything below the logs directory was writable by model code, so files are read without
-following symlinks (O_NOFOLLOW at every level), only when regular (a FIFO cannot block the
-grader), and size capped (`read_untrusted_file`). The reward is /logs/verifier/reward.txt (a
-number) or reward.json ({"reward": x}, or per-test outcomes {"tests": {id: "passed"|...|bool}} ->
-fraction passed); both present is refused as ambiguous; missing or garbled gives no score, with
-the reason.
+Before the run the grader makes the layout (`prepare_reward_files`): /logs and /logs/verifier
+owned by the grader, mode 1777 (anyone may add files; the sticky bit keeps anyone but the owner from
+deleting, renaming or replacing what is there), and reward.txt and reward.json in it, empty, owned
+by the grader, mode 0666. The sandbox runs as another user (docker; bubblewrap as root: see
+shared/sandbox/base.py's kept mounts), so it can write the files' contents but not chmod them,
+delete, rename or replace them, nor swap the directory or point a symlink in their place: whatever
+it writes early, the verifier's own write replaces. After the run (nothing of the sandbox is left
+running), `parse_reward` checks that the layout is the one it made (same inodes, owners and modes,
+regular files with one link each) and refuses the reward when it is not; with a sandbox that runs
+as the grader's own user (bubblewrap, not root) this check is the only guard. Exactly one of the
+two files may have been written: both written means the code under test may have written one
+(reward.json beside test.sh's reward.txt), so neither is trusted.
+
+Files are read without following symlinks (O_NOFOLLOW at every level), only when regular (a FIFO
+cannot block the grader), and size capped (`read_untrusted_file`). reward.txt holds a number;
+reward.json {"reward": x}, or per-test outcomes {"tests": {id: "passed"|...|bool}} -> fraction
+passed; garbled or unwritten gives no score, with the reason.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import json
 import math
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -63,39 +76,115 @@ _OUTCOME_WORDS = {"passed": "passed", "pass": "passed", "ok": "passed", "success
                   "error": "error", "errored": "error", "skipped": "skipped", "skip": "skipped"}
 
 
-def parse_reward(logs: Path) -> tuple[float | None, str, dict[str, str]]:
-    """(score or None, reason, tests) from logs/verifier/reward.txt or reward.json."""
-    present = []
-    for name in ("reward.txt", "reward.json"):
+REWARD_FILES = ("reward.txt", "reward.json")
+"""The verifier's reward files, in /logs/verifier."""
+
+_SHARED_DIR_MODE = 0o1777
+_REWARD_FILE_MODE = 0o666
+
+
+@dataclass(frozen=True)
+class _Identity:
+    """What the code under test must not have changed about an entry the grader made."""
+    inode: int
+    owner: int
+    mode: int
+    """File type and permission bits, as st_mode."""
+
+
+@dataclass(frozen=True)
+class RewardFiles:
+    """The logs directory and the verifier's reward files as the grader made them."""
+    logs: Path
+    made: dict[str, _Identity]
+    """Path relative to `logs` ("." for logs itself) -> what it was when made."""
+
+
+def prepare_reward_files(logs: Path) -> RewardFiles:
+    """Make logs/ and logs/verifier/ (1777) with empty reward.txt and reward.json (0666), all owned
+    by us: the sandbox's user can write the files but not chmod, delete or replace them. The files
+    must be owned by the directory's owner: with fs.protected_regular, the kernel refuses other
+    users' O_CREAT opens (a shell's `>`) of a file in a sticky world-writable directory unless so."""
+    verifier = logs / "verifier"
+    verifier.mkdir(parents=True, exist_ok=True)
+    for directory in (logs, verifier):
+        directory.chmod(_SHARED_DIR_MODE)
+    made = {".": _identity(logs), "verifier": _identity(verifier)}
+    for name in REWARD_FILES:
+        path = verifier / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     _REWARD_FILE_MODE)
+        os.close(fd)
+        path.chmod(_REWARD_FILE_MODE)  # past the umask
+        made[f"verifier/{name}"] = _identity(path)
+    return RewardFiles(logs, made)
+
+
+def _identity(path: Path) -> _Identity:
+    st = os.lstat(path)
+    return _Identity(st.st_ino, st.st_uid, st.st_mode)
+
+
+def _changes(files: RewardFiles) -> list[str]:
+    """How the entries the grader made differ from what it made, in words."""
+    changes = []
+    for relative, was in files.made.items():
+        where = "/logs" if relative == "." else f"/logs/{relative}"
         try:
-            if os.lstat(logs / "verifier" / name) is not None:
-                present.append(name)
-        except OSError:
-            pass
-    if len(present) == 2:
-        return None, "both reward.txt and reward.json exist: ambiguous, not trusted", {}
-    for name in ("reward.txt", "reward.json"):
+            st = os.lstat(files.logs / relative)
+        except FileNotFoundError:
+            changes.append(f"{where} is gone")
+            continue
+        if stat.S_IFMT(st.st_mode) != stat.S_IFMT(was.mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else f"of file type {stat.S_IFMT(st.st_mode):o}"
+            changes.append(f"{where} is now {kind}")
+        elif st.st_ino != was.inode:
+            changes.append(f"{where} was replaced")
+        elif st.st_uid != was.owner:
+            changes.append(f"{where} changed owner")
+        elif st.st_mode != was.mode:
+            changes.append(f"{where} has mode {stat.S_IMODE(st.st_mode):o}, "
+                           f"made {stat.S_IMODE(was.mode):o}")
+        elif not stat.S_ISDIR(st.st_mode) and st.st_nlink != 1:
+            changes.append(f"{where} has {st.st_nlink} hard links")
+    return changes
+
+
+def parse_reward(files: RewardFiles) -> tuple[float | None, str, dict[str, str]]:
+    """(score or None, reason, tests) from logs/verifier/reward.txt or reward.json, when the reward
+    files are still the ones prepare_reward_files made and exactly one of them was written."""
+    changes = _changes(files)
+    if changes:
+        return None, (f"reward files were changed by the code under test ({'; '.join(changes)}): "
+                      "not trusted"), {}
+    written: dict[str, bytes] = {}
+    for name in REWARD_FILES:
         try:
-            data = read_untrusted_file(logs, f"verifier/{name}")
+            data = read_untrusted_file(files.logs, f"verifier/{name}")
         except ValueError as exc:
             return None, f"reward file refused: {exc}", {}
-        if data is None:
-            continue
-        text = data.decode("utf-8", errors="replace").strip()
-        if name == "reward.txt":
-            try:
-                value = float(text)
-            except ValueError:
-                return None, f"reward.txt is not a number: {text[:80]!r}", {}
-            if not math.isfinite(value):
-                return None, f"reward.txt is not a finite number: {text[:80]!r}", {}
-            return value, f"reward {value:g} from reward.txt", {}
+        if data:
+            written[name] = data
+    if len(written) == 2:
+        return None, ("both reward.txt and reward.json were written (the code under test may have "
+                      "written one): not trusted"), {}
+    if not written:
+        return None, "no reward: neither /logs/verifier/reward.txt nor reward.json was written", {}
+    [(name, data)] = written.items()
+    text = data.decode("utf-8", errors="replace").strip()
+    if name == "reward.txt":
         try:
-            payload = json.loads(text)
-        except json.JSONDecodeError as exc:
-            return None, f"reward.json is not JSON: {exc}", {}
-        return _reward_from_json(payload)
-    return None, "no reward: /logs/verifier/reward.txt and reward.json are missing", {}
+            value = float(text)
+        except ValueError:
+            return None, f"reward.txt is not a number: {text[:80]!r}", {}
+        if not math.isfinite(value):
+            return None, f"reward.txt is not a finite number: {text[:80]!r}", {}
+        return value, f"reward {value:g} from reward.txt", {}
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, f"reward.json is not JSON: {exc}", {}
+    return _reward_from_json(payload)
 
 
 def _reward_from_json(payload: Any) -> tuple[float | None, str, dict[str, str]]:

@@ -1,5 +1,7 @@
 """Hostile diffs, test.sh and solutions through grade_harbor with the real bubblewrap and docker backends:
-each is contained, reported with a reason, and the host is unaffected afterwards.
+each is contained, reported with a reason, and the host is unaffected afterwards. The reward-integrity
+attacks are solutions that try to get a reward for a wrong answer by writing, protecting, replacing or
+rewriting /logs/verifier's reward files from the code the verifier runs: each scores 0.
 
     python -m pytest tests/unit/shared/grading/test_hostile_grading.py -q   (skipped where `bwrap` is missing)
 
@@ -22,10 +24,11 @@ import pytest
 from rollstream.shared.errors import GradingError
 from rollstream.shared.grading.harbor import grade_harbor
 from rollstream.shared.grading.outcome import MAX_LOG_CHARS
+from rollstream.shared.grading.untrusted import parse_reward, prepare_reward_files
 from rollstream.shared.grading.validation import reference_diff
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
-from rollstream.shared.sandbox.workspace import prepare_workspace
+from rollstream.shared.sandbox.workspace import prepare_workspace, workspace_prefix
 from rollstream.shared.tasks.harbor import HarborTask
 from tests.support import sandbox_uid_processes
 
@@ -70,11 +73,13 @@ def make_task(tmp_path):
 
 @pytest.fixture(autouse=True)
 def host_unaffected():
-    """After each test: nothing of the sandbox runs, no grading workspace is left, we can fork."""
-    before = set(Path(tempfile.gettempdir()).glob("rs-grade-*"))
+    """After each test: nothing of the sandbox runs, no grading workspace is left, we can fork.
+    (Only this process's workspaces: other test runs may share the temp directory.)"""
+    ours = f"{workspace_prefix('grade')}*"
+    before = set(Path(tempfile.gettempdir()).glob(ours))
     yield
     assert sandbox_uid_processes() == []
-    assert set(Path(tempfile.gettempdir()).glob("rs-grade-*")) - before == set()
+    assert set(Path(tempfile.gettempdir()).glob(ours)) - before == set()
     assert subprocess.run(["true"]).returncode == 0
 
 
@@ -210,12 +215,12 @@ def test_reward_symlinks_to_host_files_are_not_followed(backend, make_task):
         (base / "verifier").mkdir()
         (base / "verifier" / "reward.txt").write_text("1\n")
         (base / "one.txt").write_text("1\n")
-        task = make_task(f"ln -sf {base}/one.txt {REWARD}\n")
-        outcome = grade_harbor(task, "", backend, LIMITS)
-        assert outcome.score == 0 and "symlink" in outcome.reason, outcome.reason
-        task = make_task(f"rm -rf /logs/verifier; ln -s {base}/verifier /logs/verifier\n")
-        outcome = grade_harbor(task, "", backend, LIMITS)
-        assert outcome.score == 0 and "not a plain directory" in outcome.reason, outcome.reason
+        for test_sh in (f"ln -sf {base}/one.txt {REWARD}\n",
+                        f"rm -rf /logs/verifier; ln -sfn {base}/verifier /logs/verifier\n"):
+            outcome = grade_harbor(make_task(test_sh), "", backend, LIMITS)
+            # the grader's reward files cannot be removed, so no link takes their place
+            assert outcome.score == 0 and "no reward" in outcome.reason, outcome.reason
+            assert "Operation not permitted" in outcome.log or "Permission denied" in outcome.log
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -264,3 +269,275 @@ def test_hostile_solution_in_reference_diff(backend, make_task):
     assert "result.txt" in diff and "leak" in diff and "pipe" not in diff
     outcome = grade_harbor(task, diff, backend, LIMITS)  # its own symlink is refused too
     assert "symlink" in outcome.reason
+
+
+# Reward integrity: the verifier imports solution.py and writes its reward on every path; each
+# solution below answers wrongly and attacks the reward files from the verifier's own sandbox.
+
+REWARD_JSON = "/logs/verifier/reward.json"
+CHECK = 'python3 -c "import solution, sys; sys.exit(solution.answer() != 42)"'
+VERIFY_TXT = f"if {CHECK}; then echo 1 > {REWARD}; else echo 0 > {REWARD}; fi\n"
+VERIFY_JSON = (f"if {CHECK}; then echo '{{\"reward\": 1}}' > {REWARD_JSON}; "
+               f"else echo '{{\"reward\": 0}}' > {REWARD_JSON}; fi\n")
+
+ATTACK_PRELUDE = f'''import os, sys
+R, J, V = {REWARD!r}, {REWARD_JSON!r}, "/logs/verifier"
+
+
+def attempt(what, action):
+    try:
+        action()
+        print(f"attack: {{what}}: done", file=sys.stderr)
+    except OSError as exc:
+        print(f"attack: {{what}}: {{exc.strerror}}", file=sys.stderr)
+
+
+def write(path, text):
+    with open(path, "w") as handle:
+        handle.write(text)
+
+
+'''
+
+
+def _wrong_answer(attack: str) -> dict[str, str]:
+    """solution.py that runs `attack` when the verifier imports it, and answers wrongly."""
+    return {"solution.py": ATTACK_PRELUDE + attack + "\n\ndef answer():\n    return 0\n"}
+
+
+def _answer_task(make_task, verify: str = VERIFY_TXT, after: str = ""):
+    return make_task(verify + after, files={"solution.py": "def answer():\n    return 0\n"})
+
+
+def test_the_answer_task_scores_an_honest_answer(backend, make_task):
+    """The task the attacks below use: the right answer scores 1, and a wrong one 0."""
+    for verify in (VERIFY_TXT, VERIFY_JSON):
+        task = _answer_task(make_task, verify)
+        right = grade_harbor(task, _diff(task.workspace, {"solution.py": "def answer():\n    return 42\n"}),
+                             backend, LIMITS)
+        assert (right.score, right.infrastructure_error) == (1.0, False), right
+        wrong = grade_harbor(task, "", backend, LIMITS)
+        assert wrong.score == 0 and "reward 0 from" in wrong.reason, wrong.reason
+
+
+def test_a_reward_made_read_only_is_overwritten_by_the_verifier(backend, make_task):
+    # the reported defect: reward 1 planted, file and directory chmod-ed so the verifier's write failed
+    task = _answer_task(make_task)
+    diff = _diff(task.workspace, _wrong_answer(
+        'attempt("plant", lambda: write(R, "1\\n"))\n'
+        'attempt("chmod reward.txt", lambda: os.chmod(R, 0o444))\n'
+        'attempt("chmod verifier/", lambda: os.chmod(V, 0o555))\n'))
+    outcome = grade_harbor(task, diff, backend, LIMITS)
+    assert "attack: plant: done" in outcome.log
+    assert "attack: chmod reward.txt: Operation not permitted" in outcome.log, outcome.log
+    assert "attack: chmod verifier/: Operation not permitted" in outcome.log
+    assert outcome.score == 0 and not outcome.infrastructure_error, outcome.reason
+    assert outcome.reason == "reward 0 from reward.txt (test.sh: exit 0)", outcome.reason
+
+
+@pytest.mark.parametrize("planted", ["reward.txt", "reward.json"])
+def test_a_reward_planted_before_the_tests_run_does_not_count(backend, make_task, planted):
+    # written when the verifier imports the code, before it checks anything
+    task = _answer_task(make_task)
+    content = "1\n" if planted == "reward.txt" else '{"reward": 1}'
+    plant = f'attempt("plant", lambda: write(V + "/{planted}", {content!r}))\n'
+    diff = _diff(task.workspace, _wrong_answer(plant))
+    outcome = grade_harbor(task, diff, backend, LIMITS)
+    assert "attack: plant: done" in outcome.log
+    assert outcome.score == 0 and not outcome.infrastructure_error, outcome.reason
+    if planted == "reward.txt":
+        assert outcome.reason.startswith("reward 0 from reward.txt"), outcome.reason
+    else:
+        assert "both reward.txt and reward.json were written" in outcome.reason, outcome.reason
+
+
+@pytest.mark.parametrize("verify, other", [(VERIFY_TXT, "J"), (VERIFY_JSON, "R")],
+                         ids=["verifier-writes-txt", "verifier-writes-json"])
+def test_writing_the_other_reward_file_does_not_count(backend, make_task, verify, other):
+    task = _answer_task(make_task, verify)
+    content = '{"reward": 1}' if other == "J" else "1\n"
+    write_other = f'attempt("write the other file", lambda: write({other}, {content!r}))\n'
+    diff = _diff(task.workspace, _wrong_answer(write_other))
+    outcome = grade_harbor(task, diff, backend, LIMITS)
+    assert "attack: write the other file: done" in outcome.log
+    assert outcome.score == 0 and not outcome.infrastructure_error, outcome.reason
+    assert "both reward.txt and reward.json were written" in outcome.reason, outcome.reason
+
+
+REPLACEMENTS = {
+    "rename": 'attempt("rename", lambda: os.rename(R, R + ".old"))\n'
+              'attempt("create", lambda: write(R, "1\\n"))\n'
+              'attempt("chmod", lambda: os.chmod(R, 0o444))\n',
+    "delete-and-recreate": 'attempt("delete", lambda: os.unlink(R))\n'
+                           'attempt("create", lambda: write(R, "1\\n"))\n'
+                           'attempt("chmod", lambda: os.chmod(R, 0o444))\n',
+    "replace-atomically": 'attempt("stage", lambda: write(V + "/staged", "1\\n"))\n'
+                          'attempt("chmod", lambda: os.chmod(V + "/staged", 0o444))\n'
+                          'attempt("replace", lambda: os.replace(V + "/staged", R))\n',
+    "swap-the-directory": 'attempt("move verifier/", lambda: os.rename(V, V + ".old"))\n'
+                          'attempt("make verifier/", lambda: os.mkdir(V))\n'
+                          'attempt("create", lambda: write(R, "1\\n"))\n'
+                          'attempt("chmod", lambda: os.chmod(R, 0o444))\n'
+                          'attempt("chmod verifier/", lambda: os.chmod(V, 0o555))\n',
+    "delete-the-directory": 'import shutil\n'
+                            'attempt("delete verifier/", lambda: shutil.rmtree(V))\n'
+                            'attempt("make verifier/", lambda: os.mkdir(V))\n'
+                            'attempt("create", lambda: write(R, "1\\n"))\n'
+                            'attempt("chmod", lambda: os.chmod(R, 0o444))\n',
+}
+
+
+@pytest.mark.parametrize("replacement", sorted(REPLACEMENTS))
+def test_replacing_the_reward_file_or_its_directory_does_not_count(backend, make_task, replacement):
+    task = _answer_task(make_task)
+    diff = _diff(task.workspace, _wrong_answer(REPLACEMENTS[replacement]))
+    outcome = grade_harbor(task, diff, backend, LIMITS)
+    assert ": Operation not permitted" in outcome.log or ": Permission denied" in outcome.log, outcome.log
+    assert outcome.score == 0 and not outcome.infrastructure_error, outcome.reason
+    assert outcome.reason.startswith("reward 0 from reward.txt"), outcome.reason
+
+
+SYMLINKS = {
+    # a file the code controls, read-only, so that a write through the link would fail
+    "reward.txt": 'attempt("own file", lambda: write("/app/mine.txt", "1\\n"))\n'
+                  'attempt("chmod own file", lambda: os.chmod("/app/mine.txt", 0o444))\n'
+                  'attempt("delete", lambda: os.unlink(R))\n'
+                  'attempt("link reward.txt", lambda: os.symlink("/app/mine.txt", R))\n'
+                  'attempt("link beside", lambda: os.symlink("/app/mine.txt", R + ".new"))\n'
+                  'attempt("move link over", lambda: os.replace(R + ".new", R))\n',
+    "verifier": 'attempt("own directory", lambda: os.mkdir("/app/fake"))\n'
+                'attempt("own reward", lambda: write("/app/fake/reward.txt", "1\\n"))\n'
+                'attempt("chmod own reward", lambda: os.chmod("/app/fake/reward.txt", 0o444))\n'
+                'attempt("move verifier/", lambda: os.rename(V, V + ".old"))\n'
+                'attempt("link verifier/", lambda: os.symlink("/app/fake", V))\n'
+                'attempt("link beside", lambda: os.symlink("/app/fake", "/logs/fake"))\n'
+                'attempt("move link over", lambda: os.replace("/logs/fake", V))\n',
+}
+
+
+@pytest.mark.parametrize("linked", sorted(SYMLINKS))
+def test_symlinks_in_place_of_the_reward_files_do_not_count(backend, make_task, linked):
+    task = _answer_task(make_task)
+    diff = _diff(task.workspace, _wrong_answer(SYMLINKS[linked]))
+    outcome = grade_harbor(task, diff, backend, LIMITS)
+    assert "attack: own" in outcome.log
+    assert ": Operation not permitted" in outcome.log or ": Permission denied" in outcome.log, outcome.log
+    assert outcome.score == 0 and not outcome.infrastructure_error, outcome.reason
+    assert outcome.reason.startswith("reward 0 from reward.txt"), outcome.reason
+
+
+REWRITER = '''
+import os, time
+deadline = time.time() + 30
+while time.time() < deadline:
+    try:
+        with open(R) as handle:
+            if handle.read().strip() == "0":
+                write(R, "1\\n")
+                os.write(2, b"attack: rewrote the verifier's reward\\n")
+    except OSError:
+        pass
+    time.sleep(0.001)
+'''
+
+
+@pytest.mark.parametrize("after_reward", ["", "sleep 0.5\n"], ids=["reward-last", "more-work-after"])
+def test_a_process_left_running_to_rewrite_the_reward_does_not_count(backend, make_task, after_reward):
+    # detached from the verifier's process tree, it waits for the verifier's 0 and writes 1 over it
+    task = _answer_task(make_task, after=after_reward)
+    rewriter = ATTACK_PRELUDE + REWRITER
+    diff = _diff(task.workspace, _wrong_answer(
+        "import subprocess\n"
+        f"subprocess.Popen([sys.executable, '-c', {rewriter!r}], start_new_session=True)\n"))
+    outcome = grade_harbor(task, diff, backend, LIMITS)
+    if after_reward:
+        assert "attack: rewrote the verifier's reward" in outcome.log, outcome.log
+    assert outcome.score == 0 and not outcome.infrastructure_error, outcome.reason
+    assert "test.sh left processes running" in outcome.reason and "not trusted" in outcome.reason
+
+
+def test_an_honest_test_sh_that_leaves_a_process_running_is_not_trusted(backend, make_task):
+    """Nothing tells its background process from the code under test's: the reason says what to fix."""
+    task = make_task(f"sleep 30 &\necho 1 > {REWARD}\n")
+    outcome = grade_harbor(task, "", backend, LIMITS)
+    assert outcome.score == 0 and not outcome.infrastructure_error, outcome.reason
+    assert "left processes running" in outcome.reason
+    assert "rs-grader: still running after the command:" in outcome.log
+
+
+def test_an_exit_status_of_254_from_test_sh_is_its_own(backend, make_task):
+    outcome = grade_harbor(make_task(f"echo 1 > {REWARD}\nexit 254\n"), "", backend, LIMITS)
+    assert outcome.score == 0 and "did not finish (exit 255)" in outcome.reason, outcome.reason
+
+
+# The same attacks made on the host as the grader's own user: what a sandbox running as the grader's
+# user (bubblewrap, not root) could do, which only the check after the run stands against.
+
+def _swap_directory(verifier: Path) -> None:
+    verifier.rename(verifier.with_name("verifier.old"))
+    verifier.mkdir()
+    (verifier / "reward.txt").write_text("1\n")
+
+
+def _symlink_file(verifier: Path) -> None:
+    (verifier.parent / "mine.txt").write_text("1\n")
+    (verifier / "reward.txt").unlink()
+    (verifier / "reward.txt").symlink_to(verifier.parent / "mine.txt")
+
+
+def _symlink_directory(verifier: Path) -> None:
+    mine = verifier.parent / "mine"
+    mine.mkdir()
+    (mine / "reward.txt").write_text("1\n")
+    verifier.rename(verifier.with_name("verifier.old"))
+    verifier.symlink_to(mine)
+
+
+def _replace_file(verifier: Path) -> None:
+    (verifier / "staged").write_text("1\n")
+    os.replace(verifier / "staged", verifier / "reward.txt")
+
+
+TAMPERING = {
+    "chmod-file": (lambda v: ((v / "reward.txt").write_text("1\n"), (v / "reward.txt").chmod(0o444)),
+                   "/logs/verifier/reward.txt has mode 444, made 666"),
+    "chmod-directory": (lambda v: v.chmod(0o555), "/logs/verifier has mode 555, made 1777"),
+    "chmod-logs": (lambda v: v.parent.chmod(0o755), "/logs has mode 755, made 1777"),
+    "replace-file": (_replace_file, "/logs/verifier/reward.txt was replaced"),
+    "symlink-file": (_symlink_file, "/logs/verifier/reward.txt is now a symlink"),
+    "swap-directory": (_swap_directory, "/logs/verifier was replaced"),
+    "symlink-directory": (_symlink_directory, "/logs/verifier is now a symlink"),
+    "delete-other-file": (lambda v: (v / "reward.json").unlink(), "/logs/verifier/reward.json is gone"),
+    "hard-link": (lambda v: os.link(v / "reward.txt", v / "alias"), "reward.txt has 2 hard links"),
+}
+
+
+@pytest.mark.parametrize("tampering", sorted(TAMPERING))
+def test_reward_files_changed_after_they_were_made_are_refused(tmp_path, tampering):
+    files = prepare_reward_files(tmp_path / "logs")
+    tamper, change = TAMPERING[tampering]
+    tamper(tmp_path / "logs" / "verifier")
+    score, reason, _ = parse_reward(files)
+    assert score is None and change in reason, reason
+    assert reason.startswith("reward files were changed by the code under test") and "not trusted" in reason
+
+
+def test_reward_files_as_made_are_read_as_written(tmp_path):
+    files = prepare_reward_files(tmp_path / "logs")
+    verifier = tmp_path / "logs" / "verifier"
+    for name in ("reward.txt", "reward.json"):
+        st = os.lstat(verifier / name)
+        assert (st.st_size, oct(st.st_mode & 0o7777), st.st_uid) == (0, "0o666", os.getuid())
+    assert oct(os.lstat(verifier).st_mode & 0o7777) == "0o1777"
+    assert parse_reward(files)[1] == ("no reward: neither /logs/verifier/reward.txt nor reward.json "
+                                      "was written")
+    with open(verifier / "reward.json", "w") as handle:  # as a verifier writes: open, truncate, write
+        handle.write('{"tests": {"a": "passed", "b": "failed"}}')
+    assert parse_reward(files) == (0.5, "1/2 tests passed (reward.json)", {"a": "passed", "b": "failed"})
+    (verifier / "reward.txt").write_text("0.25\n")
+    score, reason, _ = parse_reward(files)
+    assert score is None and reason.startswith("both reward.txt and reward.json were written")
+    (verifier / "reward.json").write_text("")
+    assert parse_reward(files)[:2] == (0.25, "reward 0.25 from reward.txt")
+    (verifier / "ctrf.json").write_text("{}")  # what else a verifier leaves beside the reward is fine
+    assert parse_reward(files)[0] == 0.25
