@@ -1,0 +1,247 @@
+"""Chaos: a local run trained under fault injection, then audited.
+
+While the run trains, at a seeded random order and a fixed pace, it SIGKILLs every service process
+(dispatcher, each agent-runner replica, sandbox-grader, reward, trainer, recorder; the local run's
+supervisor restarts them) and the sandbox-grader's RQ work-horses (the job is retried), kills Redis
+(append-only) and starts it again, restarts the vLLM server (it comes back from the newest policy),
+and pauses an agent-runner replica (SIGSTOP) past the reclaim timeout, so that its prompts are taken
+over while it still holds them. The last versions run calm; when the run has reached its target and
+drained, cli/chaos/audit.py checks what it kept.
+
+    rollstream chaos run --kills 20 --redis-restarts 3 --vllm-restarts 2 --versions 120
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psutil
+
+from rollstream.cli.chaos.audit import AuditReport, audit_run
+from rollstream.cli.local_run import LocalRun
+from rollstream.shared.runtime.config import Settings
+
+WASTEFUL_CAUSES = ("stale", "dead_lettered", "grade_timeout", "grading_failed", "batch_dead_lettered")
+"""Drop causes that are work lost to a fault (a filtered group is the run's own rule, not waste)."""
+REDIS_DOWN_S = 3.0
+HORSE_WAIT_S = 20.0
+
+
+@dataclass
+class ChaosPlan:
+    seed: int = 0
+    kills_per_service: int = 1
+    """SIGKILLs of each service process, and of sandbox work-horses."""
+    redis_restarts: int = 1
+    vllm_restarts: int = 1
+    pauses: int = 1
+    """SIGSTOPs of an agent-runner replica for longer than bus.reclaim_idle_ms."""
+    interval_s: float = 4.0
+    """Seconds between two faults."""
+    calm_versions: int = 2
+    """The last versions of the run get no faults: it must finish and drain by itself."""
+
+
+@dataclass
+class Fault:
+    kind: str
+    """crash, horse, redis, vllm or pause."""
+    target: str
+    at_s: float
+    version: int
+    done: bool = True
+    note: str = ""
+
+
+@dataclass
+class ChaosResult:
+    faults: list[Fault]
+    audit: AuditReport
+    summary: dict
+    wall_s: float
+    faults_by_target: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kills(self) -> int:
+        return sum(1 for f in self.faults if f.done and f.kind in ("crash", "horse"))
+
+    def wasted_samples(self) -> int:
+        return self.audit.repeated_attempts + sum(self.audit.dropped.get(cause, 0) for cause in WASTEFUL_CAUSES)
+
+
+def plan_faults(plan: ChaosPlan, processes: list[str]) -> list[tuple[str, str]]:
+    rng = random.Random(plan.seed)
+    faults = [("crash", name) for name in processes for _ in range(plan.kills_per_service)]
+    faults += [("horse", "sandbox work-horse")] * plan.kills_per_service
+    faults += [("redis", "redis")] * plan.redis_restarts + [("vllm", "vllm")] * plan.vllm_restarts
+    runners = [name for name in processes if name.startswith("agent-runner")]
+    faults += [("pause", rng.choice(runners)) for _ in range(plan.pauses if runners else 0)]
+    rng.shuffle(faults)
+    return faults
+
+
+class ChaosRun:
+    def __init__(self, settings: Settings, plan: ChaosPlan, agent_runners: int = 2,
+                 on_event: Callable[[str], None] = lambda message: None) -> None:
+        if settings.redis_url:
+            raise ValueError("chaos restarts Redis: it needs the local run's own (leave RS_REDIS_URL unset)")
+        self.settings = settings
+        self.plan = plan
+        self.local = LocalRun(settings, replicas={"agent-runner": agent_runners})
+        self.on_event = on_event
+        self.faults: list[Fault] = []
+        self.paused: dict[str, float] = {}
+        """Process name -> when (monotonic) it is resumed."""
+        self.pause_s = settings.bus.reclaim_idle_ms / 1000 + 3
+
+    def run(self, timeout_s: float) -> ChaosResult:
+        local, started = self.local, time.monotonic()
+        local.start(on_step=self.on_event)
+        try:
+            target = self.settings.train.total_versions
+            pending = plan_faults(self.plan, sorted(local.processes))
+            next_fault = time.monotonic() + self.plan.interval_s
+            while True:
+                self.tick()
+                version = local.progress().version
+                if version >= target:
+                    break
+                if time.monotonic() - started > timeout_s:
+                    raise TimeoutError(f"policy version {version} of {target} after {timeout_s:.0f}s of chaos")
+                if pending and version < target - self.plan.calm_versions and time.monotonic() >= next_fault:
+                    kind, name = pending.pop(0)
+                    self.inject(kind, name, version, time.monotonic() - started)
+                    next_fault = time.monotonic() + self.plan.interval_s
+                time.sleep(0.2)
+            for name in list(self.paused):
+                self.resume(name)
+            local.wait_drained(timeout_s=max(60.0, timeout_s - (time.monotonic() - started)))
+            # the recorder archives on its own clock: one more flush of everything before the audit
+            time.sleep(self.settings.recorder.flush_s + 1)
+            local.wait_drained(timeout_s=60)
+            audit = audit_run(local.bus, self.settings.storage_uri, self.settings.train.max_staleness,
+                              self.settings.grader.queue)
+            summary = local.summary(local.progress())
+        finally:
+            for name in list(self.paused):
+                self.resume(name)
+            local.stop()
+        for kind, name in pending:
+            self.faults.append(Fault(kind, name, at_s=time.monotonic() - started, version=target, done=False,
+                                     note="not injected: the run reached its calm versions first"))
+        by_target = Counter(f.target if f.kind != "horse" else "sandbox work-horse" for f in self.faults if f.done)
+        return ChaosResult(self.faults, audit, summary, time.monotonic() - started, dict(by_target))
+
+    def tick(self) -> None:
+        """Supervise the run and resume paused processes that are due."""
+        for name, due in list(self.paused.items()):
+            if time.monotonic() >= due:
+                self.resume(name)
+        self.local.check_alive()
+
+    # --------------------------------------------------------------------------------- faults
+    def inject(self, kind: str, name: str, version: int, at_s: float) -> None:
+        fault = Fault(kind, name, at_s=round(at_s, 1), version=version)
+        if kind == "crash":
+            if name in self.local.restart_due:
+                fault.done, fault.note = False, "already down"
+            else:
+                self.paused.pop(name, None)
+                self.local.crash(name)
+        elif kind == "horse":
+            fault.done, fault.note = self.kill_work_horse()
+        elif kind == "redis":
+            self.restart_redis()
+        elif kind == "vllm":
+            self.local.restart_vllm()
+        elif kind == "pause":
+            process = self.local.processes.get(name)
+            if process is None or process.poll() is not None or name in self.paused:
+                fault.done, fault.note = False, "not running"
+            else:
+                os.killpg(process.pid, signal.SIGSTOP)
+                self.paused[name] = time.monotonic() + self.pause_s
+        self.faults.append(fault)
+        self.on_event(f"{fault.at_s:7.1f}s v{version}: {kind} {name}" + (f" ({fault.note})" if fault.note else ""))
+
+    def resume(self, name: str) -> None:
+        self.paused.pop(name, None)
+        process = self.local.processes.get(name)
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGCONT)
+
+    def kill_work_horse(self) -> tuple[bool, str]:
+        """SIGKILL the process group of a running RQ work-horse (the forked child that runs a grading job,
+        leader of a process group of its own); waits up to HORSE_WAIT_S for one to run."""
+        deadline = time.monotonic() + HORSE_WAIT_S
+        while time.monotonic() < deadline:
+            grader = self.local.processes.get("sandbox-grader")
+            if grader is not None and grader.poll() is None:
+                try:
+                    for child in psutil.Process(grader.pid).children():
+                        if os.getpgid(child.pid) == child.pid:
+                            os.killpg(child.pid, signal.SIGKILL)
+                            return True, f"pid {child.pid}"
+                except (psutil.Error, ProcessLookupError):
+                    pass
+            self.tick()
+            time.sleep(0.02)
+        return False, f"no grading job ran within {HORSE_WAIT_S:.0f}s"
+
+    def restart_redis(self) -> None:
+        server = self.local.redis_server
+        assert server is not None and server.process is not None
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        down_until = time.monotonic() + REDIS_DOWN_S
+        while time.monotonic() < down_until:
+            time.sleep(0.2)
+        server.start()
+
+
+def result_tables(result: ChaosResult) -> list:
+    """Rich tables of a chaos run: the faults injected per target, and the audit's figures."""
+    from rich.table import Table
+
+    faults = Table(title="faults injected")
+    faults.add_column("target")
+    faults.add_column("injected", justify="right")
+    for target, count in sorted(result.faults_by_target.items()):
+        faults.add_row(target, str(count))
+    skipped = [f for f in result.faults if not f.done]
+    if skipped:
+        faults.caption = f"{len(skipped)} not injected: " + "; ".join(sorted({f"{f.kind} {f.target}: {f.note}" for f in skipped}))
+
+    audit = result.audit
+    figures = Table(title="audit")
+    figures.add_column("figure")
+    figures.add_column("value", justify="right")
+    rows = [
+        ("events processed (entries added, all streams)", sum(audit.events.values())),
+        ("samples admitted", audit.admitted),
+        ("samples trained", audit.trained),
+        ("samples lost (must be 0)", len(audit.lost)),
+        ("samples duplicated in batches (must be 0)", len(audit.duplicated)),
+        ("samples admitted twice (must be 0)", len(audit.admitted_twice)),
+        *((f"samples dropped: {cause}", n) for cause, n in sorted(audit.dropped.items())),
+        ("batches trained twice (must be 0)", len(audit.batches_trained_twice)),
+        ("versions published twice (must be 0)", len(audit.versions_published_twice)),
+        ("batches never trained (must be 0)", len(audit.batches_not_trained)),
+        ("left pending (must be 0)", sum(audit.pending.values())),
+        ("archive streams differing from Redis (must be 0)", len(audit.archive_mismatches)),
+        ("longest stall without a new version", f"{audit.longest_stall_s:.1f} s"),
+        ("episodes run again after a fault", audit.repeated_attempts),
+        ("kills (service processes and work-horses)", result.kills),
+        ("samples wasted per kill", f"{result.wasted_samples() / max(1, result.kills):.2f}"),
+        ("restarts by the supervisor", sum(result.summary.get("restarts", {}).values())),
+        ("wall time", f"{result.wall_s:.0f} s"),
+    ]
+    for name, value in rows:
+        figures.add_row(name, str(value))
+    return [faults, figures]
