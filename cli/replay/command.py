@@ -33,7 +33,7 @@ from rollstream.cli.replay.plan import (
     publish,
 )
 from rollstream.shared.contract.bus import STREAMS, Bus
-from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.config import Settings, redact_url
 
 console = Console()
 REPLAY_SERVICES = ("agent-runner", "sandbox-grader", "reward", "trainer")
@@ -62,7 +62,8 @@ def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] 
         raise ValueError(f"cannot run {', '.join(bad)} in a replay; choose from {', '.join(REPLAY_SERVICES)}")
     if settings.run_id == source_run:
         raise ReplayError("the target run id must differ from the source run id")
-    source_bus = _source_bus(source, source_redis_url or settings.redis_url, source_run, settings)
+    source_bus = _source_bus(source, source_redis_url or (settings.redis if settings.redis_url else None),
+                             source_run, settings)
     plan = ReplayPlan(source_run, settings.storage_uri, source_bus, tuple(streams), finished_only=finished_only,
                       skip_dead_lettered=skip_dead_lettered)
     on_step(f"reading {source_run} ({'Redis and its archive' if source_bus else 'archive'})")
@@ -75,7 +76,7 @@ def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] 
         return ReplayResult(settings.run_id, publish(plan, target, pace))
 
     if settings.redis_url:
-        check_fresh(Bus.connect(settings.redis_url, settings.run_id, settings.bus), settings.storage_uri)
+        check_fresh(Bus.connect(settings.redis, settings.run_id, settings.bus), settings.storage_uri)
     recorder = ("recorder",) if settings.recorder.enabled else ()
     local = LocalRun(settings, services=tuple(services) + recorder)
     try:
@@ -105,7 +106,7 @@ def _source_bus(source: str, redis_url: str | None, run_id: str, settings: Setti
     if bus.has_keys():
         return bus
     if source == "redis":
-        raise ReplayError(f"run {run_id!r} has no keys in {redis_url}")
+        raise ReplayError(f"run {run_id!r} has no keys in {redact_url(redis_url)}")
     return None
 
 

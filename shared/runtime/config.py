@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -169,6 +170,41 @@ class RewardSettings(Section):
     reason, so that one lost grade never holds back training. Longer than the slowest task's grading."""
 
 
+SECRET_MASK = "**********"
+"""How pydantic prints a SecretStr; read back as a value, it is a dump's mask, never the secret."""
+
+
+def _secret_input(value: Any) -> Any:
+    """An empty secret is no secret (compose writes `${VAR:-}` as ""); a masked one is refused, because a
+    dump of the settings read back would otherwise connect with the mask as its password."""
+    if isinstance(value, SecretStr):
+        value = value.get_secret_value()
+    if value == "":
+        return None
+    if value == SECRET_MASK:
+        raise ValueError("this is the masked form of a secret (a dump of the settings read back): "
+                         "set the secret itself, e.g. through its environment variable")
+    return value
+
+
+class SecuritySettings(Section):
+    # a rejected value must not be echoed into a log by the validation error
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    http_token: SecretStr | None = Field(None, min_length=16, max_length=4096)
+    """Bearer token (`Authorization: Bearer <token>`) every HTTP route of a service asks for, except /healthz
+    and /openapi.json; unset: the routes are open."""
+    metrics_token: SecretStr | None = Field(None, min_length=16, max_length=4096)
+    """Bearer token of /metrics when a scraper has its own; unset: /metrics asks for http_token."""
+    metrics_open: bool = False
+    """Serve /metrics without a token even when tokens are set (a scraper on a trusted network)."""
+
+    @field_validator("http_token", "metrics_token", mode="before")
+    @classmethod
+    def _no_masked_or_empty_secrets(cls, value: Any) -> Any:
+        return _secret_input(value)
+
+
 class RecorderSettings(Section):
     enabled: bool = True
     """Archive every stream of the run to Parquet under <storage>/<run>/archive (the local run starts the
@@ -184,14 +220,22 @@ class RecorderSettings(Section):
 class Settings(BaseSettings):
     """Everything a run is configured by."""
 
+    # hide_input_in_errors: a rejected redis_password must not be echoed into a log by the validation error
     model_config = SettingsConfigDict(
-        env_prefix="RS_", env_nested_delimiter="__", extra="forbid", use_attribute_docstrings=True
+        env_prefix="RS_", env_nested_delimiter="__", extra="forbid", use_attribute_docstrings=True,
+        hide_input_in_errors=True,
     )
 
     run_id: str = "local"
     """Run namespace: streams are rs:{run_id}:*."""
     redis_url: str | None = None
-    """Redis to use; unset: the local run starts an embedded one."""
+    """Redis to use, without credentials (a user and password written in it move to the two fields below);
+    unset: the local run starts an embedded one."""
+    redis_username: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[^\s:@/]+$")
+    """Redis ACL user the service connects as (compose: one per service, infra/redis-users.acl); unset:
+    Redis's default user."""
+    redis_password: SecretStr | None = Field(None, min_length=1, max_length=1024)
+    """Password of that user; unset: none (the local run's embedded Redis then asks for none)."""
     storage_uri: str = "runs"
     """Where batches, checkpoints and logs go (a directory)."""
     health_port: int = Field(0, ge=0)
@@ -208,6 +252,30 @@ class Settings(BaseSettings):
     grader: GraderSettings = GraderSettings()
     reward: RewardSettings = RewardSettings()
     recorder: RecorderSettings = RecorderSettings()
+    security: SecuritySettings = SecuritySettings()
+
+    @field_validator("redis_password", mode="before")
+    @classmethod
+    def _no_masked_or_empty_password(cls, value: Any) -> Any:
+        return _secret_input(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_out_of_the_url(cls, data: Any) -> Any:
+        """redis://user:password@host/0 works as users write it, but the password is kept in redis_password
+        (a secret, masked wherever settings are shown) and the URL keeps only where Redis is."""
+        if not isinstance(data, dict) or not isinstance(data.get("redis_url"), str):
+            return data
+        parts = urlsplit(data["redis_url"])
+        if parts.username is None and parts.password is None:
+            return data
+        for field, value in (("redis_username", parts.username), ("redis_password", parts.password)):
+            if value:
+                if data.get(field) not in (None, ""):
+                    raise ValueError(f"{field} is set twice, in redis_url and on its own: keep one")
+                data = {**data, field: unquote(value)}
+        host = parts.netloc.rpartition("@")[2]
+        return {**data, "redis_url": urlunsplit(parts._replace(netloc=host))}
 
     @model_validator(mode="after")
     def _batch_holds_whole_groups(self) -> "Settings":
@@ -229,9 +297,17 @@ class Settings(BaseSettings):
 
     @property
     def redis(self) -> str:
+        """The URL to connect with, credentials included: hand it to a client, never print it (redis_url
+        says where Redis is)."""
         if not self.redis_url:
             raise RuntimeError("no Redis configured: set RS_REDIS_URL (the local run sets it for its services)")
-        return self.redis_url
+        if self.redis_username is None and self.redis_password is None:
+            return self.redis_url
+        userinfo = quote(self.redis_username or "", safe="")
+        if self.redis_password is not None:
+            userinfo += ":" + quote(self.redis_password.get_secret_value(), safe="")
+        parts = urlsplit(self.redis_url)
+        return urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.netloc}"))
 
     def run_dir(self) -> Path:
         return Path(self.storage_uri) / self.run_id
@@ -251,6 +327,51 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
             return json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"RS_CONFIG_FILE={path}: {exc}") from exc
+
+
+def _secret_fields(model: type[BaseModel], path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Paths of the SecretStr fields of a settings model, sections included."""
+    out = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, Section):
+            out += _secret_fields(annotation, (*path, name))
+        elif annotation is SecretStr or SecretStr in get_args(annotation):
+            out.append((*path, name))
+    return out
+
+
+def settings_json_without_secrets(settings: Settings) -> str:
+    """The resolved settings as JSON for a config file (RS_CONFIG_FILE), every secret left out: the
+    processes that read it get their secrets from `secret_environment`."""
+    exclude: dict[str, Any] = {}
+    for path in _secret_fields(Settings):
+        node = exclude
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = True
+    return settings.model_dump_json(indent=2, exclude=exclude)
+
+
+def secret_environment(settings: Settings) -> dict[str, str]:
+    """The configured secrets as the RS_* variables that set them, for a child process's environment."""
+    out = {}
+    for path in _secret_fields(Settings):
+        value: Any = settings
+        for part in path:
+            value = getattr(value, part)
+        if value is not None:
+            out["RS_" + "__".join(path).upper()] = value.get_secret_value()
+    return out
+
+
+def redact_url(url: str) -> str:
+    """A URL fit for a message: its password, if it has one, replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{host}"))
 
 
 def reference_markdown() -> str:

@@ -41,6 +41,17 @@ def test_config_prints_the_resolved_settings(monkeypatch):
     assert json.loads(result.output)["train"]["max_staleness"] == 0
 
 
+def test_config_masks_the_secrets(monkeypatch):
+    monkeypatch.setenv("RS_REDIS_URL", "redis://reward:a-redis-password@redis:6379/0")
+    monkeypatch.setenv("RS_SECURITY__HTTP_TOKEN", "an-http-token-of-some-length")
+    result = runner.invoke(app, ["config"])
+    assert result.exit_code == 0
+    assert "a-redis-password" not in result.output and "an-http-token-of-some-length" not in result.output
+    shown = json.loads(result.output)
+    assert shown["redis_url"] == "redis://redis:6379/0" and shown["redis_username"] == "reward"
+    assert shown["redis_password"] == "**********" and shown["security"]["http_token"] == "**********"
+
+
 def test_embedded_redis_keeps_streams_across_a_restart(tmp_path):
     import redis
 
@@ -59,6 +70,33 @@ def test_embedded_redis_keeps_streams_across_a_restart(tmp_path):
         assert redis.Redis.from_url(again.url).xlen("rs:x:prompts") == 1  # append-only file replayed
     finally:
         again.stop()
+
+
+def test_embedded_redis_with_a_password_asks_for_it_and_keeps_it_off_disk(tmp_path):
+    import redis
+    from pydantic import SecretStr
+
+    from rollstream.cli.embedded_redis import EmbeddedRedis
+
+    password = "an-embedded-redis-password"
+    server = EmbeddedRedis(tmp_path / "redis", username="rollstream", password=SecretStr(password))
+    server.start()
+    try:
+        anonymous = redis.Redis.from_url(server.url)
+        assert anonymous.ping()  # readiness checks stay possible
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            anonymous.get("rs:x:admitted")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis.from_url(server.url, username="rollstream", password="wrong").ping()
+        client = redis.Redis.from_url(server.url, username="rollstream", password=password)
+        assert client.xadd("rs:x:prompts", {"a": "1"})
+    finally:
+        server.stop()
+    acl = tmp_path / "redis" / "users.acl"
+    assert acl.stat().st_mode & 0o777 == 0o600
+    for path in (tmp_path / "redis").rglob("*"):
+        if path.is_file():
+            assert password.encode() not in path.read_bytes(), path
 
 
 @needs_bwrap

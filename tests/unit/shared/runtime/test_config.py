@@ -54,3 +54,76 @@ def test_readme_configuration_reference_is_current():
 
     readme = (REPO / "README.md").read_text()
     assert reference_markdown() in readme, "regenerate it: rollstream config --markdown"
+
+
+# ------------------------------------------------------------------------------------------------- secrets
+PASSWORD = "pa:ss@word/with-odd-chars"
+TOKEN = "an-http-token-of-some-length"
+
+
+def test_credentials_in_the_url_move_to_their_fields_and_the_url_keeps_where_redis_is():
+    from urllib.parse import quote
+
+    settings = Settings(redis_url=f"redis://reward:{quote(PASSWORD, safe='')}@redis:6379/0")
+    assert settings.redis_url == "redis://redis:6379/0"
+    assert settings.redis_username == "reward" and settings.redis_password.get_secret_value() == PASSWORD
+    # the connection URL carries them again, quoted so that redis-py reads them back as they were
+    from redis.connection import parse_url
+    assert parse_url(settings.redis) == {"username": "reward", "password": PASSWORD, "host": "redis", "port": 6379,
+                                         "db": 0}
+
+
+def test_credentials_set_twice_are_an_error():
+    with pytest.raises(ValidationError, match="redis_password is set twice"):
+        Settings(redis_url="redis://:one@redis:6379/0", redis_password="two")
+
+
+def test_secrets_are_masked_in_every_dump_and_repr(monkeypatch):
+    monkeypatch.setenv("RS_REDIS_PASSWORD", PASSWORD)
+    monkeypatch.setenv("RS_SECURITY__HTTP_TOKEN", TOKEN)
+    settings = Settings(redis_url="redis://redis:6379/0")
+    for shown in (settings.model_dump_json(), str(settings.model_dump(mode="json")), repr(settings), str(settings)):
+        assert PASSWORD not in shown and TOKEN not in shown
+
+
+def test_a_rejected_secret_is_not_echoed_by_the_validation_error():
+    with pytest.raises(ValidationError) as error:
+        Settings(security={"http_token": "too-short-token"})
+    assert "too-short-token" not in str(error.value)
+
+
+def test_a_dump_read_back_with_its_masks_is_refused_not_used_as_the_password(tmp_path, monkeypatch):
+    path = tmp_path / "config.json"
+    path.write_text(Settings(redis_url="redis://r:6379/0", redis_password=PASSWORD).model_dump_json())
+    monkeypatch.setenv("RS_CONFIG_FILE", str(path))
+    with pytest.raises(ValidationError, match="masked form of a secret"):
+        Settings()
+
+
+def test_an_empty_secret_is_none():
+    settings = Settings(redis_password="", security={"http_token": ""})
+    assert settings.redis_password is None and settings.security.http_token is None
+
+
+def test_a_config_file_without_secrets_and_the_secret_environment_give_back_the_settings(tmp_path, monkeypatch):
+    from rollstream.shared.runtime.config import secret_environment, settings_json_without_secrets
+
+    settings = Settings(redis_url="redis://redis:6379/0", redis_username="reward", redis_password=PASSWORD,
+                        security={"http_token": TOKEN, "metrics_token": TOKEN + "-metrics"})
+    text = settings_json_without_secrets(settings)
+    assert PASSWORD not in text and TOKEN not in text and "**" not in text
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    monkeypatch.setenv("RS_CONFIG_FILE", str(path))
+    for name, value in secret_environment(settings).items():
+        monkeypatch.setenv(name, value)
+    again = Settings()
+    assert again.redis == settings.redis and again.security == settings.security
+
+
+def test_redacted_urls_keep_the_user_and_lose_the_password():
+    from rollstream.shared.runtime.config import redact_url
+
+    assert redact_url("redis://reward:secret@redis:6379/0") == "redis://reward:***@redis:6379/0"
+    assert redact_url("redis://:secret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redact_url("redis://redis:6379/0") == "redis://redis:6379/0"
