@@ -50,7 +50,7 @@ def main() -> None:
                 queue = Queue(f"{bus.keys.prefix}:sandbox", connection=bus.redis)
                 for index in range(args.jobs):
                     rollout = f"{run_id}-r{index}"
-                    request = GradeRequest(redis_url=redis_server.url, run_id=run_id, storage_uri=storage.uri,
+                    request = GradeRequest(run_id=run_id, storage_uri=storage.uri,
                                            ids={"rollout_id": rollout, "group_id": "g", "trajectory_id": rollout,
                                                 "session_id": rollout},
                                            backend="bubblewrap", wall_time_s=60, memory_mb=512,

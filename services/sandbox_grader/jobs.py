@@ -6,14 +6,19 @@ An infrastructure error (the sandbox could not run at all) raises, so RQ retries
 backoff; failing tests are a grade, never retried. When the retries are spent, or the worker died
 under the job, `report_job_failure` publishes GradingFailed with the reason: the reward service
 leaves that rollout out of its group (counted), so the group completes without a made-up reward.
+
+A job publishes through the worker's own Redis connection: its arguments carry no Redis URL, because RQ
+logs a job's description (its call with arguments) and the URL would carry the service's password.
 """
 
 from __future__ import annotations
 
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from rq import get_current_job
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import GradeReported, GradingFailed
@@ -34,7 +39,6 @@ class InfrastructureError(RollstreamError, RuntimeError):
 
 @dataclass
 class GradeRequest:
-    redis_url: str
     run_id: str
     storage_uri: str
     ids: dict[str, str]
@@ -52,16 +56,23 @@ class GradeRequest:
     def as_job_arg(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_job_arg(cls, arg: dict) -> "GradeRequest":
+        # Jobs an older grader queued also carry its Redis URL (redis_url), which is no longer read.
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in arg.items() if key in known})
+
 
 def grade_rollout(request: dict) -> dict:
-    req = GradeRequest(**request)
+    req = GradeRequest.from_job_arg(request)
     storage = Storage(req.storage_uri)
     outcome = grade(req, storage)
     if outcome.infrastructure_error:
         raise InfrastructureError(outcome.reason)
     log_path = storage.write_bytes(outcome.log.encode(), req.run_id, "sandbox-logs", f"{req.ids['rollout_id']}.log")
     publish(req, GradeReported(score=outcome.score, passed=outcome.passed, reason=outcome.reason,
-                               duration_s=outcome.duration_s, log_uri=log_path, tests=outcome.tests))
+                               duration_s=outcome.duration_s, log_uri=log_path, tests=outcome.tests),
+            connection=get_current_job().connection)
     return {"score": outcome.score, "reason": outcome.reason}
 
 
@@ -92,9 +103,9 @@ def grade_answer(req: GradeRequest, backend, limits: SandboxLimits) -> GradeOutc
                         duration_s=result.duration_s, infrastructure_error=False)
 
 
-def publish(req: GradeRequest, grade: GradeReported | GradingFailed, connection=None) -> None:
+def publish(req: GradeRequest, grade: GradeReported | GradingFailed, connection) -> None:
     """On `grades`, under one event id per rollout whichever it is: a rollout has one verdict."""
-    bus = Bus(connection, req.run_id) if connection is not None else Bus.connect(req.redis_url, req.run_id)
+    bus = Bus(connection, req.run_id)
     bus.publish("grades", grade, event_id=f"{req.ids['rollout_id']}:grade", **req.ids)
 
 
@@ -103,7 +114,7 @@ def report_job_failure(job, connection, exc_type, exc_value, _traceback) -> None
     job failing is the machinery's failure, and the rollout's work was never judged."""
     if job.should_retry:
         return
-    req = GradeRequest(**job.args[0])
+    req = GradeRequest.from_job_arg(job.args[0])
     reason = f"grading failed and no retry is left: {exc_type.__name__}: {exc_value}"
     attempts = req.retries - (job.retries_left or 0) + 1
     publish(req, GradingFailed(reason=reason, attempts=attempts), connection=connection)

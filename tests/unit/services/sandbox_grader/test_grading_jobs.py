@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewra
 
 
 def request(bus, tmp_path, rollout: str, **overrides) -> dict:
-    fields = dict(redis_url="unused", run_id=bus.keys.run_id, storage_uri=str(tmp_path), backend="bubblewrap",
+    fields = dict(run_id=bus.keys.run_id, storage_uri=str(tmp_path), backend="bubblewrap",
                   ids={"rollout_id": rollout, "group_id": "g", "trajectory_id": rollout, "session_id": rollout},
                   wall_time_s=30, memory_mb=512, grader={"kind": "harbor", "task_dir": str(TASK)})
     return GradeRequest(**{**fields, **overrides}).as_job_arg()
@@ -33,12 +33,17 @@ def run_jobs(bus, jobs) -> Queue:
 
 
 @pytest.fixture
-def published(monkeypatch, bus):
-    # the job publishes through Bus.connect(redis_url): point it at the test's Redis
-    import rollstream.services.sandbox_grader.jobs as jobs
-
-    monkeypatch.setattr(jobs.Bus, "connect", classmethod(lambda cls, url, run_id, settings=None: cls(bus.redis, run_id)))
+def published(bus):
+    """The bus the jobs publish on: the worker's own connection, so the test's Redis."""
     return bus
+
+
+def test_a_job_carries_no_redis_url_and_one_queued_by_an_older_grader_still_loads(bus, tmp_path):
+    # RQ logs a job's call with its arguments: a URL there would put the Redis password in the log
+    payload = request(bus, tmp_path, "r0")
+    assert "redis_url" not in payload and not any("redis://" in str(v) for v in payload.values())
+    older = {**payload, "redis_url": "redis://grader:secret@redis:6379/0"}
+    assert GradeRequest.from_job_arg(older) == GradeRequest.from_job_arg(payload)
 
 
 def test_failing_tests_are_a_grade_and_are_not_retried(published, tmp_path):
