@@ -14,11 +14,13 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.health_api import auth_failure, challenge, openapi_document, required_token
 
 _STANDARD_RECORD_FIELDS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
@@ -70,7 +72,7 @@ class ServiceRuntime:
         """Why the service cannot do its work now (shown by /healthz, which then answers 503)."""
         # Its own client, which fails fast: /healthz must say "Redis unreachable" while the service's
         # client waits for Redis to come back.
-        self._redis_probe = (redis.Redis.from_url(settings.redis_url, socket_timeout=1, socket_connect_timeout=1)
+        self._redis_probe = (redis.Redis.from_url(settings.redis, socket_timeout=1, socket_connect_timeout=1)
                              if settings.redis_url else None)
         configure_logging(name, settings.log_level)
         self.log = logging.getLogger(name)
@@ -104,10 +106,18 @@ class ServiceRuntime:
 
     def _serve_health(self, port: int) -> ThreadingHTTPServer:
         runtime = self
+        security = self.settings.security
+        openapi = json.dumps(openapi_document(self.name, security)).encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                if self.path.startswith("/healthz"):
+                # Exact routes: a prefix match would let /metricsX past /metrics's own token rule.
+                route = urlsplit(self.path).path
+                denied = auth_failure(self.headers.get("Authorization"), required_token(route, security))
+                if denied:
+                    body = json.dumps({"error": "bearer token required" if denied == 401 else "wrong token"})
+                    self._reply(denied, "application/json", body.encode(), challenge(denied))
+                elif route == "/healthz":
                     problem = None if runtime.stopping else runtime.readiness_problem()
                     state = "stopping" if runtime.stopping else "not ready" if problem else "ok"
                     reason = {"reason": problem} if problem else {}
@@ -115,15 +125,30 @@ class ServiceRuntime:
                                        "uptime_s": round(time.time() - runtime.started, 1), **runtime.status},
                                       default=str).encode()
                     self._reply(200 if state == "ok" else 503, "application/json", body)
-                elif self.path.startswith("/metrics"):
+                elif route == "/metrics":
                     self._reply(200, CONTENT_TYPE_LATEST, generate_latest())
+                elif route == "/openapi.json":
+                    self._reply(200, "application/json", openapi)
                 else:
                     self._reply(404, "text/plain", b"not found\n")
 
-            def _reply(self, code: int, content_type: str, body: bytes) -> None:
+            def __getattr__(self, name: str) -> Any:
+                # http.server answers a method without a do_<METHOD> with 501, a server error: every
+                # method but GET is the client's, 405.
+                if name.startswith("do_"):
+                    return self._method_not_allowed
+                raise AttributeError(name)
+
+            def _method_not_allowed(self) -> None:
+                self._reply(405, "text/plain", b"", {"Allow": "GET"})
+
+            def _reply(self, code: int, content_type: str, body: bytes,
+                       headers: dict[str, str] | None = None) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 
