@@ -13,18 +13,26 @@ exists. For each batch (services/trainer/training.py):
   5. only when every server is within train.parity_tolerance: publish PolicyUpdated (with the step's
      metrics) and mark the batch trained, in one transaction; metrics go to the trackers.
 
-Restarts are exact: a trainer starts from the checkpoint of the last PolicyUpdated (weights,
-optimizer and RNG state) and first finishes the batches its predecessor left pending, in order. A
-batch is part of the model once its PolicyUpdated exists, and never again.
+Restarts are exact: a trainer starts from the checkpoint of its own last PolicyUpdated (weights,
+optimizer and RNG state; one whose batch it never trained was not written by it and is passed over)
+and first finishes the batches its predecessor left pending, in order. A batch is part of the model
+once its PolicyUpdated exists, and never again.
+
+One entry's failure is that entry's: an entry of another type than BatchReady, or a BatchReady whose
+file is not the batch it announces, is dead-lettered at once; one whose file cannot be read is
+retried and dead-lettered after bus.max_deliveries; rows no model can train on are left out and
+counted (PolicyUpdated.dropped["invalid"]). The trainer stops (exit 1, the batch left pending) only
+when the fleet cannot be made to serve a new version: a weight sync that keeps failing, or logprobs
+that differ from the trainer's.
 
     rollstream-trainer           # configured by RS_* variables or RS_CONFIG_FILE
 """
 
 from __future__ import annotations
 
-from rollstream.services.trainer.training import Trainer
+from rollstream.services.trainer.training import BatchRejected, Trainer
 from rollstream.shared.contract.bus import Bus, Delivery, StopConsuming, run_consumer
-from rollstream.shared.contract.events import BatchReady
+from rollstream.shared.contract.events import BatchReady, encode
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.runtime.storage import Storage
@@ -37,15 +45,31 @@ def main() -> None:
     settings = Settings()
     runtime = ServiceRuntime("trainer", settings)
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
-    trainer = Trainer(settings, bus, Storage(settings.storage_uri))
     trained_key = bus.keys.state("trainer", "trained-batches")
+    trainer = Trainer(settings, bus, Storage(settings.storage_uri), trained_key)
     runtime.status["policy_version"] = trainer.version
+    rejected = 0
+
+    def reject(delivery: Delivery, error: str) -> None:
+        nonlocal rejected
+        bus.dead_letter(delivery.stream, GROUP, delivery.entry_id, encode(delivery.envelope), 1, error)
+        rejected += 1
+        runtime.status["batches_rejected"] = rejected
 
     def handle(delivery: Delivery) -> None:
         batch = delivery.event
-        if not isinstance(batch, BatchReady) or bus.redis.sismember(trained_key, batch.batch_id):
+        if not isinstance(batch, BatchReady):
+            reject(delivery, f"the trainer does not handle {delivery.envelope.type} on batches")
             return
-        update = trainer.train_step(batch, trained_key)
+        if bus.redis.sismember(trained_key, batch.batch_id):
+            return
+        try:
+            update = trainer.train_step(batch, trained_key)
+        except BatchRejected as exc:
+            if exc.retryable:
+                raise
+            reject(delivery, str(exc))
+            return
         runtime.status["policy_version"] = update.version
         runtime.log.info("policy updated", extra={"version": update.version, "loss": round(update.loss, 5),
                                                   "parity_max_abs_diff": update.parity_max_abs_diff,

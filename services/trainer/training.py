@@ -2,11 +2,17 @@
 (checking the servers' logprobs against the trainer's), then publish PolicyUpdated. main.py wires it
 to the `batches` stream.
 
-Trainer.train_step takes a batch through every step: select_fresh drops the samples older than eta
-versions, optimize takes train.minibatches optimizer steps (services/trainer/ppo.py) on the backend
-(services/trainer/backends/), save_checkpoint writes the training state, sync_with_retries reloads
-every server and raises ParityError (a StopConsuming for main.py) when one serves other logprobs, and
-PolicyUpdated goes out with the batch marked trained, in one transaction.
+Trainer.train_step takes a batch through every step: load_batch reads the batch file and checks that
+it is the batch the event announces (BatchRejected otherwise: that entry's failure, retried and then
+dead-lettered, while the trainer goes on), check_rows leaves out the rows no model could train on
+(token ids outside the vocabulary, longer than the model's positions, misaligned, non-finite or from
+a policy version not published yet: dropped as `invalid`, counted), select_fresh drops the samples
+older than eta versions, optimize takes train.minibatches optimizer steps (services/trainer/ppo.py)
+on the backend (services/trainer/backends/), save_checkpoint writes the training state,
+sync_with_retries reloads every server and raises ParityError (a StopConsuming for main.py) when one
+serves other logprobs, and PolicyUpdated goes out with the batch marked trained, in one transaction.
+A step that fails after it may have changed the model puts back the state of the last published
+version before the error goes on, so that a retry, or the next batch, starts from it.
 
 Tests: tests/integration/test_trainer_restart.py runs the trainer service (a few minutes).
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -22,7 +29,7 @@ from pathlib import Path
 
 from rollstream.shared.contract.batches import BatchRow, read_batch
 from rollstream.shared.contract.bus import Bus, StopConsuming
-from rollstream.shared.contract.events import BatchReady, PolicyUpdated
+from rollstream.shared.contract.events import BatchReady, PolicyUpdated, decode
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.inference.serving_weights import copy_tokenizer_files
 from rollstream.shared.runtime.config import Settings
@@ -33,6 +40,8 @@ log = logging.getLogger("trainer")
 
 PROBE_TOKENS = 256
 SYNC_ATTEMPTS = 3
+POLICY_PAGE = 64
+"""Entries of `policy` read at a time while looking for the trainer's own last update."""
 
 
 @dataclass
@@ -51,6 +60,67 @@ class ParityError(RollstreamError, RuntimeError):
     """A server's logprobs after a weight sync do not match the trainer's."""
 
 
+class BatchRejected(RollstreamError, ValueError):
+    """A BatchReady the trainer cannot train on: its file cannot be read, or is not the batch the event
+    announces. The entry's failure, never the trainer's: `retryable` ones (the file could not be read)
+    are retried and then dead-lettered, the others are dead-lettered at once."""
+
+    def __init__(self, message: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def row_problem(row: BatchRow, vocab_size: int, max_positions: int | None, version: int) -> str | None:
+    """Why no model could train on this row, or None. A row comes from a decoded, validated segment,
+    so any of these means the file was not written by the reward service from such segments."""
+    n = len(row.tokens)
+    if not n or len(row.loss_mask) != n or len(row.rollout_logprobs) != n:
+        return f"tokens ({n}), loss_mask ({len(row.loss_mask)}) and rollout_logprobs ({len(row.rollout_logprobs)}) differ"
+    if max_positions is not None and n > max_positions:
+        return f"{n} tokens, the model has {max_positions} positions"
+    if min(row.tokens) < 0 or max(row.tokens) >= vocab_size:
+        return f"token ids {min(row.tokens)}..{max(row.tokens)} outside the vocabulary (0..{vocab_size - 1})"
+    if not set(row.loss_mask) <= {0, 1}:
+        return f"loss_mask holds {sorted(set(row.loss_mask) - {0, 1})}, not only 0 and 1"
+    if not all(map(math.isfinite, (row.reward, row.advantage, *row.rollout_logprobs))):
+        return "reward, advantage or a logprob is not finite"
+    if any(v < 0 or v > version for v in row.turn_policy_versions):
+        return f"turn policy versions {row.turn_policy_versions}: the latest published is {version}"
+    return None
+
+
+def last_own_update(bus: Bus, trained_key: str, storage_uri: str | None = None) -> PolicyUpdated | None:
+    """The newest PolicyUpdated this run's trainer published: its batch is in the trained set, which the
+    trainer adds to in the same transaction. A PolicyUpdated anyone else wrote on `policy` (its batch
+    never trained here) is passed over, as are entries that do not decode. The recorder trims `policy`
+    down to its newest entry: what is not on the stream any more is looked for in the run's archive."""
+
+    def own(fields: dict) -> PolicyUpdated | None:
+        try:
+            event = decode(fields).payload
+        except ValueError:
+            return None
+        return event if isinstance(event, PolicyUpdated) and bus.redis.sismember(trained_key, event.batch_id) else None
+
+    key, end = bus.keys.stream("policy"), "+"
+    while True:
+        page = bus.redis.xrevrange(key, max=end, count=POLICY_PAGE)
+        for _, fields in page:
+            if (found := own(fields)) is not None:
+                return found
+        if len(page) < POLICY_PAGE:
+            break
+        end = f"({page[-1][0].decode()}"
+    if storage_uri is None:
+        return None
+    from rollstream.shared.contract.archive import ArchiveReader
+
+    found = None
+    for entry in ArchiveReader(storage_uri, bus.keys.run_id).entries("policy"):
+        found = own(entry.fields) or found
+    return found
+
+
 def select_fresh(rows: list[BatchRow], version: int, max_staleness: int) -> tuple[list[BatchRow], dict[str, int]]:
     """The rows the policy after `version` may learn from: none produced more than eta versions ago,
     by any of its turns. Returns them and the count left out per reason."""
@@ -60,24 +130,27 @@ def select_fresh(rows: list[BatchRow], version: int, max_staleness: int) -> tupl
 
 
 class Trainer:
-    def __init__(self, settings: Settings, bus: Bus, storage: Storage) -> None:
+    def __init__(self, settings: Settings, bus: Bus, storage: Storage, trained_key: str) -> None:
         import torch
 
         from rollstream.services.trainer.backends.base import load_model
-        from rollstream.services.trainer.backends.factory import make_backend
 
         self.torch = torch
         self.settings = settings
         self.bus = bus
         self.storage = storage
-        last = bus.last("policy")
-        self.version = last.event.version if last else 0
-        start = Path(last.event.checkpoint_uri) if last else Path(settings.model.path)
-        torch.manual_seed(settings.train.seed)
-        self.backend = make_backend(settings.train, start)
-        if last:
-            self.backend.load_training_state(start)
-        self.pad_id = self.backend.model.config.pad_token_id or 0
+        last = last_own_update(bus, trained_key, settings.storage_uri)
+        self.version = last.version if last else 0
+        self.checkpoint = Path(last.checkpoint_uri) if last else None
+        """The training state of self.version; None: the starting model."""
+        self.load_state()
+        config = self.backend.model.config
+        self.pad_id = config.pad_token_id or 0
+        self.vocab_size = config.vocab_size
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.probe = list(range(1, 17))
+        """Token ids the fleet's logprobs are checked on after a sync: the last batch's first usable row,
+        so a batch with none (every row left out) is checked on the one before."""
         self.reference = None
         if settings.train.kl_coef > 0:
             self.reference = load_model(Path(settings.model.path), self.backend.device).eval()
@@ -95,12 +168,54 @@ class Trainer:
             for url in self.fleet.urls:
                 bus.redis.hsetnx(bus.keys.fleet_versions, url, self.version)
 
+    def load_state(self) -> None:
+        """The backend at the published version self.version: weights, optimizer and RNG state."""
+        from rollstream.services.trainer.backends.factory import make_backend
+
+        self.torch.manual_seed(self.settings.train.seed)
+        self.backend = make_backend(self.settings.train, self.checkpoint or Path(self.settings.model.path))
+        if self.checkpoint is not None:
+            self.backend.load_training_state(self.checkpoint)
+
     # ------------------------------------------------------------------------------------ train
-    def train(self, batch: BatchReady) -> TrainedStep:
+    def load_batch(self, batch: BatchReady) -> list[BatchRow]:
+        """The batch's rows; BatchRejected when its file cannot be read or is not the batch announced."""
+        if Path(batch.uri).name != f"{batch.batch_id}.parquet":
+            # The reward service names every batch file after its batch id: anything else is another
+            # batch (trained under its own id) or no batch at all.
+            raise BatchRejected(f"batch {batch.batch_id} announces {batch.uri}, which is not its file", retryable=False)
+        try:
+            rows = read_batch(self.storage, batch.uri)
+        except Exception as exc:  # missing, unreadable, not Parquet, another schema: whatever the file is
+            raise BatchRejected(f"batch {batch.batch_id}: cannot read {batch.uri}: {type(exc).__name__}: {exc}",
+                                retryable=True) from exc
+        groups = {row.group_id for row in rows}
+        if len(rows) != batch.sample_count or groups != set(batch.group_ids):
+            raise BatchRejected(f"batch {batch.batch_id}: {batch.uri} holds {len(rows)} rows of groups "
+                                f"{sorted(groups)[:4]}, the event announces {batch.sample_count} of "
+                                f"{sorted(batch.group_ids)[:4]}", retryable=False)
+        return rows
+
+    def check_rows(self, rows: list[BatchRow]) -> tuple[list[BatchRow], int]:
+        """The rows a model can train on, and how many were left out (each logged with its problem)."""
+        usable = []
+        for row in rows:
+            problem = row_problem(row, self.vocab_size, self.max_positions, self.version)
+            if problem is None:
+                usable.append(row)
+            else:
+                log.warning("batch row left out", extra={"rollout_id": row.rollout_id,
+                                                         "segment_index": row.segment_index, "problem": problem})
+        return usable, len(rows) - len(usable)
+
+    def train(self, batch: BatchReady, rows: list[BatchRow]) -> TrainedStep:
         started = time.monotonic()
-        rows = read_batch(self.storage, batch.uri)
-        fresh, dropped = select_fresh(rows, self.version, self.settings.train.max_staleness)
-        metrics = self.optimize(fresh) if fresh else {}
+        usable, invalid = self.check_rows(rows)
+        fresh, dropped = select_fresh(usable, self.version, self.settings.train.max_staleness)
+        if invalid:
+            dropped["invalid"] = invalid
+        # rows without a sampled token weigh nothing; a batch of only such rows has no loss to step on
+        metrics = self.optimize(fresh) if any(any(row.loss_mask) for row in fresh) else {}
         version = self.version + 1
         trained_time = time.monotonic()
         checkpoint = self.save_checkpoint(version)
@@ -114,8 +229,11 @@ class Trainer:
             "samples/staleness_max": max(staleness, default=0),
             "reward/batch_mean": batch.mean_reward,
         })
-        return TrainedStep(version=version, checkpoint=checkpoint, probe=(fresh or rows)[0].tokens[:PROBE_TOKENS],
-                           trained=len(fresh), dropped=dropped, metrics=metrics)
+        if fresh or usable:
+            self.probe = (fresh or usable)[0].tokens[:PROBE_TOKENS]
+        probe = self.probe
+        return TrainedStep(version=version, checkpoint=checkpoint, probe=probe, trained=len(fresh), dropped=dropped,
+                           metrics=metrics)
 
     def optimize(self, rows: list[BatchRow]) -> dict[str, float]:
         """train.minibatches optimizer steps over the rows; returns the averaged step metrics."""
@@ -210,7 +328,16 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------- publish
     def train_step(self, batch: BatchReady, trained_key: str) -> PolicyUpdated:
-        step = self.train(batch)
+        rows = self.load_batch(batch)
+        try:
+            step = self.train(batch, rows)
+        except Exception:
+            # The optimizer may have stepped already: a retry of this batch (or the next batch) must
+            # start from the published version, not from a half-trained model.
+            log.warning("training step failed; back to the state of the published version",
+                        extra={"batch_id": batch.batch_id, "version": self.version}, exc_info=True)
+            self.load_state()
+            raise
         sync_started = time.monotonic()
         parity = self.sync_with_retries(step)
         step.metrics["sync/seconds"] = time.monotonic() - sync_started
@@ -225,7 +352,7 @@ class Trainer:
         for url in update.servers:
             pipe.hset(self.bus.keys.fleet_versions, url, update.version)
         pipe.execute()
-        self.version = update.version
+        self.version, self.checkpoint = update.version, step.checkpoint
         self.tracker.log(step.metrics, update.version)
         return update
 
