@@ -6,6 +6,8 @@ An infrastructure error (the sandbox could not run at all) raises, so RQ retries
 backoff; failing tests are a grade, never retried. When the retries are spent, or the worker died
 under the job, `report_job_failure` publishes GradingFailed with the reason: the reward service
 leaves that rollout out of its group (counted), so the group completes without a made-up reward.
+A request no retry can grade (its diff artifact or its task does not exist, an unknown grader kind)
+gets its GradingFailed at once, without the retries and their back-off.
 
 A job publishes through the worker's own Redis connection: its arguments carry no Redis URL, because RQ
 logs a job's description (its call with arguments) and the URL would carry the service's password.
@@ -22,7 +24,7 @@ from rq import get_current_job
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import GradeReported, GradingFailed
-from rollstream.shared.errors import RollstreamError
+from rollstream.shared.errors import RollstreamError, TaskError
 from rollstream.shared.grading.harbor import grade_harbor
 from rollstream.shared.grading.outcome import GradeOutcome
 from rollstream.shared.grading.swebench import grade_swebench
@@ -35,6 +37,11 @@ from rollstream.shared.tasks.swebench import load_swebench_rows
 
 class InfrastructureError(RollstreamError, RuntimeError):
     """The sandbox could not run the grading; the job is retried."""
+
+
+class UngradableRequest(RollstreamError, ValueError):
+    """The request names what is not there (the rollout's diff artifact, its task, a SWE-bench instance)
+    or a grader kind this code does not know: no retry can grade it."""
 
 
 @dataclass
@@ -66,7 +73,12 @@ class GradeRequest:
 def grade_rollout(request: dict) -> dict:
     req = GradeRequest.from_job_arg(request)
     storage = Storage(req.storage_uri)
-    outcome = grade(req, storage)
+    try:
+        outcome = grade(req, storage)
+    except UngradableRequest as exc:
+        publish(req, GradingFailed(reason=f"cannot be graded: {exc}", attempts=1),
+                connection=get_current_job().connection)
+        return {"score": None, "reason": str(exc)}
     if outcome.infrastructure_error:
         raise InfrastructureError(outcome.reason)
     log_path = storage.write_bytes(outcome.log.encode(), req.run_id, "sandbox-logs", f"{req.ids['rollout_id']}.log")
@@ -82,13 +94,29 @@ def grade(req: GradeRequest, storage: Storage) -> GradeOutcome:
     kind = req.grader.get("kind") if req.grader else "check"
     if kind == "check":
         return grade_answer(req, backend, limits)
-    diff = storage.read_bytes(req.diff_uri).decode() if req.diff_uri else ""
-    if kind == "harbor":
-        return grade_harbor(load_harbor_task(Path(req.grader["task_dir"])), diff, backend)
-    if kind == "swebench":
-        tasks = {t.instance_id: t for t in load_swebench_rows(Path(req.grader["dataset"]))}
-        return grade_swebench(tasks[req.grader["instance_id"]], diff, backend)
-    raise ValueError(f"unknown grader kind {kind!r}")
+    if kind not in ("harbor", "swebench"):
+        raise UngradableRequest(f"unknown grader kind {kind!r}")
+    diff = read_diff(req, storage)
+    try:
+        if kind == "harbor":
+            task = load_harbor_task(Path(req.grader["task_dir"]))
+        else:
+            task = {t.instance_id: t for t in load_swebench_rows(Path(req.grader["dataset"]))}[req.grader["instance_id"]]
+    except (KeyError, TaskError) as exc:
+        raise UngradableRequest(f"{kind} task {req.grader}: {type(exc).__name__}: {exc}") from exc
+    return grade_harbor(task, diff, backend) if kind == "harbor" else grade_swebench(task, diff, backend)
+
+
+def read_diff(req: GradeRequest, storage: Storage) -> str:
+    """The rollout's stored diff ("" when the episode left none)."""
+    if not req.diff_uri:
+        return ""
+    try:
+        return storage.read_bytes(req.diff_uri).decode()
+    except FileNotFoundError as exc:
+        raise UngradableRequest(f"diff artifact {req.diff_uri} does not exist") from exc
+    except UnicodeDecodeError as exc:
+        raise UngradableRequest(f"diff artifact {req.diff_uri} is not UTF-8 text: {exc}") from exc
 
 
 def grade_answer(req: GradeRequest, backend, limits: SandboxLimits) -> GradeOutcome:

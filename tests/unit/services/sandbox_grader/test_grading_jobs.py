@@ -86,3 +86,16 @@ def test_task_files_that_vanished_are_the_machinerys_failure_not_the_rollouts(pu
     run_jobs(published, [("grade-r4", payload)])
     (failed,) = [d.event for d in published.read_all("grades")]
     assert isinstance(failed, GradingFailed) and "not a task directory" in failed.reason
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    ({"diff_uri": "/nowhere/r5.diff"}, "diff artifact /nowhere/r5.diff does not exist"),
+    ({"grader": {"kind": "swebench", "dataset": "/nowhere/swe.jsonl", "instance_id": "x"}}, "no such SWE-bench file"),
+    ({"grader": {"kind": "nonsense"}}, "unknown grader kind 'nonsense'"),
+])
+def test_a_request_no_retry_can_grade_gets_its_grading_failed_at_once(published, tmp_path, overrides, reason):
+    queue = run_jobs(published, [("grade-r5", request(published, tmp_path, "r5", retries=2, **overrides))])
+    assert queue.fetch_job("grade-r5").get_status() == "finished"  # not failed: nothing to retry
+    (failed,) = published.read_all("grades")
+    assert isinstance(failed.event, GradingFailed) and failed.envelope.rollout_id == "r5"
+    assert reason in failed.event.reason and failed.event.attempts == 1
