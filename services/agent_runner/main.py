@@ -9,6 +9,10 @@ transaction. Model tokens are exactly the ids vLLM sampled (loss_mask 1); prompt
 observations are tokenized once (loss_mask 0). A prompt is acknowledged only after its trajectory is
 published, so a replica that dies leaves it to be reclaimed by another.
 
+One entry's failure is that entry's: an entry on `prompts` that is no PromptIssued, or one without
+the rollout and group ids a sample needs, is dead-lettered at once with the reason; an episode that
+raises leaves its prompt pending, to be retried and dead-lettered after bus.max_deliveries.
+
     rollstream-agent-runner      # configured by RS_* variables or RS_CONFIG_FILE
 """
 
@@ -38,12 +42,25 @@ from rollstream.shared.contract.events import (
     TrajectoryStarted,
     TrajectoryTool,
     TrajectoryTurn,
+    encode,
 )
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 
 GROUP = "agent-runner"
 DRAIN_TIMEOUT_S = 60.0
+REQUIRED_IDS = ("rollout_id", "group_id")
+"""Without these a trajectory belongs to no sample: the reward service could never place it."""
+
+
+def rejection(delivery: Delivery) -> str | None:
+    """Why the prompt cannot become an episode whatever replica runs it, or None."""
+    if not isinstance(delivery.event, PromptIssued):
+        return f"agent-runner does not handle {delivery.envelope.type} on prompts"
+    missing = [name for name in REQUIRED_IDS if not getattr(delivery.envelope, name)]
+    if missing:
+        return f"PromptIssued without {' and '.join(missing)}"
+    return None
 
 
 class EpisodeRunner:
@@ -157,9 +174,10 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
             continue
         deliveries = await asyncio.to_thread(bus.consume, "prompts", GROUP, consumer, free)
         for delivery in deliveries:
-            if not isinstance(delivery.event, PromptIssued):
-                bus.dead_letter("prompts", GROUP, delivery.entry_id, {"type": delivery.envelope.type}, 1,
-                                f"agent-runner does not handle {delivery.envelope.type} on prompts")
+            reason = rejection(delivery)
+            if reason is not None:
+                await asyncio.to_thread(bus.dead_letter, "prompts", GROUP, delivery.entry_id,
+                                        encode(delivery.envelope), 1, reason)
                 continue
             task = asyncio.create_task(handle(delivery))
             in_flight[task] = delivery.entry_id
