@@ -8,6 +8,7 @@
     rollstream config [--markdown] # the resolved configuration, or its reference table
     rollstream replay RUN --to NEW # a recorded run re-published into a fresh run (cli/replay/command.py)
     rollstream inspect ...         # runs, streams and consumer groups, one trajectory, diff of two runs
+    rollstream chaos poison        # a local run fuzzed with poison entries on every stream; what it kept
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from rollstream.cli.replay.command import replay
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fully asynchronous RL for LLM agents.")
 app.command("replay")(replay)
 app.add_typer(inspect_app, name="inspect", help="Look at runs: streams and consumer groups, one trajectory, a diff of two runs.")
+chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection against a local run, and what the run kept.")
+app.add_typer(chaos_app, name="chaos", help="Fault injection against a local run, and what the run kept.")
 console = Console()
 BASE_MODEL = Path("models/tiny-llama")
 WARM_MODEL = Path("models/tiny-llama-warm")
@@ -222,6 +225,60 @@ def run(
                       f"did not run them); they got no reward and were left out of their batches: see the "
                       f"sandbox-grader log in {local.log_dir}", markup=True)
     console.print(f"run files: {local.run_dir} (summary: {path})")
+
+
+@chaos_app.command("poison")
+def chaos_poison(
+    seed: Annotated[int, typer.Option(help="Seed of the poison entries (same seed, same entries).")] = 0,
+    rate: Annotated[float, typer.Option(help="Poison entries written per second while the run trains.")] = 4.0,
+    versions: Annotated[int, typer.Option(help="Policy versions the run trains (train.total_versions).")] = 3,
+    batch_size: Annotated[Optional[int], typer.Option(help="Samples per batch (train.batch_size); default: one group.")] = None,
+    per_kind: Annotated[int, typer.Option(help="Entries of each kind on each stream.")] = 1,
+    kinds: Annotated[Optional[str], typer.Option(help="Comma-separated kinds (default: all but orphan_finish, which stalls the run; see cli/chaos/poison.py).")] = None,
+    huge_tokens: Annotated[int, typer.Option(help="Tokens of the huge segment.")] = 1_000_000,
+    oversized_mb: Annotated[float, typer.Option(help="Size of an oversized body, MB.")] = 2.0,
+    run_id: Annotated[Optional[str], typer.Option(help="Run namespace; default: a new time-stamped one.")] = None,
+    fleet_url: Annotated[Optional[list[str]], typer.Option(help="Use running vLLM servers instead of starting one.")] = None,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 1800.0,
+) -> None:
+    """A local run fuzzed with poison entries on every stream while it trains; what it kept.
+
+    Malformed, truncated, mutated, random, oversized, misplaced and forged entries (cli/chaos/poison.py).
+    Prints per stream what was tried and dead-lettered, and the checks: healthy services, the target
+    version, every admitted sample in exactly one batch, no forged sample trained. Exit 1 when one fails.
+    """
+    signal.signal(signal.SIGTERM, _interrupt)
+    from rollstream.cli.chaos.poison import PoisonError, checks, report_tables, run_poison
+    from rollstream.cli.local_run import RunExists, ServiceDied
+    from rollstream.shared.errors import BackendUnavailable, DatasetError
+    from rollstream.shared.runtime.config import Settings
+
+    settings = Settings(run_id=run_id or time.strftime("poison-%Y%m%d-%H%M%S"))
+    train = {"total_versions": versions, "batch_size": batch_size or settings.data.samples_per_prompt}
+    settings = settings.model_copy(update={"train": settings.train.model_copy(update=train)})
+    if not settings.model.path.exists():
+        if settings.model.path != WARM_MODEL:
+            console.print(f"[bold red]no model at {settings.model.path}[/] (model.path)", markup=True)
+            raise typer.Exit(2)
+        make_warm_model()
+    try:
+        with console.status("starting") as status:
+            report, codes, local = run_poison(
+                settings, seed=seed, rate=rate, timeout_s=timeout, per_kind=per_kind,
+                kinds=kinds.split(",") if kinds else None, oversized_bytes=int(oversized_mb * 2**20),
+                huge_tokens=huge_tokens, fleet_urls=fleet_url, on_progress=lambda message: status.update(escape(message)))
+    except KeyboardInterrupt:
+        console.print("interrupted: every service stopped")
+        raise typer.Exit(130) from None
+    except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError, PoisonError, ValueError) as exc:
+        console.print(f"[bold red]poison run failed:[/] {escape(str(exc))}", markup=True)
+        raise typer.Exit(1) from None
+    for table in report_tables(report):
+        console.print(table)
+    stopped = ", ".join(f"{name} {code}" for name, code in sorted(codes.items()))
+    console.print(f"run {settings.run_id}: services stopped (exit codes: {stopped}); logs in {local.log_dir}")
+    if not all(passed for _, passed, _ in checks(report)):
+        raise typer.Exit(1)
 
 
 def progress_table(progress, target: int) -> Table:
