@@ -10,8 +10,9 @@ policy, unless-stopped, brings it back). The prompts both held are reclaimed (XA
 goes on to its last policy version with nothing lost; `docker compose down -v` leaves nothing behind.
 
 Redis is published on a random localhost port by a test-only override file, so the test watches the run
-as it goes; the final accounting (streams' whole history, archive included, and the batch Parquet files
-in the `runs` volume) runs inside the reward container (tests/e2e/run_report.py).
+as it goes, as Redis's admin user (every service has a user of its own; the passwords are new for each
+stack); the final accounting (streams' whole history, archive included, and the batch Parquet files in
+the `runs` volume) runs inside the reward container (tests/e2e/run_report.py).
 """
 
 from __future__ import annotations
@@ -69,8 +70,11 @@ class Stack:
         env_file.write_text("".join(f"{key}={value}\n" for key, value in SETTINGS.items()))
         override = tmp_path / "publish-redis.yml"
         override.write_text('services:\n  redis:\n    ports: ["127.0.0.1::6379"]\n')
+        users = subprocess.run(["sh", str(REPO / "infra" / "redis-passwords.sh")], capture_output=True, text=True,
+                               check=True).stdout
+        self.passwords = dict(line.split("=", 1) for line in users.split())
         self.env = {**os.environ, "COMPOSE_BAKE": "false", "RS_ENV_FILE": str(env_file),
-                    "RS_RUN_ID": self.run_id}
+                    "RS_RUN_ID": self.run_id, **self.passwords}
         self.base = ["docker", "compose", "-p", self.project, "-f", str(REPO / "docker-compose.yml"),
                      "-f", str(override), "--profile", "cpu"]
 
@@ -93,7 +97,7 @@ class Stack:
         from rollstream.shared.contract.bus import Bus
 
         host_port = self.compose("port", "redis", "6379").stdout.strip()
-        return Bus.connect(f"redis://{host_port}/0", self.run_id)
+        return Bus.connect(f"redis://admin:{self.passwords['RS_REDIS_PASSWORD_ADMIN']}@{host_port}/0", self.run_id)
 
     def report(self, *args: str) -> dict:
         script = (REPO / "tests" / "e2e" / "run_report.py").read_text()

@@ -1,0 +1,162 @@
+"""The compose deployment's Redis users (infra/redis-users.acl, infra/redis-start.sh): one per service, each
+service connecting as its own with its own password, none allowed an admin or dangerous command or another
+service's keys; checked statically, on the machine's Redis 7, and with the start script on a real
+redis-server. That the rules let every service do its work is tests/integration/test_security.py's part."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from tests.support import REPO, free_port
+
+SERVICES = {"dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
+USERS_FILE = REPO / "infra" / "redis-users.acl"
+
+
+def users() -> dict[str, list[str]]:
+    out = {}
+    for line in USERS_FILE.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, *rules = line.split()
+            out[name] = rules
+    return out
+
+
+def password_variable(user: str) -> str:
+    return "RS_REDIS_PASSWORD_" + user.upper().replace("-", "_")
+
+
+def compose():
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+
+
+def test_every_service_connects_as_its_own_user_with_its_own_required_password():
+    services = compose()
+    assert set(users()) == SERVICES | {"admin"}
+    for name in SERVICES:
+        env = services[name]["environment"]
+        assert env["RS_REDIS_USERNAME"] == name
+        assert env["RS_REDIS_PASSWORD"].startswith("${" + password_variable(name) + ":?"), name
+    redis_env = services["redis"]["environment"]
+    for user in users():
+        assert redis_env[password_variable(user)].startswith("${" + password_variable(user) + ":?"), user
+    assert services["ops"]["environment"]["RS_REDIS_USERNAME"] == "admin"
+
+
+def test_no_service_user_has_admin_rights_or_every_key():
+    for name, rules in users().items():
+        if name == "admin":
+            continue
+        assert rules[:4] == ["resetkeys", "resetchannels", "-@all", "+@read"], name
+        granted = {rule for rule in rules if rule.startswith("+")}
+        assert not granted & {"+@all", "+@admin", "+@dangerous", "+@scripting", "+eval", "+config", "+flushall"}
+        assert not {"allkeys", "allcommands", "allchannels", "~*", "&*", "nopass"} & set(rules), name
+        assert not any(rule.startswith((">", "#")) for rule in rules), name  # passwords come from the environment
+
+
+@pytest.fixture
+def acl_users(machine_redis_url):
+    """The file's service users on the machine's Redis under names of this test's own, with a password:
+    service name -> (user name, client)."""
+    client = redis.Redis.from_url(machine_redis_url)
+    prefix = f"acltest-{uuid.uuid4().hex[:8]}-"
+    created = {}
+    try:
+        for name, rules in users().items():
+            if name != "admin":
+                client.execute_command("ACL", "SETUSER", prefix + name, "on", ">pw", *rules)
+                created[name] = (prefix + name,
+                                 redis.Redis.from_url(machine_redis_url, username=prefix + name, password="pw"))
+        yield created
+    finally:
+        for user, _ in created.values():
+            client.execute_command("ACL", "DELUSER", user)
+
+
+DANGEROUS = [("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "SET", "appendonly", "no"), ("KEYS", "*"),
+             ("DEBUG", "SLEEP", "0"), ("SHUTDOWN", "NOSAVE"), ("ACL", "SETUSER", "x"), ("MONITOR",),
+             ("CLIENT", "KILL", "ID", "1"), ("CLIENT", "LIST"), ("EVAL", "return 1", "0"), ("FUNCTION", "FLUSH"),
+             ("SAVE",), ("BGREWRITEAOF",), ("MIGRATE", "h", "1", "rs:x:prompts", "0", "1"),
+             ("RESTORE", "rs:x:prompts", "0", "x"), ("SWAPDB", "0", "1"), ("REPLICAOF", "NO", "ONE"),
+             ("SORT", "rs:x:admitted", "BY", "nosort", "STORE", "rs:x:prompts")]
+
+
+def test_service_users_are_refused_every_dangerous_command(acl_users, machine_redis_url):
+    admin = redis.Redis.from_url(machine_redis_url, decode_responses=True)
+    for name, (user, _) in acl_users.items():
+        for command in DANGEROUS:
+            # ACL DRYRUN: asked without running it, so that a mistake here cannot shut the shared Redis down
+            verdict = admin.execute_command("ACL", "DRYRUN", user, *command)
+            assert verdict != "OK" and "no permissions" in verdict, (name, command, verdict)
+
+
+def test_service_users_write_only_what_they_own(acl_users, run_id, machine_redis_url):
+    keys = {stream: f"rs:{run_id}:{stream}" for stream in
+            ("prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead")}
+    writes = {"dispatcher": {"prompts"}, "agent-runner": {"prompts", "trajectories", "dead"},
+              "sandbox-grader": {"trajectories", "grades", "dead"},
+              "reward": {"trajectories", "grades", "dead", "rewards", "batches"},
+              "trainer": {"batches", "dead", "policy"}, "recorder": set(keys)}
+    try:
+        for name, (_, client) in acl_users.items():
+            for stream, key in keys.items():
+                assert client.xlen(key) >= 0  # everyone reads every stream of a run
+                if stream in writes[name]:
+                    client.xadd(key, {"by": name})
+                else:
+                    with pytest.raises(redis.exceptions.NoPermissionError):
+                        client.xadd(key, {"by": name})
+            if name != "sandbox-grader":
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    client.get(f"rq:job:{run_id}")
+    finally:
+        redis.Redis.from_url(machine_redis_url).delete(*keys.values())
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_the_start_script_gives_each_user_its_password_and_keeps_the_passwords_off_disk(tmp_path):
+    port = free_port()
+    conf = tmp_path / "redis.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\nsave \"\"\ndir {tmp_path}\n")
+    passwords = {password_variable(user): uuid.uuid4().hex for user in users()}
+    env = {**os.environ, **passwords, "TMPDIR": str(tmp_path)}
+    incomplete = {k: v for k, v in env.items() if k != password_variable("trainer")}
+    refused = subprocess.run(["sh", str(REPO / "infra" / "redis-start.sh"), str(conf)], env=incomplete,
+                             capture_output=True, text=True, timeout=30, check=False)
+    assert refused.returncode != 0 and password_variable("trainer") + " is not set" in refused.stderr
+    process = subprocess.Popen(["sh", str(REPO / "infra" / "redis-start.sh"), str(conf)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        anonymous = redis.Redis(port=port)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                assert anonymous.ping()  # the healthcheck
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.1)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            anonymous.get("rs:x:admitted")
+        for user in users():
+            assert redis.Redis(port=port, username=user, password=passwords[password_variable(user)]).ping()
+            with pytest.raises(redis.exceptions.AuthenticationError):
+                redis.Redis(port=port, username=user, password="wrong").ping()
+        admin = redis.Redis(port=port, username="admin", password=passwords[password_variable("admin")])
+        environ = (Path("/proc") / str(admin.info("server")["process_id"]) / "environ").read_bytes()
+        acl_text = b"".join(p.read_bytes() for p in tmp_path.glob("redis-users.*"))
+        assert acl_text.count(b"\nuser ") == len(users())
+        for password in passwords.values():
+            assert password.encode() not in acl_text and password.encode() not in environ
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
