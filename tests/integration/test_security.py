@@ -1,0 +1,171 @@
+"""Secrets stay where they are configured, and every service works as its own Redis user.
+
+A whole run (vLLM on the CPU, every service as a process) on the machine's Redis 7, each service connecting
+as its own ACL user made from infra/redis-users.acl (the compose deployment's rules) with its own password,
+the run itself as an admin user, and HTTP tokens on the services' routes. Afterwards: no service was denied
+a command or crashed, each connected as its own user, /metrics asked for its token, and no configured secret
+appears in any file of the run (logs of every service and of vLLM, config.json, archive, batches,
+checkpoints, sandbox logs) or in what the run printed. A smaller run does the same on the local run's
+embedded Redis with a password.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from rollstream.cli.local_run import LocalRun
+from rollstream.shared.runtime.config import Settings
+from tests.support import REPO
+
+pytestmark = pytest.mark.integration
+
+VERSIONS = 2
+HTTP_TOKEN = f"http-token-{uuid.uuid4().hex}"
+METRICS_TOKEN = f"metrics-token-{uuid.uuid4().hex}"
+
+
+def service_users() -> dict[str, list[str]]:
+    """infra/redis-users.acl: user -> its rules."""
+    out = {}
+    for line in (REPO / "infra" / "redis-users.acl").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, *rules = line.split()
+            out[name] = rules
+    return out
+
+
+def leaks(run_dir: Path, printed: str, secrets: list[str]) -> list[str]:
+    """Every file under the run directory, and what was printed, that holds one of the secrets."""
+    found = []
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        found += [f"{path.relative_to(run_dir)}: secret #{i}" for i, s in enumerate(secrets) if s.encode() in data]
+    found += [f"printed output: secret #{i}" for i, s in enumerate(secrets) if s in printed]
+    return found
+
+
+def sandbox_jobs(client: redis.Redis, run_id: str) -> list[bytes]:
+    """What Redis keeps of the run's sandbox jobs: each job's fields, its arguments decompressed."""
+    out = []
+    for key in client.scan_iter(match=f"rq:job:grade-{run_id}-*", count=1000):
+        job = client.hgetall(key)
+        data = job.get(b"data", b"")
+        out.append(b" ".join(job.values()) + (zlib.decompress(data) if data else b""))
+    return out
+
+
+@pytest.fixture(scope="module")
+def acl_run(tmp_path_factory, machine_redis_url):
+    from rollstream.cli.model.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("security")
+    model = build_tiny_model(root / "model")
+    admin = redis.Redis.from_url(machine_redis_url, decode_responses=True)
+    prefix = f"sectest-{uuid.uuid4().hex[:8]}-"
+    passwords = {name: uuid.uuid4().hex for name in service_users()}
+    for name, rules in service_users().items():
+        admin.execute_command("ACL", "SETUSER", prefix + name, "on", f">{passwords[name]}", *rules)
+    run_id = f"sec-{uuid.uuid4().hex[:8]}"
+    settings = Settings(
+        run_id=run_id, redis_url=machine_redis_url, redis_username=prefix + "admin",
+        redis_password=passwords["admin"], storage_uri=str(root / "runs"),
+        model={"path": model}, data={"samples_per_prompt": 2, "synthetic_sandbox_every": 2},
+        rollout={"max_tokens": 8, "concurrency": 4}, train={"batch_size": 4, "total_versions": VERSIONS},
+        security={"http_token": HTTP_TOKEN, "metrics_token": METRICS_TOKEN},
+    )
+    service_env = {name: {"RS_REDIS_USERNAME": prefix + name, "RS_REDIS_PASSWORD": passwords[name]}
+                   for name in service_users() if name != "admin"}
+    printed: list[str] = []
+    local = LocalRun(settings, service_env=service_env)
+    result = {"local": local, "prefix": prefix, "printed": printed}
+    try:
+        local.start(on_step=printed.append)
+        result["connected_users"] = {c["user"] for c in admin.client_list() if c["user"].startswith(prefix)}
+        result["metrics"] = {
+            name: [httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers, timeout=5).status_code
+                   for headers in ({}, {"Authorization": f"Bearer {HTTP_TOKEN}"},
+                                   {"Authorization": f"Bearer {METRICS_TOKEN}"})]
+            for name, port in local.health_ports.items()}
+        result["healthz"] = {name: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code
+                             for name, port in local.health_ports.items()}
+        result["progress"] = local.wait_for_version(VERSIONS, timeout_s=600)
+        result["rq_jobs"] = sandbox_jobs(redis.Redis.from_url(machine_redis_url), run_id)
+        result["exit_codes"] = local.stop()
+    except BaseException:
+        for name in local.processes:
+            print(f"--- {name}\n{local.log_tail(name, 60)}")
+        local.stop()
+        for name in service_users():
+            admin.execute_command("ACL", "DELUSER", prefix + name)
+        raise
+    result["denied"] = [entry for entry in admin.acl_log(count=10_000)
+                        if str(entry.get("username", "")).startswith(prefix)]
+    result["secrets"] = [*passwords.values(), HTTP_TOKEN, METRICS_TOKEN]
+    yield result
+    local.bus.delete_run()  # as the run's own user: deleting it first would leave its client retrying
+    for name in service_users():
+        admin.execute_command("ACL", "DELUSER", prefix + name)
+
+
+def test_every_service_worked_as_its_own_redis_user_and_was_denied_nothing(acl_run):
+    local = acl_run["local"]
+    assert acl_run["progress"].version >= VERSIONS
+    assert acl_run["denied"] == []
+    assert local.crashes == [], local.crashes
+    assert set(acl_run["exit_codes"].values()) == {0}, acl_run["exit_codes"]
+    services = {"dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
+    assert {acl_run["prefix"] + name for name in services} <= acl_run["connected_users"]
+    assert acl_run["progress"].graded > 0  # the sandbox-grader's RQ work ran under its own user too
+
+
+def test_healthz_is_open_and_metrics_asks_for_its_own_token(acl_run):
+    assert set(acl_run["healthz"].values()) == {200}
+    for name, (without, with_http_token, with_metrics_token) in acl_run["metrics"].items():
+        assert (without, with_http_token, with_metrics_token) == (401, 403, 200), name
+
+
+def test_no_secret_is_in_any_file_of_the_run_or_in_its_output(acl_run):
+    local = acl_run["local"]
+    assert list(local.log_dir.glob("*.log")), "the services logged nothing"
+    assert leaks(local.run_dir, "\n".join(acl_run["printed"]), acl_run["secrets"]) == []
+    config = (local.run_dir / "config.json").read_text()
+    assert "redis_password" not in config and "http_token" not in config and "**" not in config
+
+
+def test_sandbox_jobs_carry_no_redis_url(acl_run):
+    assert acl_run["rq_jobs"], "no sandbox job ran"
+    for job in acl_run["rq_jobs"]:
+        assert b"redis://" not in job and not [s for s in acl_run["secrets"] if s.encode() in job]
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+def test_the_local_run_works_with_a_password_on_its_embedded_redis(tmp_path):
+    password = f"embedded-{uuid.uuid4().hex}"
+    settings = Settings(run_id=f"sec-{uuid.uuid4().hex[:8]}", redis_password=password, storage_uri=str(tmp_path),
+                        security={"http_token": HTTP_TOKEN}, data={"samples_per_prompt": 2},
+                        train={"batch_size": 4, "total_versions": 1})
+    printed: list[str] = []
+    local = LocalRun(settings, services=("dispatcher", "sandbox-grader", "reward", "recorder"))
+    try:
+        local.start(on_step=printed.append)
+        client = redis.Redis.from_url(local.settings.redis)
+        deadline = time.monotonic() + 60
+        while not client.xlen(local.bus.keys.stream("prompts")):  # the dispatcher admits samples
+            assert time.monotonic() < deadline, local.log_tail("dispatcher")
+            time.sleep(0.2)
+        with pytest.raises(redis.exceptions.NoPermissionError):  # nobody gets in without the password
+            redis.Redis.from_url(local.settings.redis_url).xlen(local.bus.keys.stream("prompts"))
+        port = local.health_ports["reward"]
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 401
+    finally:
+        codes = local.stop()
+    assert set(codes.values()) == {0}, codes
+    assert leaks(local.run_dir, "\n".join(printed), [password, HTTP_TOKEN]) == []
