@@ -9,6 +9,7 @@
     rollstream replay RUN --to NEW # a recorded run re-published into a fresh run (cli/replay/command.py)
     rollstream inspect ...         # runs, streams and consumer groups, one trajectory, diff of two runs
     rollstream chaos poison        # a local run fuzzed with poison entries on every stream; what it kept
+    rollstream chaos run           # a local run under kills and restarts of every part; the audit of what it kept
 """
 
 from __future__ import annotations
@@ -224,6 +225,9 @@ def run(
         console.print(f"[bold yellow]warning:[/] {summary['grading_failed']} rollouts could not be graded (the sandbox "
                       f"did not run them); they got no reward and were left out of their batches: see the "
                       f"sandbox-grader log in {local.log_dir}", markup=True)
+    if summary["restarts"]:
+        console.print(f"[bold yellow]warning:[/] processes crashed and were restarted: "
+                      f"{restarts_text(summary['restarts'])}; see their logs in {local.log_dir}", markup=True)
     console.print(f"run files: {local.run_dir} (summary: {path})")
 
 
@@ -281,20 +285,77 @@ def chaos_poison(
         raise typer.Exit(1)
 
 
+@chaos_app.command("run")
+def chaos_run(
+    seed: Annotated[int, typer.Option(help="Seed of the fault order (same seed, same order).")] = 0,
+    kills: Annotated[int, typer.Option(help="SIGKILLs of each service process and of sandbox work-horses.")] = 1,
+    redis_restarts: Annotated[int, typer.Option(help="Kills and restarts of Redis (append-only).")] = 1,
+    vllm_restarts: Annotated[int, typer.Option(help="Restarts of the vLLM server.")] = 1,
+    pauses: Annotated[int, typer.Option(help="SIGSTOPs of an agent-runner past the reclaim timeout.")] = 1,
+    interval: Annotated[float, typer.Option(help="Seconds between two faults.")] = 4.0,
+    versions: Annotated[int, typer.Option(help="Policy versions the run trains (train.total_versions).")] = 20,
+    run_id: Annotated[Optional[str], typer.Option(help="Run namespace; default: a new time-stamped one.")] = None,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 7200.0,
+) -> None:
+    """A local run under fault injection (cli/chaos/harness.py), then the audit of what it kept.
+
+    Exit 1 when the audit finds a sample lost or duplicated, a batch or version twice, or work left pending.
+    """
+    signal.signal(signal.SIGTERM, _interrupt)
+    from rollstream.cli.chaos.harness import ChaosPlan, ChaosRun, result_tables
+    from rollstream.cli.local_run import RunExists, ServiceDied
+    from rollstream.shared.errors import BackendUnavailable, DatasetError
+    from rollstream.shared.runtime.config import Settings
+
+    settings = Settings(run_id=run_id or time.strftime("chaos-%Y%m%d-%H%M%S"))
+    settings = settings.model_copy(update={"train": settings.train.model_copy(update={"total_versions": versions})})
+    if not settings.model.path.exists():
+        if settings.model.path != WARM_MODEL:
+            console.print(f"[bold red]no model at {settings.model.path}[/] (model.path)", markup=True)
+            raise typer.Exit(2)
+        make_warm_model()
+    plan = ChaosPlan(seed=seed, kills_per_service=kills, redis_restarts=redis_restarts, vllm_restarts=vllm_restarts,
+                     pauses=pauses, interval_s=interval)
+    try:
+        result = ChaosRun(settings, plan, on_event=lambda message: console.print(escape(message))).run(timeout)
+    except KeyboardInterrupt:
+        console.print("interrupted: every service stopped")
+        raise typer.Exit(130) from None
+    except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
+        console.print(f"[bold red]chaos run failed:[/] {escape(str(exc))}", markup=True)
+        raise typer.Exit(1) from None
+    for table in result_tables(result):
+        console.print(table)
+    problems = result.audit.problems()
+    for problem in problems:
+        console.print(f"[bold red]audit:[/] {escape(problem)}", markup=True)
+    console.print(f"run {settings.run_id}: logs in {result.summary['run_dir']}/logs")
+    if problems:
+        raise typer.Exit(1)
+
+
 def progress_table(progress, target: int) -> Table:
     table = Table(title="rollstream: local run", show_header=True)
     for column in ("admitted", "finished", "graded", "grading failed", "batches", "policy version",
-                   "last batch reward", "dead letters"):
+                   "last batch reward", "dead letters", "restarts"):
         table.add_column(column, justify="right")
     if progress is None:
-        table.add_row("-", "-", "-", "-", "-", f"0/{target}", "-", "-")
+        table.add_row("-", "-", "-", "-", "-", f"0/{target}", "-", "-", "-")
         return table
     reward = f"{progress.batches[-1].mean_reward:.3f}" if progress.batches else "-"
     failed = f"[bold red]{progress.grading_failed}[/]" if progress.grading_failed else "0"
     table.add_row(str(progress.admitted), str(progress.finished), str(progress.graded - progress.grading_failed),
                   failed, str(len(progress.batches)), f"{progress.version}/{target}", reward,
-                  str(len(progress.dead_letters)))
+                  str(len(progress.dead_letters)), restarts_text(progress.restarts))
     return table
+
+
+def restarts_text(restarts: dict[str, int]) -> str:
+    """`0`, or the total and who, in yellow: `3 (reward 2, trainer 1)`."""
+    if not restarts:
+        return "0"
+    who = ", ".join(f"{name} {count}" for name, count in sorted(restarts.items()))
+    return f"[bold yellow]{sum(restarts.values())}[/] ({who})"
 
 
 def summary_table(summary: dict) -> Table:
@@ -316,7 +377,8 @@ def summary_table(summary: dict) -> Table:
                      f"{summary['grades'] - summary['grading_failed']} sandbox grades, "
                      f"{summary['grading_failed']} gradings that could not run (left out of their batches), "
                      f"{summary['batches']} batches, "
-                     f"{summary['dead_letters']} dead letters"
+                     f"{summary['dead_letters']} dead letters, "
+                     f"{sum(summary.get('restarts', {}).values())} restarts of crashed processes"
                      + (f", vLLM up in {summary['vllm_startup_s']}s" if summary.get("vllm_startup_s") else ""))
     return table
 
