@@ -7,7 +7,9 @@ It publishes on `trajectories`: TrajectoryStarted, a TrajectoryTurn per generati
 TrajectoryTool per tool call, the trainable TrajectorySegments and TrajectoryFinished, in one
 transaction. Model tokens are exactly the ids vLLM sampled (loss_mask 1); prompt, template glue and
 observations are tokenized once (loss_mask 0). A prompt is acknowledged only after its trajectory is
-published, so a replica that dies leaves it to be reclaimed by another.
+published, so a replica that dies leaves it to be reclaimed by another. When no vLLM server answers
+(FleetUnavailable), the replica keeps its episodes' prompts and runs them again once one does, takes no
+new prompt meanwhile, and /healthz says why: a fleet restart costs time, not prompts.
 
 One entry's failure is that entry's: an entry on `prompts` that is no PromptIssued, or one without
 the rollout and group ids a sample needs, is dead-lettered at once with the reason; an episode that
@@ -35,6 +37,7 @@ from rollstream.shared.agent.tools import (
     resolve_tools,
 )
 from rollstream.shared.contract.bus import Bus, Delivery, consumer_name
+from rollstream.shared.errors import FleetUnavailable
 from rollstream.shared.contract.events import (
     PromptIssued,
     TrajectoryFinished,
@@ -49,6 +52,7 @@ from rollstream.shared.runtime.service import ServiceRuntime
 
 GROUP = "agent-runner"
 DRAIN_TIMEOUT_S = 60.0
+FLEET_RECHECK_S = 2.0
 REQUIRED_IDS = ("rollout_id", "group_id")
 """Without these a trajectory belongs to no sample: the reward service could never place it."""
 
@@ -153,15 +157,40 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
             await asyncio.sleep(settings.bus.reclaim_idle_ms / 3000)
             await asyncio.to_thread(bus.keep_alive, "prompts", GROUP, consumer, list(in_flight.values()))
 
+    async def wait_for_fleet(why: str) -> None:
+        """Until a server answers /health; meanwhile /healthz says why and no new prompt is taken."""
+        if runtime.not_ready is None:
+            runtime.log.warning("no vLLM server answers; episodes wait for one", extra={"error": why})
+        runtime.not_ready = f"no vLLM server answers: {why}"
+        while not runtime.stopping:
+            answers = await asyncio.gather(*(fleet.health(url) for url in fleet.urls))
+            if any(answers):
+                for url, healthy in zip(fleet.urls, answers):
+                    if healthy:
+                        fleet.mark_healthy(url)
+                if runtime.not_ready is not None:
+                    runtime.log.info("a vLLM server answers again; episodes go on")
+                runtime.not_ready = None
+                return
+            await asyncio.sleep(FLEET_RECHECK_S)
+
     async def handle(delivery: Delivery) -> None:
         nonlocal done
-        try:
-            await runner.run(delivery)
-        except Exception as exc:
-            bus.record_failure(delivery, GROUP, f"{type(exc).__name__}: {exc}")
-            runtime.log.exception("episode failed; prompt stays pending for retry",
-                                  extra={"rollout_id": delivery.envelope.rollout_id})
-            return
+        while True:
+            try:
+                await runner.run(delivery)
+                break
+            except FleetUnavailable as exc:
+                # The machinery's failure, not the prompt's: run it again here once a server answers (its
+                # claim is kept fresh meanwhile) instead of spending its deliveries towards the dead letter.
+                await wait_for_fleet(str(exc))
+                if runtime.stopping:
+                    return
+            except Exception as exc:
+                bus.record_failure(delivery, GROUP, f"{type(exc).__name__}: {exc}")
+                runtime.log.exception("episode failed; prompt stays pending for retry",
+                                      extra={"rollout_id": delivery.envelope.rollout_id})
+                return
         await asyncio.to_thread(bus.ack, delivery, GROUP)
         done += 1
         runtime.status["episodes_done"] = done
@@ -169,6 +198,9 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
     heartbeat = asyncio.create_task(keep_claims_fresh())
     while not runtime.stopping:
         free = settings.rollout.concurrency - len(in_flight)
+        if runtime.not_ready is not None:  # no server answers: new prompts would only wait here
+            await asyncio.sleep(FLEET_RECHECK_S)
+            continue
         if free <= 0:
             await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             continue
