@@ -9,7 +9,8 @@ dead-lettered, while the trainer goes on), check_rows leaves out the rows no mod
 a policy version not published yet: dropped as `invalid`, counted), select_fresh drops the samples
 older than eta versions, optimize takes train.minibatches optimizer steps (services/trainer/ppo.py)
 on the backend (services/trainer/backends/), save_checkpoint writes the training state,
-sync_with_retries reloads every server and raises ParityError (a StopConsuming for main.py) when one
+sync_with_retries waits for every server to answer (one restarting is waited for, up to FLEET_WAIT_S),
+reloads every server and raises ParityError (a StopConsuming for main.py) when one
 serves other logprobs, and PolicyUpdated goes out with the batch marked trained, in one transaction.
 A step that fails after it may have changed the model puts back the state of the last published
 version before the error goes on, so that a retry, or the next batch, starts from it.
@@ -40,6 +41,8 @@ log = logging.getLogger("trainer")
 
 PROBE_TOKENS = 256
 SYNC_ATTEMPTS = 3
+FLEET_WAIT_S = 600.0
+FLEET_RECHECK_S = 2.0
 POLICY_PAGE = 64
 """Entries of `policy` read at a time while looking for the trainer's own last update."""
 
@@ -294,6 +297,7 @@ class Trainer:
         if self.fleet is None:
             return 0.0
         for attempt in range(1, SYNC_ATTEMPTS + 1):
+            self.wait_for_fleet()
             try:
                 return self.loop.run(self.sync_fleet(step.checkpoint, step.probe))
             except (WeightSyncError, FleetRequestError, OSError) as exc:
@@ -304,6 +308,29 @@ class Trainer:
             except ParityError as exc:
                 raise StopConsuming(str(exc)) from exc
         raise AssertionError("unreachable")
+
+    def wait_for_fleet(self) -> None:
+        """Until every server answers /health: a restarting vLLM server (a minute on the CPU) is waited for,
+        not counted as a failed sync. StopConsuming when one has not answered for FLEET_WAIT_S."""
+        assert self.fleet is not None
+        deadline, waiting = time.monotonic() + FLEET_WAIT_S, False
+        while True:
+            answers = self.loop.run(self._fleet_health())
+            down = [url for url, healthy in zip(self.fleet.urls, answers) if not healthy]
+            if not down:
+                if waiting:
+                    log.info("every fleet server answers again")
+                return
+            if time.monotonic() > deadline:
+                raise StopConsuming(f"fleet servers not answering for {FLEET_WAIT_S:.0f}s: {', '.join(down)}")
+            if not waiting:
+                log.warning("waiting for fleet servers to answer before the weight sync", extra={"servers": down})
+                waiting = True
+            time.sleep(FLEET_RECHECK_S)
+
+    async def _fleet_health(self) -> list[bool]:
+        assert self.fleet is not None
+        return list(await asyncio.gather(*(self.fleet.health(url) for url in self.fleet.urls)))
 
     def trainer_logprobs(self, ids: list[int]) -> list[float]:
         from rollstream.services.trainer.ppo import sequence_logprobs
