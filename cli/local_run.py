@@ -167,6 +167,8 @@ class LocalRun:
         self.service_of: dict[str, str] = {}
         self.killed: dict[str, subprocess.Popen] = {}
         """Processes stopped on purpose (kill): not restarted."""
+        self.injected: set[str] = set()
+        """Processes crash() killed that have not been seen dead yet: restarted, not counted as crash loops."""
         self.crashes: list[dict] = []
         """Every exit the supervisor saw: process, exit code, seconds into the run."""
         self.restarts: dict[str, int] = {}
@@ -301,6 +303,7 @@ class LocalRun:
         """SIGKILL one process (its whole process group: work-horses, vLLM children) as a crash would;
         the supervisor restarts it. Returns its pid."""
         process = self.processes[name]
+        self.injected.add(name)
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -322,19 +325,24 @@ class LocalRun:
                 raise ServiceDied(f"{name} exited with code {code}; last lines of {self.log_dir / name}.log:\n"
                                   + self.log_tail(name))
             at = now - self.started_at
-            self.crashes.append({"process": name, "exit_code": code, "at_s": round(at, 1)})
-            recent = [c for c in self.crashes if c["process"] == name and at - c["at_s"] <= CRASH_WINDOW_S]
+            injected = name in self.injected
+            self.injected.discard(name)
+            self.crashes.append({"process": name, "exit_code": code, "at_s": round(at, 1), "injected": injected})
+            # crashes brought about by crash() (fault injection) say nothing about the process's health
+            recent = [c for c in self.crashes if c["process"] == name and not c["injected"]
+                      and at - c["at_s"] <= CRASH_WINDOW_S]
             if len(recent) > MAX_CRASHES:
                 raise ServiceDied(f"{name} exited {len(recent)} times in {CRASH_WINDOW_S:.0f}s (last exit code {code}); "
                                   f"last lines of {self.log_dir / name}.log:\n" + self.log_tail(name))
-            self.restart_due[name] = now + RESTART_BACKOFF_S[min(len(recent), len(RESTART_BACKOFF_S)) - 1]
+            self.restart_due[name] = now + RESTART_BACKOFF_S[max(0, min(len(recent), len(RESTART_BACKOFF_S)) - 1)]
         for name, due in list(self.restart_due.items()):
             if now >= due:
                 del self.restart_due[name]
                 self.spawn(name)
                 self.restarts[name] = self.restarts.get(name, 0) + 1
         if self.vllm is not None and self.vllm.exit_code() is not None:
-            self.crashes.append({"process": "vllm", "exit_code": self.vllm.exit_code(), "at_s": round(now - self.started_at, 1)})
+            self.crashes.append({"process": "vllm", "exit_code": self.vllm.exit_code(),
+                                 "at_s": round(now - self.started_at, 1), "injected": False})
             self.restart_vllm()
 
     def restart_vllm(self, wait: bool = False) -> None:

@@ -51,17 +51,21 @@ def test_a_crashed_service_is_restarted_and_counted_and_one_that_keeps_crashing_
     assert supervised.processes["trainer"].poll() is None  # the healthy one was left alone
 
 
-def test_a_crash_is_restarted_but_a_kill_on_purpose_is_not(supervised):
+def test_an_injected_crash_is_restarted_without_counting_towards_a_crash_loop_and_a_kill_is_not_restarted(supervised):
     supervised.kill("reward")
     first = supervised.processes["trainer"].pid
     supervised.crash("trainer")
     supervise_until(supervised, lambda: supervised.restarts.get("trainer", 0) == 1)
     assert supervised.processes["trainer"].pid != first and supervised.processes["trainer"].poll() is None
+    for _ in range(local_run.MAX_CRASHES + 2):  # crashes brought about on purpose never stop the run
+        supervised.crash("trainer")
+        restarts = supervised.restarts["trainer"]
+        supervise_until(supervised, lambda: supervised.restarts["trainer"] == restarts + 1)
     supervised.kill("trainer")
     for _ in range(10):
         supervised.check_alive()
         time.sleep(0.05)
-    assert supervised.processes == {} and supervised.restarts == {"trainer": 1}
+    assert supervised.processes == {} and supervised.restarts == {"trainer": local_run.MAX_CRASHES + 3}
 
 
 def test_while_the_run_starts_an_exit_is_fatal_at_once(supervised):
