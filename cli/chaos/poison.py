@@ -36,8 +36,9 @@ does) and stops it after.
 
 What each must come to (`Poison.must_dead_letter`): an entry that cannot be handled, on a stream read
 through consumer groups, is dead-lettered once per group, with its error; a rollout whose diff
-artifact is missing gets its verdict (GradingFailed) instead, so that its group is not held back; a
-forged entry must never become a training sample (counted: forged rollouts in batches, and trained).
+artifact is missing gets its verdict (GradingFailed) instead, so that its group is not held back; the
+trainer leaves out every untrainable row and goes on; a forged entry must never become a training
+sample (counted: forged rollouts in batches, and trained).
 Streams that no group reads keep their poison; readers pass over it, and the recorder archives it.
 Around all of it, every service stays up and healthy, the run reaches its target version, and every
 sample the dispatcher admitted is in exactly one batch the trainer trained.
@@ -88,14 +89,13 @@ GENERIC_KINDS = ("random_bytes", "truncated", "mutated", "malformed", "unknown_v
 """Kinds every stream gets: what any entry on any stream may look like."""
 STREAM_KINDS: dict[StreamName, tuple[str, ...]] = {
     "prompts": GENERIC_KINDS + ("huge_tokens", "unknown_agent", "missing_file", "forged"),
-    "trajectories": GENERIC_KINDS + ("huge_tokens", "missing_file", "forged"),
+    "trajectories": GENERIC_KINDS + ("huge_tokens", "missing_file", "forged", "orphan_finish"),
     "grades": GENERIC_KINDS + ("forged",),
     "rewards": GENERIC_KINDS + ("forged",),
     "batches": GENERIC_KINDS + ("missing_file", "replayed_batch", "untrainable_rows", "forged"),
     "policy": GENERIC_KINDS + ("missing_file", "forged"),
     "dead": GENERIC_KINDS + ("forged",),
 }
-STREAM_KINDS["trajectories"] += ("orphan_finish",)
 KINDS = tuple(dict.fromkeys(kind for kinds in STREAM_KINDS.values() for kind in kinds))
 STALLING_KINDS = frozenset({"orphan_finish"})
 """Kinds that stall valid traffic as the services are (see the module docstring): asked for by name only."""
