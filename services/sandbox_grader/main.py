@@ -36,7 +36,7 @@ from rollstream.services.sandbox_grader.jobs import (
 )
 from rollstream.shared.contract.bus import Bus, Delivery, consumer_name, run_consumer
 from rollstream.shared.contract.events import TrajectoryFinished
-from rollstream.shared.errors import BackendUnavailable
+from rollstream.shared.errors import BackendUnavailable, TaskError
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.sandbox.backends import get_backend
@@ -51,7 +51,10 @@ BACKEND_RECHECK_S = 5
 def job_timeout(event: TrajectoryFinished, settings: Settings) -> float:
     """A Harbor task's own verifier timeout (plus set-up time), else the configured one."""
     if event.grader.get("kind") == "harbor":
-        return load_harbor_task(Path(event.grader["task_dir"])).verifier_timeout_s + JOB_SETUP_S
+        try:
+            return load_harbor_task(Path(event.grader["task_dir"])).verifier_timeout_s + JOB_SETUP_S
+        except (TaskError, KeyError, TypeError):
+            pass  # the job itself finds the task unreadable and says so (GradingFailed), at once
     return settings.grader.job_timeout_s
 
 

@@ -529,8 +529,9 @@ def trim_safe_id(bus: Bus, stream: StreamName, require_archived: bool = True) ->
     An entry may go once every consumer group of the stream has had it delivered and acknowledged,
     and, with `require_archived` (recording on), once it is archived. A stream with no group keeps
     everything, except the streams that no consumer group ever reads (UNCONSUMED_STREAMS), which are
-    trimmed behind the archive alone (with recording on). The newest entry always stays: `Bus.last` reads current state from it (the policy
-    version a restarted dispatcher or trainer resumes from).
+    trimmed behind the archive alone (with recording on). The newest entry that decodes always stays,
+    with everything after it: `Bus.last` reads current state from it (the policy version a restarted
+    dispatcher or trainer resumes from).
 
     A group created after this returns finds the stream as if it had been created after the trim:
     it never had a claim on what was cut.
@@ -542,10 +543,15 @@ def trim_safe_id(bus: Bus, stream: StreamName, require_archived: bool = True) ->
         return None
     if not groups and not (require_archived and stream in UNCONSUMED_STREAMS):
         return None
-    newest = bus.redis.xrevrange(key, count=2)
-    if len(newest) < 2:
+    # Keep the newest entry that decodes (and what follows it), not only the newest: Bus.last reads it,
+    # and a malformed entry after it must not make the current state disappear.
+    newest_event = bus.last(stream)
+    if newest_event is None:
         return None
-    bounds = [parse_id(_text(newest[1][0]))]
+    before = bus.redis.xrevrange(key, max=f"({newest_event.entry_id}", count=1)
+    if not before:
+        return None
+    bounds = [parse_id(_text(before[0][0]))]
     if require_archived:
         archived = archived_id(bus, stream)
         if archived is None:

@@ -29,6 +29,7 @@ from redis.exceptions import BusyLoadingError
 from redis.retry import Retry
 
 from rollstream.shared.contract.events import (
+    STREAM_EVENTS,
     DeadLettered,
     Envelope,
     Event,
@@ -45,6 +46,8 @@ StreamName = Literal["prompts", "trajectories", "grades", "rewards", "batches", 
 STREAMS: tuple[StreamName, ...] = ("prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead")
 LAST_PAGE = 16
 """Entries Bus.last reads at a time while it looks for the newest one that decodes."""
+DEAD_LETTER_FIELD_CHARS = 65_536
+"""Characters of each field a dead letter shows of its entry."""
 RECONNECT_BASE_S = 0.1
 RECONNECT_CAP_S = 5.0
 """Back-off between reconnection attempts: doubling from the base, never longer than the cap."""
@@ -235,7 +238,7 @@ class Bus:
                                  f"{_show(last_error) if last_error else 'unknown'}")
                 continue
             try:
-                out.append(Delivery(stream, entry_id, decode(fields)))
+                out.append(Delivery(stream, entry_id, decode_on(stream, fields)))
             except EventDecodeError as exc:
                 self.dead_letter(stream, group, entry_id, fields, deliveries, str(exc))
         return out
@@ -259,7 +262,7 @@ class Bus:
                 self.redis.xack(key, group, entry_id)
                 continue
             try:
-                out.append(Delivery(stream, entry_id, decode(fields)))
+                out.append(Delivery(stream, entry_id, decode_on(stream, fields)))
             except EventDecodeError as exc:
                 self.dead_letter(stream, group, entry_id, fields, 1, str(exc))
         return out
@@ -294,13 +297,13 @@ class Bus:
     def dead_letter(self, stream: StreamName, group: str, entry_id: str, fields: dict, deliveries: int,
                     error: str) -> None:
         """Move an entry to the dead-letter stream and acknowledge it, atomically. The dead letter carries
-        the entry's ids when the entry decodes, so that the rollout it belonged to can be accounted for
-        (the reward service drops it from its group with the reason)."""
-        shown = {_show(k): _show(v) for k, v in fields.items()}
+        the entry's ids when the entry is an event of the stream, so that the rollout it belonged to can be
+        accounted for (the reward service drops it from its group with the reason)."""
+        shown = {_clip(_show(k)): _clip(_show(v)) for k, v in fields.items()}
         event = DeadLettered(stream=stream, entry_id=entry_id, group=group, deliveries=deliveries,
                              error=error, fields=shown)
-        try:
-            envelope = decode(fields)
+        try:  # an event that does not belong on the stream is no part of its rollout's work: no ids
+            envelope = decode_on(stream, fields)
             ids = {name: getattr(envelope, name) for name in ENVELOPE_IDS}
         except EventDecodeError:
             ids = {}
@@ -336,6 +339,24 @@ class Bus:
                 undelivered = len(self.redis.xrange(key, min=f"({last}", max="+"))
                 return undelivered, int(info["pending"])
         return self.redis.xlen(key), 0
+
+
+def decode_on(stream: StreamName, fields: dict) -> Envelope:
+    """decode(), and EventDecodeError for an event of a type the stream does not carry (STREAM_EVENTS): its
+    consumer cannot tell what it means there (a TrajectoryFinished on `grades` is no grade)."""
+    envelope = decode(fields)
+    if not isinstance(envelope.payload, STREAM_EVENTS[stream]):
+        carried = ", ".join(cls.TYPE for cls in STREAM_EVENTS[stream])
+        raise EventDecodeError(f"{envelope.type} does not belong on {stream} (it carries {carried})")
+    return envelope
+
+
+def _clip(text: str) -> str:
+    """A dead letter shows at most DEAD_LETTER_FIELD_CHARS of a field: a poison entry of megabytes, shown
+    as repr once per consumer group, must not multiply on `dead` (the archive keeps the entry whole)."""
+    if len(text) <= DEAD_LETTER_FIELD_CHARS:
+        return text
+    return f"{text[:DEAD_LETTER_FIELD_CHARS]}... [cut: {len(text)} characters]"
 
 
 def _show(value: bytes | str) -> str:

@@ -132,8 +132,6 @@ def test_the_recorder_archived_every_entry_of_every_stream(poisoned):
     assert archived == added and len(archived) == 7
 
 
-@pytest.mark.xfail(strict=True, reason="the reward service and the sandbox-grader acknowledge an event of another "
-                                       "stream's type (a BatchReady on trajectories) without a dead letter")
 def test_an_event_on_the_wrong_stream_is_dead_lettered_by_every_group(poisoned):
     assert missed(poisoned["report"]) == []
 

@@ -185,6 +185,10 @@ def test_a_stream_no_group_reads_is_trimmed_behind_the_archive_down_to_its_newes
     writer.archive_new(bus, stream, 100)
     assert trim_stream(bus, stream) == 2 and stream_ids(bus, stream) == ids[4:]  # Bus.last still reads the newest
     assert bus.last(stream).entry_id == ids[4]
+    garbage = bus.redis.xadd(bus.keys.stream(stream), {"type": "PolicyUpdated", "v": "1", "body": b"\x00"}).decode()
+    writer.archive_new(bus, stream, 100)
+    assert trim_stream(bus, stream) == 0 and bus.last(stream).entry_id == ids[4]  # not trimmed away behind garbage
+    assert stream_ids(bus, stream) == [ids[4], garbage]
 
 
 def test_without_recording_trimming_follows_the_groups_alone(bus):

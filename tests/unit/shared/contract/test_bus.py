@@ -67,6 +67,24 @@ def test_malformed_entry_goes_to_dead_letters_and_the_rest_is_delivered(bus):
     assert bus.group_lag("prompts", "g") == (0, 1)  # only the good one is pending
 
 
+def test_an_event_on_a_stream_that_does_not_carry_it_is_dead_lettered_without_its_ids(bus):
+    bus.ensure_group("grades", "reward")
+    bus.publish("grades", prompt(0), rollout_id="r0", group_id="g0")  # a PromptIssued is no grade
+    assert bus.consume("grades", "reward", "c") == []
+    (dead,) = bus.read_all("dead")
+    assert dead.event.error == "PromptIssued does not belong on grades (it carries GradeReported, GradingFailed)"
+    # no part of rollout r0's work: its dead letter must not drop r0 from its group
+    assert (dead.envelope.rollout_id, dead.envelope.group_id) == (None, None)
+
+
+def test_a_dead_letter_shows_a_huge_entry_cut(bus):
+    bus.ensure_group("prompts", "g")
+    bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "1", "body": b"\xff" * 2_000_000})
+    assert bus.consume("prompts", "g", "c") == []
+    (dead,) = bus.read_all("dead")
+    assert len(dead.event.fields["body"]) < 70_000 and dead.event.fields["body"].endswith("characters]")
+
+
 def test_entry_failing_every_delivery_is_dead_lettered_with_the_error(bus):
     bus.publish("prompts", prompt(3))
     attempts = []

@@ -89,12 +89,12 @@ def test_a_redis_that_came_back_without_the_group_gets_it_again(tmp_path):
     server.start()
     try:
         bus = Bus.connect(server.url, "r1", BusSettings(block_ms=50))
-        bus.ensure_group("grades", "reward")
+        bus.ensure_group("prompts", "agent-runner")
         server.kill()
         server.start()  # empty: no stream, no group
-        assert bus.consume("grades", "reward", "c1") == []
-        bus.publish("grades", prompt(0))
-        assert [d.event.sample_index for d in bus.consume("grades", "reward", "c1")] == [0]
+        assert bus.consume("prompts", "agent-runner", "c1") == []
+        bus.publish("prompts", prompt(0))
+        assert [d.event.sample_index for d in bus.consume("prompts", "agent-runner", "c1")] == [0]
     finally:
         server.kill()
 
