@@ -103,6 +103,9 @@ DEFAULT_KINDS = tuple(kind for kind in KINDS if kind not in STALLING_KINDS)
 UNDECODABLE_KINDS = frozenset({"random_bytes", "truncated", "mutated", "malformed", "unknown_version",
                                "wrong_types", "invalid_payload", "oversized"})
 """Kinds whose entries never decode (the generator checks it): the bus dead-letters them unread."""
+BUS_REJECTED_KINDS = UNDECODABLE_KINDS | {"foreign_event"}
+"""Kinds the bus dead-letters before any consumer reads them: what does not decode, and what is no event
+of the stream it is on."""
 OVERSIZED_BYTES = 2 << 20
 HUGE_TOKENS = 1_000_000
 FORGED_VERSION = 1_000_000

@@ -15,6 +15,7 @@ from rollstream.cli.chaos.poison import (
     KINDS,
     STALLING_KINDS,
     STREAM_KINDS,
+    BUS_REJECTED_KINDS,
     UNDECODABLE_KINDS,
     audit,
     poison_plan,
@@ -96,7 +97,7 @@ def test_a_consumer_dead_letters_every_undecodable_entry_and_the_audit_counts_it
                    unhealthy_moments=[], dispatcher_version_seen=0)
     figures = report.streams["prompts"]
     assert figures.groups == ("agent-runner",) and figures.tried == len(plan)
-    undecodable = [i for i in injected if i.poison.kind in UNDECODABLE_KINDS]
+    undecodable = [i for i in injected if i.poison.kind in BUS_REJECTED_KINDS]
     for item in undecodable:
         assert report.dead_letters[("prompts", item.entry_id)]["agent-runner"]
     assert figures.dead_lettered == len(undecodable)
