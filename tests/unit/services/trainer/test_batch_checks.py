@@ -110,9 +110,10 @@ def test_a_restart_finds_its_own_last_update_in_the_archive_when_the_stream_kept
         bus.publish("policy", PolicyUpdated(version=version, checkpoint_uri=f"/ckpt/v{version}", batch_id=f"b-{version}",
                                             servers=[], parity_max_abs_diff=0.0, loss=0.0, trained_samples=1))
         bus.redis.sadd(trained, f"b-{version}")
-    bus.redis.xadd(bus.keys.stream("policy"), {"type": "PolicyUpdated", "v": "1", "body": b"\x00"})
+    bus.publish("policy", PolicyUpdated(version=1_000_000, checkpoint_uri="/ckpt/forged", batch_id="b-forged",
+                                        servers=[], parity_max_abs_diff=0.0, loss=0.0, trained_samples=1))
     archive_all(bus, tmp_path)
     trim_stream(bus, "policy")
-    assert bus.redis.xlen(bus.keys.stream("policy")) == 1  # the recorder kept the newest entry only: garbage
+    assert bus.redis.xlen(bus.keys.stream("policy")) == 1  # the recorder kept the newest entry only: forged
     assert last_own_update(bus, trained) is None
     assert last_own_update(bus, trained, str(tmp_path)).version == 2
