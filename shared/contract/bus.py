@@ -25,7 +25,7 @@ from typing import Literal
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import BusyLoadingError
+from redis.exceptions import AuthenticationError, BusyLoadingError
 from redis.retry import Retry
 
 from rollstream.shared.contract.events import (
@@ -63,13 +63,26 @@ class _LoggedBackoff(ExponentialWithJitterBackoff):
         return super().compute(failures)
 
 
+class _OutageRetry(Retry):
+    """Retry lost connections, but not a refused login: AuthenticationError is a ConnectionError to redis-py,
+    and a wrong password never gets better by waiting."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        def retryable(error: Exception) -> bool:
+            if isinstance(error, AuthenticationError):
+                return False
+            return is_retryable(error) if is_retryable is not None else True
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
 def connect_redis(url: str, *, ride_out_outages: bool = True) -> redis.Redis:
     """A client for a service: every command is retried on a lost connection (ConnectionError,
     TimeoutError, and LOADING while a restarted Redis reads its append-only file) until Redis answers
     again. ride_out_outages=False: fail at once (commands a person waits on, such as `inspect`)."""
     if not ride_out_outages:
         return redis.Redis.from_url(url, socket_connect_timeout=5)
-    retry = Retry(_LoggedBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), retries=-1)
+    retry = _OutageRetry(_LoggedBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), retries=-1)
     return redis.Redis.from_url(url, retry=retry, socket_connect_timeout=5, socket_keepalive=True,
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError, BusyLoadingError])
 

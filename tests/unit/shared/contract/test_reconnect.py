@@ -23,10 +23,11 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="re
 
 
 class RestartableRedis:
-    def __init__(self, data_dir, appendonly: bool = True) -> None:
+    def __init__(self, data_dir, appendonly: bool = True, *extra: str) -> None:
         self.port = free_port()
         self.data_dir = data_dir
         self.appendonly = appendonly
+        self.extra = extra
         self.process: subprocess.Popen | None = None
 
     @property
@@ -36,13 +37,15 @@ class RestartableRedis:
     def start(self) -> None:
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always", "--save", ""],
+             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always", "--save", "", *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         for _ in range(100):
             try:
                 client.ping()
                 return
+            except redis.AuthenticationError:
+                return  # up, and asking for a password
             except redis.ConnectionError:
                 time.sleep(0.05)
         raise TimeoutError("redis-server did not start")
@@ -105,6 +108,19 @@ def test_a_client_for_people_fails_at_once_instead_of_waiting(server):
     with pytest.raises(redis.ConnectionError):
         bus.redis.ping()
     server.start()
+
+
+def test_a_refused_login_fails_at_once_instead_of_being_retried_as_an_outage(tmp_path):
+    server = RestartableRedis(tmp_path, True, "--requirepass", "the-right-one")
+    server.start()
+    try:
+        bus = Bus.connect(f"redis://:wrong@127.0.0.1:{server.port}/0", "r1")
+        started = time.monotonic()
+        with pytest.raises(redis.AuthenticationError):
+            bus.redis.ping()
+        assert time.monotonic() - started < 2
+    finally:
+        server.kill()
 
 
 def test_healthz_is_not_ready_while_redis_is_away_and_ready_again_after(server):
