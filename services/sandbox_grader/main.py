@@ -46,6 +46,10 @@ GROUP = "sandbox-grader"
 RETRY_BACKOFF_S = [2, 10, 30]
 JOB_SETUP_S = 60
 BACKEND_RECHECK_S = 5
+MAINTENANCE_INTERVAL_S = 30
+"""How often the RQ worker cleans its registries and, when no live scheduler holds the queue's lock, starts
+its own (RQ's default, 10 minutes, left the retries a killed grader had scheduled waiting that long). An idle
+worker waits for jobs this long at a time (worker_ttl - 15), so that the maintenance comes round."""
 
 
 def job_timeout(event: TrajectoryFinished, settings: Settings) -> float:
@@ -115,7 +119,8 @@ def main() -> None:
         enqueued += 1
         runtime.status["enqueued"] = enqueued
 
-    worker = Worker([queue], connection=bus.redis, name=consumer_name("sandbox-worker"))
+    worker = Worker([queue], connection=bus.redis, name=consumer_name("sandbox-worker"),
+                    maintenance_interval=MAINTENANCE_INTERVAL_S, worker_ttl=MAINTENANCE_INTERVAL_S + 15)
     enqueuer_failed: list[BaseException] = []
 
     def enqueue_until_stopped() -> None:
