@@ -106,6 +106,7 @@ class ChaosRun:
         try:
             target = self.settings.train.total_versions
             pending = plan_faults(self.plan, sorted(local.processes))
+            retries_left = {"horse": self.plan.kills_per_service}
             next_fault = time.monotonic() + self.plan.interval_s
             while True:
                 self.tick()
@@ -116,7 +117,10 @@ class ChaosRun:
                     raise TimeoutError(f"policy version {version} of {target} after {timeout_s:.0f}s of chaos")
                 if pending and version < target - self.plan.calm_versions and time.monotonic() >= next_fault:
                     kind, name = pending.pop(0)
-                    self.inject(kind, name, version, time.monotonic() - started)
+                    fault = self.inject(kind, name, version, time.monotonic() - started)
+                    if not fault.done and kind == "horse" and retries_left.get(kind, 0) > 0:
+                        retries_left[kind] -= 1  # no job ran just now: try again later in the run
+                        pending.append((kind, name))
                     next_fault = time.monotonic() + self.plan.interval_s
                 time.sleep(0.2)
             for name in list(self.paused):
@@ -146,7 +150,7 @@ class ChaosRun:
         self.local.check_alive()
 
     # --------------------------------------------------------------------------------- faults
-    def inject(self, kind: str, name: str, version: int, at_s: float) -> None:
+    def inject(self, kind: str, name: str, version: int, at_s: float) -> Fault:
         fault = Fault(kind, name, at_s=round(at_s, 1), version=version)
         if kind == "crash":
             if name in self.local.restart_due:
@@ -169,6 +173,7 @@ class ChaosRun:
                 self.paused[name] = time.monotonic() + self.pause_s
         self.faults.append(fault)
         self.on_event(f"{fault.at_s:7.1f}s v{version}: {kind} {name}" + (f" ({fault.note})" if fault.note else ""))
+        return fault
 
     def resume(self, name: str) -> None:
         self.paused.pop(name, None)
