@@ -170,6 +170,16 @@ def make_warm_model() -> None:
     console.print(f"warm-up: {stats['steps']} steps, exact {stats['checks'][-1]['exact']:.0%} on held-out checks")
 
 
+def ensure_model(path: Path) -> None:
+    """The default model is made when missing (build, then warm-up); another missing model is an error."""
+    if path.exists():
+        return
+    if path != WARM_MODEL:
+        console.print(f"[bold red]no model at {path}[/] (model.path)", markup=True)
+        raise typer.Exit(2)
+    make_warm_model()
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -191,11 +201,7 @@ def run(
     settings = Settings(**overrides)
     if versions is not None:
         settings = settings.model_copy(update={"train": settings.train.model_copy(update={"total_versions": versions})})
-    if not settings.model.path.exists():
-        if settings.model.path != WARM_MODEL:
-            console.print(f"[bold red]no model at {settings.model.path}[/] (model.path)", markup=True)
-            raise typer.Exit(2)
-        make_warm_model()
+    ensure_model(settings.model.path)
 
     local = LocalRun(settings, fleet_urls=fleet_url)
     target = settings.train.total_versions
@@ -260,11 +266,7 @@ def chaos_poison(
     settings = Settings(run_id=run_id or time.strftime("poison-%Y%m%d-%H%M%S"))
     train = {"total_versions": versions, "batch_size": batch_size or settings.data.samples_per_prompt}
     settings = settings.model_copy(update={"train": settings.train.model_copy(update=train)})
-    if not settings.model.path.exists():
-        if settings.model.path != WARM_MODEL:
-            console.print(f"[bold red]no model at {settings.model.path}[/] (model.path)", markup=True)
-            raise typer.Exit(2)
-        make_warm_model()
+    ensure_model(settings.model.path)
     try:
         with console.status("starting") as status:
             report, codes, local = run_poison(
@@ -309,11 +311,7 @@ def chaos_run(
 
     settings = Settings(run_id=run_id or time.strftime("chaos-%Y%m%d-%H%M%S"))
     settings = settings.model_copy(update={"train": settings.train.model_copy(update={"total_versions": versions})})
-    if not settings.model.path.exists():
-        if settings.model.path != WARM_MODEL:
-            console.print(f"[bold red]no model at {settings.model.path}[/] (model.path)", markup=True)
-            raise typer.Exit(2)
-        make_warm_model()
+    ensure_model(settings.model.path)
     plan = ChaosPlan(seed=seed, kills_per_service=kills, redis_restarts=redis_restarts, vllm_restarts=vllm_restarts,
                      pauses=pauses, interval_s=interval)
     try:
