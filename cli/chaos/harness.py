@@ -5,7 +5,7 @@ While the run trains, at a seeded random order and a fixed pace, it SIGKILLs eve
 supervisor restarts them) and the sandbox-grader's RQ work-horses (the job is retried), kills Redis
 (append-only) and starts it again, restarts the vLLM server (it comes back from the newest policy),
 and pauses an agent-runner replica (SIGSTOP) past the reclaim timeout, so that its prompts are taken
-over while it still holds them. The last versions run calm; when the run has reached its target and
+over while it still holds them. When every fault is injected and the run has reached its target and
 drained, cli/chaos/audit.py checks what it kept.
 
     rollstream chaos run --kills 20 --redis-restarts 3 --vllm-restarts 2 --versions 120
@@ -43,9 +43,8 @@ class ChaosPlan:
     pauses: int = 1
     """SIGSTOPs of an agent-runner replica for longer than bus.reclaim_idle_ms."""
     interval_s: float = 4.0
-    """Seconds between two faults."""
-    calm_versions: int = 2
-    """The last versions of the run get no faults: it must finish and drain by itself."""
+    """Seconds between two faults. Every fault is injected: those still planned when the run reaches its
+    target version are injected after it, before the run drains."""
 
 
 @dataclass
@@ -106,20 +105,21 @@ class ChaosRun:
         try:
             target = self.settings.train.total_versions
             pending = plan_faults(self.plan, sorted(local.processes))
-            retries_left = {"horse": self.plan.kills_per_service}
+            retries_left = Counter(kind for kind, _ in pending)  # as many retries per kind as faults of it
             next_fault = time.monotonic() + self.plan.interval_s
             while True:
                 self.tick()
                 version = local.progress().version
-                if version >= target:
+                if version >= target and not pending:
                     break
                 if time.monotonic() - started > timeout_s:
                     raise TimeoutError(f"policy version {version} of {target} after {timeout_s:.0f}s of chaos")
-                if pending and version < target - self.plan.calm_versions and time.monotonic() >= next_fault:
+                if pending and time.monotonic() >= next_fault:
                     kind, name = pending.pop(0)
                     fault = self.inject(kind, name, version, time.monotonic() - started)
-                    if not fault.done and kind == "horse" and retries_left.get(kind, 0) > 0:
-                        retries_left[kind] -= 1  # no job ran just now: try again later in the run
+                    if not fault.done and retries_left[kind] > 0:
+                        # no job ran just now, the process was down already: try again later in the run
+                        retries_left[kind] -= 1
                         pending.append((kind, name))
                     next_fault = time.monotonic() + self.plan.interval_s
                 time.sleep(0.2)
@@ -136,9 +136,6 @@ class ChaosRun:
             for name in list(self.paused):
                 self.resume(name)
             local.stop()
-        for kind, name in pending:
-            self.faults.append(Fault(kind, name, at_s=time.monotonic() - started, version=target, done=False,
-                                     note="not injected: the run reached its calm versions first"))
         by_target = Counter(f.target if f.kind != "horse" else "sandbox work-horse" for f in self.faults if f.done)
         return ChaosResult(self.faults, audit, summary, time.monotonic() - started, dict(by_target))
 
