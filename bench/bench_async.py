@@ -56,6 +56,7 @@ from heavy_tail_agent import TailParams, banned_tokens, episode_turns
 from sim_fleet import parse_metrics
 
 from rollstream.cli.local_run import LocalRun, ServiceDied
+from rollstream.shared.contract.archive import read_history
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import PolicyUpdated, TrajectoryTurn, decode
 from rollstream.shared.inference.fleet import FleetClient
@@ -312,7 +313,8 @@ def run_mode(kind: str, fleet, urls: list[str], eta: int, args: argparse.Namespa
     assert bus is not None
     first_prompt = bus.redis.xrange(bus.keys.stream("prompts"), count=1)
     t0 = decode(first_prompt[0][1]).time
-    updates = [(d.envelope.time, d.event) for d in bus.read_all("policy") if isinstance(d.event, PolicyUpdated)]
+    updates = [(d.envelope.time, d.event) for d in read_history(bus, "policy", local.settings.storage_uri)
+               if isinstance(d.event, PolicyUpdated)]
     result.turns, result.generated_tokens = episode_work(bus)
     local.stop()
     if not args.keep:

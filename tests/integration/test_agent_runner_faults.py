@@ -129,7 +129,8 @@ def test_group_advantages_are_normalised_over_rollouts_not_segments(run):
 def test_the_trainer_trained_every_segment(run):
     local = run["local"]
     batches = rows_by_batch(local)
-    updates = [d.event for d in local.bus.read_all("policy") if isinstance(d.event, PolicyUpdated)]
+    updates = [d.event for d in read_history(local.bus, "policy", local.settings.storage_uri)
+               if isinstance(d.event, PolicyUpdated)]
     assert [u.version for u in updates] == list(range(1, VERSIONS + 1))
     for update in updates:
         assert update.trained_samples + update.dropped_stale == len(batches[update.batch_id])
