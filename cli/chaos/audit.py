@@ -128,7 +128,7 @@ def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str
     report.repeated_attempts = sum(n - 1 for n in finished.values())
     report.longest_stall_s = _longest_stall(history)
     report.pending = _pending(bus, sandbox_queue)
-    report.archive_mismatches = _archive_mismatches(bus, storage_uri)
+    report.archive_mismatches = _archive_mismatches(bus, storage_uri, report.events)
     return report
 
 
@@ -164,12 +164,11 @@ def _pending(bus: Bus, sandbox_queue: str) -> dict[str, int]:
     return out
 
 
-def _archive_mismatches(bus: Bus, storage_uri: str) -> dict[str, str]:
+def _archive_mismatches(bus: Bus, storage_uri: str, added: dict[str, int]) -> dict[str, str]:
     """Per stream: the archive must hold every entry up to the recorder's archived position, with the fields
     Redis has for the entries both still hold, and nothing Redis never had."""
     reader = ArchiveReader(storage_uri, bus.keys.run_id)
     out = {}
-    added = _entries_added(bus)
     for stream in STREAMS:
         archived = {entry.entry_id: entry.fields for entry in reader.entries(stream)}
         position = archived_id(bus, stream)
@@ -191,13 +190,3 @@ def _normalized(fields: dict) -> dict[bytes, bytes]:
         return value if isinstance(value, bytes) else str(value).encode()
 
     return {as_bytes(k): as_bytes(v) for k, v in fields.items()}
-
-
-def describe_drop_reasons(bus: Bus, storage_uri: str) -> dict[str, int]:
-    """The distinct reasons of the RolloutDropped events, with how many rollouts each (for the report)."""
-    reasons: Counter[str] = Counter()
-    for delivery in read_history(bus, "rewards", storage_uri):
-        if isinstance(delivery.event, RolloutDropped):
-            reasons[delivery.event.reason.split(":")[0][:120]] += 1
-    return dict(reasons)
-
