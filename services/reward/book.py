@@ -227,6 +227,9 @@ class RewardBook:
             elif event.needs_grade:
                 rewards.append(state["grade"][rollout].payload.score)
                 sources.append("sandbox")
+            elif event.reward is not None:
+                rewards.append(event.reward)
+                sources.append("given")
             else:
                 rewards.append(reward_for(event.reward_fn, event.response_text, event.label))
                 sources.append(event.reward_fn)
@@ -356,6 +359,10 @@ class RewardBook:
             self.bus.publish("batches", event, pipe=pipe, event_id=f"{batch_id}:ready")
             pipe.ltrim(self.ready_key, groups_needed, -1)
             pipe.decrby(self.ready_rollouts_key, len(rollouts))
+            if len(rollouts) > self.batch_size:
+                # Whole groups overshoot B when a group lost rollouts; the dispatcher counts B per batch, so the
+                # surplus goes back like a drop, or the last batch would wait for samples never admitted.
+                pipe.incrby(self.bus.keys.filtered, len(rollouts) - self.batch_size)
             for group_id in taken:
                 pipe.delete(self.group_key(group_id), self.assigned_key(group_id))
             pipe.execute()

@@ -28,7 +28,8 @@ its group's last rollout finished (a lost job) are never given a reward: each is
 group's advantages and batch, announced with RolloutDropped (the reason) on `rewards`, counted in
 /healthz `rollouts_dropped` by cause, and its sample slot is given back to the dispatcher the same way.
 A group whose every rollout was dropped is batched not at all. One lost grade never holds back the
-groups behind it for longer than the timeout.
+groups behind it for longer than the timeout. A batch holds whole groups, so after a drop it can hold
+more than B rollouts; the surplus is given back too, since the dispatcher counts B per version.
 
 Group state lives in Redis, so a restarted or duplicate delivery changes nothing: event ids are
 deterministic, a group completes once, a batch's id is derived from its groups. A completed group is

@@ -3,9 +3,12 @@
 A `GradeRequest` says what to grade: a shell `check` run on the rollout's answer (rule-like tasks),
 or a task (`harbor` directory or `swebench` row) whose tests judge the rollout's stored diff.
 An infrastructure error (the sandbox could not run at all) raises, so RQ retries the job with
-backoff; failing tests are a grade, never retried. When the retries are spent, or the worker died
-under the job, `report_job_failure` publishes GradingFailed with the reason: the reward service
-leaves that rollout out of its group (counted), so the group completes without a made-up reward.
+backoff; failing tests are a grade, never retried. When the retries are spent, `report_job_failure`
+publishes GradingFailed with the reason: the reward service leaves that rollout out of its group
+(counted), so the group completes without a made-up reward. RQ fails some jobs without calling that
+callback (the work-horse killed on the last try, a job stuck between dequeue and start when its worker
+died): `report_failures_without_verdict`, which the grader runs every few seconds, publishes theirs.
+Each job that published a verdict says so in its meta (VERDICT_META).
 A request no retry can grade (its diff artifact or its task does not exist, an unknown grader kind)
 gets its GradingFailed at once, without the retries and their back-off.
 
@@ -20,7 +23,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from rq import get_current_job
+from rq import Queue, get_current_job
+from rq.job import Job
+from rq.registry import FailedJobRegistry
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import GradeReported, GradingFailed
@@ -33,6 +38,10 @@ from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.swebench import load_swebench_rows
+
+
+VERDICT_META = "verdict"
+"""Job meta key: the verdict (GradeReported or GradingFailed) the job published for its rollout."""
 
 
 class InfrastructureError(RollstreamError, RuntimeError):
@@ -76,15 +85,14 @@ def grade_rollout(request: dict) -> dict:
     try:
         outcome = grade(req, storage)
     except UngradableRequest as exc:
-        publish(req, GradingFailed(reason=f"cannot be graded: {exc}", attempts=1),
-                connection=get_current_job().connection)
+        publish(req, GradingFailed(reason=f"cannot be graded: {exc}", attempts=1), get_current_job())
         return {"score": None, "reason": str(exc)}
     if outcome.infrastructure_error:
         raise InfrastructureError(outcome.reason)
     log_path = storage.write_bytes(outcome.log.encode(), req.run_id, "sandbox-logs", f"{req.ids['rollout_id']}.log")
     publish(req, GradeReported(score=outcome.score, passed=outcome.passed, reason=outcome.reason,
                                duration_s=outcome.duration_s, log_uri=log_path, tests=outcome.tests),
-            connection=get_current_job().connection)
+            get_current_job())
     return {"score": outcome.score, "reason": outcome.reason}
 
 
@@ -131,10 +139,19 @@ def grade_answer(req: GradeRequest, backend, limits: SandboxLimits) -> GradeOutc
                         duration_s=result.duration_s, infrastructure_error=False)
 
 
-def publish(req: GradeRequest, grade: GradeReported | GradingFailed, connection) -> None:
-    """On `grades`, under one event id per rollout whichever it is: a rollout has one verdict."""
-    bus = Bus(connection, req.run_id)
+def publish(req: GradeRequest, grade: GradeReported | GradingFailed, job: Job) -> None:
+    """On `grades`, under one event id per rollout whichever it is: a rollout has one verdict. Through the
+    job's own connection; the job's meta then records that its verdict is out."""
+    bus = Bus(job.connection, req.run_id)
     bus.publish("grades", grade, event_id=f"{req.ids['rollout_id']}:grade", **req.ids)
+    job.meta[VERDICT_META] = type(grade).__name__
+    job.save_meta()
+
+
+def failed_for_good(job: Job, cause: str) -> None:
+    req = GradeRequest.from_job_arg(job.args[0])
+    attempts = req.retries - (job.retries_left or 0) + 1
+    publish(req, GradingFailed(reason=f"grading failed and no retry is left: {cause}", attempts=attempts), job)
 
 
 def report_job_failure(job, connection, exc_type, exc_value, _traceback) -> None:
@@ -142,7 +159,25 @@ def report_job_failure(job, connection, exc_type, exc_value, _traceback) -> None
     job failing is the machinery's failure, and the rollout's work was never judged."""
     if job.should_retry:
         return
-    req = GradeRequest.from_job_arg(job.args[0])
-    reason = f"grading failed and no retry is left: {exc_type.__name__}: {exc_value}"
-    attempts = req.retries - (job.retries_left or 0) + 1
-    publish(req, GradingFailed(reason=reason, attempts=attempts), connection=connection)
+    failed_for_good(job, f"{exc_type.__name__}: {exc_value}")
+
+
+def report_failures_without_verdict(queue: Queue) -> list[str]:
+    """GradingFailed for every job in the queue's failed registry that published no verdict (RQ failed it
+    without the failure callback); returns their ids. A job that is not a grade request (someone else's, on
+    this queue) is marked so and left alone."""
+    registry = FailedJobRegistry(queue=queue)
+    reported = []
+    for job in Job.fetch_many(registry.get_job_ids(), connection=queue.connection):
+        if job is None or VERDICT_META in job.meta:
+            continue
+        result = job.latest_result()
+        lines = (result.exc_string or "").strip().splitlines() if result else []
+        try:
+            failed_for_good(job, lines[-1].strip() if lines else "the job failed without a recorded error")
+        except (IndexError, KeyError, TypeError, ValueError):
+            job.meta[VERDICT_META] = "none: not a grade request"
+            job.save_meta()
+            continue
+        reported.append(job.id)
+    return reported

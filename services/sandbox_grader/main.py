@@ -5,7 +5,9 @@ on the answer, or a Harbor / SWE-bench task whose tests judge the episode's stor
 one RQ job per rollout on the `sandbox` queue (job id = rollout id, so a re-delivery enqueues
 nothing new) with retries and backoff for infrastructure errors, and runs an RQ worker in the same
 process: throughput is set by the number of replicas. The job publishes GradeReported on `grades`
-(or GradingFailed when the sandbox could not run it, see jobs.py).
+(or GradingFailed when the sandbox could not run it, see jobs.py). Every FAILED_SWEEP_S it publishes
+GradingFailed for jobs RQ failed without running their failure callback, so that their groups do not wait
+for the reward service's grade timeout.
 
 A process that can no longer do its job exits non-zero, so that it is restarted: when the enqueuer
 thread dies (the worker finishes its job first) or the worker quits on an error of its own.
@@ -32,6 +34,7 @@ from rq.job import Job
 from rollstream.services.sandbox_grader.jobs import (
     GradeRequest,
     grade_rollout,
+    report_failures_without_verdict,
     report_job_failure,
 )
 from rollstream.shared.contract.bus import Bus, Delivery, consumer_name, run_consumer
@@ -46,6 +49,7 @@ GROUP = "sandbox-grader"
 RETRY_BACKOFF_S = [2, 10, 30]
 JOB_SETUP_S = 60
 BACKEND_RECHECK_S = 5
+FAILED_SWEEP_S = 10
 MAINTENANCE_INTERVAL_S = 30
 """How often the RQ worker cleans its registries and, when no live scheduler holds the queue's lock, starts
 its own (RQ's default, 10 minutes, left the retries a killed grader had scheduled waiting that long). An idle
@@ -122,10 +126,21 @@ def main() -> None:
     worker = Worker([queue], connection=bus.redis, name=consumer_name("sandbox-worker"),
                     maintenance_interval=MAINTENANCE_INTERVAL_S, worker_ttl=MAINTENANCE_INTERVAL_S + 15)
     enqueuer_failed: list[BaseException] = []
+    next_sweep = time.monotonic()
+
+    def report_failed_jobs() -> None:
+        nonlocal next_sweep
+        if time.monotonic() < next_sweep:
+            return
+        next_sweep = time.monotonic() + FAILED_SWEEP_S
+        for job_id in report_failures_without_verdict(queue):
+            runtime.log.warning("job failed without its failure callback; reported GradingFailed",
+                                extra={"job_id": job_id})
 
     def enqueue_until_stopped() -> None:
         try:
-            run_consumer(bus, ("trajectories",), GROUP, consumer_name(GROUP), handle, runtime.should_stop)
+            run_consumer(bus, ("trajectories",), GROUP, consumer_name(GROUP), handle, runtime.should_stop,
+                         between_reads=report_failed_jobs)
         except BaseException as exc:
             # A process that goes on grading without enqueuing would look healthy and grade nothing new:
             # stop it so that it exits non-zero and is restarted. Through the worker's own SIGTERM handler

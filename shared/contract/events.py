@@ -228,6 +228,9 @@ class TrajectoryFinished(Event):
     """The final answer's text, for rule-based rewards."""
     label: str | None = None
     reward_fn: str = "exact_match"
+    reward: Finite | None = None
+    """A reward the episode's own environment gave (a gateway session finished with one); used when no
+    sandbox grades the rollout, instead of reward_fn."""
     artifacts: dict[str, str] = Field(default_factory=dict)
     """What the episode left in storage, by name (e.g. "diff" of a coding episode)."""
     error: str | None = None
@@ -273,7 +276,7 @@ class RewardAssigned(Event):
     reward: Finite
     advantage: Finite
     source: str
-    """Which reward produced it: a built-in function name, or `sandbox`."""
+    """Which reward produced it: a built-in function name, `sandbox`, or `given` (TrajectoryFinished.reward)."""
 
 
 class RolloutDropped(Event):

@@ -21,7 +21,7 @@ from rollstream.shared.runtime.storage import Storage
 
 
 def deliveries_for(run_id, group, rollout, sample_index, answer, label="7", check=None, group_size=2,
-                   segments=1, attempt="a1", status="completed"):
+                   segments=1, attempt="a1", status="completed", reward=None):
     ids = dict(run_id=run_id, group_id=group, rollout_id=rollout, trajectory_id=rollout, session_id=rollout)
     out = []
     for index in range(segments):
@@ -31,7 +31,8 @@ def deliveries_for(run_id, group, rollout, sample_index, answer, label="7", chec
                                     group_size=group_size)
         out.append(Delivery("trajectories", "0-1", make_envelope(segment, **ids)))
     finished = TrajectoryFinished(status=status, attempt=attempt, segment_count=segments, group_size=group_size,
-                                  sample_index=sample_index, response_text=answer, label=label, sandbox_check=check)
+                                  sample_index=sample_index, response_text=answer, label=label, sandbox_check=check,
+                                  reward=reward)
     return out + [Delivery("trajectories", "0-2", make_envelope(finished, **ids))]
 
 
@@ -337,6 +338,34 @@ def test_a_group_whose_every_grading_failed_is_never_batched_and_holds_nothing_b
     assert set(assigned(bus)) == {"r3", "r4"}
     assert book.dropped() == {"grading_failed": 2} and book.filtered_groups() == 0
     assert int(bus.redis.get(bus.keys.filtered)) == 2
+
+
+def test_a_batch_that_overshoots_b_gives_the_surplus_back_so_the_last_batch_can_fill(bus, tmp_path):
+    """Batches hold whole groups, so a group that lost a rollout makes one overshoot B. The dispatcher admits
+    B x versions samples that were not given back: the surplus must be given back, or the run's last batch
+    waits for samples that are never admitted."""
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=4)
+    short = pair(run, "g1", 1, ("3", "7"), check="test") + [grading_failed(run, "g1", "r1"), grade(run, "g1", "r2", 1.0)]
+    (batch,) = serve(book, short + pair(run, "g2", 3, ("7", "nope")) + pair(run, "g3", 5, ("x", "7")))
+    assert batch.group_ids == ["g1", "g2", "g3"] and batch.sample_count == 5
+    admitted, given_back = 6, int(bus.redis.get(bus.keys.filtered))
+    assert given_back == 2  # r1's slot, and the one sample the batch holds beyond B
+    assert admitted - given_back == 4 * 1  # what the dispatcher counts: B per batch written
+    assert serve(book, pair(run, "g4", 7, ("7", "1")) + pair(run, "g5", 9, ("2", "7"))) != []
+    assert int(bus.redis.get(bus.keys.filtered)) == 2  # a batch of exactly B gives nothing back
+
+
+def test_a_reward_the_episode_was_finished_with_is_used_when_no_sandbox_grades_it(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2)
+    given = [d for index, reward in enumerate((0.25, 1.0))
+             for d in deliveries_for(run, "g1", f"r{index + 1}", index, "no label to match", label=None, reward=reward)]
+    (batch,) = serve(book, given)
+    rewards = assigned(bus)
+    assert {r: (reward, source) for r, (reward, _, source) in rewards.items()} == {"r1": (0.25, "given"),
+                                                                                 "r2": (1.0, "given")}
+    assert batch.mean_reward == 0.625
 
 
 def dead_letter(run, group, rollout, stream="prompts", consumer_group="agent-runner", event_type="PromptIssued"):

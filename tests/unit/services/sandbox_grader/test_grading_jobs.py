@@ -2,13 +2,21 @@
 only, and every rollout ends with a grade event."""
 
 import difflib
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
-from rq import Callback, Queue, Retry, SimpleWorker
+from rq import Callback, Queue, Retry, SimpleWorker, Worker
 
-from rollstream.services.sandbox_grader.jobs import GradeRequest, grade_rollout, report_job_failure
+from rollstream.services.sandbox_grader.jobs import (
+    VERDICT_META,
+    GradeRequest,
+    grade_rollout,
+    report_failures_without_verdict,
+    report_job_failure,
+)
 from rollstream.shared.contract.events import GradeReported, GradingFailed
 from rollstream.shared.runtime.storage import Storage
 from tests.support import FIXTURES
@@ -99,3 +107,36 @@ def test_a_request_no_retry_can_grade_gets_its_grading_failed_at_once(published,
     (failed,) = published.read_all("grades")
     assert isinstance(failed.event, GradingFailed) and failed.envelope.rollout_id == "r5"
     assert reason in failed.event.reason and failed.event.attempts == 1
+
+
+def die_in_the_work_horse(_request: dict) -> None:
+    """A job whose process is killed under it, as the OOM killer or a kill -9 of the horse would."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_job_rq_failed_without_its_callback_gets_grading_failed_from_the_sweep_once(published, tmp_path):
+    # RQ job ids are global to the Redis server, and a job enqueued again keeps the meta of an earlier one
+    r6, r7 = (f"grade-{published.keys.run_id}-{rollout}" for rollout in ("r6", "r7"))
+    queue = run_jobs(published, [(r7, request(published, tmp_path, "r7", backend="docker",
+                                              grader={"kind": "nonsense"}))])  # its verdict is out already
+    queue.enqueue(die_in_the_work_horse, request(published, tmp_path, "r6"), job_id=r6,
+                  on_failure=Callback(report_job_failure))
+    Worker([queue], connection=published.redis).work(burst=True)  # forks a work-horse, which dies
+    assert queue.fetch_job(r6).get_status() == "failed"
+    assert published.read_all("grades")[-1].envelope.rollout_id == "r7"  # RQ ran no callback for r6
+
+    assert report_failures_without_verdict(queue) == [r6]
+    (failed,) = [d for d in published.read_all("grades") if d.envelope.rollout_id == "r6"]
+    assert isinstance(failed.event, GradingFailed) and failed.event.attempts == 1
+    assert "Work-horse terminated unexpectedly" in failed.event.reason and "no retry is left" in failed.event.reason
+    assert queue.fetch_job(r6).meta[VERDICT_META] == "GradingFailed"
+    assert report_failures_without_verdict(queue) == []  # once
+
+
+def test_a_job_whose_callback_reported_is_not_reported_again_by_the_sweep(published, tmp_path, monkeypatch):
+    r8 = f"grade-{published.keys.run_id}-r8"
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
+    queue = run_jobs(published, [(r8, request(published, tmp_path, "r8", backend="docker"))])
+    assert queue.fetch_job(r8).get_status() == "failed"
+    assert report_failures_without_verdict(queue) == []
+    assert len(published.read_all("grades")) == 1
