@@ -43,7 +43,9 @@ from rollstream.shared.runtime.config import Settings, secret_environment, setti
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
 
-SERVICES = ("dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder")
+SERVICES = ("dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder")
+OPT_IN_SERVICES = ("gateway",)
+"""Started only when asked for, or when the run's agent is a black-box command (needs_gateway)."""
 CONSUMES: dict[str, tuple[StreamName, ...]] = {"agent-runner": ("prompts",), "sandbox-grader": ("trajectories",),
                                                "reward": ("trajectories", "grades"), "trainer": ("batches",)}
 """The streams each service reads through a consumer group named after the service."""
@@ -145,6 +147,11 @@ def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
                                  f"the grader's backend ({settings.grader.backend}) cannot run here: {exc}") from None
 
 
+def needs_gateway(settings: Settings) -> bool:
+    """Black-box episodes (agent "command") talk to the model through the gateway."""
+    return settings.agent.default == "command"
+
+
 class LocalRun:
     def __init__(self, settings: Settings, *, fleet_urls: list[str] | None = None,
                  replicas: dict[str, int] | None = None, services: tuple[str, ...] | None = None,
@@ -153,7 +160,8 @@ class LocalRun:
         self.service_env = service_env or {}
         """Service -> environment variables of its own over the run's (e.g. its own Redis user:
         RS_REDIS_USERNAME, RS_REDIS_PASSWORD, where Redis has one per service)."""
-        wanted = services or tuple(name for name in SERVICES if name != "recorder" or settings.recorder.enabled)
+        wanted = services or tuple(name for name in SERVICES if (name not in OPT_IN_SERVICES or needs_gateway(settings))
+                                   and (name != "recorder" or settings.recorder.enabled))
         unknown = set(wanted) - set(SERVICES)
         if unknown:
             raise ValueError(f"unknown services {', '.join(sorted(unknown))}; services are {', '.join(SERVICES)}")
@@ -179,6 +187,8 @@ class LocalRun:
         self.env: dict[str, str] = {}
         self.health_ports: dict[str, int] = {}
         """Process name -> the port its /healthz answers on, as the service logged it at start."""
+        self.gateway_urls: dict[str, str] = {}
+        """Gateway process name -> the URL it serves its APIs on (each replica its own port)."""
         self.log_offsets: dict[str, int] = {}
         """Process name -> size of its log before this start (earlier runs of the name log there too)."""
         self.redis_server = None
@@ -207,7 +217,7 @@ class LocalRun:
                             "choose another run id (--run-id), or delete the old run")
         if self.external_fleet:
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": self.external_fleet})})
-        elif "agent-runner" not in self.services:
+        elif not {"agent-runner", "gateway"} & set(self.services):
             # Nothing generates: no vLLM; a trainer then only writes checkpoints (fleet-less).
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": []})})
         else:
@@ -222,6 +232,13 @@ class LocalRun:
             self.vllm.wait_healthy()
             self.vllm_startup_s = time.monotonic() - started
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": [self.vllm.url]})})
+        if "gateway" in self.services:
+            count = self.replicas["gateway"]
+            names = ["gateway"] if count == 1 else [f"gateway-{replica}" for replica in range(1, count + 1)]
+            self.gateway_urls = {name: f"http://127.0.0.1:{free_port()}" for name in names}
+            first = next(iter(self.gateway_urls.values()))
+            settings = settings.model_copy(update={"gateway": settings.gateway.model_copy(
+                update={"url": first, "port": int(first.rsplit(":", 1)[1])})})
         self.settings = settings
         self.progress_reader = ProgressReader(self.bus, settings.storage_uri)
         config_file = self.run_dir / "config.json"
@@ -254,8 +271,14 @@ class LocalRun:
         with open(log_path, "ab") as log:
             self.processes[name] = subprocess.Popen(
                 service_command(self.service_of[name]),
-                env={**self.env, **self.service_env.get(self.service_of[name], {}), "RS_HEALTH_PORT": "0"},
+                env={**self.env, **self.service_env.get(self.service_of[name], {}), **self._own_env(name),
+                     "RS_HEALTH_PORT": "0"},
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _own_env(self, name: str) -> dict[str, str]:
+        """A gateway replica serves on its own port; every other process takes the run's settings."""
+        url = self.gateway_urls.get(name)
+        return {"RS_GATEWAY__URL": url, "RS_GATEWAY__PORT": url.rsplit(":", 1)[1]} if url else {}
 
     def _find_health_port(self, name: str) -> int | None:
         """The port the service says it serves /healthz on (its "service started" log line)."""

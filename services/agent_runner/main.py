@@ -11,6 +11,11 @@ published, so a replica that dies leaves it to be reclaimed by another. When no 
 (FleetUnavailable), the replica keeps its episodes' prompts and runs them again once one does, takes no
 new prompt meanwhile, and /healthz says why: a fleet restart costs time, not prompts.
 
+A prompt whose agent is `command` is a black-box episode instead (blackbox.py): an unmodified agent, run
+as a command in the task's workspace, talks to the fleet through the gateway, which records its turns
+and publishes the trajectory when the agent-runner finishes the session. A gateway that does not answer
+is waited for like the fleet: the prompt is kept and run again once it answers.
+
 One entry's failure is that entry's: an entry on `prompts` that is no PromptIssued, or one without
 the rollout and group ids a sample needs, is dead-lettered at once with the reason; an episode that
 raises leaves its prompt pending, to be retried and dead-lettered after bus.max_deliveries.
@@ -24,6 +29,7 @@ import asyncio
 import functools
 import uuid
 
+from rollstream.services.agent_runner.blackbox import COMMAND_AGENT, BlackBoxRunner, GatewayUnavailable
 from rollstream.shared.agent.environments import (
     calculator,  # noqa: F401  (registers the calculator tool)
     coding,  # noqa: F401  (registers the coding tools)
@@ -37,7 +43,6 @@ from rollstream.shared.agent.tools import (
     resolve_tools,
 )
 from rollstream.shared.contract.bus import Bus, Delivery, consumer_name
-from rollstream.shared.errors import FleetUnavailable
 from rollstream.shared.contract.events import (
     PromptIssued,
     TrajectoryFinished,
@@ -47,6 +52,7 @@ from rollstream.shared.contract.events import (
     TrajectoryTurn,
     encode,
 )
+from rollstream.shared.errors import FleetUnavailable
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 
@@ -79,16 +85,20 @@ class EpisodeRunner:
         self.extra_tools = load_tools_yaml(settings.agent.tools_yaml) if settings.agent.tools_yaml else []
         self.limits = Limits(max_turns=settings.agent.max_turns, max_tokens_per_turn=settings.rollout.max_tokens,
                              max_total_tokens=settings.agent.max_total_tokens)
+        self.blackbox = BlackBoxRunner(settings)
 
     async def fleet_versions(self) -> dict[str, int]:
-        raw = await asyncio.to_thread(self.bus.redis.hgetall, self.bus.keys.fleet_versions)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return await asyncio.to_thread(self.bus.fleet_versions)
 
     async def run(self, delivery: Delivery) -> None:
         prompt: PromptIssued = delivery.event  # type: ignore[assignment]
         ids = {k: getattr(delivery.envelope, k) for k in ("trajectory_id", "rollout_id", "group_id", "session_id")}
         rollout = ids["rollout_id"]
-        agent = resolve_agent(prompt.agent or self.settings.agent.default)
+        agent_name = prompt.agent or self.settings.agent.default
+        if agent_name == COMMAND_AGENT:  # the gateway publishes its trajectory
+            await self.blackbox.run(prompt, ids)
+            return
+        agent = resolve_agent(agent_name)
         tools = ToolSet([*resolve_tools(prompt.tools), *self.extra_tools],
                         max_concurrency=self.settings.agent.tool_concurrency,
                         max_output_chars=self.settings.agent.max_tool_output_chars,
@@ -101,7 +111,7 @@ class EpisodeRunner:
         result = await agent(Task(messages=prompt.messages, label=prompt.label, metadata=dict(prompt.metadata)), ctx)
         segments = result if isinstance(result, list) else [result]
         if not segments:
-            raise ValueError(f"agent {prompt.agent or self.settings.agent.default} returned no segment")
+            raise ValueError(f"agent {agent_name} returned no segment")
         final = segments[-1]
         attempt = uuid.uuid4().hex[:12]
 
@@ -157,19 +167,23 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
             await asyncio.sleep(settings.bus.reclaim_idle_ms / 3000)
             await asyncio.to_thread(bus.keep_alive, "prompts", GROUP, consumer, list(in_flight.values()))
 
-    async def wait_for_fleet(why: str) -> None:
-        """Until a server answers /health; meanwhile /healthz says why and no new prompt is taken."""
+    async def fleet_answers() -> bool:
+        """Whether a server answers /health (those that do are routed to again)."""
+        answers = await asyncio.gather(*(fleet.health(url) for url in fleet.urls))
+        for url, healthy in zip(fleet.urls, answers):
+            if healthy:
+                fleet.mark_healthy(url)
+        return any(answers)
+
+    async def wait_until(answers, what: str, why: str) -> None:
+        """Until `answers()` (`what` answers again); meanwhile /healthz says why and no new prompt is taken."""
         if runtime.not_ready is None:
-            runtime.log.warning("no vLLM server answers; episodes wait for one", extra={"error": why})
-        runtime.not_ready = f"no vLLM server answers: {why}"
+            runtime.log.warning(f"{what} does not answer; episodes wait for it", extra={"error": why})
+        runtime.not_ready = f"{what} does not answer: {why}"
         while not runtime.stopping:
-            answers = await asyncio.gather(*(fleet.health(url) for url in fleet.urls))
-            if any(answers):
-                for url, healthy in zip(fleet.urls, answers):
-                    if healthy:
-                        fleet.mark_healthy(url)
+            if await answers():
                 if runtime.not_ready is not None:
-                    runtime.log.info("a vLLM server answers again; episodes go on")
+                    runtime.log.info(f"{what} answers again; episodes go on")
                 runtime.not_ready = None
                 return
             await asyncio.sleep(FLEET_RECHECK_S)
@@ -183,7 +197,11 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
             except FleetUnavailable as exc:
                 # The machinery's failure, not the prompt's: run it again here once a server answers (its
                 # claim is kept fresh meanwhile) instead of spending its deliveries towards the dead letter.
-                await wait_for_fleet(str(exc))
+                await wait_until(fleet_answers, "the vLLM fleet", str(exc))
+                if runtime.stopping:
+                    return
+            except GatewayUnavailable as exc:  # the machinery's failure too
+                await wait_until(runner.blackbox.gateway_answers, "the gateway", str(exc))
                 if runtime.stopping:
                     return
             except Exception as exc:

@@ -131,7 +131,8 @@ class Keys:
 
     @property
     def filtered(self) -> str:
-        """Counter of admitted samples the reward service left out of training (zero-variance groups)."""
+        """Counter of admitted samples given back to the dispatcher: left out of training (zero-variance groups,
+        dropped rollouts) or trained beyond a batch's B (whole groups overshoot it when one lost rollouts)."""
         return f"{self.prefix}:filtered"
 
 
@@ -330,6 +331,10 @@ class Bus:
     def has_keys(self) -> bool:
         """Whether anything of this run exists in Redis (a new run or a replay needs an empty namespace)."""
         return next(iter(self.redis.scan_iter(match=self.keys.pattern, count=1000)), None) is not None
+
+    def fleet_versions(self) -> dict[str, int]:
+        """Server url -> the policy version it serves, as the trainer last recorded it."""
+        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.keys.fleet_versions).items()}
 
     def delete_run(self) -> int:
         """Delete every key of this run; returns how many."""

@@ -91,6 +91,13 @@ class AgentSettings(Section):
     """Time limit of one tool call."""
     tools_yaml: Path | None = None
     """Extra tools from a YAML file (see shared/agent/tools.py)."""
+    command: str | None = None
+    """Command line of black-box episodes (rows whose agent is `command`) that name none in metadata["command"]:
+    an unmodified agent run through the gateway, in the task's repository, `{task_file}` and `{model}` filled in
+    (see services/agent_runner/blackbox.py)."""
+    command_time_budget_s: float = Field(600.0, gt=0)
+    """Wall-clock budget of a black-box episode whose row sets no metadata["time_budget_s"]; then its command is
+    killed and the episode is truncated."""
 
 
 class TrainSettings(Section):
@@ -205,6 +212,19 @@ class SecuritySettings(Section):
         return _secret_input(value)
 
 
+class GatewaySettings(Section):
+    url: str = "http://127.0.0.1:8300"
+    """Where agents and the black-box agent-runner reach the gateway (its sessions API and the per-session
+    OpenAI / Anthropic endpoints under /s/{session}/)."""
+    port: int = Field(8300, ge=0, le=65535)
+    """Port the gateway serves its APIs on; 0: any free port."""
+    session_ttl_s: int = Field(86_400, ge=60)
+    """How long a session's state stays in Redis after its last request; a finished session's state is
+    deleted once its samples are published."""
+    max_prompt_tokens: int = Field(32_768, ge=16)
+    """Longest prompt a turn may send (history plus new messages); longer gets 400, never a truncation."""
+
+
 class RecorderSettings(Section):
     enabled: bool = True
     """Archive every stream of the run to Parquet under <storage>/<run>/archive (the local run starts the
@@ -252,6 +272,7 @@ class Settings(BaseSettings):
     grader: GraderSettings = GraderSettings()
     reward: RewardSettings = RewardSettings()
     recorder: RecorderSettings = RecorderSettings()
+    gateway: GatewaySettings = GatewaySettings()
     security: SecuritySettings = SecuritySettings()
 
     @field_validator("redis_password", mode="before")

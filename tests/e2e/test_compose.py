@@ -255,7 +255,7 @@ def test_a_crashed_replica_is_restarted_and_a_docker_killed_one_is_not(stack):
 
 
 def test_no_service_died(stack):
-    expected = {"redis", "vllm-cpu", "dispatcher", "sandbox-grader", "reward", "trainer", "recorder"}
+    expected = {"redis", "vllm-cpu", "dispatcher", "gateway", "sandbox-grader", "reward", "trainer", "recorder"}
     statuses = {name.split("-", 1)[1].rsplit("-", 1)[0]: status for name, status in stack["services"].items()
                 if not name.split("-", 1)[1].startswith(("agent-runner", "model"))}
     assert set(statuses) == expected and set(statuses.values()) == {"running"}, statuses

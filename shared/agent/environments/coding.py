@@ -270,18 +270,18 @@ def _finish(workspace: Workspace, storage_uri: str | None, run_id: str, episode_
             diff = workspace.capture_diff()
             if storage_uri is None:
                 return None
-            return _store_file(storage_uri, diff, run_id, episode_id)
+            return store_artifact(storage_uri, diff, run_id, episode_id, ".diff")
         finally:
             workspace.cleanup()
 
 
-def _store_file(storage_uri: str, local: Path, run_id: str, episode_id: str) -> str:
-    """Copy `local` to {run_id}/artifacts/{episode_id}.diff atomically; returns the stored path."""
+def store_artifact(storage_uri: str, local: Path, run_id: str, episode_id: str, suffix: str) -> str:
+    """Copy `local` to {run_id}/artifacts/{episode_id}{suffix} atomically; returns the stored path."""
     for what, value in (("run_id", run_id), ("episode_id", episode_id)):
         if not _SAFE_ID.match(value or ""):
             raise ValueError(f"{what} {value!r} cannot name a stored file")
     storage = Storage(storage_uri)
-    final = storage.path(run_id, "artifacts", f"{episode_id}.diff")
+    final = storage.path(run_id, "artifacts", f"{episode_id}{suffix}")
     storage.fs.create_dir(final.rsplit("/", 1)[0], recursive=True)
     temp = f"{final}.tmp-{uuid.uuid4().hex}"
     with open(local, "rb") as source, storage.fs.open_output_stream(temp) as out:

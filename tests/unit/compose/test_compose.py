@@ -8,7 +8,7 @@ import yaml
 
 from tests.support import REPO
 
-SERVICES = {"dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
+SERVICES = {"dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
 
 
 def compose():

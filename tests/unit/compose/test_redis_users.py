@@ -18,7 +18,7 @@ import yaml
 
 from tests.support import REPO, free_port
 
-SERVICES = {"dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
+SERVICES = {"dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
 USERS_FILE = REPO / "infra" / "redis-users.acl"
 
 
@@ -102,7 +102,7 @@ def test_service_users_are_refused_every_dangerous_command(acl_users, machine_re
 def test_service_users_write_only_what_they_own(acl_users, run_id, machine_redis_url):
     keys = {stream: f"rs:{run_id}:{stream}" for stream in
             ("prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead")}
-    writes = {"dispatcher": {"prompts"}, "agent-runner": {"prompts", "trajectories", "dead"},
+    writes = {"dispatcher": {"prompts"}, "gateway": {"trajectories"}, "agent-runner": {"prompts", "trajectories", "dead"},
               "sandbox-grader": {"trajectories", "grades", "dead"},
               "reward": {"trajectories", "grades", "dead", "rewards", "batches"},
               "trainer": {"batches", "dead", "policy"}, "recorder": set(keys)}
@@ -160,3 +160,23 @@ def test_the_start_script_gives_each_user_its_password_and_keeps_the_passwords_o
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_the_gateway_user_can_keep_sessions_and_publish_their_samples(acl_users, run_id, machine_redis_url):
+    """Everything the gateway does to Redis, as its own ACL user: a session, a turn, the finish."""
+    from rollstream.services.gateway.samples import publish_samples
+    from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
+    from rollstream.shared.contract.bus import Bus
+
+    _, client = acl_users["gateway"]
+    bus = Bus(client, run_id)
+    store = SessionStore(bus, ttl_s=60)
+    try:
+        session, _ = store.create(SessionSpec(rollout_id="r", group_id="g", trajectory_id="r", session_id="s"))
+        assert store.add_turn("s", "k", TurnNode(ROOT, [1, 2], [3], [-0.1], 0, 0, "stop", "http://v", "x", 0.0))
+        assert client.hgetall(bus.keys.fleet_versions) == {}  # reads the fleet's versions
+        assert store.finish("s", lambda pipe, samples: publish_samples(
+            bus, pipe, session, samples, status="completed", reward=1.0, response_text=None, artifacts={}, error=None))
+        assert len(bus.read_all("trajectories")) == 4  # started, turn, segment, finished
+    finally:
+        redis.Redis.from_url(machine_redis_url).delete(*redis.Redis.from_url(machine_redis_url).keys(f"rs:{run_id}:*"))

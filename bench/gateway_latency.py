@@ -1,0 +1,515 @@
+"""Latency the gateway adds to a turn, next to vLLM's own chat endpoint and LiteLLM's proxy on the same vLLM
+server, in the same run.
+
+Every agent holds a conversation of --turns non-streamed Chat Completions turns: the answer and a follow-up
+question are appended each time, so through the gateway every turn after the first continues its session's
+recorded tokens (services/gateway/prompts.py). The same agents send the same requests (temperature 0, a
+fixed seed, `ignore_eos`, so every turn samples exactly --max-tokens tokens) to
+
+    direct    vLLM's OpenAI server, /v1/chat/completions: it renders the chat template itself
+    gateway   one session per agent, {openai_base_url}/chat/completions (vLLM /v1/completions, token ids)
+    litellm   LiteLLM's proxy, `litellm --model hosted_vllm/<name> --api_base <vLLM>/v1`, when it starts
+
+At each number of concurrent sessions an untimed round of all three comes first (vLLM on the CPU speeds up
+over its first requests of a new batch shape), then --rounds timed rounds, the order rotating each round,
+so that vLLM's drift and the machine's other load hit the three alike. Each of the concurrent slots runs
+agents one after another until at least --min-turns turns were measured per round, so a single session
+gives percentiles too. Every agent has an HTTP client of its own, as separate agent processes would.
+
+    p50, p99      per-turn wall time at the client, from sending the request to the end of the response body
+    +p50, x p50   added latency against direct: the difference of the per-turn times at the same
+                  percentile, and their ratio (same for p99)
+    turns/s       turns answered / wall time of the rounds
+    tok/turn      completion tokens per turn as the endpoint reports them: --max-tokens when ignore_eos
+                  got through
+    failed        requests that failed (a turn, or creating or deleting a gateway session); each ends its
+                  conversation, and the most common errors are printed below the table
+    vLLM e2e      vLLM's own mean request time (vllm:e2e_request_latency_seconds) over the rounds: what the
+                  upstream spent on the turns, whichever path they took
+    CPU ms/turn   user + system CPU time of the endpoint's own process (gateway, LiteLLM proxy) per turn
+
+Below the table, for the gateway: its longest event-loop stall (its own gauge, the maximum since the
+process started, read before and after each level), its mean turn time inside run_turn
+(rollstream_gateway_turn_seconds) next to the client's, and the conversations it started: one per
+session when every later turn continued its session's tokens.
+
+vLLM, the gateway and a Redis (the machine's at --redis when it answers, else an embedded one) are
+started with cli/local_run.py; everything is stopped at the end, on an error or Ctrl-C too.
+
+    python bench/gateway_latency.py [--sessions 1,32] [--turns 3] [--max-tokens 8] [--rounds 2]
+        [--min-turns 48] [--litellm PATH | --no-litellm] [--redis redis://127.0.0.1:6379/0]
+
+--litellm: the `litellm` command of an environment with LiteLLM's proxy extra (default: the one beside
+this Python). When the proxy cannot start or answer, the output says why and the other two are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from rollstream.cli.local_run import LocalRun
+from rollstream.cli.vllm_server import free_port
+from rollstream.shared.runtime.config import Settings
+
+SEED = 1234
+QUESTIONS = ("What is 17 + 25?", "Name a prime number larger than 50.", "Say hello in French.",
+             "How many legs does a spider have?")
+FOLLOW_UP = "Go on, tell me more."
+DIRECT, GATEWAY, LITELLM = "direct", "gateway", "litellm"
+LITELLM_START_S = 180.0
+VLLM_E2E = "vllm:e2e_request_latency_seconds"
+GW_STALL = "rollstream_gateway_event_loop_stall_max_seconds"
+GW_TURN = "rollstream_gateway_turn_seconds"
+GW_STARTED = "rollstream_gateway_conversations_started_total"
+
+
+# ------------------------------------------------------------------------------------ pure helpers
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), interpolated linearly between the closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over its label sets} (`x_sum`, `x_count` apart)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def mean_of_histogram(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
+    """Mean observation of histogram `name` between two readings; None when nothing was observed."""
+    count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+    if count <= 0:
+        return None
+    return (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / count
+
+
+@dataclass
+class Measured:
+    """Every round of one endpoint at one concurrency, pooled."""
+
+    seconds: list[float] = field(default_factory=list)
+    """Per turn, client wall time."""
+    tokens: list[int] = field(default_factory=list)
+    """Per turn, completion tokens."""
+    wall_s: float = 0.0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+    vllm_requests: float = 0.0
+    vllm_request_s: float = 0.0
+    """Sum of vLLM's own request times (vllm:e2e_request_latency_seconds)."""
+    cpu_s: float | None = None
+    """CPU time of the endpoint's own process (the gateway's, LiteLLM's); None: not a process of its own."""
+
+    def fail(self, error: str) -> None:
+        self.failed += 1
+        self.errors.append(error)
+
+    def add(self, other: Measured) -> None:
+        self.seconds += other.seconds
+        self.tokens += other.tokens
+        self.wall_s += other.wall_s
+        self.failed += other.failed
+        self.errors += other.errors
+        self.vllm_requests += other.vllm_requests
+        self.vllm_request_s += other.vllm_request_s
+        if other.cpu_s is not None:
+            self.cpu_s = (self.cpu_s or 0.0) + other.cpu_s
+
+
+TABLE_HEADER = ["endpoint", "sessions", "turns", "p50 ms", "p99 ms", "+p50 ms", "x p50", "+p99 ms", "x p99",
+                "turns/s", "tok/turn", "failed", "vLLM e2e ms", "CPU ms/turn"]
+
+
+def table_row(name: str, sessions: int, measured: Measured, baseline: Measured | None) -> list[str]:
+    """One line of the table: percentiles in ms, added latency and ratio against the baseline, per-turn
+    means of vLLM's request time and of the endpoint process's CPU time."""
+    turns = len(measured.seconds)
+    if not turns:
+        return [name, str(sessions), "0", *["-"] * 8, str(measured.failed), "-", "-"]
+    p50, p99 = percentile(measured.seconds, 50), percentile(measured.seconds, 99)
+    added = ["-"] * 4
+    if baseline is not None and baseline.seconds and baseline is not measured:
+        b50, b99 = percentile(baseline.seconds, 50), percentile(baseline.seconds, 99)
+        added = [f"{(p50 - b50) * 1e3:+.1f}", f"{p50 / b50:.2f}", f"{(p99 - b99) * 1e3:+.1f}", f"{p99 / b99:.2f}"]
+    e2e = f"{measured.vllm_request_s / measured.vllm_requests * 1e3:.1f}" if measured.vllm_requests else "-"
+    cpu = "-" if measured.cpu_s is None else f"{measured.cpu_s / turns * 1e3:.1f}"
+    return [name, str(sessions), str(turns), f"{p50 * 1e3:.1f}", f"{p99 * 1e3:.1f}", *added,
+            f"{turns / measured.wall_s:.1f}" if measured.wall_s > 0 else "-",
+            f"{sum(measured.tokens) / turns:.1f}", str(measured.failed), e2e, cpu]
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Columns as wide as their widest cell; the first left-aligned, the others right-aligned."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(header), *(line(row) for row in rows)])
+
+
+# ------------------------------------------------------------------------------------------ endpoints
+class RequestFailed(Exception):
+    """A request of an agent failed; its conversation ends there."""
+
+
+async def request(client: httpx.AsyncClient, method: str, url: str, what: str, expect: int,
+                  **kwargs) -> httpx.Response:
+    try:
+        response = await client.request(method, url, **kwargs)
+    except httpx.HTTPError as exc:
+        raise RequestFailed(f"{what}: {type(exc).__name__}: {exc}") from exc
+    if response.status_code != expect:
+        raise RequestFailed(f"{what}: HTTP {response.status_code}: {response.text[:300]}")
+    return response
+
+
+class Endpoint:
+    """An OpenAI-compatible chat endpoint that needs nothing per agent; pid: the process serving it, whose
+    CPU time is counted (None: not counted)."""
+
+    def __init__(self, name: str, chat_url: str, model: str, pid: int | None = None) -> None:
+        self.name = name
+        self.chat_url = chat_url
+        self.model = model
+        self.pid = pid
+
+    async def open(self, client: httpx.AsyncClient, agent: str) -> tuple[str, dict[str, str]]:
+        return self.chat_url, {}
+
+    async def close(self, client: httpx.AsyncClient, agent: str) -> None:
+        pass
+
+
+class GatewayEndpoint(Endpoint):
+    """A gateway session per agent; deleted afterwards (nothing to train on in a bench)."""
+
+    def __init__(self, gateway_url: str, pid: int | None = None) -> None:
+        super().__init__(GATEWAY, "", "any", pid)
+        self.gateway_url = gateway_url
+
+    async def open(self, client: httpx.AsyncClient, agent: str) -> tuple[str, dict[str, str]]:
+        body = {"rollout_id": agent, "group_id": agent, "session_id": agent,
+                "sampling": {"temperature": 0, "seed": SEED, "ignore_eos": True}}
+        session = (await request(client, "POST", f"{self.gateway_url}/v1/sessions", "create session", 201,
+                                 json=body)).json()
+        return f"{session['openai_base_url']}/chat/completions", {"Authorization": f"Bearer {session['api_key']}"}
+
+    async def close(self, client: httpx.AsyncClient, agent: str) -> None:
+        await request(client, "DELETE", f"{self.gateway_url}/v1/sessions/{agent}", "delete session", 204)
+
+
+def next_messages(message: dict) -> list[dict]:
+    """What an agent appends after an answer: the answer as it came, then tool results or a follow-up."""
+    calls = message.get("tool_calls") or []
+    answer = {"role": "assistant", "content": message.get("content") or ""}
+    if not calls:
+        return [answer, {"role": "user", "content": FOLLOW_UP}]
+    answer["tool_calls"] = [{"id": c["id"], "type": "function", "function": c["function"]} for c in calls]
+    return [answer, *({"role": "tool", "tool_call_id": c["id"], "content": "0"} for c in calls)]
+
+
+async def converse(client: httpx.AsyncClient, endpoint: Endpoint, agent: str, question: str, turns: int,
+                   max_tokens: int, out: Measured) -> None:
+    try:
+        url, headers = await endpoint.open(client, agent)
+    except RequestFailed as exc:
+        out.fail(str(exc))
+        return
+    try:
+        messages: list[dict] = [{"role": "user", "content": question}]
+        for _ in range(turns):
+            body = {"model": endpoint.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                    "seed": SEED, "ignore_eos": True}
+            started = time.perf_counter()
+            response = await request(client, "POST", url, "turn", 200, json=body, headers=headers)
+            out.seconds.append(time.perf_counter() - started)
+            answer = response.json()
+            out.tokens.append(answer["usage"]["completion_tokens"])
+            messages += next_messages(answer["choices"][0]["message"])
+    except RequestFailed as exc:
+        out.fail(str(exc))
+    finally:
+        try:
+            await endpoint.close(client, agent)
+        except RequestFailed as exc:
+            out.fail(str(exc))
+
+
+async def run_round(endpoint: Endpoint, sessions: int, agents_per_slot: int, turns: int, max_tokens: int,
+                    tag: str) -> Measured:
+    """`sessions` slots at once, each running its agents one after another; the clock runs from the first
+    turn to the last (a gateway session is opened when its agent starts: part of the wall time, not of
+    any turn's). Each slot has an HTTP client of its own, as separate agents do: one shared pool of
+    hundreds of connections costs httpx time quadratic in its size, which would load the client, not the
+    endpoint."""
+    out = Measured()
+
+    async def slot(index: int) -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as client:
+            for k in range(agents_per_slot):
+                await converse(client, endpoint, f"{tag}-{index}-{k}", QUESTIONS[(index + k) % len(QUESTIONS)],
+                               turns, max_tokens, out)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(slot(i) for i in range(sessions)))
+    out.wall_s = time.perf_counter() - started
+    return out
+
+
+# -------------------------------------------------------------------------------------------- LiteLLM
+class LiteLLMProxy:
+    """LiteLLM's proxy as a process of its own (own process group, so stop() reaches its workers)."""
+
+    def __init__(self, command: str, vllm_url: str, served_name: str, log_path: Path) -> None:
+        self.command = command
+        self.vllm_url = vllm_url
+        self.served_name = served_name
+        self.log_path = log_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+        self.version = "?"
+
+    def start(self) -> None:
+        """Start it and wait until it answers; RuntimeError saying why it did not."""
+        # No remote model-cost map and no telemetry: this machine reaches no outside host, and a lookup
+        # timing out would be counted as the proxy's start, or worse, its latency.
+        env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [self.command, "--model", f"hosted_vllm/{self.served_name}", "--api_base", f"{self.vllm_url}/v1",
+                 "--host", "127.0.0.1", "--port", str(self.port), "--telemetry", "False"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + LITELLM_START_S
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the proxy exited with code {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                response = httpx.get(f"{self.url}/health/readiness", timeout=2)
+                if response.status_code == 200:
+                    self.version = response.json().get("litellm_version", "?")
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the proxy did not answer in {LITELLM_START_S:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, lines: int = 15) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                process.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def default_litellm() -> str | None:
+    beside = Path(sys.executable).with_name("litellm")
+    return str(beside) if beside.exists() else shutil.which("litellm")
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def scrape(url: str) -> dict[str, float]:
+    return metric_totals(httpx.get(url, timeout=10).text)
+
+
+def machine_redis(url: str) -> str | None:
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+    except redis.RedisError:
+        return None
+    return url
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process and its living children so far."""
+    total = 0.0
+    try:
+        process = psutil.Process(pid)
+        family = [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return total
+    for member in family:
+        with contextlib.suppress(psutil.Error):
+            times = member.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def timed_round(endpoint: Endpoint, shape: tuple[int, int, int, int], tag: str, vllm_metrics: str) -> Measured:
+    metrics = scrape(vllm_metrics)
+    cpu = cpu_seconds(endpoint.pid) if endpoint.pid else 0.0
+    measured = asyncio.run(run_round(endpoint, *shape, tag=tag))
+    if endpoint.pid:
+        measured.cpu_s = cpu_seconds(endpoint.pid) - cpu
+    after = scrape(vllm_metrics)
+    measured.vllm_requests = after.get(f"{VLLM_E2E}_count", 0.0) - metrics.get(f"{VLLM_E2E}_count", 0.0)
+    measured.vllm_request_s = after.get(f"{VLLM_E2E}_sum", 0.0) - metrics.get(f"{VLLM_E2E}_sum", 0.0)
+    return measured
+
+
+def failure_note(name: str, sessions: int, measured: Measured) -> str:
+    common = "; ".join(f"{n} x {error}" for error, n in Counter(measured.errors).most_common(3))
+    return f"{name}, {sessions} sessions: {measured.failed} requests failed (each ends its conversation): {common}"
+
+
+def measure_level(endpoints: list[Endpoint], sessions: int, args: argparse.Namespace, vllm_metrics: str,
+                  gateway_metrics: str) -> tuple[dict[str, Measured], list[str]]:
+    """The untimed round and the timed rounds at one concurrency; returns the pooled rounds per endpoint
+    and what is to be said about them. An endpoint whose untimed round failed every turn is left out."""
+    agents_per_slot = max(1, math.ceil(args.min_turns / (sessions * args.turns)))
+    shape = (sessions, agents_per_slot, args.turns, args.max_tokens)
+    notes: list[str] = []
+    stall_before = scrape(gateway_metrics).get(GW_STALL, 0.0)
+    for endpoint in list(endpoints):
+        warm = asyncio.run(run_round(endpoint, *shape, tag=f"warm-{sessions}-{uuid.uuid4().hex[:6]}"))
+        if not warm.seconds:
+            endpoints.remove(endpoint)
+            notes.append(f"{endpoint.name}: NOT MEASURED, every turn of the untimed round failed: {warm.errors[0]}")
+        elif warm.failed:
+            notes.append(failure_note(f"{endpoint.name} (untimed round)", sessions, warm))
+    pooled = {endpoint.name: Measured() for endpoint in endpoints}
+    gw_before = scrape(gateway_metrics)
+    for round_index in range(args.rounds):
+        shift = round_index % len(endpoints)
+        for endpoint in endpoints[shift:] + endpoints[:shift]:
+            tag = f"r{round_index}-{sessions}-{uuid.uuid4().hex[:6]}"
+            pooled[endpoint.name].add(timed_round(endpoint, shape, tag, vllm_metrics))
+    gw_after = scrape(gateway_metrics)
+    if GATEWAY in pooled and pooled[GATEWAY].seconds:
+        gw = pooled[GATEWAY]
+        inside = mean_of_histogram(gw_before, gw_after, GW_TURN) or 0.0
+        started = gw_after.get(GW_STARTED, 0) - gw_before.get(GW_STARTED, 0)
+        stall = gw_after.get(GW_STALL, 0.0)
+        when = (f"set during this level; {stall_before * 1e3:.1f} ms before it" if stall > stall_before
+                else "not longer during this level")
+        notes.append(f"gateway, {sessions} sessions: longest event-loop stall since its start {stall * 1e3:.1f} ms "
+                     f"({when}); mean turn inside run_turn {inside * 1e3:.1f} ms, as the client saw it "
+                     f"{sum(gw.seconds) / len(gw.seconds) * 1e3:.1f} ms; {started:.0f} conversations started "
+                     f"for {sessions * agents_per_slot * args.rounds} sessions")
+    notes += [failure_note(name, sessions, m) for name, m in pooled.items() if m.failed]
+    return pooled, notes
+
+
+def run_bench(args: argparse.Namespace, levels: list[int], workdir: Path) -> str:
+    """Start everything, measure every level, stop everything; the report."""
+    redis_url = machine_redis(args.redis)
+    overrides = {"model": {"path": args.model}} if args.model else {}
+    settings = Settings(run_id=f"bench-gw-{uuid.uuid4().hex[:8]}", redis_url=redis_url,
+                        storage_uri=str(workdir / "runs"), recorder={"enabled": False}, **overrides)
+    local = LocalRun(settings, services=("gateway",))
+    proxy: LiteLLMProxy | None = None
+    litellm_note = "litellm: not measured: --no-litellm"
+    try:
+        print(f"starting vLLM (CPU) and the gateway; Redis: {redis_url or 'embedded'}", flush=True)
+        local.start()
+        vllm_url, served = local.settings.fleet.urls[0], local.settings.model.served_name
+        endpoints: list[Endpoint] = [Endpoint(DIRECT, f"{vllm_url}/v1/chat/completions", served),
+                                     GatewayEndpoint(local.settings.gateway.url, local.processes["gateway"].pid)]
+        if not args.no_litellm and not args.litellm:
+            litellm_note = "litellm: NOT MEASURED: no `litellm` command found (give --litellm PATH)"
+        elif not args.no_litellm:
+            proxy = LiteLLMProxy(args.litellm, vllm_url, served, workdir / "litellm.log")
+            try:
+                proxy.start()
+                endpoints.append(Endpoint(LITELLM, f"{proxy.url}/v1/chat/completions", f"hosted_vllm/{served}",
+                                          proxy.process.pid))
+                litellm_note = f"litellm: {proxy.version} ({args.litellm})"
+            except RuntimeError as exc:
+                litellm_note = f"litellm: NOT MEASURED, its proxy did not start ({args.litellm}): {exc}"
+                proxy.stop()
+                proxy = None
+        print(litellm_note, flush=True)
+        vllm_metrics = f"{vllm_url}/metrics"
+        gateway_metrics = f"http://127.0.0.1:{local.health_ports['gateway']}/metrics"
+        rows: list[list[str]] = []
+        start_stall = scrape(gateway_metrics).get(GW_STALL, 0.0)
+        notes = [f"gateway: longest event-loop stall before any turn (start-up) {start_stall * 1e3:.1f} ms"]
+        for sessions in levels:
+            print(f"measuring {sessions} concurrent sessions ...", flush=True)
+            pooled, level_notes = measure_level(endpoints, sessions, args, vllm_metrics, gateway_metrics)
+            rows += [table_row(name, sessions, measured, pooled.get(DIRECT)) for name, measured in pooled.items()]
+            notes += level_notes
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        local.stop()
+        if local.bus is not None and redis_url:
+            local.bus.delete_run()
+    heading = (f"{args.turns}-turn conversations, {args.max_tokens} tokens a turn (ignore_eos, temperature 0), "
+               f"non-streamed; {args.rounds} timed rounds per level after an untimed one, the order rotating; "
+               f"one vLLM server (CPU) serving {served}")
+    return "\n".join([heading, litellm_note, format_table(TABLE_HEADER, rows), *notes])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", default="1,32", help="comma-separated numbers of concurrent sessions")
+    parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per endpoint and level")
+    parser.add_argument("--min-turns", type=int, default=48, help="least turns measured per endpoint and round")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0",
+                        help="used when it answers; else an embedded Redis is started")
+    parser.add_argument("--litellm", default=default_litellm(), help="the litellm command (proxy extra installed)")
+    parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--model", type=Path, default=None, help="model directory (default: the run's default)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs of every process)")
+    args = parser.parse_args()
+    levels = [int(n) for n in args.sessions.split(",")]
+    # SIGTERM unwinds like Ctrl-C, so run_bench's finally stops what it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    workdir = Path(tempfile.mkdtemp(prefix="rs-gateway-latency-"))
+    try:
+        report = run_bench(args, levels, workdir)
+    finally:
+        if args.keep:
+            print(f"logs: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print()
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

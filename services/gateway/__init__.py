@@ -1,0 +1,1 @@
+"""Gateway service: OpenAI- and Anthropic-compatible sessions for agents rollstream did not write."""

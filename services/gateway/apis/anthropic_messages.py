@@ -1,0 +1,282 @@
+"""Anthropic Messages (`POST /v1/messages`, `POST /v1/messages/count_tokens`): the request into a
+`ChatRequest`, a generation back as a `message` object or as the Messages event stream.
+
+`system` is a string or text blocks (joined with newlines). A user turn's `tool_result` blocks
+become canonical `tool` messages, in the order of the blocks, and its text blocks a user message
+(a result marked `is_error` has its content prefixed with "Error: ", the only way the template can
+tell the model). An assistant turn's `tool_use` blocks become its tool calls and its text blocks
+its content, joined with nothing between (the gateway splits one sampled text into blocks around
+the calls); `thinking` blocks are skipped. Tools are custom tools `{name, description,
+input_schema}`; `tool_choice` auto, any (as "required"), tool, none (tools dropped). `thinking`,
+`metadata`, `cache_control` and the like are accepted and ignored.
+
+Refused with a 400 that says so: images and documents, Anthropic-defined and server tools (a
+`type` other than "custom"), `top_k`, a `system` role inside `messages`, and a missing
+`max_tokens` on `/v1/messages`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rollstream.services.gateway.apis.canonical import (
+    ChatRequest,
+    FinishReason,
+    Generation,
+    RequestError,
+    StreamEnd,
+    StreamEvent,
+    TextDelta,
+    ToolCallDelta,
+    ToolChoice,
+    Tools,
+    bool_field,
+    canonical_tool_call,
+    choose_tools,
+    function_tool,
+    int_field,
+    model_field,
+    name_tool_messages,
+    named_tool_choice,
+    number_field,
+    require_list,
+    require_object,
+    require_str,
+    sse,
+    stop_field,
+    tool_list,
+    unsupported,
+)
+from rollstream.services.gateway.apis.errors import anthropic_error, request_error_of
+
+SKIPPED_BLOCKS = ("thinking", "redacted_thinking")
+ERROR_PREFIX = "Error: "
+
+
+def parse_messages(body: Any) -> ChatRequest:
+    return _parse(body, max_tokens_required=True)
+
+
+def parse_count_tokens(body: Any) -> ChatRequest:
+    """The body of `/v1/messages/count_tokens`: a Messages request without `max_tokens`."""
+    return _parse(body, max_tokens_required=False)
+
+
+def _parse(body: Any, *, max_tokens_required: bool) -> ChatRequest:
+    body = require_object(body, "body")
+    model = model_field(body)
+    if max_tokens_required and body.get("max_tokens") is None:
+        raise RequestError(400, "max_tokens is required", "max_tokens")
+    if body.get("top_k") is not None:
+        raise unsupported("top_k", "top_k")
+    messages: list[dict[str, Any]] = []
+    if body.get("system") is not None:
+        system = _text(body["system"], "system", joiner="\n")
+        if system:
+            messages.append({"role": "system", "content": system})
+    for i, message in enumerate(require_list(body.get("messages"), "messages", non_empty=True)):
+        messages += _turn(require_object(message, f"messages[{i}]"), f"messages[{i}]")
+    tools = _tools(body.get("tools"))
+    tool_choice, tools = _tool_choice(body.get("tool_choice"), tools)
+    return ChatRequest(
+        model=model,
+        messages=name_tool_messages(messages),
+        tools=tools,
+        tool_choice=tool_choice,
+        max_tokens=int_field(body, "max_tokens", minimum=1),
+        temperature=number_field(body, "temperature", minimum=0, maximum=1),
+        top_p=number_field(body, "top_p", minimum=0, maximum=1),
+        stop=stop_field(body, "stop_sequences"),
+        stream=bool_field(body, "stream"),
+    )
+
+
+def _text(content: Any, param: str, *, joiner: str) -> str:
+    """A string, or text blocks joined."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, block in enumerate(require_list(content, param)):
+        block = require_object(block, f"{param}[{i}]")
+        if block.get("type") != "text":
+            raise unsupported(f"content block type {block.get('type')!r} in {param}", f"{param}[{i}].type",
+                              "only text blocks are")
+        texts.append(require_str(block.get("text"), f"{param}[{i}].text"))
+    return joiner.join(texts)
+
+
+def _turn(message: dict[str, Any], param: str) -> list[dict[str, Any]]:
+    role = message.get("role")
+    if role == "system":
+        raise RequestError(400, f"{param}.role 'system' is not allowed in messages: use the top-level "
+                                "`system`", f"{param}.role")
+    if role not in ("user", "assistant"):
+        raise RequestError(400, f"{param}.role must be 'user' or 'assistant', not {role!r}", f"{param}.role")
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    blocks = [require_object(block, f"{param}.content[{j}]")
+              for j, block in enumerate(require_list(content, f"{param}.content", non_empty=True))]
+    return _assistant_turn(blocks, param) if role == "assistant" else _user_turn(blocks, param)
+
+
+def _assistant_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+    texts, calls = [], []
+    for j, block in enumerate(blocks):
+        where = f"{param}.content[{j}]"
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(require_str(block.get("text"), f"{where}.text"))
+        elif kind == "tool_use":
+            calls.append(canonical_tool_call(require_str(block.get("id"), f"{where}.id", non_empty=True),
+                                             require_str(block.get("name"), f"{where}.name", non_empty=True),
+                                             require_object(block.get("input", {}), f"{where}.input")))
+        elif kind not in SKIPPED_BLOCKS:
+            raise unsupported(f"content block type {kind!r} in an assistant turn", f"{where}.type",
+                              "only text, tool_use and thinking blocks are")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        where = f"{param}.content[{j}]"
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(require_str(block.get("text"), f"{where}.text"))
+        elif kind == "tool_result":
+            if texts:
+                messages.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            result = _text(block.get("content", ""), f"{where}.content", joiner="\n")
+            if bool_field(block, "is_error"):
+                result = ERROR_PREFIX + result
+            messages.append({"role": "tool", "content": result,
+                             "tool_call_id": require_str(block.get("tool_use_id"), f"{where}.tool_use_id",
+                                                         non_empty=True)})
+        else:
+            raise unsupported(f"content block type {kind!r} in a user turn", f"{where}.type",
+                              "only text and tool_result blocks are")
+    if texts:
+        messages.append({"role": "user", "content": "\n".join(texts)})
+    return messages
+
+
+def _tools(tools: Any) -> Tools:
+    if tools is None:
+        return None
+    canonical = []
+    for i, tool in enumerate(require_list(tools, "tools")):
+        tool = require_object(tool, f"tools[{i}]")
+        if tool.get("type") not in (None, "custom"):
+            raise unsupported(f"tool type {tool.get('type')!r}", f"tools[{i}].type",
+                              "define the tool as a custom tool with an input_schema")
+        if tool.get("input_schema") is None:
+            raise RequestError(400, f"tools[{i}].input_schema is required", f"tools[{i}].input_schema")
+        canonical.append(function_tool(tool.get("name"), tool.get("description"), tool["input_schema"],
+                                       f"tools[{i}]"))
+    return tool_list(canonical, "tools")
+
+
+def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
+    if choice is None:
+        return "auto", tools
+    kind = require_object(choice, "tool_choice").get("type")
+    if kind in ("auto", "none", "any"):
+        return choose_tools("required" if kind == "any" else kind, tools, "tool_choice")
+    if kind == "tool":
+        return named_tool_choice(choice.get("name"), tools, "tool_choice.name"), tools
+    raise RequestError(400, f"tool_choice.type must be auto, any, tool or none, not {kind!r}",
+                       "tool_choice.type")
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+
+def _stop_reason(finish_reason: FinishReason, called_tools: bool, stop_sequence: str | None) -> str:
+    if finish_reason == "length":
+        return "max_tokens"
+    if called_tools:
+        return "tool_use"
+    return "end_turn" if stop_sequence is None else "stop_sequence"
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+
+
+def messages_response(gen: Generation, *, model: str, message_id: str) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": gen.text}] if gen.text else []
+    content += [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
+                for call in gen.tool_calls]
+    stop_reason = _stop_reason(gen.finish_reason, bool(gen.tool_calls), gen.stop_sequence)
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": gen.stop_sequence if stop_reason == "stop_sequence" else None,
+            "usage": _usage(gen.prompt_tokens, gen.completion_tokens)}
+
+
+def count_tokens_response(input_tokens: int) -> dict[str, int]:
+    return {"input_tokens": input_tokens}
+
+
+async def messages_sse(events: AsyncIterator[StreamEvent], *, model: str, message_id: str,
+                       prompt_tokens: int = 0) -> AsyncIterator[str]:
+    """The Messages event stream: `message_start` (its usage counts `prompt_tokens`, when the core
+    knows them before sampling), `ping`, per block `content_block_start`, `content_block_delta`
+    (`text_delta`, or one `input_json_delta` with a call's whole input), `content_block_stop`, then
+    `message_delta` with the stop reason and the final usage, and `message_stop`. Text after a call
+    opens a new text block. A failure of the generation ends it with an `error` event (the SDK
+    raises it)."""
+    yield sse({"type": "message_start", "message": {
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0)}}, "message_start")
+    yield sse({"type": "ping"}, "ping")
+    block_count = 0
+    text_block_open = called_tools = False
+    try:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                if not text_block_open:
+                    yield sse({"type": "content_block_start", "index": block_count,
+                               "content_block": {"type": "text", "text": ""}}, "content_block_start")
+                    text_block_open = True
+                    block_count += 1
+                yield sse({"type": "content_block_delta", "index": block_count - 1,
+                           "delta": {"type": "text_delta", "text": event.text}}, "content_block_delta")
+                continue
+            if text_block_open:
+                yield sse({"type": "content_block_stop", "index": block_count - 1}, "content_block_stop")
+                text_block_open = False
+            if isinstance(event, ToolCallDelta):
+                called_tools = True
+                call = event.call
+                tool_use = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+                yield sse({"type": "content_block_start", "index": block_count, "content_block": tool_use},
+                          "content_block_start")
+                yield sse({"type": "content_block_delta", "index": block_count,
+                           "delta": {"type": "input_json_delta",
+                                     "partial_json": json.dumps(call.arguments, ensure_ascii=False)}},
+                          "content_block_delta")
+                yield sse({"type": "content_block_stop", "index": block_count}, "content_block_stop")
+                block_count += 1
+            elif isinstance(event, StreamEnd):
+                stop_reason = _stop_reason(event.finish_reason, called_tools, event.stop_sequence)
+                yield sse({"type": "message_delta",
+                           "delta": {"stop_reason": stop_reason,
+                                     "stop_sequence": event.stop_sequence if stop_reason == "stop_sequence"
+                                     else None},
+                           "usage": _usage(event.prompt_tokens, event.completion_tokens)}, "message_delta")
+                yield sse({"type": "message_stop"}, "message_stop")
+                return
+        raise RuntimeError("the generation ended without a finish reason")
+    except Exception as e:  # noqa: BLE001 - the 200 is out: every failure must reach the client as an error event
+        error = request_error_of(e)
+        yield sse(anthropic_error(error.status, error.message), "error")

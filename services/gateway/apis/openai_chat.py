@@ -1,0 +1,257 @@
+"""OpenAI Chat Completions (`POST /v1/chat/completions`): the request into a `ChatRequest`, a
+generation back as a `chat.completion` object or a stream of `chat.completion.chunk` events.
+
+Accepted as sent: roles system, developer (as system), user, assistant, tool; content as a string
+or a list of text parts; `tool_calls` with `arguments` as a JSON string; `max_completion_tokens`
+or the older `max_tokens`; `stop`, `seed`, `temperature`, `top_p`, `tool_choice`,
+`stream_options.include_usage`.
+
+Refused with a 400 that says so: images, audio and files; more than one choice (`n`); the legacy
+`functions` / `function_call` / `function` role; structured output (`response_format` other than
+text); sampling changes the gateway does not make (`frequency_penalty`, `presence_penalty`,
+`logit_bias`). Other fields (`user`, `metadata`, `store`, `parallel_tool_calls`, `logprobs`, ...)
+are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rollstream.services.gateway.apis.canonical import (
+    ChatRequest,
+    Generation,
+    RequestError,
+    StreamEnd,
+    StreamEvent,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    Tools,
+    arguments_from_json,
+    bool_field,
+    canonical_tool_call,
+    choose_tools,
+    final_finish_reason,
+    function_tool,
+    int_field,
+    model_field,
+    name_tool_messages,
+    named_tool_choice,
+    number_field,
+    require_list,
+    require_object,
+    require_str,
+    sse,
+    stop_field,
+    tool_list,
+    unsupported,
+)
+from rollstream.services.gateway.apis.errors import openai_error, request_error_of
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+def parse_chat_completions(body: Any) -> ChatRequest:
+    body = require_object(body, "body")
+    model = model_field(body)
+    _refuse_unsupported(body)
+    messages = [_message(message, f"messages[{i}]")
+                for i, message in enumerate(require_list(body.get("messages"), "messages", non_empty=True))]
+    tools = _tools(body.get("tools"))
+    tool_choice, tools = _tool_choice(body.get("tool_choice"), tools)
+    stream_options = require_object(body.get("stream_options") or {}, "stream_options")
+    max_completion_tokens = int_field(body, "max_completion_tokens", minimum=1)
+    return ChatRequest(
+        model=model,
+        messages=name_tool_messages(messages),
+        tools=tools,
+        tool_choice=tool_choice,
+        max_tokens=max_completion_tokens if max_completion_tokens is not None
+        else int_field(body, "max_tokens", minimum=1),
+        temperature=number_field(body, "temperature", minimum=0, maximum=2),
+        top_p=number_field(body, "top_p", minimum=0, maximum=1),
+        stop=stop_field(body, "stop"),
+        seed=int_field(body, "seed", minimum=-(2**63)),
+        stream=bool_field(body, "stream"),
+        include_usage=bool_field(stream_options, "include_usage"),
+    )
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    n = int_field(body, "n", minimum=1)
+    if n not in (None, 1):
+        raise RequestError(400, f"n must be 1 (got {n}): this gateway samples one choice per request", "n")
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise unsupported("the legacy `functions` / `function_call` parameters",
+                          "functions" if body.get("functions") is not None else "function_call",
+                          "use `tools` and `tool_choice`")
+    response_format = body.get("response_format")
+    if response_format is not None \
+            and require_object(response_format, "response_format").get("type") != "text":
+        raise unsupported(f"response_format {response_format.get('type')!r}", "response_format",
+                          "there is no structured output: describe the format in the prompt")
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if number_field(body, penalty, minimum=-2, maximum=2):
+            raise unsupported(f"a non-zero {penalty}", penalty)
+    if body.get("logit_bias"):
+        raise unsupported("logit_bias", "logit_bias")
+
+
+def _text(content: Any, param: str, *, role: str) -> str:
+    """Content as a string: given as one, as null (an assistant turn of tool calls only), or as a
+    list of text parts, joined with newlines (the parts of an assistant turn with nothing between)."""
+    if content is None:
+        if role == "assistant":
+            return ""
+        raise RequestError(400, f"{param} is required for a {role} message", param)
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(require_list(content, param)):
+        part = require_object(part, f"{param}[{i}]")
+        if part.get("type") != "text":
+            raise unsupported(f"content part type {part.get('type')!r}", f"{param}[{i}].type",
+                              "only text parts are")
+        texts.append(require_str(part.get("text"), f"{param}[{i}].text"))
+    return ("" if role == "assistant" else "\n").join(texts)
+
+
+def _message(message: Any, param: str) -> dict[str, Any]:
+    message = require_object(message, param)
+    role = message.get("role")
+    if role == "function":
+        raise unsupported("the legacy `function` role", f"{param}.role",
+                          "answer tool calls with `tool` messages")
+    if role not in ROLES:
+        raise RequestError(400, f"{param}.role must be one of {', '.join(ROLES)}, not {role!r}",
+                           f"{param}.role")
+    role = ROLES[role]
+    canonical: dict[str, Any] = {"role": role, "content": _text(message.get("content"), f"{param}.content",
+                                                                role=role)}
+    if role == "assistant":
+        if message.get("function_call") is not None:
+            raise unsupported("the legacy assistant `function_call`", f"{param}.function_call",
+                              "use `tool_calls`")
+        wire_calls = require_list(message.get("tool_calls") or [], f"{param}.tool_calls")
+        calls = [_tool_call(call, f"{param}.tool_calls[{j}]") for j, call in enumerate(wire_calls)]
+        if calls:
+            canonical["tool_calls"] = calls
+    elif role == "tool":
+        canonical["tool_call_id"] = require_str(message.get("tool_call_id"), f"{param}.tool_call_id",
+                                                non_empty=True)
+    return canonical
+
+
+def _tool_call(call: Any, param: str) -> dict[str, Any]:
+    call = require_object(call, param)
+    if call.get("type", "function") != "function":
+        raise unsupported(f"tool call type {call.get('type')!r}", f"{param}.type", "only function calls are")
+    function = require_object(call.get("function"), f"{param}.function")
+    arguments = arguments_from_json(function.get("arguments", ""), f"{param}.function.arguments")
+    return canonical_tool_call(require_str(call.get("id"), f"{param}.id", non_empty=True),
+                               require_str(function.get("name"), f"{param}.function.name", non_empty=True),
+                               arguments)
+
+
+def _tools(tools: Any) -> Tools:
+    if tools is None:
+        return None
+    canonical = []
+    for i, tool in enumerate(require_list(tools, "tools")):
+        tool = require_object(tool, f"tools[{i}]")
+        if tool.get("type") != "function":
+            raise unsupported(f"tool type {tool.get('type')!r}", f"tools[{i}].type",
+                              "only function tools are")
+        function = require_object(tool.get("function"), f"tools[{i}].function")
+        canonical.append(function_tool(function.get("name"), function.get("description"),
+                                       function.get("parameters"), f"tools[{i}].function"))
+    return tool_list(canonical, "tools")
+
+
+def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
+    if choice is None:
+        return "auto", tools
+    if choice in ("auto", "none", "required"):
+        return choose_tools(choice, tools, "tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = require_object(choice.get("function"), "tool_choice.function")
+        return named_tool_choice(function.get("name"), tools, "tool_choice.function.name"), tools
+    raise RequestError(400, "tool_choice must be 'auto', 'none', 'required' or "
+                            f"{{'type': 'function', 'function': {{'name': ...}}}}, not {choice!r}",
+                       "tool_choice")
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+
+def _wire_tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    wire: dict[str, Any] = {} if index is None else {"index": index}
+    wire |= {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return wire
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_completion_response(gen: Generation, *, model: str, response_id: str,
+                             created: int) -> dict[str, Any]:
+    # OpenAI sends null content for a turn of tool calls only; clients such as LangChain expect it.
+    message: dict[str, Any] = {"role": "assistant", "content": gen.text or (None if gen.tool_calls else ""),
+                               "refusal": None}
+    if gen.tool_calls:
+        message["tool_calls"] = [_wire_tool_call(call) for call in gen.tool_calls]
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": final_finish_reason(gen.finish_reason, bool(gen.tool_calls))}],
+        "usage": _usage(gen.prompt_tokens, gen.completion_tokens),
+        "system_fingerprint": None,
+    }
+
+
+async def chat_completion_sse(events: AsyncIterator[StreamEvent], *, model: str, response_id: str,
+                              created: int, include_usage: bool = False) -> AsyncIterator[str]:
+    """The stream of a generation: a chunk with the role, one per text delta and per tool call, one
+    with the finish reason, the usage chunk when asked for, then `data: [DONE]`. A failure of the
+    generation ends the stream with an OpenAI error object (the SDK raises it as an APIError)."""
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        data: dict[str, Any] = {
+            "id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if include_usage:
+            data["usage"] = None  # every chunk but the last carries a null usage when usage is asked for
+        return sse(data)
+
+    yield chunk({"role": "assistant", "content": ""})
+    called_tools = False
+    try:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                yield chunk({"content": event.text})
+            elif isinstance(event, ToolCallDelta):
+                called_tools = True
+                yield chunk({"tool_calls": [_wire_tool_call(event.call, event.index)]})
+            elif isinstance(event, StreamEnd):
+                yield chunk({}, final_finish_reason(event.finish_reason, called_tools))
+                if include_usage:
+                    yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                               "model": model, "system_fingerprint": None, "choices": [],
+                               "usage": _usage(event.prompt_tokens, event.completion_tokens)})
+                yield "data: [DONE]\n\n"
+                return
+        raise RuntimeError("the generation ended without a finish reason")
+    except Exception as e:  # noqa: BLE001 - the 200 is out: every failure must reach the client as an error chunk
+        error = request_error_of(e)
+        yield sse(openai_error(error.status, error.message, error.param, error.kind))

@@ -1,0 +1,235 @@
+"""Gateway sessions in Redis: what a session is, and the tree of its turns.
+
+Every gateway replica is stateless: a session's settings and every turn it sampled live under
+`rs:{run}:state:gateway:session:{id}` (a hash), `...:nodes` (turn nodes by key) and `...:parents` (the
+keys of nodes that have a child), so any replica serves any turn and a killed replica loses nothing.
+Every key expires session_ttl_s after the session's last request.
+
+A turn node is one generation: the tokens appended before it (prompt, or template glue and the new
+messages, tokenized once: loss_mask 0), the ids vLLM sampled with their logprobs (loss_mask 1), the
+policy versions, and its parent node. A node's key is a digest of the conversation it closes: the tools,
+then every message up to and including the assistant message the gateway answered with, each as
+`message_key` normalises it. A request whose history holds such a prefix continues from that node; a
+history edited, compacted or branched past a node forks there (a second child), or starts a new root
+when nothing matches. At finish every leaf (a node without a child) is one training sample; they share
+the session's rollout id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import redis
+
+from rollstream.shared.contract.bus import Bus
+
+ROOT = ""
+"""Parent key of a node that starts a conversation."""
+
+
+@dataclass
+class SessionSpec:
+    """What a session is created with: the sample it becomes and how to sample it."""
+
+    rollout_id: str
+    group_id: str
+    trajectory_id: str
+    session_id: str
+    sample_index: int = 0
+    group_size: int = 1
+    label: str | None = None
+    reward_fn: str = "exact_match"
+    sandbox_check: str | None = None
+    grader: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Defaults for every turn: temperature, max_tokens, top_p, seed (a request's own values win), and
+    min_tokens, ignore_eos (passed to vLLM)."""
+    time_budget_s: float | None = None
+
+
+@dataclass
+class Session:
+    spec: SessionSpec
+    key_digest: str
+    status: str
+    """open, or finished"""
+    created_at: float
+    turns: int = 0
+
+    @property
+    def deadline(self) -> float | None:
+        return self.created_at + self.spec.time_budget_s if self.spec.time_budget_s else None
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.deadline is not None and (now or time.time()) > self.deadline
+
+    def accepts(self, api_key: str | None) -> bool:
+        return api_key is not None and hmac.compare_digest(_digest(api_key), self.key_digest)
+
+    def describe(self) -> dict[str, Any]:
+        return {"session_id": self.spec.session_id, "status": self.status, "turns": self.turns,
+                "rollout_id": self.spec.rollout_id, "group_id": self.spec.group_id,
+                "created_at": self.created_at, "deadline": self.deadline}
+
+
+class TurnNode(msgspec.Struct, frozen=True):
+    parent: str
+    appended_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    policy_version_end: int
+    finish_reason: str
+    server_url: str
+    response_text: str
+    created_at: float
+
+
+_encoder = msgspec.msgpack.Encoder()
+_node_decoder = msgspec.msgpack.Decoder(TurnNode)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def conversation_keys(tools_key: str, message_keys: list[str]) -> list[str]:
+    """The node key of every prefix of the conversation: keys[i] closes messages[: i + 1]."""
+    running = hashlib.blake2b(tools_key.encode(), digest_size=16)
+    keys = []
+    for key in message_keys:
+        running.update(b"\x00" + key.encode())
+        keys.append(running.copy().hexdigest())
+    return keys
+
+
+class SessionStore:
+    """Sessions of one run, on the run's Redis."""
+
+    def __init__(self, bus: Bus, ttl_s: int) -> None:
+        self.bus = bus
+        self.redis = bus.redis
+        self.ttl_s = ttl_s
+
+    def _key(self, session_id: str, *parts: str) -> str:
+        return self.bus.keys.state("gateway", "session", session_id, *parts)
+
+    def _keys(self, session_id: str) -> list[str]:
+        return [self._key(session_id), self._key(session_id, "nodes"), self._key(session_id, "parents")]
+
+    def create(self, spec: SessionSpec) -> tuple[Session, str] | None:
+        """A new open session and its API key; None when the id is taken."""
+        api_key = "rs-" + secrets.token_urlsafe(32)
+        session = Session(spec=spec, key_digest=_digest(api_key), status="open", created_at=time.time())
+        fields = {"spec": json.dumps(asdict(spec)), "key_digest": session.key_digest, "status": "open",
+                  "created_at": repr(session.created_at), "turns": 0}
+        key = self._key(spec.session_id)
+        if not self.redis.hsetnx(key, "spec", fields["spec"]):
+            return None
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping=fields)
+        pipe.expire(key, self.ttl_s)
+        pipe.execute()
+        return session, api_key
+
+    def get(self, session_id: str) -> Session | None:
+        raw = self.redis.hgetall(self._key(session_id))
+        if b"spec" not in raw or b"key_digest" not in raw:
+            return None
+        return Session(spec=SessionSpec(**json.loads(raw[b"spec"])), key_digest=raw[b"key_digest"].decode(),
+                       status=raw[b"status"].decode(), created_at=float(raw[b"created_at"]),
+                       turns=int(raw.get(b"turns", 0)))
+
+    def deepest_known(self, session_id: str, candidates: list[str]) -> tuple[str, TurnNode] | None:
+        """Of the node keys a request's history could continue (deepest last), the deepest that exists."""
+        if not candidates:
+            return None
+        found = self.redis.hmget(self._key(session_id, "nodes"), candidates)
+        for key, raw in zip(reversed(candidates), reversed(found)):
+            if raw is not None:
+                return key, _node_decoder.decode(raw)
+        return None
+
+    def chain(self, session_id: str, key: str, client=None) -> list[TurnNode]:
+        """The nodes from the conversation's root to `key`, in order."""
+        client = client or self.redis
+        nodes_key = self._key(session_id, "nodes")
+        out = []
+        while key != ROOT:
+            raw = client.hget(nodes_key, key)
+            if raw is None:
+                raise KeyError(f"session {session_id}: turn node {key} is missing (expired?)")
+            node = _node_decoder.decode(raw)
+            out.append(node)
+            key = node.parent
+        return out[::-1]
+
+    def add_turn(self, session_id: str, key: str, node: TurnNode) -> bool:
+        """Record a sampled turn; False when the session is no longer open (finished meanwhile). The same
+        conversation sampled twice to the same answer keeps the first."""
+        session_key, nodes_key, parents_key = self._keys(session_id)
+        while True:  # another turn of the session recorded meanwhile: read the status again
+            with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(session_key)
+                    if pipe.hget(session_key, "status") != b"open":
+                        return False
+                    pipe.multi()
+                    pipe.hsetnx(nodes_key, key, _encoder.encode(node))
+                    if node.parent != ROOT:
+                        pipe.sadd(parents_key, node.parent)
+                    pipe.hincrby(session_key, "turns", 1)
+                    for each in (session_key, nodes_key, parents_key):
+                        pipe.expire(each, self.ttl_s)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+
+    def samples(self, session_id: str, client=None) -> list[list[TurnNode]]:
+        """The chain of every leaf (a node without a child), oldest leaf first: the session's samples."""
+        client = client or self.redis
+        nodes = {k.decode(): _node_decoder.decode(v) for k, v in client.hgetall(self._key(session_id, "nodes")).items()}
+        parents = {p.decode() for p in client.smembers(self._key(session_id, "parents"))}
+        leaves = sorted((k for k in nodes if k not in parents), key=lambda k: (nodes[k].created_at, k))
+        chains = []
+        for leaf in leaves:
+            chain, key = [], leaf
+            while key != ROOT:
+                chain.append(nodes[key])
+                key = nodes[key].parent
+            chains.append(chain[::-1])
+        return chains
+
+    def finish(self, session_id: str, publish_samples: Callable[[Any, list[list[TurnNode]]], None]) -> bool:
+        """Open -> finished, once, in one transaction with what `publish_samples(pipe, samples)` queues (the
+        samples' events): a crash between the two cannot publish twice or lose them, and a turn recorded
+        meanwhile is either in the samples or refused. False when the session was not open."""
+        key, nodes_key = self._key(session_id), self._key(session_id, "nodes")
+        while True:
+            with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(key, nodes_key)
+                    if pipe.hget(key, "status") != b"open":
+                        return False
+                    samples = self.samples(session_id, client=pipe)
+                    pipe.multi()
+                    publish_samples(pipe, samples)
+                    pipe.hset(key, "status", "finished")
+                    pipe.delete(nodes_key, self._key(session_id, "parents"))
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+
+    def delete(self, session_id: str) -> bool:
+        return bool(self.redis.delete(*self._keys(session_id)))

@@ -1,0 +1,173 @@
+"""One turn of a session: plan the prompt, stream the generation from the fleet, record the node.
+
+`run_turn` yields the API-neutral stream events (apis/canonical.py) as vLLM produces tokens: text as it is
+decoded, a tool call once its closing tag is sampled, and StreamEnd last. The turn is recorded in the session
+(sessions.py) before StreamEnd is yielded, so an agent that sends its next request as soon as it has the
+answer finds its turn there. Streamed and non-streamed requests take this same path and record the same ids.
+A turn whose client went away before the end is not recorded: the agent never saw that answer.
+
+The policy versions are read from the fleet version record before and after the generation, as the
+agent-runner does for its own turns, so a turn sampled across a weight sync says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+from rollstream.services.gateway.apis.canonical import (
+    ChatRequest,
+    Generation,
+    RequestError,
+    StreamEnd,
+    assistant_message,
+    final_finish_reason,
+    split_tool_calls,
+)
+from rollstream.services.gateway.apis.streaming import ToolCallStreamParser
+from rollstream.services.gateway.prompts import ChatTemplate, answer_key, plan_turn
+from rollstream.services.gateway.sessions import Session, SessionStore, TurnNode
+from rollstream.shared.runtime.config import Settings
+
+TURNS = Counter("rollstream_gateway_turns_total", "Turns the gateway served", ["api", "stream"])
+SAMPLED_TOKENS = Counter("rollstream_gateway_sampled_tokens_total", "Tokens vLLM sampled for gateway turns")
+FORKS = Counter("rollstream_gateway_conversations_started_total",
+                "Turns that started a conversation in their session (first turn, compaction, edit, branch)")
+TURN_SECONDS = Histogram("rollstream_gateway_turn_seconds", "Wall time of a turn, from request to last token",
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+
+
+class IncrementalText:
+    """The text of sampled ids as they arrive. Decodes a short window, not the whole answer each time,
+    and holds back a character whose bytes are not all sampled yet."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.emitted = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        seen = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        now = self._decode(self.ids[self.prefix_offset:])
+        if len(now) <= len(seen) or now.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        piece = now[len(seen):]
+        self.emitted += piece
+        return piece
+
+    def flush(self) -> str:
+        """What the windowed decode has not given yet, judged against one decode of every id."""
+        full = self._decode(self.ids)
+        piece = full[len(self.emitted):] if full.startswith(self.emitted) else ""
+        self.emitted += piece
+        return piece
+
+
+@dataclass
+class Gateway:
+    """What every turn needs; one per gateway process."""
+
+    settings: Settings
+    store: SessionStore
+    template: ChatTemplate
+    fleet: Any
+    """rollstream.shared.inference.fleet.FleetClient"""
+    versions: Callable[[], Awaitable[dict[str, int]]]
+
+
+def sampling_for(session: Session, request: ChatRequest, settings: Settings) -> dict[str, Any]:
+    defaults = session.spec.sampling
+    temperature = request.temperature if request.temperature is not None else defaults.get(
+        "temperature", settings.rollout.temperature)
+    max_tokens = request.max_tokens or defaults.get("max_tokens") or settings.rollout.max_tokens
+    extra: dict[str, Any] = {}
+    top_p = request.top_p if request.top_p is not None else defaults.get("top_p")
+    if top_p is not None:
+        extra["top_p"] = top_p
+    if request.stop:
+        extra["stop"] = list(request.stop)
+    extra.update({key: defaults[key] for key in ("min_tokens", "ignore_eos") if key in defaults})
+    seed = request.seed if request.seed is not None else defaults.get("seed")
+    return {"temperature": float(temperature), "max_tokens": int(max_tokens),
+            "seed": int(seed) if seed is not None else None, "extra": extra}
+
+
+@dataclass
+class Answer:
+    """The turn's answer as recorded: what a non-streamed response carries."""
+
+    content: str = ""
+    calls: list = field(default_factory=list)
+
+
+async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, api: str,
+                   answer_out: Answer | None = None) -> AsyncIterator[Any]:
+    started = time.monotonic()
+    session_id = session.spec.session_id
+    planned = await asyncio.to_thread(plan_turn, gateway.template, gateway.store, session_id, request,
+                                      gateway.settings.gateway.max_prompt_tokens)
+    sampling = sampling_for(session, request, gateway.settings)
+    text = IncrementalText(gateway.template.tokenizer)
+    parser = ToolCallStreamParser(turn=session.turns)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    servers: list[str] = []
+    finish_reason = "length"
+    before = await gateway.versions()
+    async for delta in gateway.fleet.stream(planned.prompt_ids, max_tokens=sampling["max_tokens"],
+                                            temperature=sampling["temperature"], session_id=session_id,
+                                            seed=sampling["seed"], extra=sampling["extra"]):
+        ids.extend(delta.token_ids)
+        logprobs.extend(delta.logprobs)
+        if delta.server_url not in servers:
+            servers.append(delta.server_url)
+        if delta.finish_reason:
+            finish_reason = delta.finish_reason
+        for event in parser.feed(text.push(list(delta.token_ids))):
+            yield event
+    for event in parser.feed(text.flush()) + parser.finish():
+        yield event
+    after = await gateway.versions()
+
+    content, calls = split_tool_calls(text.emitted, session.turns)
+    if answer_out is not None:
+        answer_out.content, answer_out.calls = content, calls
+    answer = assistant_message(content, calls)
+    # A failover mid-stream: the versions of the first server before, of the last one after.
+    version = before.get(servers[0], 0) if servers else 0
+    node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=ids, logprobs=logprobs,
+                    policy_version=version, policy_version_end=after.get(servers[-1], version) if servers else version,
+                    finish_reason=finish_reason, server_url=servers[-1] if servers else "", response_text=content,
+                    created_at=time.time())
+    recorded = await asyncio.to_thread(gateway.store.add_turn, session_id, answer_key(request, planned, answer), node)
+    if not recorded:
+        raise RequestError(410, f"session {session_id} was finished while this turn ran; the turn is not recorded")
+    TURNS.labels(api=api, stream=str(request.stream).lower()).inc()
+    SAMPLED_TOKENS.inc(len(ids))
+    if not planned.prefix_ids:
+        FORKS.inc()
+    TURN_SECONDS.observe(time.monotonic() - started)
+    yield StreamEnd(finish_reason=final_finish_reason("length" if finish_reason == "length" else "stop", bool(calls)),
+                    prompt_tokens=len(planned.prompt_ids), completion_tokens=len(ids))
+
+
+async def generate(gateway: Gateway, session: Session, request: ChatRequest, api: str) -> Generation:
+    """A whole turn, for a request that did not ask for a stream."""
+    answer = Answer()
+    async for event in run_turn(gateway, session, request, api, answer):
+        if isinstance(event, StreamEnd):
+            return Generation(text=answer.content, tool_calls=answer.calls, finish_reason=event.finish_reason,
+                              prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+    raise RuntimeError("a turn ended without StreamEnd")

@@ -1,0 +1,479 @@
+"""The official `openai` and `anthropic` clients against the API layer, through a mock HTTP transport:
+what the SDKs send parses, and what we answer (JSON and event streams) is what the SDKs read back as
+the text, tool calls, stop reasons and usage of the generation. Then the turn goes back to the
+gateway in the next request, the way agents send it, and is recognised as the turn it recorded.
+
+Only the wire format is checked here; the gateway against a real vLLM is tested end to end elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anthropic
+import httpx2
+import openai
+import pytest
+
+from rollstream.services.gateway.apis.anthropic_messages import (
+    count_tokens_response,
+    messages_response,
+    messages_sse,
+    parse_count_tokens,
+    parse_messages,
+)
+from rollstream.services.gateway.apis.canonical import (
+    ChatRequest,
+    FinishReason,
+    Generation,
+    StreamEnd,
+    StreamEvent,
+    assistant_message,
+    message_key,
+    split_tool_calls,
+)
+from rollstream.services.gateway.apis.errors import anthropic_error, openai_error
+from rollstream.services.gateway.apis.openai_chat import (
+    chat_completion_response,
+    chat_completion_sse,
+    parse_chat_completions,
+)
+from rollstream.services.gateway.apis.openai_responses import (
+    parse_responses,
+    responses_response,
+    responses_sse,
+)
+from rollstream.services.gateway.apis.streaming import ToolCallStreamParser
+from rollstream.shared.errors import RollstreamError
+
+TURN = 3
+SAMPLED = ('I will check both cities.\n'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+           '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>')
+AFTER_A_CALL = ('Looking first.\n'
+                '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+                'Then I will compare.')
+PARIS_AND_ZURICH = [("call_3_0", "get_weather", {"city": "Paris", "unit": "celsius"}),
+                    ("call_3_1", "get_weather", {"city": "Zürich"})]
+PLAIN = "It is sunny in Paris."
+PARSERS = {"/v1/chat/completions": parse_chat_completions, "/v1/responses": parse_responses,
+           "/v1/messages": parse_messages, "/v1/messages/count_tokens": parse_count_tokens}
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+                  "required": ["city"]}
+
+
+def generation(text: str, finish: FinishReason = "stop", stop_sequence: str | None = None) -> Generation:
+    content, calls = split_tool_calls(text, TURN)
+    return Generation(content, calls, finish, prompt_tokens=57, completion_tokens=21,
+                      stop_sequence=stop_sequence)
+
+
+def recorded_key(text: str) -> tuple:
+    """The key of the assistant message the gateway records for a sampled turn."""
+    return message_key(assistant_message(*split_tool_calls(text, TURN)))
+
+
+async def stream_events(text: str, finish: FinishReason = "stop", stop_sequence: str | None = None,
+                        piece: int = 4) -> AsyncIterator[StreamEvent]:
+    """The events the core feeds the SSE builders while sampling `text`, a few characters a token."""
+    parser = ToolCallStreamParser(TURN)
+    for start in range(0, len(text), piece):
+        for event in parser.feed(text[start:start + piece]):
+            yield event
+    for event in parser.finish():
+        yield event
+    yield StreamEnd(finish, prompt_tokens=57, completion_tokens=21, stop_sequence=stop_sequence)
+
+
+async def failing_events() -> AsyncIterator[StreamEvent]:
+    for event in ToolCallStreamParser(TURN).feed("Partial answer"):
+        yield event
+    raise ConnectionError("vLLM server went away")
+
+
+def sse_text(stream: AsyncIterator[str]) -> str:
+    async def join() -> str:
+        return "".join([chunk async for chunk in stream])
+    return asyncio.run(join())
+
+
+class Gateway:
+    """Stands in for the gateway's HTTP layer: every request the SDK sends is parsed by the API layer
+    (kept in `requests`), and answered with what `answer(request)` returns: a JSON body, or the
+    text of an event stream. A request the parser refuses gets the API's error body."""
+
+    def __init__(self, answer: Callable[[ChatRequest], dict[str, Any] | str]) -> None:
+        self.answer = answer
+        self.requests: list[ChatRequest] = []
+        self.transport = httpx2.MockTransport(self.handle)
+
+    def handle(self, http_request: httpx2.Request) -> httpx2.Response:
+        path = http_request.url.path
+        try:
+            request = PARSERS[path](json.loads(http_request.content))
+        except RollstreamError as e:
+            error_body = anthropic_error(e.status, e.message) if path.startswith("/v1/messages") \
+                else openai_error(e.status, e.message, e.param, e.kind)
+            return httpx2.Response(e.status, json=error_body)
+        self.requests.append(request)
+        answer = self.answer(request)
+        if isinstance(answer, str):
+            return httpx2.Response(200, text=answer, headers={"content-type": "text/event-stream"})
+        return httpx2.Response(200, json=answer)
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(api_key="unused", base_url="http://gateway/v1", max_retries=0,
+                             http_client=httpx2.Client(transport=self.transport))
+
+    def anthropic(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(api_key="unused", base_url="http://gateway", max_retries=0,
+                                   http_client=httpx2.Client(transport=self.transport))
+
+
+# --- OpenAI Chat Completions ----------------------------------------------------------------------
+
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather.",
+                                                "parameters": WEATHER_SCHEMA}}]
+CHAT_MESSAGES = [{"role": "system", "content": "You are a weather agent."},
+                 {"role": "user", "content": "Weather in Paris and Zürich?"}]
+
+
+def chat_gateway(text: str, finish: FinishReason = "stop") -> Gateway:
+    def answer(request: ChatRequest) -> dict[str, Any] | str:
+        if request.stream:
+            return sse_text(chat_completion_sse(stream_events(text, finish), model=request.model,
+                                                response_id="chatcmpl-1", created=1700000000,
+                                                include_usage=request.include_usage))
+        return chat_completion_response(generation(text, finish), model=request.model,
+                                        response_id="chatcmpl-1", created=1700000000)
+    return Gateway(answer)
+
+
+def test_openai_chat_completion_with_tool_calls_and_the_next_turn():
+    gateway = chat_gateway(SAMPLED)
+    client = gateway.openai()
+    completion = client.chat.completions.create(model="policy", messages=CHAT_MESSAGES, tools=CHAT_TOOLS,
+                                                max_completion_tokens=300, temperature=0.8, stop=["</done>"])
+    choice = completion.choices[0]
+    assert choice.message.content == "I will check both cities."
+    assert [(call.id, call.function.name, json.loads(call.function.arguments))
+            for call in choice.message.tool_calls] == PARIS_AND_ZURICH
+    assert choice.finish_reason == "tool_calls"
+    usage = completion.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (57, 21, 78)
+    first = gateway.requests[0]
+    assert (first.messages, first.tools, first.max_tokens, first.temperature, first.stop) == \
+        (CHAT_MESSAGES, CHAT_TOOLS, 300, 0.8, ["</done>"])
+
+    # the usual agent loop: the SDK's message object appended as it is, then one result per call
+    client.chat.completions.create(model="policy", tools=CHAT_TOOLS, messages=[
+        *CHAT_MESSAGES, choice.message,
+        *({"role": "tool", "tool_call_id": call.id, "content": "20C"} for call in choice.message.tool_calls)])
+    echoed = gateway.requests[1].messages
+    assert message_key(echoed[2]) == recorded_key(SAMPLED)
+    assert [(m["role"], m["name"]) for m in echoed[3:]] == [("tool", "get_weather")] * 2
+
+
+def test_openai_chat_turn_sent_back_as_a_plain_dict_with_reformatted_arguments():
+    gateway = chat_gateway(SAMPLED)
+    client = gateway.openai()
+    message = client.chat.completions.create(model="policy", messages=CHAT_MESSAGES, tools=CHAT_TOOLS) \
+        .choices[0].message
+    resent = {"role": "assistant", "content": message.content + "\n", "tool_calls": [
+        {"id": f"client-{i}", "type": "function",
+         "function": {"name": call.function.name,
+                      "arguments": json.dumps(json.loads(call.function.arguments), indent=2, sort_keys=True)}}
+        for i, call in enumerate(message.tool_calls)]}
+    client.chat.completions.create(model="policy", tools=CHAT_TOOLS, messages=[*CHAT_MESSAGES, resent])
+    assert message_key(gateway.requests[1].messages[2]) == recorded_key(SAMPLED)
+
+
+def test_openai_chat_stream_read_chunk_by_chunk():
+    client = chat_gateway(SAMPLED).openai()
+    chunks = list(client.chat.completions.create(model="policy", messages=CHAT_MESSAGES, tools=CHAT_TOOLS,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or ()]
+    assert content == "I will check both cities."
+    assert [call.index for call in calls] == [0, 1]
+    assert [(call.id, call.function.name, json.loads(call.function.arguments)) for call in calls] == \
+        PARIS_AND_ZURICH
+    finish_reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish_reasons == ["tool_calls"]
+    assert chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (57, 21)
+
+
+def test_openai_chat_stream_without_usage_has_no_usage_chunk():
+    chunks = list(chat_gateway(PLAIN).openai().chat.completions.create(model="policy", messages=CHAT_MESSAGES,
+                                                                       stream=True))
+    assert all(c.choices and c.usage is None for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == PLAIN
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_openai_chat_stream_helper_accumulates_the_final_completion():
+    client = chat_gateway(SAMPLED).openai()
+    with client.chat.completions.stream(model="policy", messages=CHAT_MESSAGES, tools=CHAT_TOOLS) as stream:
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == "I will check both cities."
+    assert [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls] == \
+        [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_weather", {"city": "Zürich"})]
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_openai_chat_cut_off_turn_says_length():
+    client = chat_gateway(PLAIN, finish="length").openai()
+    completion = client.chat.completions.create(model="policy", messages=CHAT_MESSAGES)
+    assert completion.choices[0].finish_reason == "length"
+
+
+def test_openai_chat_bad_request_raises_the_sdk_error_with_our_message():
+    client = chat_gateway(PLAIN).openai()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="policy", messages=CHAT_MESSAGES, n=3)
+    assert caught.value.status_code == 400
+    assert caught.value.body["message"].startswith("n must be 1 (got 3)")
+    assert caught.value.body["param"] == "n"
+
+
+def test_openai_chat_failure_inside_the_stream_raises_in_the_sdk():
+    gateway = Gateway(lambda request: sse_text(chat_completion_sse(failing_events(), model="policy",
+                                                                   response_id="chatcmpl-1", created=0)))
+    with pytest.raises(openai.APIError, match="generation failed: ConnectionError: vLLM server went away"):
+        list(gateway.openai().chat.completions.create(model="policy", messages=CHAT_MESSAGES, stream=True))
+
+
+# --- OpenAI Responses -----------------------------------------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather.",
+                    "parameters": WEATHER_SCHEMA, "strict": False}]
+
+
+def responses_gateway(text: str, finish: FinishReason = "stop") -> Gateway:
+    def answer(request: ChatRequest) -> dict[str, Any] | str:
+        if request.stream:
+            return sse_text(responses_sse(stream_events(text, finish), model=request.model,
+                                          response_id="resp_1", created=1700000000))
+        return responses_response(generation(text, finish), model=request.model, response_id="resp_1",
+                                  created=1700000000)
+    return Gateway(answer)
+
+
+def function_calls(output: list) -> list[tuple[str, str, dict]]:
+    return [(item.call_id, item.name, json.loads(item.arguments))
+            for item in output if item.type == "function_call"]
+
+
+def test_openai_responses_with_function_calls_and_the_next_turn():
+    gateway = responses_gateway(SAMPLED)
+    client = gateway.openai()
+    response = client.responses.create(model="policy", instructions="You are a weather agent.",
+                                       input="Weather in Paris and Zürich?", tools=RESPONSES_TOOLS,
+                                       max_output_tokens=300)
+    assert response.output_text == "I will check both cities."
+    assert function_calls(response.output) == PARIS_AND_ZURICH
+    assert (response.status, response.usage.input_tokens, response.usage.output_tokens,
+            response.usage.total_tokens) == ("completed", 57, 21, 78)
+    assert gateway.requests[0].messages == CHAT_MESSAGES
+
+    # the documented loop: the output items appended to the input, then one output per call
+    history = [{"role": "user", "content": "Weather in Paris and Zürich?"}, *response.output,
+               *({"type": "function_call_output", "call_id": call_id, "output": "20C"}
+                 for call_id, _, _ in function_calls(response.output))]
+    client.responses.create(model="policy", instructions="You are a weather agent.", input=history,
+                            tools=RESPONSES_TOOLS)
+    echoed = gateway.requests[1].messages
+    assert message_key(echoed[2]) == recorded_key(SAMPLED)
+    assert [(m["role"], m["tool_call_id"], m["name"]) for m in echoed[3:]] == \
+        [("tool", "call_3_0", "get_weather"), ("tool", "call_3_1", "get_weather")]
+
+
+@pytest.mark.parametrize("text", [SAMPLED, AFTER_A_CALL, PLAIN])
+def test_openai_responses_stream_gives_the_final_response_and_the_turn_round_trips(text):
+    gateway = responses_gateway(text)
+    client = gateway.openai()
+    with client.responses.stream(model="policy", input="Weather?", tools=RESPONSES_TOOLS) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    content, calls = split_tool_calls(text, TURN)
+    assert final.output_text == content
+    assert function_calls(final.output) == [(call.id, call.name, call.arguments) for call in calls]
+    assert (final.status, final.usage.input_tokens, final.usage.output_tokens) == ("completed", 57, 21)
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == content
+
+    client.responses.create(model="policy", input=[{"role": "user", "content": "Weather?"}, *final.output])
+    assert message_key(gateway.requests[1].messages[1]) == recorded_key(text)
+
+
+def test_openai_responses_stream_event_sequence():
+    client = responses_gateway(SAMPLED).openai()
+    with client.responses.stream(model="policy", input="Weather?", tools=RESPONSES_TOOLS) as stream:
+        types = [event.type for event in stream]
+    deduplicated = [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t]
+    assert deduplicated == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]
+
+
+def test_openai_responses_cut_off_turn_is_incomplete():
+    client = responses_gateway(PLAIN, finish="length").openai()
+    response = client.responses.create(model="policy", input="Weather?")
+    assert (response.status, response.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    with client.responses.stream(model="policy", input="Weather?") as stream:
+        last = list(stream)[-1]
+    assert (last.type, last.response.status) == ("response.incomplete", "incomplete")
+    assert last.response.output_text == PLAIN
+
+
+def test_openai_responses_previous_response_id_is_refused_with_the_reason():
+    with pytest.raises(openai.BadRequestError, match="send the whole conversation in `input`"):
+        responses_gateway(PLAIN).openai().responses.create(model="policy", input="And now?",
+                                                           previous_response_id="resp_0")
+
+
+def test_openai_responses_failure_inside_the_stream_ends_it_as_failed():
+    gateway = Gateway(lambda request: sse_text(responses_sse(failing_events(), model="policy",
+                                                             response_id="resp_1", created=0)))
+    with gateway.openai().responses.stream(model="policy", input="Weather?") as stream:
+        last = list(stream)[-1]
+    assert (last.type, last.response.status) == ("response.failed", "failed")
+    assert last.response.error.message == "generation failed: ConnectionError: vLLM server went away"
+
+
+# --- Anthropic Messages ---------------------------------------------------------------------------
+
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Current weather.", "input_schema": WEATHER_SCHEMA}]
+ANTHROPIC_MESSAGES = [{"role": "user", "content": "Weather in Paris and Zürich?"}]
+
+
+def anthropic_gateway(text: str, finish: FinishReason = "stop", stop_sequence: str | None = None) -> Gateway:
+    def answer(request: ChatRequest) -> dict[str, Any] | str:
+        if request.max_tokens is None:
+            return count_tokens_response(57)
+        if request.stream:
+            return sse_text(messages_sse(stream_events(text, finish, stop_sequence), model=request.model,
+                                         message_id="msg_1", prompt_tokens=57))
+        return messages_response(generation(text, finish, stop_sequence), model=request.model,
+                                 message_id="msg_1")
+    return Gateway(answer)
+
+
+def tool_uses(content: list) -> list[tuple[str, str, dict]]:
+    return [(block.id, block.name, block.input) for block in content if block.type == "tool_use"]
+
+
+def test_anthropic_message_with_tool_use_and_the_next_turn():
+    gateway = anthropic_gateway(SAMPLED)
+    client = gateway.anthropic()
+    message = client.messages.create(model="policy", max_tokens=300, system="You are a weather agent.",
+                                     messages=ANTHROPIC_MESSAGES, tools=ANTHROPIC_TOOLS,
+                                     tool_choice={"type": "auto"}, stop_sequences=["</done>"])
+    assert [block.text for block in message.content if block.type == "text"] == ["I will check both cities."]
+    assert tool_uses(message.content) == PARIS_AND_ZURICH
+    assert message.stop_reason == "tool_use"
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (57, 21)
+    first = gateway.requests[0]
+    assert (first.messages, first.tools, first.max_tokens, first.stop) == (CHAT_MESSAGES, CHAT_TOOLS, 300,
+                                                                           ["</done>"])
+
+    # the documented loop: the message's content sent back, then a user turn of tool results
+    results = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block_id, "content": "20C"}
+                                           for block_id, _, _ in tool_uses(message.content)]}
+    client.messages.create(model="policy", max_tokens=300, system="You are a weather agent.",
+                           tools=ANTHROPIC_TOOLS, messages=[*ANTHROPIC_MESSAGES, message.to_param(), results])
+    echoed = gateway.requests[1].messages
+    assert message_key(echoed[2]) == recorded_key(SAMPLED)
+    assert [(m["role"], m["name"]) for m in echoed[3:]] == [("tool", "get_weather")] * 2
+
+
+@pytest.mark.parametrize("text", [SAMPLED, AFTER_A_CALL, PLAIN])
+def test_anthropic_stream_gives_the_final_message_and_the_turn_round_trips(text):
+    gateway = anthropic_gateway(text)
+    client = gateway.anthropic()
+    with client.messages.stream(model="policy", max_tokens=300, messages=ANTHROPIC_MESSAGES,
+                                tools=ANTHROPIC_TOOLS) as stream:
+        streamed_text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    content, calls = split_tool_calls(text, TURN)
+    assert streamed_text == "".join(block.text for block in final.content if block.type == "text") == content
+    assert tool_uses(final.content) == [(call.id, call.name, call.arguments) for call in calls]
+    assert final.stop_reason == ("tool_use" if calls else "end_turn")
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (57, 21)
+
+    client.messages.create(model="policy", max_tokens=300, messages=[*ANTHROPIC_MESSAGES, final.to_param()])
+    assert message_key(gateway.requests[1].messages[1]) == recorded_key(text)
+
+
+def test_anthropic_stream_event_sequence():
+    client = anthropic_gateway(SAMPLED).anthropic()
+    with client.messages.stream(model="policy", max_tokens=300, messages=ANTHROPIC_MESSAGES,
+                                tools=ANTHROPIC_TOOLS) as stream:
+        events = [(event.type, getattr(event, "index", None)) for event in stream
+                  if event.type not in ("text", "input_json")]  # the helper's own derived events
+    deduplicated = [e for i, e in enumerate(events) if i == 0 or events[i - 1] != e]
+    assert deduplicated == [
+        ("message_start", None),
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+        ("content_block_start", 2), ("content_block_delta", 2), ("content_block_stop", 2),
+        ("message_delta", None), ("message_stop", None),
+    ]
+
+
+@pytest.mark.parametrize("finish, stop_sequence, stop_reason", [
+    ("length", None, "max_tokens"), ("stop", "</done>", "stop_sequence"), ("stop", None, "end_turn")])
+def test_anthropic_stop_reasons_streamed_and_not(finish, stop_sequence, stop_reason):
+    client = anthropic_gateway(PLAIN, finish, stop_sequence).anthropic()
+    message = client.messages.create(model="policy", max_tokens=300, messages=ANTHROPIC_MESSAGES,
+                                     stop_sequences=["</done>"])
+    with client.messages.stream(model="policy", max_tokens=300, messages=ANTHROPIC_MESSAGES) as stream:
+        final = stream.get_final_message()
+    for result in (message, final):
+        assert (result.stop_reason, result.stop_sequence) == (stop_reason, stop_sequence)
+
+
+def test_anthropic_count_tokens():
+    gateway = anthropic_gateway(PLAIN)
+    counted = gateway.anthropic().messages.count_tokens(model="policy", messages=ANTHROPIC_MESSAGES,
+                                                        tools=ANTHROPIC_TOOLS)
+    assert counted.input_tokens == 57
+    assert gateway.requests[0].tools == CHAT_TOOLS
+
+
+def test_anthropic_bad_request_raises_the_sdk_error_with_our_message():
+    client = anthropic_gateway(PLAIN).anthropic()
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model="policy", max_tokens=300, messages=[{"role": "user", "content": [
+            {"type": "image",
+             "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
+    assert caught.value.status_code == 400
+    assert caught.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": "content block type 'image' in a user turn is not supported by this gateway; "
+                   "only text and tool_result blocks are"}}
+
+
+def test_anthropic_failure_inside_the_stream_raises_in_the_sdk():
+    gateway = Gateway(lambda request: sse_text(messages_sse(failing_events(), model="policy",
+                                                            message_id="msg_1")))
+    client = gateway.anthropic()
+    with pytest.raises(anthropic.APIStatusError) as caught, \
+            client.messages.stream(model="policy", max_tokens=300, messages=ANTHROPIC_MESSAGES) as stream:
+        stream.get_final_message()
+    assert caught.value.body == {"type": "error", "error": {
+        "type": "api_error", "message": "generation failed: ConnectionError: vLLM server went away"}}
