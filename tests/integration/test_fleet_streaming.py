@@ -2,8 +2,13 @@
 samples them, the same ids as complete(), /metrics readings, and a server SIGKILLed in the middle of a
 stream whose generation then ends on the other one. Then the same through two gateway replicas: a session
 sticks to one server and survives the replica serving it, and a streamed answer whose server is killed
-completes on the other, token-exact. One pair of servers for the module, started side by side (the
-gateway kill test starts its victim again); the fleet kill test goes last, as it leaves one of them dead.
+completes on the other, token-exact. One pair of servers for the module, started side by side; a test that
+kills one starts it again before the next test needs it (`both_serving`).
+
+The kill tests reach the servers through a KillingProxy each. On a starved 2-core machine vLLM's API process
+can send a whole answer in one burst after the generation ended, so a kill timed by the client lands after
+the end as often as not. The proxy forwards an exact number of streamed events, then SIGKILLs its server and
+drops the connection: to the client the server died in the middle of the answer, every time.
 
     python -m pytest tests/integration/test_fleet_streaming.py -q
 """
@@ -14,8 +19,10 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -51,6 +58,135 @@ def served(tmp_path_factory):
     finally:
         for server in servers:
             server.stop()
+
+
+@dataclass
+class Cut:
+    """One kill, shared by the proxies it is armed on: the first to forward `events` streamed events fires it."""
+
+    events: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    killed_url: str | None = None
+
+
+SSE_EVENT = b"\ndata: "  # each event of vLLM's stream is a chunk of its own, after the chunk's size line
+
+
+class KillingProxy:
+    """A TCP proxy in front of one vLLM server, on an event loop in a thread of its own. Armed with a Cut, it
+    forwards a streamed answer's first `cut.events` events, then SIGKILLs the server's process group, stops
+    listening and drops the connection: the client sees what a server dying right there looks like."""
+
+    def __init__(self, server: VllmServer) -> None:
+        self.server = server
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cut: Cut | None = None
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, daemon=True).start()
+        self._listener: asyncio.Server | None = None
+        self.serve(server)
+
+    def serve(self, server: VllmServer) -> None:
+        """Forward to `server` (a restarted one after a kill)."""
+        self.server = server
+
+        async def listen() -> None:
+            self._listener = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
+
+        asyncio.run_coroutine_threadsafe(listen(), self._loop).result(timeout=10)
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._loop.call_soon_threadsafe(self._listener.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _connection(self, client_reader, client_writer) -> None:
+        try:
+            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.server.port)
+        except OSError:
+            client_writer.close()
+            return
+        requests = asyncio.create_task(self._forward(client_reader, server_writer))
+        try:
+            await self._forward_answers(server_reader, client_writer)
+        finally:
+            requests.cancel()
+            server_writer.close()
+            client_writer.close()
+
+    @staticmethod
+    async def _forward(reader, writer) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+
+    async def _forward_answers(self, reader, writer) -> None:
+        counting, seen, carry = None, 0, b""
+        while data := await reader.read(65536):
+            cut = self.cut
+            if cut is None or cut.killed_url is not None:
+                writer.write(data)
+                await writer.drain()
+                continue
+            if cut is not counting:  # armed since the last read: count from here
+                counting, seen, carry = cut, 0, b""
+            scanned, at = carry + data, -1
+            while (at := scanned.find(SSE_EVENT, at + 1)) != -1:
+                seen += 1
+                if seen > cut.events and self._fire(cut):
+                    # the bytes before the next event's start; what of them `carry` held was forwarded already
+                    writer.write(data[:max(0, at - len(carry))])
+                    await writer.drain()
+                    return
+            carry = scanned[-(len(SSE_EVENT) - 1):]
+            writer.write(data)
+            await writer.drain()
+
+    def _fire(self, cut: Cut) -> bool:
+        with cut.lock:
+            if cut.killed_url is not None:
+                return False
+            cut.killed_url = self.url
+        os.killpg(self.server.pid, signal.SIGKILL)
+        self._listener.close()
+        return True
+
+
+@pytest.fixture(scope="module")
+def proxies(served):
+    """A KillingProxy in front of each server of the pair."""
+    servers, _ = served
+    pair = [KillingProxy(server) for server in servers]
+    yield pair
+    for proxy in pair:
+        proxy.close()
+
+
+def arm(proxies: list[KillingProxy], events: int) -> Cut:
+    """The first of the proxies to forward `events` streamed events kills its server there."""
+    cut = Cut(events=events)
+    for proxy in proxies:
+        proxy.cut = cut
+    return cut
+
+
+@pytest.fixture
+def both_serving(served, proxies):
+    """The proxies, with any server an earlier test killed started again behind its proxy."""
+    servers, model_dir = served
+    for proxy in proxies:
+        proxy.cut = None
+        dead = proxy.server
+        if dead.exit_code() is None:
+            continue
+        dead.stop()
+        again = VllmServer(model_dir, port=dead.port, log_path=dead.log_path.with_name(f"{dead.log_path.stem}.again.log"))
+        servers[servers.index(dead)] = again
+        again.start()
+        again.wait_healthy(timeout_s=600)
+        proxy.serve(again)
+    return proxies
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +267,8 @@ def test_refresh_load_reads_both_servers_and_counts_our_request_once(served, pro
 
 
 @pytest.fixture(scope="module")
-def gateways(served, tmp_path_factory, machine_redis_url):
-    """Two gateway replicas in front of the two servers."""
+def gateways(served, proxies, tmp_path_factory, machine_redis_url):
+    """Two gateway replicas in front of the two servers (through their proxies)."""
     from rollstream.cli.local_run import LocalRun
     from rollstream.shared.runtime.config import Settings
 
@@ -140,7 +276,7 @@ def gateways(served, tmp_path_factory, machine_redis_url):
     root = tmp_path_factory.mktemp("gateways")
     settings = Settings(run_id=f"gw-pair-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url,
                         storage_uri=str(root / "runs"), model={"path": model_dir}, recorder={"enabled": False})
-    local = LocalRun(settings, services=("gateway",), replicas={"gateway": 2}, fleet_urls=[s.url for s in servers])
+    local = LocalRun(settings, services=("gateway",), replicas={"gateway": 2}, fleet_urls=[p.url for p in proxies])
     try:
         local.start()
         yield local
@@ -192,83 +328,51 @@ def test_a_session_sticks_to_one_server_and_survives_the_gateway_replica_serving
     assert trainable == [t for turn_event in turns for t in turn_event.response_ids]
 
 
-def completions_logged(server) -> int:
-    """Completion requests the server's access log shows (a streamed one is logged when its response starts)."""
-    return server.log_path.read_text(errors="replace").count("POST /v1/completions")
-
-
-def test_a_server_killed_in_the_middle_of_a_streamed_answer_the_stream_completes_on_the_other(served, gateways):
+def test_a_server_killed_in_the_middle_of_a_streamed_answer_the_stream_completes_on_the_other(both_serving, gateways):
     import openai
 
-    servers, model_dir = served
-    by_url = {s.url: s for s in servers}
-    max_tokens = 700
+    proxies, max_tokens = both_serving, 200
     gateway_url = gateways.gateway_urls["gateway-2"]  # the other replica was killed by the test before
     session = open_session(gateway_url, max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
     client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
-    before = {url: completions_logged(server) for url, server in by_url.items()}
+    cut = arm(proxies, events=5)
     stream = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Tell a story."}],
                                             stream=True, stream_options={"include_usage": True})
-    chunks, usage, killed = 0, None, None
-    for chunk in stream:
-        chunks += 1
-        if chunk.usage:
-            usage = chunk.usage
-        if chunks == 2:
-            (killed,) = [url for url, server in by_url.items() if completions_logged(server) > before[url]]
-            os.killpg(by_url[killed].pid, signal.SIGKILL)
-    assert killed is not None and usage is not None and usage.completion_tokens == max_tokens
+    usage = [chunk.usage for chunk in stream if chunk.usage]
+    assert cut.killed_url is not None and [u.completion_tokens for u in usage] == [max_tokens]
 
     events = finish_and_read(gateways, gateway_url, session)
     (turn,) = [e for e in events if e.TYPE == "TrajectoryTurn"]
-    (survivor,) = set(by_url) - {killed}
+    (survivor,) = {p.url for p in proxies} - {cut.killed_url}
     assert turn.server_url == survivor and len(turn.response_ids) == max_tokens
     prompt = turn.appended_ids
-    scored = with_fleet(servers, lambda fleet: fleet.prompt_logprobs(survivor, prompt + turn.response_ids))
+    scored = with_fleet(proxies, lambda fleet: fleet.prompt_logprobs(survivor, prompt + turn.response_ids))
     # raw logprobs at temperature 1 on the same weights: a lost or repeated token would shift every one after it
     assert max(abs(a - b) for a, b in zip(turn.logprobs, scored[len(prompt) - 1:])) < TOL
 
-    # the module's last test needs both servers again
-    restarted = VllmServer(model_dir, port=by_url[killed].port, log_path=by_url[killed].log_path.with_suffix(".2.log"))
-    servers[servers.index(by_url[killed])] = restarted
-    restarted.start()
-    restarted.wait_healthy(timeout_s=600)
 
-
-def test_a_server_killed_mid_stream_hands_the_rest_to_the_other(served, prompt_ids):
-    servers, _ = served
-    by_url = {s.url: s for s in servers}
-    max_tokens = 300
+def test_a_server_killed_mid_stream_hands_the_rest_to_the_other(both_serving, prompt_ids):
+    proxies, max_tokens, killed_after = both_serving, 300, 3
     transport = RecordingTransport()
+    cut = arm(proxies, events=killed_after)
 
     async def go(fleet):
-        deltas = []
-        long_generation = fleet.stream(
-            prompt_ids, max_tokens=max_tokens, temperature=1.0, session_id="doomed",
-            extra={"ignore_eos": True},
-        )
-        async for delta in long_generation:
-            deltas.append(delta)
-            if len(deltas) == 3:
-                os.killpg(by_url[delta.server_url].pid, signal.SIGKILL)
-        survivor = deltas[-1].server_url
-        ids = [t for d in deltas for t in d.token_ids]
-        return deltas, await fleet.prompt_logprobs(survivor, prompt_ids + ids)
+        stream = fleet.stream(prompt_ids, max_tokens=max_tokens, temperature=1.0, session_id="doomed",
+                              extra={"ignore_eos": True})
+        return [delta async for delta in stream]
 
-    deltas, served_lp = with_fleet(servers, go, transport=transport)
-    killed = deltas[0].server_url
-    (survivor,) = set(by_url) - {killed}
+    deltas = with_fleet(proxies, go, transport=transport)
+    killed = cut.killed_url
+    (survivor,) = {p.url for p in proxies} - {killed}
     urls = [d.server_url for d in deltas]
-    switch = urls.index(survivor)  # the killed server's deltas: the ones it sent before it died
-    print(f"\n{switch} deltas from the killed server, {len(deltas) - switch} from the survivor")
-    assert switch >= 3 and set(urls[:switch]) == {killed} and set(urls[switch:]) == {survivor}
+    assert urls[:killed_after] == [killed] * killed_after and set(urls[killed_after:]) == {survivor}
     ids = [t for d in deltas for t in d.token_ids]
     logprobs = [lp for d in deltas for lp in d.logprobs]
     assert len(ids) == len(logprobs) == max_tokens and deltas[-1].finish_reason == "length"
 
     streamed = [(server, body) for server, body in transport.completions if body.get("stream")]
     (first_server, first), (second_server, second) = streamed
-    before_kill = [t for d in deltas[:switch] for t in d.token_ids]
+    before_kill = [t for d in deltas[:killed_after] for t in d.token_ids]
     assert (first_server, second_server) == (killed, survivor)
     assert (first["prompt"], first["max_tokens"]) == (prompt_ids, max_tokens)
     assert second["prompt"] == prompt_ids + before_kill
@@ -276,6 +380,7 @@ def test_a_server_killed_mid_stream_hands_the_rest_to_the_other(served, prompt_i
 
     # One sequence: had a token been lost or repeated, the survivor would have sampled after another
     # prefix than the one scored here, and its logprobs (raw, so at temperature 1) would not match.
+    served_lp = with_fleet(proxies, lambda fleet: fleet.prompt_logprobs(survivor, prompt_ids + ids))
     scored = served_lp[len(prompt_ids) - 1 :]
     survivor_part = slice(len(before_kill), None)
     assert max(abs(a - b) for a, b in zip(logprobs[survivor_part], scored[survivor_part])) < TOL
