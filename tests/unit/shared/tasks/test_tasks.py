@@ -341,8 +341,15 @@ def test_harbor_prompt_row():
     assert row.label is None and row.sandbox_check is None and row.reward_fn == "exact_match"
     assert row.metadata == {"repo": str(HARBOR / "fix-add" / "environment" / "workspace"),
                             "workdir": "/app",
-                            "grader": {"kind": "harbor", "task_dir": str(HARBOR / "fix-add")}}
+                            "grader": {"kind": "harbor", "task_dir": str(HARBOR / "fix-add")},
+                            "time_budget_s": 300.0}  # [agent] timeout_sec: a black-box agent's time budget
     assert json.loads(json.dumps(row.metadata)) == row.metadata
+
+
+def test_a_harbor_task_without_an_agent_timeout_leaves_the_budget_to_the_config(task_dir):
+    toml = task_dir / "task.toml"
+    toml.write_text(toml.read_text().replace("[agent]\ntimeout_sec = 300.0\n", "[agent]\n"))
+    assert "time_budget_s" not in task_prompt_row(load_harbor_task(task_dir)).metadata
 
 
 def test_harbor_prompt_row_without_a_workspace(task_dir):
