@@ -3,7 +3,8 @@
 `run_turn` yields the API-neutral stream events (apis/canonical.py) as vLLM produces tokens: text as it is
 decoded, a tool call once its closing tag is sampled, and StreamEnd last. The turn is recorded in the session
 (sessions.py) before StreamEnd is yielded, so an agent that sends its next request as soon as it has the
-answer finds its turn there. Streamed and non-streamed requests take this same path and record the same ids.
+answer finds its turn there. A non-streamed request asks vLLM for the whole generation in one response (no
+chunk per token to send, parse and decode), which then takes the same path as one delta: both record the same ids.
 A turn whose client went away before the end is not recorded: the agent never saw that answer.
 
 The policy versions are read from the fleet version record before and after the generation, as the
@@ -32,6 +33,7 @@ from rollstream.services.gateway.apis.canonical import (
 from rollstream.services.gateway.apis.streaming import ToolCallStreamParser
 from rollstream.services.gateway.prompts import ChatTemplate, answer_key, plan_turn
 from rollstream.services.gateway.sessions import Session, SessionStore, TurnNode
+from rollstream.shared.inference.fleet import StreamDelta
 from rollstream.shared.runtime.config import Settings
 
 TURNS = Counter("rollstream_gateway_turns_total", "Turns the gateway served", ["api", "stream"])
@@ -112,6 +114,17 @@ class Answer:
     calls: list = field(default_factory=list)
 
 
+def whole_generation(fleet):
+    """fleet.stream's signature, served by fleet.complete: the generation as one delta."""
+
+    async def one_delta(prompt_ids: list[int], **sampling: Any) -> AsyncIterator[StreamDelta]:
+        done = await fleet.complete(prompt_ids, **sampling)
+        yield StreamDelta(token_ids=done.token_ids, logprobs=done.logprobs, server_url=done.server_url,
+                          finish_reason=done.finish_reason)
+
+    return one_delta
+
+
 async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, api: str,
                    answer_out: Answer | None = None) -> AsyncIterator[Any]:
     started = time.monotonic()
@@ -126,9 +139,10 @@ async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, api
     servers: list[str] = []
     finish_reason = "length"
     before = await gateway.versions()
-    async for delta in gateway.fleet.stream(planned.prompt_ids, max_tokens=sampling["max_tokens"],
-                                            temperature=sampling["temperature"], session_id=session_id,
-                                            seed=sampling["seed"], extra=sampling["extra"]):
+    generate_with = gateway.fleet.stream if request.stream else whole_generation(gateway.fleet)
+    async for delta in generate_with(planned.prompt_ids, max_tokens=sampling["max_tokens"],
+                                     temperature=sampling["temperature"], session_id=session_id,
+                                     seed=sampling["seed"], extra=sampling["extra"]):
         ids.extend(delta.token_ids)
         logprobs.extend(delta.logprobs)
         if delta.server_url not in servers:

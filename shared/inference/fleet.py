@@ -45,6 +45,7 @@ import hashlib
 import json
 import math
 import time
+import zlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,10 @@ from rollstream.shared.errors import (
 
 SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key")
 KEEPALIVE_EXPIRY_S = 2.0
+POOLS = 8
+"""Connection pools the generation requests are spread over, by session. httpcore's pool does work linear in
+its connections each time a request starts or ends (every idle one's socket is polled for readability), so
+with hundreds of concurrent sessions on one pool that bookkeeping took half the gateway's event loop."""
 RUNNING_METRIC = "vllm:num_requests_running"
 WAITING_METRIC = "vllm:num_requests_waiting"
 KV_CACHE_METRIC = "vllm:kv_cache_usage_perc"
@@ -139,14 +144,19 @@ class FleetClient:
         self.server_load: dict[str, ServerLoad | None] = {u: None for u in self.urls}
         self._unhealthy_until = {u: 0.0 for u in self.urls}
         self._load_refresher: asyncio.Task | None = None
-        self._http = httpx.AsyncClient(
-            transport=transport,
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
-            # Below vLLM's own keep-alive (5 s): a connection the server is closing is never picked for a
-            # request, which would fail with a ReadError and put the server in its cool-down.
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
-                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
-        )
+        self._pools = [
+            httpx.AsyncClient(
+                transport=transport,
+                timeout=httpx.Timeout(timeout_s, connect=5.0),
+                # Below vLLM's own keep-alive (5 s): a connection the server is closing is never picked for a
+                # request, which would fail with a ReadError and put the server in its cool-down.
+                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256 // POOLS,
+                                    keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            )
+            for _ in range(1 if transport is not None else POOLS)  # a given transport is one pool already
+        ]
+        self._http = self._pools[0]
+        """For what is not a session's generation: /metrics, /health, scoring, weight syncs."""
 
     async def aclose(self) -> None:
         if self._load_refresher is not None:
@@ -154,7 +164,8 @@ class FleetClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._load_refresher
             self._load_refresher = None
-        await self._http.aclose()
+        for pool in self._pools:
+            await pool.aclose()
 
     async def __aenter__(self) -> FleetClient:
         return self
@@ -260,7 +271,7 @@ class FleetClient:
         for url in candidates:
             self.in_flight[url] += 1
             try:
-                response = await self._http.post(f"{url}/v1/completions", json=body, headers=headers)
+                response = await self._pool(session_id).post(f"{url}/v1/completions", json=body, headers=headers)
             except httpx.TransportError as exc:
                 failures.append(f"{url}: {type(exc).__name__}: {exc}")
                 self.mark_unhealthy(url)
@@ -320,7 +331,7 @@ class FleetClient:
                 request_body["min_tokens"] = max(0, int(request_body["min_tokens"]) - len(yielded))
             self.in_flight[url] += 1
             try:
-                async with contextlib.aclosing(self._stream_from(url, request_body, headers)) as deltas:
+                async with contextlib.aclosing(self._stream_from(url, request_body, headers, session_id)) as deltas:
                     async for delta in deltas:
                         yielded.extend(delta.token_ids)
                         yield delta
@@ -332,10 +343,15 @@ class FleetClient:
             finally:
                 self.in_flight[url] -= 1
 
+    def _pool(self, session_id: str) -> httpx.AsyncClient:
+        """The session's own pool: its turns, one after another, reuse its connections."""
+        return self._pools[zlib.crc32(session_id.encode()) % len(self._pools)]
+
     async def _stream_from(
-        self, url: str, body: dict[str, Any], headers: dict[str, str]
+        self, url: str, body: dict[str, Any], headers: dict[str, str], session_id: str
     ) -> AsyncIterator[StreamDelta]:
-        async with self._http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
+        pool = self._pool(session_id)
+        async with pool.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 if response.status_code >= 500:
