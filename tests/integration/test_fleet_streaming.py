@@ -97,8 +97,15 @@ class KillingProxy:
         asyncio.run_coroutine_threadsafe(listen(), self._loop).result(timeout=10)
 
     def close(self) -> None:
-        if self._listener is not None:
-            self._loop.call_soon_threadsafe(self._listener.close)
+        async def shut_down() -> None:
+            if self._listener is not None:
+                self._listener.close()
+            connections = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for connection in connections:
+                connection.cancel()
+            await asyncio.gather(*connections, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut_down(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     async def _connection(self, client_reader, client_writer) -> None:
