@@ -7,7 +7,7 @@ coding tools take it (shared/agent/environments/coding.py: metadata "repo" and/o
     {"prompt": "Fix `add` in calc.py", "agent": "command",
      "metadata": {"repo": "/data/tasks/fix-add/environment/workspace",
                   "command": "my-agent --task-file {task_file} --model openai/{model}",  # else agent.command
-                  "time_budget_s": 900,              # a Harbor task's [agent] timeout_sec; else agent.command_time_budget_s
+                  "time_budget_s": 900,     # Harbor: [agent] timeout_sec; else agent.command_time_budget_s
                   "grader": {"kind": "harbor", "task_dir": "/data/tasks/fix-add"}}}
 
 One episode:
