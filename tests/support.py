@@ -5,8 +5,10 @@ root on sys.path)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rollstream.cli.vllm_server import free_port
@@ -77,3 +79,23 @@ def docker_client():
     return client
 
 __all__ = ["FIXTURES", "MODELS", "REPO", "archive_all", "docker_client", "free_port", "prompt", "sandbox_uid_processes", "turn"]
+
+
+def health(port: int) -> tuple[int, dict] | None:
+    """A service's /healthz on this machine: (status, body), or None while it does not answer."""
+    try:
+        reply = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
+    except httpx.HTTPError:
+        return None
+    return reply.status_code, reply.json()
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    """condition()'s first truthy value, polled every 0.2 s; AssertionError naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

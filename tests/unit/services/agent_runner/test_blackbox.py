@@ -23,7 +23,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Self
 
-import httpx
 import pytest
 
 from rollstream.services.agent_runner.blackbox import BlackBoxRunner, GatewayRefused, GatewayUnavailable
@@ -33,7 +32,7 @@ from rollstream.shared.contract.events import PromptIssued, make_envelope
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.tasks.prompts import TOOLS_NOTE
-from tests.support import MODELS, free_port
+from tests.support import MODELS, free_port, health, wait_for
 
 CALC = "def add(a, b):\n    return a - b\n"
 INSTRUCTION = "Fix `add` in calc.py so that it returns the sum of its arguments."
@@ -305,24 +304,6 @@ def test_a_prompt_without_a_command_line_opens_no_session(tmp_path):
 
 
 # ------------------------------------------------------------------------------- the service itself
-def health(port: int) -> tuple[int, dict] | None:
-    try:
-        reply = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
-    except httpx.HTTPError:
-        return None
-    return reply.status_code, reply.json()
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.skipif(not (MODELS / "tiny-llama-warm" / "tokenizer.json").exists(),
                     reason="the agent-runner loads the tiny model's tokenizer; make setup builds it")
 def test_while_the_gateway_is_away_the_prompt_stays_pending_and_runs_once_it_answers(tmp_path, machine_redis_url):

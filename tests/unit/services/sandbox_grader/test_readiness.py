@@ -12,32 +12,13 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import TrajectoryFinished
-from tests.support import free_port
+from tests.support import free_port, health, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
-
-
-def health(port: int) -> tuple[int, dict] | None:
-    try:
-        reply = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
-    except httpx.HTTPError:
-        return None
-    return reply.status_code, reply.json()
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
