@@ -17,6 +17,7 @@ from rollstream.shared.contract.bus import STREAMS, Bus
 from rollstream.shared.contract.events import PromptIssued, TrajectoryTurn
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox import host_uids
+from rollstream.shared.sandbox.workspace import prepare_workspace
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root."""
@@ -99,3 +100,19 @@ def wait_for(condition, timeout_s: float, what: str):
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+def edit_diff(source: Path | None, edits: dict[str, str | None],
+              symlinks: dict[str, str] | None = None) -> str:
+    """The diff that `edits` (path -> new content, None deletes) and `symlinks` (path -> target) make to
+    a copy of `source`: what a model's episode would hand the grader."""
+    with prepare_workspace(source) as workspace:
+        for path, content in edits.items():
+            target = workspace.root / path
+            if content is None:
+                target.unlink()
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(content)
+        for path, target in (symlinks or {}).items():
+            os.symlink(target, workspace.root / path)
+        return workspace.diff()

@@ -1,14 +1,43 @@
-"""Grading a SWE-bench row: apply the model's diff, restore the test files, run the listed tests.
+"""Grading a SWE-bench row: apply the model's diff, restore the test files, run the listed tests, and
+score them from pytest's own signed record of the session, never from the output.
 
-After the model diff, every file the test_patch touches (and pytest/site hooks a diff could use to
-fake outcomes: conftest.py, pytest.ini, sitecustomize.py, usercustomize.py, *.pth, wherever the
-diff touched them) is reset to the snapshot's version (removed if it had none), and the test_patch
-is applied on top. Then `test_command` + FAIL_TO_PASS + PASS_TO_PASS ids; pytest -rA summary lines
-(PASSED/FAILED/ERROR/SKIPPED/XFAIL/XPASS) fill `tests` (XFAIL/XPASS count as passed, as in the
-SWE-bench harness; an id not in the output is "error"). Score: 1 when every F2P and P2P id passed,
-else 0; with the task flag `partial_credit` (attribute, or metadata["partial_credit"]) the score is
-the fraction of F2P passing provided all P2P pass (0 otherwise). Known limit: a diff can still
-change non-test code the tests import to special-case them; that is what the tests are for.
+After the model diff, every file the test_patch touches, and every hook or configuration file the
+diff touched (conftest.py, sitecustomize.py, usercustomize.py, *.pth, compiled bytecode, and pytest's
+configuration: pytest.ini, .pytest.ini, pytest.toml, tox.ini, setup.cfg, pyproject.toml, wherever they
+are), is reset to the snapshot's version (removed if it had none); the test_patch is applied on top.
+Then `test_command` + FAIL_TO_PASS + PASS_TO_PASS ids runs in the sandbox with the grader's pytest
+plugin loaded (shared/grading/pytest_report.py). Score: 1 when every F2P and P2P id passed (XFAIL and
+XPASS count as passed, as in the SWE-bench harness; an id pytest never reported is an error), else 0;
+with the task flag `partial_credit` (attribute, or metadata["partial_credit"]) the fraction of F2P
+passing provided all P2P pass (0 otherwise).
+
+Threat model: the code under test runs inside the pytest process whose results we read.
+Stopped (each a grade of 0 with the reason; tests/unit/shared/grading/test_hostile_swebench.py runs them
+under bubblewrap and docker):
+- pass lines or a whole pytest summary written to stdout, stderr or any inherited descriptor, an output
+  flood that pushes the real summary out of the kept tail: the output is a log, never read for results;
+- a process that ends early (os._exit, sys.exit, a signal, killing its parent) or whose exit status is
+  changed after pytest finished (an atexit hook): the record is written only when the session ends, and
+  its exit status must be the process's and agree with the outcomes;
+- a report written by the code under test: it cannot sign it, because the key is read and deleted by
+  the plugin before any conftest or test module is imported, and the tree is kept off sys.path until
+  then (PYTHONSAFEPATH: no module of the tree can shadow pytest or the standard library first);
+- edited tests, conftest.py files, pytest configuration that loads another plugin or turns ours off:
+  restored to the snapshot before the run (turning ours off anyway leaves no report: 0);
+- a plugin or hook implementation whose code comes from a file the diff changed (registered from the
+  code under test at import), and replacing pytest's reporting functions (pytest_report_plugin.GUARDED):
+  seen at the end of the session;
+- a process left running after the tests (it could rewrite the report later): refused.
+Not stopped: the code under test making the tests pass wrongly (special-casing the tests' inputs,
+patching what the tests import, or builtins); in-process attacks written against this plugin (reading its
+key-derived state from memory, patching pytest internals not in GUARDED, forging a hook's source file
+name); a Python older than 3.11 ignores PYTHONSAFEPATH, so there a module at the tree's root could shadow
+one that pytest imports before the plugin. A task author closes the first with hidden or stronger tests;
+the rest need the tests to run in a process that does not import the code under test, which pytest does not
+offer. A test_command that starts no pytest session (or a sandbox without pytest) is an infrastructure error,
+never a score: nothing of the model's runs before the plugin takes its key. A command must run exactly one
+pytest session (the record is the first session's, the exit status the command's); `rollstream validate`
+shows a row that breaks either rule (its reference patch must score 1).
 """
 
 from __future__ import annotations
@@ -29,6 +58,15 @@ from rollstream.shared.grading.diffs import (
     numstat_paths,
 )
 from rollstream.shared.grading.outcome import GradeOutcome, make_outcome
+from rollstream.shared.grading.pytest_report import (
+    HARNESS_OUTCOME,
+    SessionReport,
+    exit_words,
+    judge,
+    plugin_loaded,
+    prepare_report,
+    read_report,
+)
 from rollstream.shared.grading.runs import (
     MAX_TEST_OUTPUT_BYTES,
     run_log,
@@ -39,37 +77,18 @@ from rollstream.shared.grading.runs import (
 from rollstream.shared.sandbox.base import SandboxBackend, SandboxLimits
 from rollstream.shared.sandbox.workspace import GitWorkspace, prepare_workspace
 
-PROTECTED_NAMES = ("conftest.py", "pytest.ini", "sitecustomize.py", "usercustomize.py")
-"""SWE: files with these names (and *.pth) that a diff touches are reset to the snapshot."""
-
-_PYTEST_STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
-                  "XFAIL": "passed", "XPASS": "passed"}
-
-
-def parse_pytest_report(output: str) -> list[tuple[str, str]]:
-    """(status word, rest of line) of each pytest -rA summary line."""
-    found = []
-    for line in output.splitlines():
-        word, _, rest = line.partition(" ")
-        if word in _PYTEST_STATUS and rest:
-            found.append((word, rest.strip()))
-    return found
+PROTECTED_NAMES = ("conftest.py", "sitecustomize.py", "usercustomize.py", "pytest.ini", ".pytest.ini",
+                   "pytest.toml", ".pytest.toml", "tox.ini", "setup.cfg", "pyproject.toml")
+"""Files with these names that the model's diff touched are reset to the snapshot (removed if it had
+none), wherever they are: pytest's and Python's hooks and pytest's configuration."""
 
 
-def _test_outcomes(output: str, expected: list[str]) -> dict[str, str]:
-    lines = parse_pytest_report(output)
-    tests: dict[str, str] = {}
-    for word, rest in lines:
-        tests[rest.split(" - ", 1)[0]] = _PYTEST_STATUS[word]
-    for test_id in expected:
-        outcome = None
-        for word, rest in lines:
-            if rest == test_id or rest.startswith(test_id + " - "):
-                outcome = _PYTEST_STATUS[word]
-                if outcome != "passed":
-                    break  # a failure (e.g. an ERROR at teardown) wins over a PASSED line
-        tests[test_id] = outcome or "error"
-    return tests
+def _protected(path: str) -> bool:
+    """A path the diff may not change: a hook or configuration file (PROTECTED_NAMES), a *.pth file,
+    or compiled bytecode (it would be imported instead of the restored source)."""
+    pure = PurePosixPath(path)
+    return (pure.name in PROTECTED_NAMES or pure.suffix in (".pth", ".pyc", ".pyo")
+            or "__pycache__" in pure.parts)
 
 
 def _tree_entry(workspace: GitWorkspace, path: str) -> tuple[str, str] | None:
@@ -117,15 +136,13 @@ def _restore(workspace: GitWorkspace, path: str) -> None:
         target.chmod(0o755 if mode == "100755" else 0o644)
 
 
-def _protected_paths(workspace: GitWorkspace) -> list[str]:
-    """Files the model's diff changed whose names make them pytest/site hooks."""
+def _changed_paths(workspace: GitWorkspace) -> list[str]:
+    """Every path the model's diff changed, added or removed."""
     workspace.snapshot_index()
     proc = workspace.git("diff-index", "--cached", "-z", "--no-renames", "--name-only",
                          workspace.baseline)
     workspace.reset_index()
-    names = [os.fsdecode(name) for name in proc.stdout.split(b"\0") if name]
-    return [name for name in names
-            if PurePosixPath(name).name in PROTECTED_NAMES or name.endswith(".pth")]
+    return [os.fsdecode(name) for name in proc.stdout.split(b"\0") if name]
 
 
 def _task_flag(task: Any, name: str) -> bool:
@@ -148,7 +165,8 @@ def _id_list(value: Any) -> list[str]:
 
 def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
                    limits: SandboxLimits | None = None) -> GradeOutcome:
-    """Apply `diff`, restore and re-apply the test files, run FAIL_TO_PASS + PASS_TO_PASS."""
+    """Apply `diff`, restore and re-apply the test files, run FAIL_TO_PASS + PASS_TO_PASS under the
+    report plugin and score them from its signed report."""
     started = time.monotonic()
     fail_to_pass = _id_list(task.fail_to_pass)
     pass_to_pass = _id_list(task.pass_to_pass)
@@ -169,7 +187,8 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
         if test_paths is None:
             return make_outcome(0, "the task's test_patch cannot be parsed", started=started,
                                 infrastructure_error=True)
-        restored = sorted(set(test_paths) | set(_protected_paths(workspace)))
+        changed = _changed_paths(workspace)
+        restored = sorted(set(test_paths) | {path for path in changed if _protected(path)})
         for path in restored:
             _restore(workspace, path)
         if test_patch.strip():
@@ -178,34 +197,59 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
                 return make_outcome(0, f"the task's test_patch did not apply after restoring the "
                                     f"test files: {git_message(proc)}", started=started,
                                     infrastructure_error=True)
+        report_setup = prepare_report(workspace.scratch("report-plugin"), workspace.scratch("report"))
         ids = " ".join(shlex.quote(test_id) for test_id in fail_to_pass + pass_to_pass)
         command = (f"set -o pipefail 2>/dev/null; ( {task.test_command} {ids} ) 2>&1 "
                    f"| tail -c {MAX_TEST_OUTPUT_BYTES}")
         run = run_wrapped(backend, f"bash -c {shlex.quote(command)}", workspace,
                           task_limits(limits, getattr(task, "verifier_timeout_s", None)),
-                          {}, {}, {"WORKSPACE": "/workspace", "PYTHONDONTWRITEBYTECODE": "1"}, image)
+                          report_setup.ro_mounts(), report_setup.rw_mounts(),
+                          {"WORKSPACE": "/workspace", "PYTHONDONTWRITEBYTECODE": "1", **report_setup.env()},
+                          image, flag_leftovers=True)
         log_text = run_log(run)
         if run.error:
             return make_outcome(0, run.error, log_text=log_text, started=started,
                                 infrastructure_error=True)
-        tests = _test_outcomes(run.stdout, fail_to_pass + pass_to_pass)
-        f2p_ok = [test_id for test_id in fail_to_pass if tests[test_id] == "passed"]
-        p2p_bad = [test_id for test_id in pass_to_pass if tests[test_id] != "passed"]
-        f2p_bad = [test_id for test_id in fail_to_pass if tests[test_id] != "passed"]
-        status = run.result.reason
-        summary = (f"FAIL_TO_PASS {len(f2p_ok)}/{len(fail_to_pass)} passed, PASS_TO_PASS "
-                   f"{len(pass_to_pass) - len(p2p_bad)}/{len(pass_to_pass)} passed ({status})")
-        if restored:
-            summary += f"; restored test files {restored[:5]}" + ("..." if len(restored) > 5 else "")
-        if f2p_bad:
-            summary += f"; not passing: {f2p_bad[:5]}"
-        if p2p_bad:
-            summary += f"; broken: {p2p_bad[:5]}"
-        if p2p_bad:
-            score = 0.0
-        elif _task_flag(task, "partial_credit") and fail_to_pass:
-            score = len(f2p_ok) / len(fail_to_pass)
-        else:
-            score = 1.0 if not f2p_bad else 0.0
-        return make_outcome(score, summary, tests=tests, log_text=log_text, started=started)
+        notes = f"; restored {restored[:5]}" + ("..." if len(restored) > 5 else "") if restored else ""
+        if run.processes_left:
+            return make_outcome(0, "the tests left processes running (one could rewrite the report "
+                                "after pytest wrote it): not trusted" + notes,
+                                log_text=log_text, started=started)
+        if not plugin_loaded(report_setup):
+            return make_outcome(0, "pytest never loaded the grader's report plugin (no pytest in the "
+                                f"sandbox's Python, or a test_command that runs none; {run.result.reason}): "
+                                f"{run.stdout.strip()[-300:]}", log_text=log_text, started=started,
+                                infrastructure_error=True)
+        report, why = read_report(report_setup)
+        refused = why if report is None else judge(
+            report, run.result.exit_code, set(changed) - set(restored))
+        if refused is not None:
+            return make_outcome(0, f"test results not trusted: {refused} ({run.result.reason})" + notes,
+                                log_text=log_text, started=started)
+        return _score(task, report, fail_to_pass, pass_to_pass, notes, log_text, started)
 
+
+def _score(task: Any, report: SessionReport, fail_to_pass: list[str], pass_to_pass: list[str],
+           notes: str, log_text: str, started: float) -> GradeOutcome:
+    """1 when every F2P and P2P id passed, else 0 (or the F2P fraction with partial_credit)."""
+    tests = {test_id: HARNESS_OUTCOME.get(outcome, "error") for test_id, outcome in report.outcomes.items()}
+    for test_id in fail_to_pass + pass_to_pass:
+        tests.setdefault(test_id, "error")  # an id pytest never reported: not found or never run
+    passed = {test_id for test_id in fail_to_pass + pass_to_pass if tests[test_id] == "passed"}
+    f2p_ok = [test_id for test_id in fail_to_pass if test_id in passed]
+    f2p_bad = [test_id for test_id in fail_to_pass if test_id not in passed]
+    p2p_bad = [test_id for test_id in pass_to_pass if test_id not in passed]
+    summary = (f"FAIL_TO_PASS {len(f2p_ok)}/{len(fail_to_pass)} passed, PASS_TO_PASS "
+               f"{len(pass_to_pass) - len(p2p_bad)}/{len(pass_to_pass)} passed "
+               f"({exit_words(report.exitstatus)}){notes}")
+    if f2p_bad:
+        summary += f"; not passing: {f2p_bad[:5]}"
+    if p2p_bad:
+        summary += f"; broken: {p2p_bad[:5]}"
+    if p2p_bad:
+        score = 0.0
+    elif _task_flag(task, "partial_credit") and fail_to_pass:
+        score = len(f2p_ok) / len(fail_to_pass)
+    else:
+        score = 1.0 if not f2p_bad else 0.0
+    return make_outcome(score, summary, tests=tests, log_text=log_text, started=started)

@@ -387,7 +387,9 @@ class BubblewrapBackend:
         if self.tools is not None:
             binds.append((self.tools, PYTHON_TOOLS_MOUNT, True))
             full_env.setdefault("PATH", f"{PYTHON_TOOLS_MOUNT}/bin:/usr/local/bin:/usr/bin:/bin")
-            full_env.setdefault("PYTHONPATH", f"{PYTHON_TOOLS_MOUNT}/site")
+            # after the caller's own entries: a caller's module path (the SWE report plugin) is kept
+            full_env["PYTHONPATH"] = ":".join(filter(None, [full_env.get("PYTHONPATH"),
+                                                            f"{PYTHON_TOOLS_MOUNT}/site"]))
         return run_in_sandbox(command, workspace, limits, full_env, extra_binds=binds,
                               workdir=workdir,
                               kept_binds=[(Path(host), target)

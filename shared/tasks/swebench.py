@@ -8,7 +8,12 @@ JSON-encoded as strings, as the published datasets store them), plus our own:
     repo_dir       a local snapshot of `repo` at `base_commit` (relative paths are resolved against
                    the dataset file's directory); without it, `repos/<instance_id>/` beside the
                    dataset file is used if it exists
-    test_command   optional; default "python -m pytest -rA -p no:cacheprovider"
+    test_command   optional; default "python -m pytest -rA -p no:cacheprovider". One pytest session:
+                   the grader scores the tests from pytest's own record of that session (see
+                   shared/grading/swebench.py), so a command that runs no pytest scores 0
+    dockerfile     optional; a Dockerfile (relative to the dataset file) of the test environment, which
+                   the docker backend builds and runs the tests in (it must provide the repository's
+                   Python with pytest); without it, the backend's default image
 
 Example:
 
@@ -48,6 +53,7 @@ class SweTask:
     test_command: str = DEFAULT_SWE_TEST_COMMAND
     gold_patch: str | None = None   # the reference `patch`
     dataset: Path | None = None     # the file the row came from (absolute)
+    dockerfile: Path | None = None  # the test environment's Dockerfile, for the docker backend
 
 
 def _read_records(path: Path) -> list[Any]:
@@ -128,6 +134,9 @@ def _swe_row(record: Any, path: Path, where: str) -> SweTask:
         repo_dir = (base / repo_value).resolve()
         if not repo_dir.is_dir():
             raise TaskError(f"{where}: 'repo_dir' {repo_value!r} is not a directory ({repo_dir})")
+    dockerfile = _optional_str(record, "dockerfile", where)
+    if dockerfile is not None and not (base / dockerfile).is_file():
+        raise TaskError(f"{where}: 'dockerfile' {dockerfile!r} is not a file ({base / dockerfile})")
     return SweTask(
         instance_id=instance_id,
         repo_dir=repo_dir,
@@ -138,6 +147,7 @@ def _swe_row(record: Any, path: Path, where: str) -> SweTask:
         test_command=test_command,
         gold_patch=gold_patch,
         dataset=path.resolve(),
+        dockerfile=(base / dockerfile).resolve() if dockerfile is not None else None,
     )
 
 

@@ -16,7 +16,7 @@ import pytest
 from rollstream.shared.grading.diffs import apply_diff
 from rollstream.shared.grading.harbor import grade_harbor
 from rollstream.shared.grading.runs import store_log
-from rollstream.shared.grading.swebench import _test_outcomes, grade_swebench
+from rollstream.shared.grading.swebench import grade_swebench
 from rollstream.shared.grading.untrusted import _reward_from_json
 from rollstream.shared.grading.validation import reference_diff, validate_tasks
 from rollstream.shared.runtime.storage import Storage
@@ -27,7 +27,7 @@ from rollstream.shared.sandbox.unsafe_local import UnsafeLocalBackend
 from rollstream.shared.sandbox.workspace import prepare_workspace
 from rollstream.shared.tasks.harbor import load_harbor_task, load_harbor_tasks
 from rollstream.shared.tasks.swebench import load_swebench_rows
-from tests.support import FIXTURES
+from tests.support import FIXTURES, edit_diff
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
@@ -68,21 +68,6 @@ def swe():
     return load_swebench_rows(FIXTURES / "swebench" / "rows.jsonl")[0]
 
 
-def _edit_diff(source: Path | None, edits: dict[str, str | None], symlinks=None) -> str:
-    """The diff that `edits` (path -> new content, None deletes) make to a copy of `source`."""
-    with prepare_workspace(source) as workspace:
-        for path, content in edits.items():
-            target = workspace.root / path
-            if content is None:
-                target.unlink()
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(content)
-        for path, target in (symlinks or {}).items():
-            os.symlink(target, workspace.root / path)
-        return workspace.diff()
-
-
 def test_reference_solutions_score_1(backend, fix_add, three_functions, app_stats, swe):
     for task in (fix_add, three_functions, app_stats):
         diff = reference_diff(task, backend)
@@ -112,7 +97,7 @@ def test_an_app_task_grades_the_patched_files_at_its_workdir(harbor_backend, app
     source = (app_stats.workspace / "stats.py").read_text()
     fixed = source.replace("/ (len(values) - 1)", "/ len(values)")
     assert fixed != source
-    outcome = grade_harbor(app_stats, _edit_diff(app_stats.workspace, {"stats.py": fixed}), harbor_backend)
+    outcome = grade_harbor(app_stats, edit_diff(app_stats.workspace, {"stats.py": fixed}), harbor_backend)
     assert (outcome.score, outcome.infrastructure_error) == (1.0, False), outcome
     assert "variance([1, 2, 3, 4]) = 1.25, expected 1.25: ok" in outcome.log
     outcome = grade_harbor(app_stats, "", harbor_backend)
@@ -142,7 +127,7 @@ def test_partial_fix_gets_the_fraction(harbor_backend, three_functions):
     source = (three_functions.workspace / "textutils.py").read_text()
     old = 'return " ".join(sentence.split())'
     assert old in source
-    diff = _edit_diff(three_functions.workspace, {
+    diff = edit_diff(three_functions.workspace, {
         "textutils.py": source.replace(old, 'return " ".join(reversed(sentence.split()))')})
     outcome = grade_harbor(three_functions, diff, harbor_backend)
     assert outcome.score == pytest.approx(1 / 3, abs=1e-3), outcome
@@ -161,19 +146,28 @@ def test_swe_partial_credit_flag(backend, swe):
     source = (swe.repo_dir / "tinystats" / "core.py").read_text()
     half = source.replace("    return ordered[middle]\n", "    if len(ordered) % 2 == 0:\n"
                           "        return (ordered[middle - 1] + ordered[middle]) / 2\n    return -1\n")
-    diff = _edit_diff(swe.repo_dir, {"tinystats/core.py": half})
+    diff = edit_diff(swe.repo_dir, {"tinystats/core.py": half})
     outcome = grade_swebench(task, diff, backend)
     assert outcome.score == 0.5, outcome
     assert outcome.tests["tests/test_core.py::test_median_odd"] == "failed"
     task.partial_credit = False
     assert grade_swebench(task, diff, backend).score == 0
-    # a missing id counts as an error, not a pass
-    task.fail_to_pass = [*swe.fail_to_pass]
+    # an id that does not exist is an error, not a pass (pytest refuses the whole selection: exit 4)
+    task.fail_to_pass = [*swe.fail_to_pass, "tests/test_core.py::test_gone"]
     task.pass_to_pass = [*swe.pass_to_pass]
-    report = "PASSED tests/a.py::t1\nFAILED tests/a.py::t2[x - y] - AssertionError: 1 - 2\n"
-    assert _test_outcomes(report, ["tests/a.py::t1", "tests/a.py::t2[x - y]", "gone"]) == {
-        "tests/a.py::t1": "passed", "tests/a.py::t2[x - y]": "failed", "tests/a.py::t2[x": "failed",
-        "gone": "error"}
+    outcome = grade_swebench(task, reference_diff(swe, backend), backend)
+    assert outcome.tests["tests/test_core.py::test_gone"] == "error"
+    assert outcome.score == 0 and "pytest exit 4" in outcome.reason, outcome
+
+
+def test_a_test_command_that_starts_no_pytest_is_an_infrastructure_error(backend, swe):
+    """No pytest in the environment (or a command that runs none) is the machinery's failure: retried,
+    then GradingFailed, never a 0 to train on."""
+    for command in ("python3 -c 'import sys; sys.exit(0)'", "python3 -m no_such_test_runner"):
+        outcome = grade_swebench(dataclasses.replace(swe, test_command=command), reference_diff(swe, backend),
+                                 backend)
+        assert outcome.infrastructure_error, outcome
+        assert "never loaded the grader's report plugin" in outcome.reason
 
 
 def test_unappliable_patch_is_a_graded_failure_with_gits_reason(backend, fix_add):
@@ -190,16 +184,16 @@ def test_unappliable_patch_is_a_graded_failure_with_gits_reason(backend, fix_add
 def test_swe_diff_editing_the_tests_still_scores_0(backend, swe):
     test_file = swe.repo_dir / "tests" / "test_core.py"
     trivial = test_file.read_text() + "\n\ndef test_median_even():\n    assert True\n"
-    diff = _edit_diff(swe.repo_dir, {"tests/test_core.py": trivial})
+    diff = edit_diff(swe.repo_dir, {"tests/test_core.py": trivial})
     outcome = grade_swebench(swe, diff, backend)
     assert outcome.score == 0, outcome
     assert outcome.tests["tests/test_core.py::test_median_even"] == "failed"
-    assert "restored test files" in outcome.reason
+    assert "restored ['tests/test_core.py']" in outcome.reason
     # a conftest.py that rewrites every outcome to "passed" is reset too
     conftest = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
                 "def pytest_runtest_makereport(item, call):\n"
                 "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
-    diff = _edit_diff(swe.repo_dir, {"tests/conftest.py": conftest})
+    diff = edit_diff(swe.repo_dir, {"tests/conftest.py": conftest})
     outcome = grade_swebench(swe, diff, backend)
     assert outcome.score == 0, outcome
     assert outcome.tests["tests/test_core.py::test_median_even"] == "failed"
@@ -207,12 +201,12 @@ def test_swe_diff_editing_the_tests_still_scores_0(backend, swe):
 
 def test_symlink_out_of_the_workspace_is_refused(backend, fix_add):
     for target in ("/etc/passwd", "../../../../etc", "sub/../../x"):
-        diff = _edit_diff(fix_add.workspace, {}, symlinks={"escape": target})
+        diff = edit_diff(fix_add.workspace, {}, symlinks={"escape": target})
         assert "120000" in diff
         outcome = grade_harbor(fix_add, diff, backend)
         assert outcome.score == 0 and not outcome.infrastructure_error
         assert "symlink" in outcome.reason and "outside the workspace" in outcome.reason, outcome.reason
-    inside = _edit_diff(fix_add.workspace, {}, symlinks={"alias.py": "calc.py"})
+    inside = edit_diff(fix_add.workspace, {}, symlinks={"alias.py": "calc.py"})
     with prepare_workspace(fix_add.workspace) as workspace:
         assert apply_diff(workspace, inside) == (True, "applied")
         assert os.readlink(workspace.root / "alias.py") == "calc.py"
@@ -226,7 +220,7 @@ def test_paths_outside_the_workspace_are_refused(fix_add):
         assert not ok and "outside the workspace" in reason
         assert not (workspace.base / "evil.txt").exists()
     # writing through a symlink that the same patch creates
-    link_then_write = _edit_diff(fix_add.workspace, {}, symlinks={"d": "."}) + (
+    link_then_write = edit_diff(fix_add.workspace, {}, symlinks={"d": "."}) + (
         "diff --git a/d/x.txt b/d/x.txt\nnew file mode 100644\n--- /dev/null\n+++ b/d/x.txt\n"
         "@@ -0,0 +1 @@\n+x\n")
     with prepare_workspace(fix_add.workspace) as workspace:

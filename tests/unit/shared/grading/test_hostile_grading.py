@@ -28,9 +28,9 @@ from rollstream.shared.grading.untrusted import parse_reward, prepare_reward_fil
 from rollstream.shared.grading.validation import reference_diff
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
-from rollstream.shared.sandbox.workspace import prepare_workspace, workspace_prefix
+from rollstream.shared.sandbox.workspace import workspace_prefix
 from rollstream.shared.tasks.harbor import HarborTask
-from tests.support import sandbox_uid_processes
+from tests.support import edit_diff, sandbox_uid_processes
 
 LIMITS = SandboxLimits(wall_time_s=8, cpu_time_s=8, memory_mb=256, max_processes=32,
                        max_file_size_mb=16, max_open_files=256, max_output_bytes=64 * 1024,
@@ -83,16 +83,6 @@ def host_unaffected():
     assert subprocess.run(["true"]).returncode == 0
 
 
-def _diff(source: Path, edits: dict[str, str], symlinks: dict[str, str] | None = None) -> str:
-    with prepare_workspace(source) as workspace:
-        for path, content in edits.items():
-            (workspace.root / path).parent.mkdir(parents=True, exist_ok=True)
-            (workspace.root / path).write_text(content)
-        for path, target in (symlinks or {}).items():
-            os.symlink(target, workspace.root / path)
-        return workspace.diff()
-
-
 def test_network_access_is_refused(backend, make_task):
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
@@ -111,7 +101,7 @@ def test_network_access_is_refused(backend, make_task):
 
     threading.Thread(target=serve, daemon=True).start()
     task = make_task(f"""python3 app.py && echo 1 > {REWARD} || echo 0 > {REWARD}\n""")
-    diff = _diff(task.workspace, {"app.py": (
+    diff = edit_diff(task.workspace, {"app.py": (
         "import socket\ns = socket.create_connection(('127.0.0.1', %d), timeout=3)\n"
         "print('CONNECTED')\n" % port)})
     try:
@@ -227,7 +217,7 @@ def test_reward_symlinks_to_host_files_are_not_followed(backend, make_task):
 
 def test_symlink_out_of_the_workspace_in_the_diff(backend, make_task):
     task = make_task(f"cat secret > /dev/null && echo 1 > {REWARD} || echo 0 > {REWARD}\n")
-    diff = _diff(task.workspace, {}, symlinks={"secret": "/etc/passwd"})
+    diff = edit_diff(task.workspace, {}, symlinks={"secret": "/etc/passwd"})
     outcome = grade_harbor(task, diff, backend, LIMITS)
     assert outcome.score == 0 and "patch did not apply" in outcome.reason
     assert "symlink" in outcome.reason and "/etc/passwd" in outcome.reason
@@ -236,7 +226,7 @@ def test_symlink_out_of_the_workspace_in_the_diff(backend, make_task):
 def test_a_diff_editing_the_tests_does_not_count(backend, make_task):
     task = make_task(f"python3 app.py | grep -q fixed && echo 1 > {REWARD} || echo 0 > {REWARD}\n")
     cheat = f"#!/bin/bash\necho 1 > {REWARD}\n"
-    diff = _diff(task.workspace, {"tests/test.sh": cheat, "test.sh": cheat})
+    diff = edit_diff(task.workspace, {"tests/test.sh": cheat, "test.sh": cheat})
     outcome = grade_harbor(task, diff, backend, LIMITS)
     assert outcome.score == 0, outcome.reason
     escape = ("diff --git a/../tests/test.sh b/../tests/test.sh\n--- a/../tests/test.sh\n"
@@ -313,7 +303,7 @@ def test_the_answer_task_scores_an_honest_answer(backend, make_task):
     """The task the attacks below use: the right answer scores 1, and a wrong one 0."""
     for verify in (VERIFY_TXT, VERIFY_JSON):
         task = _answer_task(make_task, verify)
-        right = grade_harbor(task, _diff(task.workspace, {"solution.py": "def answer():\n    return 42\n"}),
+        right = grade_harbor(task, edit_diff(task.workspace, {"solution.py": "def answer():\n    return 42\n"}),
                              backend, LIMITS)
         assert (right.score, right.infrastructure_error) == (1.0, False), right
         wrong = grade_harbor(task, "", backend, LIMITS)
@@ -323,7 +313,7 @@ def test_the_answer_task_scores_an_honest_answer(backend, make_task):
 def test_a_reward_made_read_only_is_overwritten_by_the_verifier(backend, make_task):
     # the reported defect: reward 1 planted, file and directory chmod-ed so the verifier's write failed
     task = _answer_task(make_task)
-    diff = _diff(task.workspace, _wrong_answer(
+    diff = edit_diff(task.workspace, _wrong_answer(
         'attempt("plant", lambda: write(R, "1\\n"))\n'
         'attempt("chmod reward.txt", lambda: os.chmod(R, 0o444))\n'
         'attempt("chmod verifier/", lambda: os.chmod(V, 0o555))\n'))
@@ -341,7 +331,7 @@ def test_a_reward_planted_before_the_tests_run_does_not_count(backend, make_task
     task = _answer_task(make_task)
     content = "1\n" if planted == "reward.txt" else '{"reward": 1}'
     plant = f'attempt("plant", lambda: write(V + "/{planted}", {content!r}))\n'
-    diff = _diff(task.workspace, _wrong_answer(plant))
+    diff = edit_diff(task.workspace, _wrong_answer(plant))
     outcome = grade_harbor(task, diff, backend, LIMITS)
     assert "attack: plant: done" in outcome.log
     assert outcome.score == 0 and not outcome.infrastructure_error, outcome.reason
@@ -357,7 +347,7 @@ def test_writing_the_other_reward_file_does_not_count(backend, make_task, verify
     task = _answer_task(make_task, verify)
     content = '{"reward": 1}' if other == "J" else "1\n"
     write_other = f'attempt("write the other file", lambda: write({other}, {content!r}))\n'
-    diff = _diff(task.workspace, _wrong_answer(write_other))
+    diff = edit_diff(task.workspace, _wrong_answer(write_other))
     outcome = grade_harbor(task, diff, backend, LIMITS)
     assert "attack: write the other file: done" in outcome.log
     assert outcome.score == 0 and not outcome.infrastructure_error, outcome.reason
@@ -390,7 +380,7 @@ REPLACEMENTS = {
 @pytest.mark.parametrize("replacement", sorted(REPLACEMENTS))
 def test_replacing_the_reward_file_or_its_directory_does_not_count(backend, make_task, replacement):
     task = _answer_task(make_task)
-    diff = _diff(task.workspace, _wrong_answer(REPLACEMENTS[replacement]))
+    diff = edit_diff(task.workspace, _wrong_answer(REPLACEMENTS[replacement]))
     outcome = grade_harbor(task, diff, backend, LIMITS)
     assert ": Operation not permitted" in outcome.log or ": Permission denied" in outcome.log, outcome.log
     assert outcome.score == 0 and not outcome.infrastructure_error, outcome.reason
@@ -418,7 +408,7 @@ SYMLINKS = {
 @pytest.mark.parametrize("linked", sorted(SYMLINKS))
 def test_symlinks_in_place_of_the_reward_files_do_not_count(backend, make_task, linked):
     task = _answer_task(make_task)
-    diff = _diff(task.workspace, _wrong_answer(SYMLINKS[linked]))
+    diff = edit_diff(task.workspace, _wrong_answer(SYMLINKS[linked]))
     outcome = grade_harbor(task, diff, backend, LIMITS)
     assert "attack: own" in outcome.log
     assert ": Operation not permitted" in outcome.log or ": Permission denied" in outcome.log, outcome.log
@@ -446,7 +436,7 @@ def test_a_process_left_running_to_rewrite_the_reward_does_not_count(backend, ma
     # detached from the verifier's process tree, it waits for the verifier's 0 and writes 1 over it
     task = _answer_task(make_task, after=after_reward)
     rewriter = ATTACK_PRELUDE + REWRITER
-    diff = _diff(task.workspace, _wrong_answer(
+    diff = edit_diff(task.workspace, _wrong_answer(
         "import subprocess\n"
         f"subprocess.Popen([sys.executable, '-c', {rewriter!r}], start_new_session=True)\n"))
     outcome = grade_harbor(task, diff, backend, LIMITS)

@@ -36,6 +36,7 @@ def task_dir(tmp_path):
 def swe_record(**overrides):
     record = json.loads(SWE_ROWS.read_text().splitlines()[0])
     record["repo_dir"] = str(TINY_REPO)
+    record["dockerfile"] = str(SWE_ROWS.parent / record["dockerfile"])
     record.update(overrides)
     return {k: v for k, v in record.items() if v is not None}
 
@@ -389,3 +390,12 @@ def test_load_dataset_turns_task_errors_into_dataset_errors(tmp_path, task_dir):
     path = write_jsonl(tmp_path / "rows.jsonl", [swe_record(FAIL_TO_PASS="nope")])
     with pytest.raises(DatasetError, match=r"rows\.jsonl row 0 \(.*\): 'FAIL_TO_PASS'"):
         load_dataset(path)
+
+
+def test_a_swebench_row_naming_a_dockerfile_that_is_not_there(tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [swe_record(dockerfile="environment/Dockerfile")])
+    with pytest.raises(TaskError, match=r"rows\.jsonl row 0 \(rollstream__tinystats-1\): 'dockerfile' "
+                                        r"'environment/Dockerfile' is not a file"):
+        load_swebench_rows(path)
+    [task] = load_swebench_rows(write_jsonl(tmp_path / "rows.jsonl", [swe_record()]))
+    assert task.dockerfile == SWE_ROWS.parent / "environment" / "Dockerfile"
