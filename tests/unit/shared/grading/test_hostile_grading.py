@@ -26,7 +26,6 @@ from rollstream.shared.grading.harbor import grade_harbor
 from rollstream.shared.grading.outcome import MAX_LOG_CHARS
 from rollstream.shared.grading.untrusted import parse_reward, prepare_reward_files
 from rollstream.shared.grading.validation import reference_diff
-from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.sandbox.workspace import workspace_prefix
 from rollstream.shared.tasks.harbor import HarborTask
@@ -36,16 +35,6 @@ LIMITS = SandboxLimits(wall_time_s=8, cpu_time_s=8, memory_mb=256, max_processes
                        max_file_size_mb=16, max_open_files=256, max_output_bytes=64 * 1024,
                        tmp_size_mb=16)
 REWARD = "/logs/verifier/reward.txt"
-
-
-@pytest.fixture(scope="module", params=["bubblewrap", "docker"])
-def backend(request):
-    """Every attack against both real sandboxes: bubblewrap here, and containers on a real engine."""
-    if request.param == "docker":
-        request.getfixturevalue("docker_engine")
-    elif shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
-    return get_backend(request.param)
 
 
 @pytest.fixture

@@ -10,13 +10,11 @@ the reference patch still scores 1.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from rollstream.shared.grading.swebench import grade_swebench
 from rollstream.shared.grading.validation import reference_diff
-from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.tasks.swebench import load_swebench_rows
 from tests.support import FIXTURES, edit_diff
@@ -26,15 +24,6 @@ LIMITS = SandboxLimits(wall_time_s=60, cpu_time_s=60, memory_mb=1024, max_proces
                        tmp_size_mb=64)
 CORE = "tinystats/core.py"
 F2P = "tests/test_core.py::test_median_even"
-
-
-@pytest.fixture(scope="module", params=["bubblewrap", "docker"])
-def backend(request):
-    if request.param == "docker":
-        request.getfixturevalue("docker_engine")
-    elif shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
-    return get_backend(request.param)
 
 
 @pytest.fixture(scope="module")
