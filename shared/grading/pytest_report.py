@@ -31,9 +31,14 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from rollstream.shared.grading import pytest_report_plugin as plugin
 from rollstream.shared.grading.untrusted import read_untrusted_file
 
+PLUGIN_SOURCE = Path(__file__).with_name("pytest_report_plugin.py")
+"""Staged, never imported here: it imports pytest, which the services' images do not have."""
+REPORT_DIR_ENV = "ROLLSTREAM_REPORT_DIR"
+KEY_FILE = "key"
+REPORT_FILE = "report.json"
+"""The names the plugin uses (pytest_report_plugin.py has its own copy: it imports nothing of ours)."""
 PLUGIN_MODULE = "rollstream_report"
 PLUGIN_MOUNT = "/grader/plugin"
 REPORT_MOUNT = "/grader/report"
@@ -57,7 +62,7 @@ class ReportSetup:
     def env(self) -> dict[str, str]:
         """What loads the plugin into the session the test command starts."""
         return {"PYTEST_ADDOPTS": f"-p {PLUGIN_MODULE}", "PYTHONPATH": PLUGIN_MOUNT,
-                "PYTHONSAFEPATH": "1", plugin.REPORT_DIR_ENV: REPORT_MOUNT}
+                "PYTHONSAFEPATH": "1", REPORT_DIR_ENV: REPORT_MOUNT}
 
     def ro_mounts(self) -> dict[str, Path]:
         return {PLUGIN_MOUNT: self.plugin_dir}
@@ -79,10 +84,10 @@ class SessionReport:
 def prepare_report(plugin_dir: Path, report_dir: Path) -> ReportSetup:
     """Stage the plugin into `plugin_dir` (readable by the sandbox) and a new key into `report_dir`."""
     target = plugin_dir / f"{PLUGIN_MODULE}.py"
-    shutil.copyfile(Path(plugin.__file__), target)
+    shutil.copyfile(PLUGIN_SOURCE, target)
     target.chmod(0o644)
     key = secrets.token_bytes(32)
-    key_file = report_dir / plugin.KEY_FILE
+    key_file = report_dir / KEY_FILE
     key_file.write_bytes(key)
     key_file.chmod(0o644)
     return ReportSetup(key, plugin_dir, report_dir)
@@ -91,13 +96,13 @@ def prepare_report(plugin_dir: Path, report_dir: Path) -> ReportSetup:
 def plugin_loaded(setup: ReportSetup) -> bool:
     """Whether the plugin took its key: nothing of the tree under test runs before it does, so when it
     did not, the environment or the test command kept pytest from loading it, not the model's diff."""
-    return not (setup.report_dir / plugin.KEY_FILE).exists()
+    return not (setup.report_dir / KEY_FILE).exists()
 
 
 def read_report(setup: ReportSetup) -> tuple[SessionReport | None, str]:
     """The plugin's record when it is there and its HMAC is right; else None and why."""
     try:
-        data = read_untrusted_file(setup.report_dir, plugin.REPORT_FILE, MAX_REPORT_BYTES)
+        data = read_untrusted_file(setup.report_dir, REPORT_FILE, MAX_REPORT_BYTES)
     except ValueError as exc:
         return None, f"the test report was refused: {exc}"
     if data is None:

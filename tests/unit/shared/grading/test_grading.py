@@ -299,3 +299,22 @@ def test_fixture_sanity():
     rows = [json.loads(line) for line in (FIXTURES / "swebench" / "rows.jsonl").read_text().splitlines()
             if line.strip()]
     assert rows and (FIXTURES / "harbor" / "fix-add" / "tests" / "test.sh").is_file()
+
+
+def test_the_grader_needs_no_pytest_and_agrees_with_its_plugin_on_names():
+    """The services' images have no pytest: the SWE grader stages its plugin without importing it."""
+    import ast
+    import subprocess
+    import sys
+
+    from rollstream.shared.grading import pytest_report
+
+    code = ("import sys; sys.modules['pytest'] = sys.modules['_pytest'] = None\n"
+            "import rollstream.services.sandbox_grader.jobs, rollstream.shared.grading.swebench")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr == ""
+    plugin_names = {node.targets[0].id: node.value.value
+                    for node in ast.parse(pytest_report.PLUGIN_SOURCE.read_text()).body
+                    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                    and isinstance(node.targets[0], ast.Name)}
+    for name in ("REPORT_DIR_ENV", "KEY_FILE", "REPORT_FILE"):
+        assert plugin_names[name] == getattr(pytest_report, name)
