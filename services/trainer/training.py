@@ -10,7 +10,8 @@ a policy version not published yet: dropped as `invalid`, counted), select_fresh
 older than eta versions, optimize takes train.minibatches optimizer steps (services/trainer/ppo.py)
 on the backend (services/trainer/backends/), save_checkpoint writes the training state,
 sync_with_retries waits for every server to answer (one restarting is waited for, up to FLEET_WAIT_S),
-reloads every server and raises ParityError (a StopConsuming for main.py) when one
+tries a failed sync again for SYNC_RETRY_S (a server shutting down refuses /pause before it stops
+answering), reloads every server and raises ParityError (a StopConsuming for main.py) when one
 serves other logprobs, and PolicyUpdated goes out with the batch marked trained, in one transaction.
 A step that fails after it may have changed the model puts back the state of the last published
 version before the error goes on, so that a retry, or the next batch, starts from it.
@@ -40,7 +41,11 @@ from rollstream.shared.runtime.tracking import Tracker
 log = logging.getLogger("trainer")
 
 PROBE_TOKENS = 256
-SYNC_ATTEMPTS = 3
+SYNC_RETRY_S = 120.0
+"""How long a weight sync that fails is tried again (with back-off) before the trainer stops: long
+enough to outlast a vLLM server's graceful shutdown (it answers /health but refuses /pause for up to its
+grace period, then stops answering and is waited for as restarting)."""
+SYNC_BACKOFF_MAX_S = 10.0
 FLEET_WAIT_S = 600.0
 FLEET_RECHECK_S = 2.0
 POLICY_PAGE = 64
@@ -296,18 +301,20 @@ class Trainer:
 
         if self.fleet is None:
             return 0.0
-        for attempt in range(1, SYNC_ATTEMPTS + 1):
+        deadline, attempt = time.monotonic() + SYNC_RETRY_S, 0
+        while True:
+            attempt += 1
             self.wait_for_fleet()
             try:
                 return self.loop.run(self.sync_fleet(step.checkpoint, step.probe))
             except (WeightSyncError, FleetRequestError, OSError) as exc:
-                if attempt == SYNC_ATTEMPTS:
-                    raise StopConsuming(f"weight sync of v{step.version} failed {attempt} times: {exc}") from exc
+                if time.monotonic() >= deadline:
+                    raise StopConsuming(f"weight sync of v{step.version} failed {attempt} times in "
+                                        f"{SYNC_RETRY_S:.0f}s: {exc}") from exc
                 log.warning("weight sync failed; retrying", extra={"attempt": attempt, "error": str(exc)})
-                time.sleep(2 ** attempt)
+                time.sleep(min(2 ** attempt, SYNC_BACKOFF_MAX_S))
             except ParityError as exc:
                 raise StopConsuming(str(exc)) from exc
-        raise AssertionError("unreachable")
 
     def wait_for_fleet(self) -> None:
         """Until every server answers /health: a restarting vLLM server (a minute on the CPU) is waited for,
