@@ -5,6 +5,8 @@ root on sys.path)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,6 +102,40 @@ def wait_for(condition, timeout_s: float, what: str):
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+BWRAP_NO_USERNS = ("bwrap: No permissions to create new namespace, likely because the kernel does not allow "
+                   "non-privileged user namespaces.")
+"""What bwrap says where it may not create its namespaces (user namespaces off, Ubuntu 24.04's AppArmor default,
+a container without the security options)."""
+REAL_BWRAP = shutil.which("bwrap")
+"""The host's bubblewrap, found before any test put a bwrap of its own first on PATH."""
+
+
+def sandbox_bin_dir() -> Path:
+    """A fresh directory to put first on PATH, which the sandbox's host uid may enter (bwrap runs as that uid
+    when the tests run as root; pytest's tmp_path is 0700). The caller removes it."""
+    path = Path(tempfile.mkdtemp(prefix="rs-test-bin-"))
+    path.chmod(0o755)
+    return path
+
+
+def break_bwrap(bin_dir: Path) -> None:
+    """Make bin_dir's `bwrap` one that cannot create its namespaces: BWRAP_NO_USERNS on stderr, exit 1, nothing
+    run. Swapped in by rename, so that a process looking it up meanwhile finds the old one or this one."""
+    shim = bin_dir / ".bwrap-broken"
+    shim.write_text(f"#!/bin/sh\necho '{BWRAP_NO_USERNS}' >&2\nexit 1\n")
+    shim.chmod(0o755)
+    os.replace(shim, bin_dir / "bwrap")
+
+
+def repair_bwrap(bin_dir: Path) -> None:
+    """Make bin_dir's `bwrap` the host's real one again (a link; also by rename)."""
+    link = bin_dir / ".bwrap-real"
+    link.unlink(missing_ok=True)
+    os.symlink(REAL_BWRAP or "/usr/bin/bwrap", link)
+    os.replace(link, bin_dir / "bwrap")
+
 
 def edit_diff(source: Path | None, edits: dict[str, str | None],
               symlinks: dict[str, str] | None = None) -> str:

@@ -19,6 +19,7 @@ logs a job's description (its call with arguments) and the URL would carry the s
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import GradeReported, GradingFailed
 from rollstream.shared.errors import RollstreamError, TaskError
 from rollstream.shared.grading.harbor import grade_harbor
-from rollstream.shared.grading.outcome import GradeOutcome
+from rollstream.shared.grading.outcome import GradeOutcome, make_outcome
+from rollstream.shared.grading.runs import run_log, run_wrapped
 from rollstream.shared.grading.swebench import grade_swebench
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox.backends import get_backend
@@ -128,15 +130,18 @@ def read_diff(req: GradeRequest, storage: Storage) -> str:
 
 
 def grade_answer(req: GradeRequest, backend, limits: SandboxLimits) -> GradeOutcome:
-    """Run the row's shell check in a workspace holding the rollout's answer as answer.txt."""
+    """Run the row's shell check in a workspace holding the rollout's answer as answer.txt: exit 0 is 1,
+    any other end of the check 0. Behind the start marker (run_wrapped), so that a sandbox that never
+    started the check (bwrap refused its namespaces, no container) is an infrastructure error, not a 0."""
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rs-grade-") as workspace:
         Path(workspace, "answer.txt").write_text(req.answer)
-        result = backend.run(req.check, Path(workspace), limits=limits, ro_mounts={}, rw_mounts={}, env={},
-                             image=None)
-    passed = result.exit_code == 0
-    log = f"$ {req.check}\n# {result.reason}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}\n"
-    return GradeOutcome(score=1.0 if passed else 0.0, passed=passed, reason=result.reason, tests={}, log=log,
-                        duration_s=result.duration_s, infrastructure_error=False)
+        run = run_wrapped(backend, req.check, Path(workspace), limits, {}, {}, {}, None)
+    log = f"$ {req.check}\n{run_log(run)}\n"
+    if run.error:
+        return make_outcome(0, run.error, log_text=log, started=started, infrastructure_error=True)
+    return make_outcome(1.0 if run.result.exit_code == 0 else 0.0, run.result.reason, log_text=log,
+                        started=started)
 
 
 def publish(req: GradeRequest, grade: GradeReported | GradingFailed, job: Job) -> None:

@@ -2,19 +2,22 @@
 
 Consumes finished rollouts on `trajectories` that need a sandbox grade (a row's `sandbox_check`
 on the answer, or a Harbor / SWE-bench task whose tests judge the episode's stored diff), enqueues
-one RQ job per rollout on the `sandbox` queue (job id = rollout id, so a re-delivery enqueues
-nothing new) with retries and backoff for infrastructure errors, and runs an RQ worker in the same
-process: throughput is set by the number of replicas. The job publishes GradeReported on `grades`
-(or GradingFailed when the sandbox could not run it, see jobs.py). Every FAILED_SWEEP_S it publishes
-GradingFailed for jobs RQ failed without running their failure callback, so that their groups do not wait
-for the reward service's grade timeout.
+one RQ job per rollout on the run's `sandbox` queue (job id: the run, its incarnation and the rollout, see
+Keys.grade_job_id; so a re-delivery enqueues nothing new) with retries and backoff for infrastructure
+errors, and runs an RQ worker in the same process: throughput is set by the number of replicas. The job
+publishes GradeReported on `grades` (or GradingFailed when the sandbox could not run it, see jobs.py). Every
+FAILED_SWEEP_S it publishes GradingFailed for jobs RQ failed without running their failure callback, so
+that their groups do not wait for the reward service's grade timeout.
 
 A process that can no longer do its job exits non-zero, so that it is restarted: when the enqueuer
 thread dies (the worker finishes its job first) or the worker quits on an error of its own.
 
-It grades nothing while its sandbox backend cannot run (bubblewrap not installed, no Docker engine):
-/healthz answers 503 with the reason and the install hint, finished rollouts stay on the stream, and
-grading starts once the backend is there (checked every BACKEND_RECHECK_S seconds).
+It grades nothing while its sandbox backend cannot make a sandbox (bubblewrap not installed or not allowed
+its namespaces, no Docker engine, a full /tmp): readiness runs a trivial command in a real sandbox
+(probe_sandbox), /healthz answers 503 with the reason and what to do, finished rollouts stay on the stream,
+and grading starts once a probe succeeds (tried every BACKEND_RECHECK_S seconds). While grading it probes
+again every `grader.probe_interval_s`, so that /healthz says why when the sandbox breaks later; jobs that
+meet a broken sandbox meanwhile are retried and then end as GradingFailed, never as a grade.
 
     rollstream-sandbox-grader    # configured by RS_* variables or RS_CONFIG_FILE
 """
@@ -42,7 +45,7 @@ from rollstream.shared.contract.events import TrajectoryFinished
 from rollstream.shared.errors import BackendUnavailable, TaskError
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
-from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.sandbox.backends import probe_sandbox
 from rollstream.shared.tasks.harbor import load_harbor_task
 
 GROUP = "sandbox-grader"
@@ -66,24 +69,31 @@ def job_timeout(event: TrajectoryFinished, settings: Settings) -> float:
     return settings.grader.job_timeout_s
 
 
+def check_backend(settings: Settings, runtime: ServiceRuntime) -> bool:
+    """Make a real sandbox of the configured backend and run a trivial command in it; /healthz says why
+    (503) while that fails. Logs each change between working and not."""
+    try:
+        probe_sandbox(settings.grader.backend)
+    except BackendUnavailable as exc:
+        if runtime.not_ready is None:
+            runtime.log.error("sandbox backend cannot make a sandbox; not grading", extra={"reason": str(exc)})
+        runtime.not_ready = f"sandbox backend {settings.grader.backend!r} cannot run: {exc}"
+        return False
+    if runtime.not_ready is not None:
+        runtime.log.info("sandbox backend makes sandboxes now; grading")
+    runtime.not_ready = None
+    return True
+
+
 def wait_for_backend(settings: Settings, runtime: ServiceRuntime) -> bool:
-    """Grade nothing until the sandbox backend can run: until then /healthz says why (with the
-    install hint) and finished rollouts wait on the stream. False when asked to stop first."""
+    """Grade nothing until the sandbox backend makes a sandbox (check_backend): until then finished
+    rollouts wait on the stream. False when asked to stop first."""
     while not runtime.should_stop():
-        try:
-            get_backend(settings.grader.backend)
-        except BackendUnavailable as exc:
-            if runtime.not_ready is None:
-                runtime.log.error("sandbox backend cannot run; not grading", extra={"reason": str(exc)})
-            runtime.not_ready = f"sandbox backend {settings.grader.backend!r} cannot run: {exc}"
-            recheck = time.monotonic() + BACKEND_RECHECK_S
-            while time.monotonic() < recheck and not runtime.should_stop():
-                time.sleep(0.2)
-            continue
-        if runtime.not_ready is not None:
-            runtime.log.info("sandbox backend can run now; grading")
-        runtime.not_ready = None
-        return True
+        if check_backend(settings, runtime):
+            return True
+        recheck = time.monotonic() + BACKEND_RECHECK_S
+        while time.monotonic() < recheck and not runtime.should_stop():
+            time.sleep(0.2)
     return False
 
 
@@ -94,7 +104,8 @@ def main() -> None:
     if not wait_for_backend(settings, runtime):
         runtime.close()
         return
-    queue = Queue(f"{bus.keys.prefix}:{settings.grader.queue}", connection=bus.redis)
+    queue = Queue(bus.keys.job_queue(settings.grader.queue), connection=bus.redis)
+    incarnation = bus.incarnation()
     enqueued = 0
 
     def handle(delivery: Delivery) -> None:
@@ -103,9 +114,7 @@ def main() -> None:
         if not isinstance(event, TrajectoryFinished) or not event.needs_grade:
             return
         envelope = delivery.envelope
-        # RQ job ids are global to the Redis: the run is part of the id, or a replay of this rollout into
-        # another run would find the original's job and never grade.
-        job_id = f"grade-{settings.run_id}-{envelope.rollout_id}"
+        job_id = bus.keys.grade_job_id(incarnation, envelope.rollout_id)
         try:
             Job.fetch(job_id, connection=bus.redis)
             return
@@ -127,6 +136,7 @@ def main() -> None:
                     maintenance_interval=MAINTENANCE_INTERVAL_S, worker_ttl=MAINTENANCE_INTERVAL_S + 15)
     enqueuer_failed: list[BaseException] = []
     next_sweep = time.monotonic()
+    next_probe = time.monotonic() + settings.grader.probe_interval_s
 
     def report_failed_jobs() -> None:
         nonlocal next_sweep
@@ -137,10 +147,23 @@ def main() -> None:
             runtime.log.warning("job failed without its failure callback; reported GradingFailed",
                                 extra={"job_id": job_id})
 
+    def recheck_backend() -> None:
+        # Only reports (/healthz): rollouts are still enqueued, and a job that meets the broken sandbox is
+        # retried, then GradingFailed. Runs in the enqueuer, so it never overwrites "enqueuer died".
+        nonlocal next_probe
+        if time.monotonic() < next_probe:
+            return
+        healthy = check_backend(settings, runtime)
+        next_probe = time.monotonic() + (settings.grader.probe_interval_s if healthy else BACKEND_RECHECK_S)
+
+    def between_reads() -> None:
+        report_failed_jobs()
+        recheck_backend()
+
     def enqueue_until_stopped() -> None:
         try:
             run_consumer(bus, ("trajectories",), GROUP, consumer_name(GROUP), handle, runtime.should_stop,
-                         between_reads=report_failed_jobs)
+                         between_reads=between_reads)
         except BaseException as exc:
             # A process that goes on grading without enqueuing would look healthy and grade nothing new:
             # stop it so that it exits non-zero and is restarted. Through the worker's own SIGTERM handler

@@ -101,17 +101,19 @@ class SandboxRun:
     """The command ended but left processes running (only looked for with flag_leftovers)."""
 
 
-def run_wrapped(backend: SandboxBackend, command: str, workspace: GitWorkspace, limits: SandboxLimits,
+def run_wrapped(backend: SandboxBackend, command: str, workspace: GitWorkspace | Path, limits: SandboxLimits,
                 ro_mounts: dict[str, Path], rw_mounts: dict[str, Path], env: dict[str, str],
                 image: str | None, workdir: str = DEFAULT_WORKDIR, *,
                 kept_mounts: dict[str, Path] | None = None,
                 flag_leftovers: bool = False) -> SandboxRun:
-    """Run `command` behind the start marker with the workspace at `workdir` in the sandbox; a
-    backend exception or a missing marker is an infrastructure error (SandboxRun.error).
+    """Run `command` behind the start marker with the workspace (a GitWorkspace, or a plain
+    directory such as the shell check's) at `workdir` in the sandbox; a backend exception or a
+    missing marker is an infrastructure error (SandboxRun.error).
     kept_mounts: read-write mounts left with their owner (SandboxBackend.run); flag_leftovers: tell
     whether the command left processes running (SandboxRun.processes_left)."""
+    root = workspace.root if isinstance(workspace, GitWorkspace) else Path(workspace)
     try:
-        result = backend.run(_wrap(command, flag_leftovers), workspace.root, limits=limits,
+        result = backend.run(_wrap(command, flag_leftovers), root, limits=limits,
                              ro_mounts=ro_mounts, rw_mounts=rw_mounts, env=env, image=image,
                              workdir=workdir, kept_mounts=kept_mounts)
     except (SandboxError, GradingError, OSError) as exc:

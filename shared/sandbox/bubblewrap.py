@@ -360,6 +360,25 @@ def _describe(exit_code: int | None, timed_out: bool, limits: SandboxLimits, std
     return reason
 
 
+NAMESPACE_HINT = (
+    "bwrap needs unprivileged user namespaces (and, in a container, to mount its own /proc): on Ubuntu 24.04 "
+    "(AppArmor) "
+    "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile that allows "
+    "userns for bwrap; elsewhere check `sysctl user.max_user_namespaces` (> 0) and, on older Debian, "
+    "kernel.unprivileged_userns_clone=1; in a container, run it with "
+    "security_opt seccomp=unconfined and systempaths=unconfined (as docker-compose.yml does)")
+"""What to do when bwrap cannot make its namespaces: the host, or the container runtime, forbids them."""
+
+
+def setup_failure_hint(stderr: str) -> str:
+    """What to do about a bwrap that failed to set its sandbox up, judged by its own words; "" when
+    we have no advice."""
+    said = stderr.lower()
+    if "namespace" in said or "uid map" in said or "operation not permitted" in said:
+        return NAMESPACE_HINT
+    return ""
+
+
 class BubblewrapBackend:
     """shared/sandbox/bubblewrap.py; mounts become bwrap binds; `image` is ignored. With python_tools (the
     default), pytest is importable in the sandbox and `python` runs /usr/bin/python3 (mounted

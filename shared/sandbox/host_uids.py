@@ -63,6 +63,16 @@ _slot_lock = threading.Lock()
 _slots_in_use: set[int] = set()
 
 
+def _fresh_slots_in_child() -> None:
+    # RQ forks a work-horse per job while the grader may be probing its sandbox in another thread: a child
+    # must not inherit the lock held, nor the parent's slots (its uids are its own pid's anyway).
+    global _slot_lock, _slots_in_use
+    _slot_lock, _slots_in_use = threading.Lock(), set()
+
+
+os.register_at_fork(after_in_child=_fresh_slots_in_child)
+
+
 @contextmanager
 def sandbox_host_uid():
     """A host uid that no real user and no other live run has: HOST_UID_BASE + pid * 256 + slot."""

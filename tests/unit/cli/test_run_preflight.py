@@ -2,6 +2,7 @@
 without one would only collect rollouts nobody can grade."""
 
 import json
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -10,6 +11,7 @@ from rollstream.cli.local_run import check_sandbox
 from rollstream.cli.main import app
 from rollstream.shared.errors import BackendUnavailable
 from rollstream.shared.runtime.config import Settings
+from tests.support import BWRAP_NO_USERNS, break_bwrap, sandbox_bin_dir
 
 runner = CliRunner()
 
@@ -49,3 +51,22 @@ def test_a_sandboxed_row_needs_the_graders_backend(tmp_path, monkeypatch, no_bwr
         check_sandbox(Settings(data={"path": data}), ("dispatcher", "sandbox-grader", "reward"))
     # a replay that starts no grader does not need one
     check_sandbox(Settings(data={"path": data}), ("reward",))
+
+
+def test_run_refuses_when_bwrap_is_there_but_cannot_make_a_sandbox(tmp_path, monkeypatch):
+    bin_dir = sandbox_bin_dir()
+    try:
+        break_bwrap(bin_dir)  # as on Ubuntu 24.04, or in a container without the security options
+        monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+        model = tmp_path / "model"
+        model.mkdir()
+        monkeypatch.setenv("RS_MODEL__PATH", str(model))
+        monkeypatch.setenv("RS_STORAGE_URI", str(tmp_path / "runs"))
+        result = runner.invoke(app, ["run", "--run-id", "no-namespaces"])
+    finally:
+        shutil.rmtree(bin_dir, ignore_errors=True)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1
+    assert "graded in a sandbox" in said and BWRAP_NO_USERNS in said
+    assert "kernel.apparmor_restrict_unprivileged_userns=0" in said and "seccomp=unconfined" in said
+    assert not (tmp_path / "runs" / "no-namespaces" / "logs").exists()

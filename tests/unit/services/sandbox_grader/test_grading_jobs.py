@@ -19,7 +19,7 @@ from rollstream.services.sandbox_grader.jobs import (
 )
 from rollstream.shared.contract.events import GradeReported, GradingFailed
 from rollstream.shared.runtime.storage import Storage
-from tests.support import FIXTURES
+from tests.support import BWRAP_NO_USERNS, FIXTURES, break_bwrap, sandbox_bin_dir
 
 TASK = FIXTURES / "harbor" / "fix-add"
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -87,6 +87,44 @@ def test_an_infrastructure_error_is_retried_then_reported_as_grading_failed_neve
     assert isinstance(failed.event, GradingFailed) and not isinstance(failed.event, GradeReported)
     assert "no Docker engine reachable" in failed.event.reason and "no retry is left" in failed.event.reason
     assert failed.event.attempts == 3 and failed.envelope.rollout_id == "r3"
+
+
+CHECK_FOR_7 = "grep -qx 7 answer.txt"
+
+
+@pytest.mark.parametrize("answer, score", [("7", 1.0), ("3", 0.0)])
+def test_a_shell_check_that_runs_grades_the_answer_and_a_failing_check_is_a_real_zero(published, tmp_path,
+                                                                                      answer, score):
+    payload = request(published, tmp_path, "r9", grader={}, check=CHECK_FOR_7, answer=answer, retries=2)
+    queue = run_jobs(published, [("grade-r9", payload)])
+    assert queue.fetch_job("grade-r9").get_status() == "finished"  # graded on the first try, never retried
+    (grade,) = [d.event for d in published.read_all("grades")]
+    assert isinstance(grade, GradeReported) and grade.score == score and grade.passed == (score == 1.0)
+    assert grade.reason == ("exit 0" if score else "exit 1")
+
+
+@pytest.fixture
+def broken_bwrap(monkeypatch):
+    """First on PATH, a `bwrap` that cannot create its namespaces, as on a host that forbids unprivileged user
+    namespaces (the jobs run in this process: SimpleWorker)."""
+    bin_dir = sandbox_bin_dir()
+    break_bwrap(bin_dir)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    yield
+    shutil.rmtree(bin_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("row", [{"grader": {}, "check": CHECK_FOR_7, "answer": "7"},
+                                 {"grader": {"kind": "harbor", "task_dir": str(TASK)}}],
+                         ids=["shell-check", "harbor"])
+def test_a_sandbox_that_cannot_be_made_is_retried_then_grading_failed_never_a_grade(published, tmp_path,
+                                                                                     broken_bwrap, row):
+    queue = run_jobs(published, [("grade-r10", request(published, tmp_path, "r10", retries=2, **row))])
+    job = queue.fetch_job("grade-r10")
+    assert job.get_status() == "failed" and job.retries_left == 0
+    (failed,) = published.read_all("grades")
+    assert isinstance(failed.event, GradingFailed) and failed.event.attempts == 3
+    assert "sandbox did not start the command" in failed.event.reason and BWRAP_NO_USERNS in failed.event.reason
 
 
 def test_task_files_that_vanished_are_the_machinerys_failure_not_the_rollouts(published, tmp_path):
