@@ -4,7 +4,18 @@ The promise audited: every admitted sample ends in exactly one trained batch, or
 dropped with its reason; no batch is trained twice; no policy version is published twice; nothing is
 left pending in a consumer group or the sandbox queue; the archive holds what Redis held.
 
-    audit_run(bus, storage_uri, max_staleness)   # an AuditReport; report.problems() lists what is wrong
+A batch holds one row per segment of a rollout (a rollout with fan-out has several): rows are keyed by
+(rollout, segment index), so a segment in two rows, of one batch or of two, is a duplicate, and a
+rollout missing one of its segments is lost. A row the trainer left out as invalid (row_problem, counted
+in PolicyUpdated.dropped["invalid"]) is never trained: its rollout is counted apart (`left_out_invalid`),
+and each batch's rows trained, stale and invalid must be the trainer's own counts.
+
+The drops a run under fault injection may have are bounded by what its faults can explain
+(`drop_bound`, checked by `check_drops`), and any process exit the harness did not bring about fails it
+(`unexpected_exits`, from the local run's supervisor).
+
+    report = audit_run(bus, storage_uri, max_staleness, limits=RowLimits.of_model(path))
+    report.check_drops(drop_bound(faults, settings, replicas)); report.problems()   # what is wrong
 
 `rollstream chaos run` (cli/chaos/harness.py) prints it after a run under fault injection.
 """
@@ -12,8 +23,12 @@ left pending in a consumer group or the sandbox queue; the archive holds what Re
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from rollstream.cli.local_run import ProcessExit
+from rollstream.services.trainer.training import row_problem
 from rollstream.shared.contract.archive import ArchiveReader, archived_id, parse_id, read_history
 from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
@@ -25,12 +40,96 @@ from rollstream.shared.contract.events import (
     RolloutDropped,
     TrajectoryFinished,
 )
+from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 
 CONSUMER_GROUPS: tuple[tuple[StreamName, str], ...] = (
     ("prompts", "agent-runner"), ("trajectories", "sandbox-grader"), ("trajectories", "reward"),
     ("grades", "reward"), ("dead", "reward"), ("batches", "trainer"))
 """Every (stream, consumer group) the services read: all must end with nothing undelivered or pending."""
+DROP_CAUSES: tuple[tuple[str, ...], ...] = (
+    ("grading_failed", "grade_timeout"), ("stale",), ("dead_lettered",), ("batch_dead_lettered",), ("filtered",))
+"""Drop causes bounded together (a lost grade ends as one or the other of the first two)."""
+
+
+@dataclass(frozen=True)
+class RowLimits:
+    """What the trainer's model takes (row_problem): rows outside it are left out as invalid."""
+
+    vocab_size: int
+    max_positions: int | None
+
+    @classmethod
+    def of_model(cls, path: str | Path) -> RowLimits:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path))
+        return cls(config.vocab_size, getattr(config, "max_position_embeddings", None))
+
+
+def drop_bound(faults: Iterable[tuple[str, str]], settings: Settings,
+               replicas: dict[str, int]) -> dict[str, int | None]:
+    """The most drops, per cause (DROP_CAUSES, joined by ' + '), that the faults injected can explain;
+    None: no bound. faults: (kind, service) of each fault done: ('crash', service), ('horse', ...),
+    ('redis', ...), ('vllm', ...), ('pause', 'agent-runner').
+
+    Grades (grading_failed + grade_timeout): a grade is lost, or its job fails for good, only when the
+    job's run is cut short, and a sandbox-grader runs one job at a time (one RQ worker, one work-horse):
+    a work-horse kill cuts short 1 job, a sandbox-grader crash 1 (its work-horse dies with it), a Redis
+    restart at most 1 per grader replica. Its queue, retries and pending trajectories are in Redis;
+    nothing else loses a grade.
+
+    stale: a row is older than train.max_staleness only when its rollout was held back while the policy
+    moved on, and the whole group waits for it: a crashed or paused agent-runner holds at most
+    rollout.concurrency rollouts (reclaimed after bus.reclaim_idle_ms, or finished when resumed), each
+    holding back its group: concurrency x group size; a vLLM or Redis restart holds every replica's
+    in flight; a trainer crash at most the batch it was training (B + G - 1 rollouts: a batch fills
+    with whole groups), should its restart train it later than planned.
+
+    dead_lettered, batch_dead_lettered: an entry is dead-lettered after bus.max_deliveries failed
+    deliveries, and one fault (crash or pause of a consumer) fails at most one delivery of each entry
+    its process holds (an agent-runner rollout.concurrency, any other bus.read_count): a group whose
+    processes suffered fewer faults than max_deliveries cannot have lost an entry to them; otherwise
+    faults x held / max_deliveries entries. A prompts, trajectories or grades entry drops 1 rollout,
+    a batches entry a batch (B + G - 1).
+
+    filtered: the run's own rule (train.filter_zero_variance), no fault's doing: unbounded when it is
+    on, none otherwise.
+    """
+    group, batch = settings.data.samples_per_prompt, settings.train.batch_size
+    concurrency, read_count = settings.rollout.concurrency, settings.bus.read_count
+    runners, graders = replicas.get("agent-runner", 1), replicas.get("sandbox-grader", 1)
+    largest_batch = batch + group - 1
+    held = {"agent-runner": concurrency}
+    consumer_faults: Counter[str] = Counter()
+    grades = stale = 0
+    for kind, service in faults:
+        if kind == "horse" or (kind == "crash" and service == "sandbox-grader"):
+            grades += 1
+        if kind == "redis":
+            grades += graders
+        if kind == "pause" or (kind == "crash" and service == "agent-runner"):
+            stale += concurrency * group
+        if kind in ("vllm", "redis"):
+            stale += runners * concurrency * group
+        if kind == "crash" and service == "trainer":
+            stale += largest_batch
+        if kind in ("crash", "pause") and service in ("agent-runner", "sandbox-grader", "reward", "trainer"):
+            consumer_faults[service] += 1
+
+    def lost_entries(service: str) -> int:
+        faults_there = consumer_faults[service]
+        if faults_there < settings.bus.max_deliveries:
+            return 0
+        return faults_there * held.get(service, read_count) // settings.bus.max_deliveries
+
+    return {
+        "grading_failed + grade_timeout": grades,
+        "stale": stale,
+        "dead_lettered": sum(lost_entries(s) for s in ("agent-runner", "sandbox-grader", "reward")),
+        "batch_dead_lettered": lost_entries("trainer") * largest_batch,
+        "filtered": None if settings.train.filter_zero_variance else 0,
+    }
 
 
 @dataclass
@@ -39,19 +138,28 @@ class AuditReport:
     """Entries ever added, per stream."""
     admitted: int
     trained: int
-    """Samples (rollouts) in a batch a PolicyUpdated trained, not left out as stale."""
+    """Admitted rollouts every segment of which is in a batch a PolicyUpdated trained, as a trained row."""
     dropped: dict[str, int]
-    """Samples accounted for as left out, by cause."""
+    """Admitted rollouts accounted for as left out, by cause (`stale`: a row of it was too old to train)."""
+    left_out_invalid: int = 0
+    """Admitted rollouts with a row the trainer left out as invalid (row_problem): never trained."""
+    rows: dict[str, int] = field(default_factory=dict)
+    """Rows of trained batches by what the trainer did with them: trained, stale, invalid."""
     lost: list[str] = field(default_factory=list)
-    """Admitted rollouts in no trained batch and not dropped."""
+    """Admitted rollouts in no batch and not dropped, or batched without all the segments of an attempt."""
     duplicated: list[str] = field(default_factory=list)
-    """Rollouts in more than one batch, or in a batch and dropped as well."""
+    """A segment in more than one row ('<rollout> segment <i>'), of one batch or of several, or a rollout in a
+    batch and dropped as well, or dropped twice."""
     admitted_twice: list[str] = field(default_factory=list)
+    never_admitted: list[str] = field(default_factory=list)
+    """Rollouts with rows in a batch that no PromptIssued admitted."""
     batches_trained_twice: list[str] = field(default_factory=list)
     versions_published_twice: list[int] = field(default_factory=list)
     versions_missing: list[int] = field(default_factory=list)
     batches_not_trained: list[str] = field(default_factory=list)
     """Announced batches no PolicyUpdated trained and that were not dead-lettered."""
+    trainer_disagrees: list[str] = field(default_factory=list)
+    """Batches whose rows trained, stale and invalid differ from the trainer's PolicyUpdated counts."""
     pending: dict[str, int] = field(default_factory=dict)
     """Work left: '<stream>/<group>' -> entries undelivered or unacknowledged; 'sandbox jobs' -> queued jobs."""
     archive_mismatches: dict[str, str] = field(default_factory=dict)
@@ -59,21 +167,41 @@ class AuditReport:
     """Longest time without a new policy version (from the first admitted sample to the last version)."""
     repeated_attempts: int = 0
     """Trajectories finished for a rollout that had finished already (work done again after a crash)."""
+    drop_bound: dict[str, int | None] = field(default_factory=dict)
+    """Drops the run's faults can explain, per cause (drop_bound); empty: not checked."""
+    drops_over_bound: list[str] = field(default_factory=list)
+    unexpected_exits: list[ProcessExit] = field(default_factory=list)
+    """Process exits the harness did not bring about (the supervisor restarted them, or saw them at the end)."""
+
+    def drops_of(self, causes: str) -> int:
+        return sum(self.dropped.get(cause, 0) for cause in causes.split(" + "))
+
+    def check_drops(self, bound: dict[str, int | None]) -> None:
+        """Keep the bound, and note every cause whose drops exceed it, or that it does not allow at all."""
+        self.drop_bound = dict(bound)
+        bounded = {cause for causes in bound for cause in causes.split(" + ")}
+        self.drops_over_bound = [f"{causes}: {self.drops_of(causes)} dropped, the faults explain at most {most}"
+                                 for causes, most in bound.items() if most is not None and self.drops_of(causes) > most]
+        self.drops_over_bound += [f"{cause}: {n} dropped, a cause no fault explains"
+                                  for cause, n in sorted(self.dropped.items()) if cause not in bounded and n]
 
     def problems(self) -> list[str]:
         out = []
-        for name in ("lost", "duplicated", "admitted_twice", "batches_trained_twice", "versions_published_twice",
-                     "versions_missing", "batches_not_trained"):
+        for name in ("lost", "duplicated", "admitted_twice", "never_admitted", "batches_trained_twice",
+                     "versions_published_twice", "versions_missing", "batches_not_trained", "trainer_disagrees"):
             values = getattr(self, name)
             if values:
                 out.append(f"{name.replace('_', ' ')}: {len(values)} ({', '.join(map(str, values[:5]))})")
         if self.pending:
             out.append(f"left pending: {self.pending}")
         out.extend(f"archive of {stream}: {why}" for stream, why in self.archive_mismatches.items())
+        out.extend(f"more drops than the faults explain: {why}" for why in self.drops_over_bound)
+        out.extend(f"a process exited that the harness did not stop: {e.describe()}" for e in self.unexpected_exits)
         return out
 
 
-def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str = "sandbox") -> AuditReport:
+def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str = "sandbox", *,
+              limits: RowLimits) -> AuditReport:
     history = {stream: read_history(bus, stream, storage_uri) for stream in STREAMS}
     admitted = Counter(d.envelope.rollout_id for d in history["prompts"] if isinstance(d.event, PromptIssued))
     report = AuditReport(events=_entries_added(bus), admitted=len(admitted), trained=0, dropped={})
@@ -85,45 +213,80 @@ def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str
     report.versions_missing = sorted(set(range(1, max(versions, default=0) + 1)) - set(versions))
     trained_batches = Counter(u.batch_id for u in updates)
     report.batches_trained_twice = sorted(b for b, n in trained_batches.items() if n > 1)
-    version_of = {u.batch_id: u.version for u in updates}
+    update_of = {u.batch_id: u for u in updates}
 
     batch_entries = {d.entry_id: d.event for d in history["batches"] if isinstance(d.event, BatchReady)}
     dead_batches = {d.event.entry_id for d in history["dead"]
                     if isinstance(d.event, DeadLettered) and d.event.stream == "batches"}
-    outcomes: dict[str, list[str]] = defaultdict(list)
-    """rollout -> everything that became of it: 'trained' or 'dropped:<cause>'."""
+    row_fates: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    """rollout -> segment index -> what became of each row of it: 'trained', 'stale', 'invalid' or
+    'batch_dead_lettered'."""
+    rows: Counter[str] = Counter()
     storage = Storage(storage_uri)
     for entry_id, batch in batch_entries.items():
-        if batch.batch_id not in version_of:
+        update = update_of.get(batch.batch_id)
+        if update is None:
             if entry_id in dead_batches:
-                for rollout in {row.rollout_id for row in read_batch(storage, batch.uri)}:
-                    outcomes[rollout].append("dropped:batch_dead_lettered")
+                for row in read_batch(storage, batch.uri):
+                    row_fates[row.rollout_id][row.segment_index].append("batch_dead_lettered")
             else:
                 report.batches_not_trained.append(batch.batch_id)
             continue
-        # the trainer's rule (train.max_staleness): rows generated before version - 1 - eta are left out
-        oldest_allowed = version_of[batch.batch_id] - 1 - max_staleness
-        stale: dict[str, bool] = {}
+        # the trainer's rules, in its order: rows no model can train on are left out as invalid, then,
+        # of the others, those generated before version - 1 - max_staleness as stale
+        trained_on = update.version - 1
+        fates = Counter()
         for row in read_batch(storage, batch.uri):
-            stale[row.rollout_id] = stale.get(row.rollout_id, False) or row.min_policy_version < oldest_allowed
-        for rollout, is_stale in stale.items():
-            outcomes[rollout].append("dropped:stale" if is_stale else "trained")
+            if row_problem(row, limits.vocab_size, limits.max_positions, trained_on) is not None:
+                fate = "invalid"
+            elif row.min_policy_version < trained_on - max_staleness:
+                fate = "stale"
+            else:
+                fate = "trained"
+            row_fates[row.rollout_id][row.segment_index].append(fate)
+            fates[fate] += 1
+        rows.update(fates)
+        said = {"trained": update.trained_samples, "stale": update.dropped.get("stale", 0),
+                "invalid": update.dropped.get("invalid", 0)}
+        if said != {fate: fates[fate] for fate in said}:
+            report.trainer_disagrees.append(f"{batch.batch_id} (rows: {dict(fates)}, PolicyUpdated: {said})")
+    report.rows = {fate: rows[fate] for fate in ("trained", "stale", "invalid")}
+    drops: dict[str, list[str]] = defaultdict(list)
     for delivery in history["rewards"]:
         if isinstance(delivery.event, RolloutDropped):
-            outcomes[delivery.envelope.rollout_id].append(f"dropped:{delivery.event.cause}")
+            drops[delivery.envelope.rollout_id].append(delivery.event.cause)
+    segment_counts: dict[str, set[int]] = defaultdict(set)
+    """rollout -> segment_count of each of its finished attempts (the reward service batches one of them)."""
+    for delivery in history["trajectories"]:
+        if isinstance(delivery.event, TrajectoryFinished):
+            segment_counts[delivery.envelope.rollout_id].add(delivery.event.segment_count)
 
     dropped: Counter[str] = Counter()
     for rollout in admitted:
-        fates = outcomes.get(rollout, [])
-        if not fates:
+        segments, causes = row_fates.get(rollout, {}), drops.get(rollout, [])
+        twice = [f"{rollout} segment {i}" for i, fates in sorted(segments.items()) if len(fates) > 1]
+        if twice or len(causes) > 1 or (segments and causes):
+            report.duplicated.extend(twice or [rollout])
+            continue
+        if causes:
+            dropped[causes[0]] += 1
+            continue
+        if not segments:
             report.lost.append(rollout)
-        elif len(fates) > 1:
-            report.duplicated.append(rollout)
-        elif fates[0] == "trained":
-            report.trained += 1
+            continue
+        counts = segment_counts.get(rollout, set())
+        if counts and not any(set(segments) == set(range(n)) for n in counts):
+            report.lost.append(f"{rollout} (segments {sorted(segments)} batched, its attempts had {sorted(counts)})")
+            continue
+        fates = {fate for fates in segments.values() for fate in fates}
+        if "invalid" in fates:
+            report.left_out_invalid += 1
+        elif fates != {"trained"}:
+            dropped[min(fates - {"trained"})] += 1
         else:
-            dropped[fates[0].removeprefix("dropped:")] += 1
+            report.trained += 1
     report.dropped = dict(dropped)
+    report.never_admitted = sorted(set(row_fates) - set(admitted))
     finished = Counter(d.envelope.rollout_id for d in history["trajectories"] if isinstance(d.event, TrajectoryFinished))
     report.repeated_attempts = sum(n - 1 for n in finished.values())
     report.longest_stall_s = _longest_stall(history)
@@ -157,7 +320,7 @@ def _pending(bus: Bus, sandbox_queue: str) -> dict[str, int]:
         undelivered, pending = bus.group_lag(stream, group)
         if undelivered + pending:
             out[f"{stream}/{group}"] = undelivered + pending
-    queue = Queue(f"{bus.keys.prefix}:{sandbox_queue}", connection=bus.redis)
+    queue = Queue(bus.keys.job_queue(sandbox_queue), connection=bus.redis)
     jobs = queue.count + queue.started_job_registry.count + queue.scheduled_job_registry.count
     if jobs:
         out["sandbox jobs"] = jobs

@@ -6,7 +6,9 @@ supervisor restarts them) and the sandbox-grader's RQ work-horses (the job is re
 (append-only) and starts it again, restarts the vLLM server (it comes back from the newest policy),
 and pauses an agent-runner replica (SIGSTOP) past the reclaim timeout, so that its prompts are taken
 over while it still holds them. When every fault is injected and the run has reached its target and
-drained, cli/chaos/audit.py checks what it kept.
+drained, cli/chaos/audit.py checks what it kept, that its drops are no more than its faults explain
+(audit.drop_bound), and that no process exited but those the harness stopped (the local run's
+supervisor records every exit it sees; every process is checked once more at the end).
 
     rollstream chaos run --kills 20 --redis-restarts 3 --vllm-restarts 2 --versions 120
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from rollstream.cli.chaos.audit import AuditReport, audit_run
+from rollstream.cli.chaos.audit import AuditReport, RowLimits, audit_run, drop_bound
 from rollstream.cli.local_run import LocalRun
 from rollstream.shared.runtime.config import Settings
 
@@ -130,7 +132,11 @@ class ChaosRun:
             time.sleep(self.settings.recorder.flush_s + 1)
             local.wait_drained(timeout_s=60)
             audit = audit_run(local.bus, self.settings.storage_uri, self.settings.train.max_staleness,
-                              self.settings.grader.queue)
+                              self.settings.grader.queue, limits=RowLimits.of_model(self.settings.model.path))
+            faults = [(f.kind, local.service_of.get(f.target, f.target)) for f in self.faults if f.done]
+            audit.check_drops(drop_bound(faults, self.settings, local.replicas))
+            local.check_alive()  # an exit after the last supervision round counts as much as one during the run
+            audit.unexpected_exits = local.unexpected_exits()
             summary = local.summary(local.progress())
         finally:
             for name in list(self.paused):
@@ -200,13 +206,14 @@ class ChaosRun:
         server = self.local.redis_server
         assert server is not None and server.process is not None
         os.killpg(server.process.pid, signal.SIGKILL)
-        server.process.wait()
+        self.local.record_exit("redis", server.process.wait(), injected=True)
         time.sleep(REDIS_DOWN_S)
         server.start()
 
 
 def result_tables(result: ChaosResult) -> list:
-    """Rich tables of a chaos run: the faults injected per target, and the audit's figures."""
+    """Rich tables of a chaos run: the faults injected per target, the audit's figures, and every process
+    exit the supervisor saw."""
     from rich.table import Table
 
     faults = Table(title="faults injected")
@@ -226,10 +233,17 @@ def result_tables(result: ChaosResult) -> list:
         ("events processed (entries added, all streams)", sum(audit.events.values())),
         ("samples admitted", audit.admitted),
         ("samples trained", audit.trained),
+        ("samples with a row left out as invalid (never trained)", audit.left_out_invalid),
+        ("batch rows: trained / stale / invalid",
+         " / ".join(str(audit.rows.get(fate, 0)) for fate in ("trained", "stale", "invalid"))),
         ("samples lost (must be 0)", len(audit.lost)),
-        ("samples duplicated in batches (must be 0)", len(audit.duplicated)),
+        ("samples or segments duplicated in batches (must be 0)", len(audit.duplicated)),
         ("samples admitted twice (must be 0)", len(audit.admitted_twice)),
-        *((f"samples dropped: {cause}", n) for cause, n in sorted(audit.dropped.items())),
+        ("batches the trainer counted otherwise (must be 0)", len(audit.trainer_disagrees)),
+        *((f"samples dropped: {causes} (the faults explain at most {'any' if most is None else most})",
+           audit.drops_of(causes)) for causes, most in audit.drop_bound.items()),
+        *((f"samples dropped: {cause} (no fault explains it)", n) for cause, n in sorted(audit.dropped.items())
+          if not any(cause in causes.split(" + ") for causes in audit.drop_bound)),
         ("batches trained twice (must be 0)", len(audit.batches_trained_twice)),
         ("versions published twice (must be 0)", len(audit.versions_published_twice)),
         ("batches never trained (must be 0)", len(audit.batches_not_trained)),
@@ -240,8 +254,16 @@ def result_tables(result: ChaosResult) -> list:
         ("kills (service processes and work-horses)", result.kills),
         ("samples wasted per kill", f"{result.wasted_samples() / max(1, result.kills):.2f}"),
         ("restarts by the supervisor", sum(result.summary.get("restarts", {}).values())),
+        ("processes that exited unless the harness stopped them (must be 0)", len(audit.unexpected_exits)),
         ("wall time", f"{result.wall_s:.0f} s"),
     ]
     for name, value in rows:
         figures.add_row(name, str(value))
-    return [faults, figures]
+
+    exits = Table(title="process exits the supervisor saw")
+    for column in ("process", "exit code", "at", "brought about by"):
+        exits.add_column(column)
+    for seen in result.summary.get("exits", []):
+        exits.add_row(seen["process"], str(seen["exit_code"]), f"{seen['at_s']:.1f} s",
+                      "the harness" if seen["injected"] else "[bold red]itself (unexpected)[/]")
+    return [faults, figures, exits]

@@ -40,8 +40,10 @@ artifact is missing gets its verdict (GradingFailed) instead, so that its group 
 trainer leaves out every untrainable row and goes on; a forged entry must never become a training
 sample (counted: forged rollouts in batches, and trained).
 Streams that no group reads keep their poison; readers pass over it, and the recorder archives it.
-Around all of it, every service stays up and healthy, the run reaches its target version, and every
-sample the dispatcher admitted is in exactly one batch the trainer trained.
+Around all of it, every service stays up and healthy (no process exits: the local run's supervisor
+records every exit it sees, one it restarted and one during the drain included, and every process is
+checked once more at the end), the run reaches its target version, and every sample the dispatcher
+admitted is in exactly one batch the trainer trained, each of its segments in one row.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import httpx
 import msgspec
 import numpy as np
 
+from rollstream.cli.local_run import ProcessExit
 from rollstream.shared.contract.archive import ArchiveReader, StreamHistory, archived_id, parse_id
 from rollstream.shared.contract.batches import BatchRow, read_batch, write_batch
 from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
@@ -590,6 +593,8 @@ class PoisonReport:
     """Rollouts the dispatcher admitted."""
     batches_of: dict[str, set[str]]
     """Rollout -> the run's own batches holding it."""
+    segment_rows: dict[str, Counter]
+    """Rollout -> segment index -> rows of the run's own batches holding that segment."""
     valid_batches: list[str]
     trained_batches: list[str]
     """Batches the trainer published a policy version for, in order (with repeats, if any)."""
@@ -601,14 +606,20 @@ class PoisonReport:
     dropped: dict[str, str]
     """Admitted rollouts the reward service dropped (RolloutDropped), with the reason."""
     seconds: float = 0.0
+    exits: list[ProcessExit] = field(default_factory=list)
+    """Every process exit the local run's supervisor saw while it was fuzzed (no fault is injected here)."""
 
     @property
     def healthy(self) -> bool:
         return all(state == "ok" for state in self.health.values())
 
     @property
+    def unexpected_exits(self) -> list[ProcessExit]:
+        return [e for e in self.exits if not e.injected]
+
+    @property
     def batched_once(self) -> int:
-        return sum(len(self.batches_of.get(rollout, ())) == 1 for rollout in self.admitted)
+        return len(self.admitted) - len(self.unbatched) - len(self.batched_more_than_once)
 
     @property
     def unbatched(self) -> list[str]:
@@ -616,7 +627,9 @@ class PoisonReport:
 
     @property
     def batched_more_than_once(self) -> list[str]:
-        return [rollout for rollout in self.admitted if len(self.batches_of.get(rollout, ())) > 1]
+        """In several batches, or with a segment in several rows (of one batch or of several)."""
+        return [rollout for rollout in self.admitted if len(self.batches_of.get(rollout, ())) > 1
+                or any(n > 1 for n in self.segment_rows.get(rollout, Counter()).values())]
 
 
 def consumer_groups(bus: Bus, stream: StreamName) -> tuple[str, ...]:
@@ -697,6 +710,7 @@ def audit(bus: Bus, storage_uri: str, injected: list[Injected], *, seed: int, ra
     # the version each admission was made under: one the trainer never reached was read from a forged entry
     dispatcher_version_seen = max([dispatcher_version_seen, *(e.payload.policy_version for e in prompts)])
     batches_of: dict[str, set[str]] = defaultdict(set)
+    segment_rows: dict[str, Counter] = defaultdict(Counter)
     valid_batches = []
     forged_in: dict[str, set[str]] = defaultdict(set)
     for entry_id, envelope in _events(bus, "batches", storage_uri):
@@ -714,6 +728,7 @@ def audit(bus: Bus, storage_uri: str, injected: list[Injected], *, seed: int, ra
             valid_batches.append(batch.batch_id)
             for row in rows:
                 batches_of[row.rollout_id].add(batch.batch_id)
+                segment_rows[row.rollout_id][row.segment_index] += 1
     updates = [e.payload for _, e in _events(bus, "policy", storage_uri, injected_ids)
                if isinstance(e.payload, PolicyUpdated)]
     trained = [update.batch_id for update in updates]
@@ -732,7 +747,7 @@ def audit(bus: Bus, storage_uri: str, injected: list[Injected], *, seed: int, ra
         seed=seed, rate=rate, streams=figures, injected=injected, dead_letters=dict(dead_letters), health=health,
         unhealthy_moments=unhealthy_moments, target_version=target_version,
         version=trainer_version(bus, storage_uri, injected_ids), dispatcher_version_seen=dispatcher_version_seen,
-        admitted=admitted, batches_of=dict(batches_of), valid_batches=valid_batches, trained_batches=trained,
+        admitted=admitted, batches_of=dict(batches_of), segment_rows=dict(segment_rows), valid_batches=valid_batches, trained_batches=trained,
         forged_rollouts=forged_rollouts, forged_batched=forged_batched, forged_trained=forged_trained, dropped=dropped)
 
 
@@ -832,6 +847,8 @@ def fuzz(local, plan: list[Poison], *, seed: int, rate: float, target_version: i
     health, _ = health_states(local)
     report = audit(bus, settings.storage_uri, injected, seed=seed, rate=rate, target_version=target_version,
                    health=health, unhealthy_moments=unhealthy, dispatcher_version_seen=dispatcher_version)
+    local.check_alive()  # an exit after the last look counts as much as one while the run went on
+    report.exits = list(local.exits)
     report.seconds = time.monotonic() - started
     return report
 
@@ -901,11 +918,14 @@ def checks(report: PoisonReport) -> list[tuple[str, bool, str]]:
          report.healthy, ", ".join(f"{name}: {state}" for name, state in sorted(report.health.items()))),
         ("no /healthz answered anything but 200 during the run", not report.unhealthy_moments,
          "; ".join(report.unhealthy_moments[:4]) or "none"),
+        ("no process exited, not even one the supervisor restarted (the drain and the end included)",
+         not report.unexpected_exits,
+         "; ".join(f"{e.process} code {e.exit_code} at {e.at_s:.0f}s" for e in report.unexpected_exits) or "none"),
         ("the trainer left out every row no model can train on", batches.rows_left_out == batches.untrainable_rows,
          f"{batches.rows_left_out}/{batches.untrainable_rows}"),
         ("the trainer reached the target version", report.version >= report.target_version,
          f"{report.version}/{report.target_version}"),
-        ("every admitted sample in exactly one batch",
+        ("every admitted sample in exactly one batch, each of its segments in one row",
          report.batched_once == admitted,
          f"{report.batched_once}/{admitted} in one batch, {len(report.unbatched)} in none"
          + (f" ({len(report.dropped)} dropped by the reward service)" if report.dropped else "")

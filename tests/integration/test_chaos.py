@@ -1,7 +1,8 @@
 """The short chaos run: every part of the pipeline killed or restarted once while it trains (each
 service process, a sandbox work-horse, Redis, the vLLM server, and an agent-runner paused past the
-reclaim timeout), then the audit from its streams and batch files: nothing lost, nothing twice, nothing
-left pending, the archive equal to Redis. `rollstream chaos run` is the long version (README)."""
+reclaim timeout), then the audit from its streams and batch files: nothing lost, no segment twice, nothing
+left pending, the archive equal to Redis, no more drops than the faults explain, and no process exit but
+those the harness brought about. `rollstream chaos run` is the long version (README)."""
 
 from __future__ import annotations
 
@@ -54,5 +55,20 @@ def test_nothing_admitted_is_lost_or_trained_twice_and_nothing_is_left_pending(c
     audit = chaos.audit
     assert audit.problems() == []
     assert audit.admitted >= BATCH * VERSIONS
-    assert audit.trained + sum(audit.dropped.values()) == audit.admitted
+    assert audit.trained + audit.left_out_invalid + sum(audit.dropped.values()) == audit.admitted
     assert chaos.summary["policy_version"] == VERSIONS
+
+
+def test_no_process_exited_but_those_the_harness_killed(chaos):
+    unexpected = chaos.audit.unexpected_exits
+    assert unexpected == [], "\n\n".join(seen.describe() for seen in unexpected)
+    killed = {seen["process"] for seen in chaos.summary["exits"] if seen["injected"]}
+    assert {"dispatcher", "agent-runner-1", "agent-runner-2", "sandbox-grader", "reward", "trainer", "recorder",
+            "redis", "vllm"} <= killed
+
+
+def test_the_drops_are_no_more_than_the_faults_explain(chaos):
+    audit = chaos.audit
+    assert audit.drops_over_bound == []
+    # a kill of the work-horse, of the sandbox-grader and a Redis restart explain at most one lost grade each
+    assert audit.drop_bound["grading_failed + grade_timeout"] == 3

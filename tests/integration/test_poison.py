@@ -4,8 +4,10 @@ oversized (a few MB, a segment of 10^6 tokens), misplaced and forged entries are
 stream; the tests read the audit of what became of each.
 
 One malformed entry is that entry's failure: it is dead-lettered with its error by every consumer
-group that reads its stream, while every service stays up and healthy, the run reaches its target
-version, and every sample the dispatcher admitted is in exactly one batch, each batch trained once.
+group that reads its stream, while every service stays up and healthy (no process exits, not even one
+the supervisor restarts, during the drain or seen only at the end), the run reaches its target version,
+and every sample the dispatcher admitted is in exactly one batch, each segment in one row, each batch
+trained once.
 
     python -m pytest tests/integration/test_poison.py -q      (a few minutes on two cores)
 """
@@ -108,6 +110,7 @@ def test_the_trainer_leaves_out_the_rows_no_model_can_train_on_and_goes_on(poiso
 
 def test_every_service_stayed_up_and_healthy(poisoned):
     report = poisoned["report"]
+    assert report.unexpected_exits == [], "\n\n".join(seen.describe() for seen in report.unexpected_exits)
     assert report.health and report.healthy, report.health
     assert report.unhealthy_moments == []
     assert poisoned["exit_codes"] == {name: 0 for name in poisoned["exit_codes"]}

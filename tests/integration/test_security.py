@@ -119,7 +119,7 @@ def test_every_service_worked_as_its_own_redis_user_and_was_denied_nothing(acl_r
     local = acl_run["local"]
     assert acl_run["progress"].version >= VERSIONS
     assert acl_run["denied"] == []
-    assert local.crashes == [], local.crashes
+    assert local.unexpected_exits() == [], "\n".join(e.describe() for e in local.unexpected_exits())
     assert set(acl_run["exit_codes"].values()) == {0}, acl_run["exit_codes"]
     services = {"dispatcher", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
     assert {acl_run["prefix"] + name for name in services} <= acl_run["connected_users"]

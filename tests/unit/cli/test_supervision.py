@@ -36,14 +36,14 @@ def supervise_until(run: LocalRun, done, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():
         run.check_alive()
-        assert time.monotonic() < deadline, f"supervisor state: restarts {run.restarts}, crashes {run.crashes}"
+        assert time.monotonic() < deadline, f"supervisor state: restarts {run.restarts}, exits {run.exits}"
         time.sleep(0.05)
 
 
 def test_a_crashed_service_is_restarted_and_counted_and_one_that_keeps_crashing_stops_the_run(supervised):
     supervise_until(supervised, lambda: supervised.restarts.get("reward", 0) >= 2)
-    assert {c["process"] for c in supervised.crashes} == {"reward"}
-    assert all(c["exit_code"] == 3 for c in supervised.crashes)
+    assert {e.process for e in supervised.exits} == {"reward"}
+    assert all(e.exit_code == 3 and not e.injected and "boom: bad state" in e.log_tail for e in supervised.exits)
     with pytest.raises(ServiceDied) as died:
         supervise_until(supervised, lambda: False)
     assert f"reward exited {local_run.MAX_CRASHES + 1} times" in str(died.value)
@@ -66,6 +66,9 @@ def test_an_injected_crash_is_restarted_without_counting_towards_a_crash_loop_an
         supervised.check_alive()
         time.sleep(0.05)
     assert supervised.processes == {} and supervised.restarts == {"trainer": local_run.MAX_CRASHES + 3}
+    # every exit is on record as brought about on purpose: none is a crash a chaos audit would fail on
+    assert [e.process for e in supervised.exits] == ["reward"] + ["trainer"] * (local_run.MAX_CRASHES + 4)
+    assert all(e.injected for e in supervised.exits) and supervised.unexpected_exits() == []
 
 
 def test_while_the_run_starts_an_exit_is_fatal_at_once(supervised):

@@ -1,0 +1,213 @@
+"""The chaos audit (cli/chaos/audit.py) on runs written event by event into a real Redis, with real batch
+files: a segment in two rows is a duplicate, a row the trainer left out as invalid is never counted as
+trained, drops beyond what the faults explain fail the audit, and so does a process exit no fault
+brought about (the local run's supervisor records it, with the process's log tail).
+
+The audit of a whole run under fault injection is tests/integration/test_chaos.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+
+import pytest
+import redis
+
+from rollstream.cli import local_run
+from rollstream.cli.chaos.audit import CONSUMER_GROUPS, RowLimits, audit_run, drop_bound
+from rollstream.cli.chaos.poison import audit as poison_audit
+from rollstream.cli.chaos.poison import checks
+from rollstream.cli.local_run import LocalRun
+from rollstream.shared.contract.batches import BatchRow, write_batch
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import (
+    BatchReady,
+    PolicyUpdated,
+    PromptIssued,
+    RolloutDropped,
+    TrajectoryFinished,
+)
+from rollstream.shared.runtime.config import BusSettings, Settings
+from rollstream.shared.runtime.storage import Storage
+
+LIMITS = RowLimits(vocab_size=32, max_positions=64)
+MAX_STALENESS = 1
+
+
+@pytest.fixture
+def bus(machine_redis_url):
+    client = redis.Redis.from_url(machine_redis_url)
+    bus = Bus(client, f"test-{uuid.uuid4().hex[:10]}", BusSettings())
+    yield bus
+    bus.delete_run()
+    client.close()
+
+
+def ids(rollout: str) -> dict[str, str]:
+    return {"rollout_id": rollout, "trajectory_id": rollout, "session_id": rollout, "group_id": f"g-{rollout}"}
+
+
+def admit(bus: Bus, rollout: str, segments: int = 1) -> None:
+    """A rollout admitted and finished with `segments` segments."""
+    prompt = PromptIssued(sample_index=0, group_size=1, policy_version=0, label="2",
+                          messages=[{"role": "user", "content": "1+1"}])
+    finished = TrajectoryFinished(status="completed", attempt="a", segment_count=segments, group_size=1,
+                                  sample_index=0, response_text="2", label="2")
+    bus.publish("prompts", prompt, **ids(rollout))
+    bus.publish("trajectories", finished, **ids(rollout))
+
+
+def row(rollout: str, segment: int = 0, tokens: tuple[int, ...] = (1, 2, 3)) -> BatchRow:
+    return BatchRow(sample_index=0, trajectory_id=rollout, rollout_id=rollout, group_id=f"g-{rollout}",
+                    session_id=rollout, segment_index=segment, tokens=list(tokens), response_length=1,
+                    loss_mask=[0] * (len(tokens) - 1) + [1], rollout_logprobs=[0.0] * (len(tokens) - 1) + [-0.5],
+                    turn_policy_versions=[0], status="completed", reward=1.0, advantage=0.5)
+
+
+def train(bus: Bus, storage_uri: str, version: int, rows: list[BatchRow], trained: int,
+          dropped: dict[str, int] | None = None) -> None:
+    """A batch of `rows`, and the trainer's PolicyUpdated for it saying `trained` rows were trained."""
+    batch_id = f"b{version}"
+    uri = write_batch(Storage(storage_uri), bus.keys.run_id, batch_id, rows)
+    bus.publish("batches", BatchReady(batch_id=batch_id, uri=uri, sample_count=len(rows), min_policy_version=0,
+                                      group_ids=sorted({r.group_id for r in rows}), mean_reward=1.0))
+    bus.publish("policy", PolicyUpdated(version=version, checkpoint_uri=f"/ckpt/v{version}", batch_id=batch_id,
+                                        servers=[], parity_max_abs_diff=0.0, loss=0.0, trained_samples=trained,
+                                        dropped=dropped or {}))
+
+
+def audit(bus: Bus, storage_uri: str):
+    """The audit once every consumer group has read everything (nothing is left pending)."""
+    for stream, group in CONSUMER_GROUPS:
+        bus.redis.xgroup_create(bus.keys.stream(stream), group, id="$", mkstream=True)
+    return audit_run(bus, storage_uri, MAX_STALENESS, limits=LIMITS)
+
+
+def test_a_segment_in_two_rows_of_one_batch_or_of_two_batches_is_a_duplicate_and_fan_out_is_not(bus, tmp_path):
+    runs = str(tmp_path)
+    for rollout, segments in (("fanned", 2), ("twice-in-one", 1), ("twice-in-two", 1)):
+        admit(bus, rollout, segments)
+    train(bus, runs, 1, [row("fanned", 0), row("fanned", 1), row("twice-in-one"), row("twice-in-one"),
+                         row("twice-in-two")], trained=5)
+    train(bus, runs, 2, [row("twice-in-two")], trained=1)
+
+    report = audit(bus, runs)
+    assert sorted(report.duplicated) == ["twice-in-one segment 0", "twice-in-two segment 0"]
+    assert report.trained == 1  # the rollout with fan-out: two segments, one row each
+    assert any(p.startswith("duplicated: 2") for p in report.problems())
+
+
+def test_a_rollout_missing_one_of_its_segments_is_lost(bus, tmp_path):
+    admit(bus, "fanned", segments=3)
+    train(bus, str(tmp_path), 1, [row("fanned", 0), row("fanned", 2)], trained=2)
+
+    report = audit(bus, str(tmp_path))
+    assert report.lost == ["fanned (segments [0, 2] batched, its attempts had [3])"] and report.trained == 0
+
+
+def test_rows_the_trainer_left_out_as_invalid_are_counted_apart_and_never_as_trained(bus, tmp_path):
+    admit(bus, "good")
+    admit(bus, "out-of-vocabulary")
+    rows = [row("good"), row("out-of-vocabulary", tokens=(1, 2, LIMITS.vocab_size + 5))]
+    train(bus, str(tmp_path), 1, rows, trained=1, dropped={"invalid": 1})
+
+    report = audit(bus, str(tmp_path))
+    assert (report.trained, report.left_out_invalid, report.dropped) == (1, 1, {})
+    assert report.rows == {"trained": 1, "stale": 0, "invalid": 1}
+    assert report.problems() == []
+
+
+def test_a_trainer_that_counts_an_invalid_row_as_trained_fails_the_audit(bus, tmp_path):
+    admit(bus, "good")
+    admit(bus, "too-long")
+    rows = [row("good"), row("too-long", tokens=tuple(range(1, 31)) * 3)]  # 90 tokens, the model has 64 positions
+    train(bus, str(tmp_path), 1, rows, trained=2)
+
+    report = audit(bus, str(tmp_path))
+    assert report.trained == 1 and report.left_out_invalid == 1
+    assert report.trainer_disagrees == ["b1 (rows: {'trained': 1, 'invalid': 1}, PolicyUpdated: "
+                                        "{'trained': 2, 'stale': 0, 'invalid': 0})"]
+    assert any(p.startswith("trainer disagrees") for p in report.problems())
+
+
+def chaos_settings(**overrides) -> Settings:
+    return Settings(data={"samples_per_prompt": 4}, rollout={"concurrency": 8},
+                    train={"batch_size": 8, "max_staleness": MAX_STALENESS, **overrides})
+
+
+def test_the_drop_bound_follows_the_faults_injected():
+    settings = chaos_settings()
+    replicas = {"agent-runner": 2, "sandbox-grader": 1}
+    assert drop_bound([], settings, replicas) == {"grading_failed + grade_timeout": 0, "stale": 0, "dead_lettered": 0,
+                                                  "batch_dead_lettered": 0, "filtered": 0}
+    faults = [("horse", "sandbox work-horse"), ("crash", "sandbox-grader"), ("redis", "redis"), ("crash", "reward"),
+              ("crash", "dispatcher"), ("pause", "agent-runner")]
+    bound = drop_bound(faults, settings, replicas)
+    assert bound["grading_failed + grade_timeout"] == 3
+    assert bound["stale"] == 8 * 4 + 2 * 8 * 4  # the paused replica's rollouts, and every replica's during Redis's
+    assert bound["dead_lettered"] == 0  # no consumer suffered max_deliveries (5) faults
+    assert drop_bound([], chaos_settings(filter_zero_variance=True), replicas)["filtered"] is None
+
+
+def test_drops_beyond_what_the_faults_explain_fail_the_audit(bus, tmp_path):
+    """A grader that lost every grade: one work-horse kill explains one grade_timeout, not three."""
+    for rollout in ("r1", "r2", "r3"):
+        admit(bus, rollout)
+        bus.publish("rewards", RolloutDropped(reason="no grade", cause="grade_timeout"), **ids(rollout))
+    report = audit(bus, str(tmp_path))
+    assert report.dropped == {"grade_timeout": 3} and report.problems() == []
+
+    report.check_drops(drop_bound([("horse", "sandbox work-horse")], chaos_settings(), {}))
+    assert report.problems() == ["more drops than the faults explain: grading_failed + grade_timeout: 3 dropped, "
+                                 "the faults explain at most 1"]
+    report.check_drops(drop_bound([("horse", "sandbox work-horse")] * 3, chaos_settings(), {}))
+    assert report.problems() == []
+
+
+@pytest.fixture
+def supervised(tmp_path, monkeypatch):
+    """A local run's supervisor over two real processes: a reward that crashes with a message, a trainer that sleeps."""
+    commands = {"reward": [sys.executable, "-c", "print('boom: poison entry', flush=True); raise SystemExit(3)"],
+                "trainer": [sys.executable, "-c", "import time; time.sleep(60)"]}
+    monkeypatch.setattr(local_run, "service_command", lambda service: commands[service])
+    run = LocalRun(Settings(storage_uri=str(tmp_path), run_id="audit"), services=("reward", "trainer"))
+    run.log_dir.mkdir(parents=True)
+    for name in ("reward", "trainer"):
+        run.service_of[name] = name
+        run.spawn(name)
+    yield run
+    for process in run.processes.values():
+        process.kill()
+        process.wait()
+
+
+def test_an_exit_the_harness_did_not_bring_about_fails_both_audits_with_the_log_tail(supervised, bus, tmp_path):
+    supervised.crash("trainer")  # fault injection: on record, but no failure
+    supervised.processes["reward"].wait()
+    supervised.check_alive()  # the end's check: sees the reward's exit, whenever it came
+    assert sorted((e.process, e.injected) for e in supervised.exits) == [("reward", False), ("trainer", True)]
+
+    report = audit(bus, str(tmp_path))
+    report.unexpected_exits = supervised.unexpected_exits()
+    (problem,) = report.problems()
+    assert problem.startswith("a process exited that the harness did not stop: reward exited on its own with code 3")
+    assert "boom: poison entry" in problem
+
+    poisoned = poison_audit(bus, str(tmp_path), [], seed=0, rate=1.0, target_version=0, health={},
+                            unhealthy_moments=[], dispatcher_version_seen=0)
+    poisoned.exits = list(supervised.exits)
+    failed = [(name, figures) for name, passed, figures in checks(poisoned) if not passed]
+    assert ("no process exited, not even one the supervisor restarted (the drain and the end included)",
+            f"reward code 3 at {supervised.unexpected_exits()[0].at_s:.0f}s") in failed
+
+
+def test_an_exit_the_supervisor_restarted_stays_on_record(supervised):
+    supervised.processes["reward"].wait()
+    deadline = time.monotonic() + 20
+    while supervised.restarts.get("reward", 0) < 1:
+        supervised.check_alive()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert [e.process for e in supervised.unexpected_exits()] == ["reward"]
