@@ -47,7 +47,7 @@ def main() -> None:
             for workers in args.workers:
                 run_id = f"bench-{uuid.uuid4().hex[:6]}"
                 bus = Bus.connect(redis_server.url, run_id)
-                queue = Queue(f"{bus.keys.prefix}:sandbox", connection=bus.redis)
+                queue = Queue(bus.keys.job_queue("sandbox"), connection=bus.redis)
                 for index in range(args.jobs):
                     rollout = f"{run_id}-r{index}"
                     request = GradeRequest(run_id=run_id, storage_uri=storage.uri,

@@ -11,6 +11,9 @@ started again after a back-off (RESTART_BACKOFF_S, longer with each crash in CRA
 crash is counted in the progress and the summary; a service that crashes more than MAX_CRASHES times
 in the window stops the run with its log tail. A vLLM server that exits is started again from the
 newest published policy (its checkpoint), so that it serves the version the fleet is said to serve.
+Every exit it sees is recorded (`exits`), with whether fault injection brought it about (kill(),
+crash(), restart_vllm(), record_exit()); the chaos and poison audits fail on any other
+(`unexpected_exits`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -40,7 +43,7 @@ from rollstream.shared.contract.events import (
 )
 from rollstream.shared.errors import BackendUnavailable, RollstreamError
 from rollstream.shared.runtime.config import Settings, secret_environment, settings_json_without_secrets
-from rollstream.shared.sandbox.backends import get_backend
+from rollstream.shared.sandbox.backends import probe_sandbox
 from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
 
 SERVICES = ("dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder")
@@ -57,6 +60,26 @@ RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0)
 CRASH_WINDOW_S = 300.0
 MAX_CRASHES = 5
 """More crashes than this of one process within CRASH_WINDOW_S stop the run: it will not get better."""
+
+
+@dataclass(frozen=True)
+class ProcessExit:
+    """One exit of a process the local run started, as its supervisor saw it."""
+
+    process: str
+    exit_code: int | None
+    at_s: float
+    """Seconds into the run when the supervisor saw it."""
+    injected: bool
+    """Brought about on purpose (fault injection: kill(), crash(), restart_vllm(), record_exit()), not by the
+    process itself."""
+    log_tail: str = ""
+    """The last lines of its log when the exit was seen (a restart appends to the same file)."""
+
+    def describe(self) -> str:
+        how = "stopped on purpose" if self.injected else "exited on its own"
+        return (f"{self.process} {how} with code {self.exit_code} at {self.at_s:.1f}s; last lines of its log:\n"
+                + (self.log_tail or "(empty)"))
 
 
 class RunExists(RollstreamError, RuntimeError):
@@ -130,8 +153,9 @@ class ProgressReader:
 
 def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
     """Load the dataset (DatasetError when it is bad) and, when a sandbox-grader will grade some of its
-    rows, make sure the grader's sandbox backend can run here: BackendUnavailable with the install
-    hint otherwise. A run without a working sandbox would only collect ungradable rollouts."""
+    rows, make a real sandbox of the grader's backend here (probe_sandbox): BackendUnavailable with the
+    backend's reason and what to do otherwise. A run without a working sandbox would only collect
+    ungradable rollouts."""
     if settings.data.path is not None:
         rows = load_dataset(settings.data.path)
     else:
@@ -141,7 +165,7 @@ def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
     if not sandboxed or "sandbox-grader" not in services:
         return
     try:
-        get_backend(settings.grader.backend)
+        probe_sandbox(settings.grader.backend)
     except BackendUnavailable as exc:
         raise BackendUnavailable(f"{sandboxed} of the dataset's {len(rows)} prompts are graded in a sandbox, and "
                                  f"the grader's backend ({settings.grader.backend}) cannot run here: {exc}") from None
@@ -177,8 +201,8 @@ class LocalRun:
         """Processes stopped on purpose (kill): not restarted."""
         self.injected: set[str] = set()
         """Processes crash() killed that have not been seen dead yet: restarted, not counted as crash loops."""
-        self.crashes: list[dict] = []
-        """Every exit the supervisor saw: process, exit code, seconds into the run."""
+        self.exits: list[ProcessExit] = []
+        """Every exit the supervisor saw, in order (not those of stop(), which ends the run)."""
         self.restarts: dict[str, int] = {}
         self.restart_due: dict[str, float] = {}
         """Process name -> when (monotonic) the supervisor starts it again."""
@@ -235,7 +259,7 @@ class LocalRun:
         if "gateway" in self.services:
             count = self.replicas["gateway"]
             names = ["gateway"] if count == 1 else [f"gateway-{replica}" for replica in range(1, count + 1)]
-            self.gateway_urls = {name: f"http://127.0.0.1:{free_port()}" for name in names}
+            self.gateway_urls = {name: f"http://{settings.url_host}:{free_port()}" for name in names}
             first = next(iter(self.gateway_urls.values()))
             settings = settings.model_copy(update={"gateway": settings.gateway.model_copy(
                 update={"url": first, "port": int(first.rsplit(":", 1)[1])})})
@@ -304,8 +328,9 @@ class LocalRun:
                     if port is None:
                         continue
                     self.health_ports[name] = port
+                url = f"http://{self.settings.url_host}:{self.health_ports[name]}/healthz"
                 try:
-                    if httpx.get(f"http://127.0.0.1:{self.health_ports[name]}/healthz", timeout=1).status_code == 200:
+                    if httpx.get(url, timeout=1).status_code == 200:
                         pending.discard(name)
                 except httpx.HTTPError:
                     pass
@@ -318,7 +343,7 @@ class LocalRun:
         process = self.processes.pop(name)
         self.restart_due.pop(name, None)
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        self.record_exit(name, process.wait(), injected=True)
         self.killed[name] = process
         return process.pid
 
@@ -347,13 +372,11 @@ class LocalRun:
             if not restart:
                 raise ServiceDied(f"{name} exited with code {code}; last lines of {self.log_dir / name}.log:\n"
                                   + self.log_tail(name))
-            at = now - self.started_at
             injected = name in self.injected
             self.injected.discard(name)
-            self.crashes.append({"process": name, "exit_code": code, "at_s": round(at, 1), "injected": injected})
+            at = self.record_exit(name, code, injected).at_s
             # crashes brought about by crash() (fault injection) say nothing about the process's health
-            recent = [c for c in self.crashes if c["process"] == name and not c["injected"]
-                      and at - c["at_s"] <= CRASH_WINDOW_S]
+            recent = [e for e in self.exits if e.process == name and not e.injected and at - e.at_s <= CRASH_WINDOW_S]
             if len(recent) > MAX_CRASHES:
                 raise ServiceDied(f"{name} exited {len(recent)} times in {CRASH_WINDOW_S:.0f}s (last exit code {code}); "
                                   f"last lines of {self.log_dir / name}.log:\n" + self.log_tail(name))
@@ -364,24 +387,36 @@ class LocalRun:
                 self.spawn(name)
                 self.restarts[name] = self.restarts.get(name, 0) + 1
         if self.vllm is not None and self.vllm.exit_code() is not None:
-            self.crashes.append({"process": "vllm", "exit_code": self.vllm.exit_code(),
-                                 "at_s": round(now - self.started_at, 1), "injected": False})
+            self.record_exit("vllm", self.vllm.exit_code(), injected=False)
             self.restart_vllm()
+
+    def record_exit(self, name: str, code: int | None, injected: bool) -> ProcessExit:
+        """Record an exit the run saw; injected: brought about on purpose (a harness that kills Redis says so here)."""
+        tail = self.vllm.log_tail(25) if name == "vllm" and self.vllm is not None else self.log_tail(name)
+        seen = ProcessExit(name, code, round(time.monotonic() - self.started_at, 1), injected, tail)
+        self.exits.append(seen)
+        return seen
+
+    def unexpected_exits(self) -> list[ProcessExit]:
+        """Exits no one brought about on purpose: crashes, whether or not the supervisor restarted the process."""
+        return [e for e in self.exits if not e.injected]
 
     def restart_vllm(self, wait: bool = False) -> None:
         """Stop the vLLM server (if it runs) and start it again on the same port from the newest published
         policy, recording that version as the one it serves. wait: until it answers."""
         assert self.vllm is not None and self.bus is not None
-        from rollstream.cli.vllm_server import VllmServer
+        from rollstream.cli.vllm_server import VllmServer, newest_policy
 
-        self.vllm.stop()
-        newest = self.bus.last("policy")
-        update = newest.event if newest and isinstance(newest.event, PolicyUpdated) else None
-        model = Path(update.checkpoint_uri) if update else self.settings.model.path
+        if self.vllm.exit_code() is None:  # running: this restart is on purpose (an exit was recorded by check_alive)
+            self.vllm.stop()
+            self.record_exit("vllm", None, injected=True)
+        else:
+            self.vllm.stop()
+        model, version = newest_policy(self.bus, self.settings)
         self.vllm = VllmServer(model, self.vllm.port, served_model_name=self.settings.model.served_name,
                                log_path=self.log_dir / "vllm.log")
         self.vllm.start()
-        self.bus.redis.hset(self.bus.keys.fleet_versions, self.vllm.url, update.version if update else 0)
+        self.bus.redis.hset(self.bus.keys.fleet_versions, self.vllm.url, version)
         self.restarts["vllm"] = self.restarts.get("vllm", 0) + 1
         if wait:
             self.vllm.wait_healthy()
@@ -421,7 +456,7 @@ class LocalRun:
             undelivered, pending = self.bus.group_lag(stream, group)
             if undelivered + pending:
                 out[f"{stream}/{group}"] = undelivered + pending
-        queue = Queue(f"{self.bus.keys.prefix}:{self.settings.grader.queue}", connection=self.bus.redis)
+        queue = Queue(self.bus.keys.job_queue(self.settings.grader.queue), connection=self.bus.redis)
         jobs = queue.count + queue.started_job_registry.count + queue.scheduled_job_registry.count
         if jobs:
             out["sandbox jobs"] = jobs
@@ -479,7 +514,7 @@ class LocalRun:
             "policy_version": progress.version,
             "dead_letters": len(progress.dead_letters),
             "restarts": dict(self.restarts),
-            "crashes": list(self.crashes),
+            "exits": [asdict(e) for e in self.exits],
             "vllm_startup_s": None if self.vllm_startup_s is None else round(self.vllm_startup_s, 1),
             "per_version": per_version,
             "run_dir": str(self.run_dir),

@@ -4,6 +4,7 @@
     rollstream build-model         # the tiny Llama + tokenizer the local run and the tests use
     rollstream warmup              # supervised warm-up on gold calculator episodes: a start for RL
     rollstream serve-vllm          # a vLLM CPU server for the tiny model
+    rollstream serve-policy        # becomes a vLLM server of the run's newest published policy (Compose runs it)
     rollstream validate TASKS      # reference solutions grade 1, empty diffs 0, in the sandbox
     rollstream config [--markdown] # the resolved configuration, or its reference table
     rollstream replay RUN --to NEW # a recorded run re-published into a fresh run (cli/replay/command.py)
@@ -105,6 +106,25 @@ def serve_vllm(
                 time.sleep(1)
         except KeyboardInterrupt:
             pass
+
+
+@app.command("serve-policy", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve_policy(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option(help="Port to serve on (the host is RS_LISTEN_HOST).")] = 8000,
+) -> None:
+    """Become a vLLM server of the run's newest published policy (RS_RUN_ID; the starting model RS_MODEL__PATH
+    before the first version): what a supervisor that restarts servers runs (Compose), so that a restarted
+    server loads the version the fleet is said to serve before its /health answers. Further arguments go to
+    vLLM."""
+    from rollstream.cli.vllm_server import VllmStartError, exec_newest_policy
+    from rollstream.shared.runtime.config import Settings
+
+    try:
+        exec_newest_policy(Settings(), port, ctx.args)
+    except VllmStartError as exc:
+        console.print(f"[bold red]serve-policy failed:[/] {escape(str(exc))}", markup=True, soft_wrap=True)
+        raise typer.Exit(1) from None
 
 
 @app.command("validate")
@@ -281,6 +301,8 @@ def chaos_poison(
         raise typer.Exit(1) from None
     for table in report_tables(report):
         console.print(table)
+    for seen in report.unexpected_exits:
+        console.print(f"[bold red]process exit:[/] {escape(seen.describe())}", markup=True)
     stopped = ", ".join(f"{name} {code}" for name, code in sorted(codes.items()))
     console.print(f"run {settings.run_id}: services stopped (exit codes: {stopped}); logs in {local.log_dir}")
     if not all(passed for _, passed, _ in checks(report)):
@@ -301,7 +323,8 @@ def chaos_run(
 ) -> None:
     """A local run under fault injection (cli/chaos/harness.py), then the audit of what it kept.
 
-    Exit 1 when the audit finds a sample lost or duplicated, a batch or version twice, or work left pending.
+    Exit 1 when the audit finds a sample lost or duplicated, a batch or version twice, work left pending, more
+    drops than the faults explain, or a process that exited without the harness stopping it.
     """
     signal.signal(signal.SIGTERM, _interrupt)
     from rollstream.cli.chaos.harness import ChaosPlan, ChaosRun, result_tables

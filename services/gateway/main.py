@@ -362,7 +362,7 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
     # What start-up loaded (transformers, torch, the tokenizer: some 400k objects) lives as long as the process.
     # Left to the collector, each full collection walks all of it on the event loop (0.2 s on an idle core).
     gc.freeze()
-    server = _Server(uvicorn.Config(app, host="0.0.0.0", port=settings.gateway.port, log_config=None,
+    server = _Server(uvicorn.Config(app, host=settings.listen_host, port=settings.gateway.port, log_config=None,
                                     access_log=False, timeout_graceful_shutdown=30))
     watcher = asyncio.create_task(watch_event_loop())
     serving = asyncio.create_task(server.serve())

@@ -45,7 +45,7 @@ def main() -> None:
     settings = Settings()
     runtime = ServiceRuntime("trainer", settings)
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
-    trained_key = bus.keys.state("trainer", "trained-batches")
+    trained_key = bus.keys.trained_batches
     trainer = Trainer(settings, bus, Storage(settings.storage_uri), trained_key)
     runtime.status["policy_version"] = trainer.version
     rejected = 0

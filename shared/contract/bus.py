@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import socket
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -118,6 +119,31 @@ class Keys:
 
     def lock(self, name: str) -> str:
         return f"{self.prefix}:lock:{name}"
+
+    @property
+    def incarnation(self) -> str:
+        """String: a random id of this incarnation of the run (Bus.incarnation). Deleted with the run's other keys,
+        so a new run under the same id gets another, and ids made from it (grade_job_id) never name what the
+        old run left outside the namespace."""
+        return f"{self.prefix}:incarnation"
+
+    def job_queue(self, name: str) -> str:
+        """The name of the run's RQ queue `name` (the grader's sandbox queue: grader.queue). RQ keeps its keys
+        under its own prefix (rq:queue:<name>, rq:failed:<name>, ...); Bus.delete_run deletes them with their
+        jobs."""
+        return f"{self.prefix}:{name}"
+
+    def grade_job_id(self, incarnation: str, rollout_id: str) -> str:
+        """The RQ job id of a rollout's sandbox grading. RQ job ids are global to the Redis server: the run
+        id keeps a replay into another run from finding the original's job, the incarnation a new run under
+        an old id from finding the old run's; within one incarnation a re-delivered rollout finds its job."""
+        return f"grade-{self.run_id}-{incarnation}-{rollout_id}"
+
+    @property
+    def trained_batches(self) -> str:
+        """Set: ids of the batches the run's trainer trained, added in the transaction that publishes the policy
+        version trained on each: a PolicyUpdated whose batch is not here is no version of this run's."""
+        return self.state("trainer", "trained-batches")
 
     @property
     def fleet_versions(self) -> str:
@@ -336,10 +362,47 @@ class Bus:
         """Server url -> the policy version it serves, as the trainer last recorded it."""
         return {k.decode(): int(v) for k, v in self.redis.hgetall(self.keys.fleet_versions).items()}
 
+    def incarnation(self) -> str:
+        """This incarnation's id (Keys.incarnation), made by the first caller; every caller gets the same."""
+        self.redis.set(self.keys.incarnation, uuid.uuid4().hex, nx=True)
+        return self.redis.get(self.keys.incarnation).decode()
+
     def delete_run(self) -> int:
-        """Delete every key of this run; returns how many."""
+        """Delete every key of this run, and its RQ queues with their jobs, which RQ keeps outside the run's
+        namespace (a queued or failed job left behind would be run, or reported, into the next run under this
+        id); returns how many keys of the namespace and jobs."""
+        jobs = self._delete_job_queues()
         keys = list(self.redis.scan_iter(match=self.keys.pattern, count=1000))
-        return self.redis.delete(*keys) if keys else 0
+        return jobs + (self.redis.delete(*keys) if keys else 0)
+
+    def _delete_job_queues(self) -> int:
+        """Delete the run's RQ queues (those named by Keys.job_queue), their registries and every job they
+        hold; returns how many jobs."""
+        from rq import Queue
+        from rq.job import Job
+
+        prefix = Queue.redis_queue_namespace_prefix + self.keys.job_queue("")
+        deleted = 0
+        for queue_key in self.redis.smembers(Queue.redis_queues_keys):
+            queue_key = queue_key.decode()
+            if not queue_key.startswith(prefix):
+                continue
+            queue = Queue.from_queue_key(queue_key, connection=self.redis)
+            registries = (queue.started_job_registry, queue.finished_job_registry, queue.failed_job_registry,
+                          queue.deferred_job_registry, queue.scheduled_job_registry, queue.canceled_job_registry)
+            # Read straight from Redis: a registry's get_job_ids() first cleans it up, which may fail jobs and
+            # run their failure callbacks, publishing into the run being deleted.
+            job_ids = {job_id.decode() for key in (queue.key, queue.intermediate_queue_key)
+                       for job_id in self.redis.lrange(key, 0, -1)}
+            job_ids |= {job_id.decode() for registry in registries for job_id in self.redis.zrange(registry.key, 0, -1)}
+            for job in Job.fetch_many(sorted(job_ids), connection=self.redis):
+                if job is not None:
+                    job.delete(remove_from_queue=False)
+                    deleted += 1
+            self.redis.delete(queue.intermediate_queue_key, queue.registry_cleaning_key,
+                              *(registry.key for registry in registries))
+            queue.delete(delete_jobs=False)
+        return deleted
 
     # ----------------------------------------------------------------------------------- inspect
     def group_lag(self, stream: StreamName, group: str) -> tuple[int, int]:

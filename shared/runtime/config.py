@@ -8,6 +8,7 @@ the resolved config there for its services), and from the defaults below.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from pathlib import Path
@@ -156,6 +157,9 @@ class GraderSettings(Section):
     """Address-space limit of one check."""
     job_timeout_s: int = Field(60, ge=1)
     """RQ job timeout."""
+    probe_interval_s: float = Field(30.0, gt=0)
+    """How often a grading sandbox-grader runs a trivial command in a real sandbox to tell whether its backend
+    still works (/healthz 503 with the reason when not); one that is not ready yet tries every 5 s."""
 
 
 class RewardSettings(Section):
@@ -260,6 +264,10 @@ class Settings(BaseSettings):
     """Where batches, checkpoints and logs go (a directory)."""
     health_port: int = Field(0, ge=0)
     """Port of a service's /healthz and /metrics; 0: any free port."""
+    listen_host: str = "127.0.0.1"
+    """IP address the services' /healthz and /metrics and the gateway's APIs listen on. 127.0.0.1: this machine
+    alone (the local run, a service started by hand); 0.0.0.0 (:: for IPv6): every interface, for a network of
+    its own (docker-compose.yml sets it for its containers); set the security tokens where others can reach it."""
     log_level: str = "INFO"
     """Log level of the services."""
     bus: BusSettings = BusSettings()
@@ -279,6 +287,15 @@ class Settings(BaseSettings):
     @classmethod
     def _no_masked_or_empty_password(cls, value: Any) -> Any:
         return _secret_input(value)
+
+    @field_validator("listen_host")
+    @classmethod
+    def _an_ip_address(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"listen_host {value!r} is not an IP address (127.0.0.1, 0.0.0.0, ::1, ...)") from None
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -332,6 +349,15 @@ class Settings(BaseSettings):
 
     def run_dir(self) -> Path:
         return Path(self.storage_uri) / self.run_id
+
+    @property
+    def url_host(self) -> str:
+        """The host of a URL by which a process on this machine reaches what listens on listen_host: loopback
+        for a wildcard address, an IPv6 address in brackets."""
+        address = ipaddress.ip_address(self.listen_host)
+        if address.is_unspecified:
+            address = ipaddress.ip_address("127.0.0.1" if address.version == 4 else "::1")
+        return str(address) if address.version == 4 else f"[{address}]"
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -79,7 +80,8 @@ class ServiceRuntime:
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         self.health_server = self._serve_health(settings.health_port)
-        self.log.info("service started", extra={"run_id": settings.run_id, "health_port": self.health_port})
+        self.log.info("service started", extra={"run_id": settings.run_id, "health_port": self.health_port,
+                                                "listen_host": settings.listen_host})
 
     @property
     def health_port(self) -> int:
@@ -155,7 +157,12 @@ class ServiceRuntime:
             def log_message(self, *_args: Any) -> None:
                 pass
 
-        server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+        host = self.settings.listen_host
+
+        class Server(ThreadingHTTPServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        server = Server((host, port), Handler)
         threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
         return server
 

@@ -43,6 +43,7 @@ def main() -> None:
     report["rollout_of_entry"] = {d.entry_id: d.envelope.rollout_id for d in prompts}
     updates = [d for d in history("policy") if isinstance(d.event, PolicyUpdated)]
     report["versions"] = sorted(d.event.version for d in updates)
+    report["policy_batch_ids"] = [d.event.batch_id for d in updates]
     report["version_times"] = {d.event.version: d.envelope.time for d in updates}
     storage = Storage(storage_uri)
     batches = [d.event for d in history("batches") if isinstance(d.event, BatchReady)]

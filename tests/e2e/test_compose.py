@@ -6,8 +6,10 @@ engine answers (DOCKER_HOST is honoured; CI starts one with infra/docker-engine.
 One run of a unique compose project: the test waits until every replica has finished episodes, then
 takes down two replicas while they hold prompts: one with `docker kill` (Docker counts that as a manual
 stop: the restart policy leaves it down) and one whose process dies by SIGKILL (a crash: the restart
-policy, unless-stopped, brings it back). The prompts both held are reclaimed (XAUTOCLAIM) and the run
-goes on to its last policy version with nothing lost; `docker compose down -v` leaves nothing behind.
+policy, unless-stopped, brings it back). The prompts both held are reclaimed (XAUTOCLAIM). Once a policy
+version is out, the vLLM server crashes too: restarted, it must serve the newest published version, not the
+starting model. The run goes on to its last policy version with nothing lost, no batch trained twice and no
+other container restarted; `docker compose down -v` leaves nothing behind.
 
 Redis is published on a random localhost port by a test-only override file, so the test watches the run
 as it goes, as Redis's admin user (every service has a user of its own; the passwords are new for each
@@ -45,6 +47,10 @@ SETTINGS = {
 }
 HEALTHZ = ("import urllib.request; "
            "print(urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=3).read().decode())")
+VLLM_MODELS = ("import urllib.request; "
+               "print(urllib.request.urlopen('http://127.0.0.1:8000/v1/models', timeout=3).read().decode())")
+CRASH = ["python", "-c", "import os, signal; os.kill(-1, signal.SIGKILL)"]
+"""Every process of the container's user dies (its init, tini, then exits with them): a crash."""
 
 
 def engine():
@@ -119,6 +125,44 @@ def consumers_by_host(bus) -> dict[str, str]:
     return {name.split("-")[2]: name for name in (n.decode() if isinstance(n, bytes) else n for n in names)}
 
 
+def newest_version(bus) -> int:
+    last = bus.last("policy")
+    return getattr(last.event, "version", 0) if last is not None else 0
+
+
+def crash_vllm_after_a_version(s: Stack, bus) -> dict:
+    """Crash the vLLM server once version 2 is out and wait until Compose has it answering again: what it
+    said it loaded at each start (rollstream serve-policy's line) and what it serves now."""
+    deadline = time.monotonic() + 300
+    while newest_version(bus) < 2:
+        assert time.monotonic() < deadline, f"no policy version 2 to restart vLLM on\n{s.logs()}"
+        time.sleep(1)
+    (vllm,) = s.containers("vllm-cpu")
+    crash = {"container": vllm.name, "version": newest_version(bus)}
+    vllm.exec_run(CRASH)
+    deadline = time.monotonic() + 400
+    while True:
+        vllm.reload()
+        if vllm.attrs["RestartCount"] >= 1 and vllm.status == "running":
+            code, out = vllm.exec_run(["python", "-c", VLLM_MODELS])
+            if code == 0:  # answers once its weights are loaded, as its healthcheck does
+                break
+        assert time.monotonic() < deadline, f"vLLM does not answer again after its crash\n{s.logs()}"
+        time.sleep(2)
+    crash["served"] = json.loads(out)["data"][0]["root"]
+    crash["starts"] = [record for record in map(_json_or_none, vllm.logs().decode(errors="replace").splitlines())
+                       if record and record.get("message") == "serving the newest policy"]
+    return crash
+
+
+def _json_or_none(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     client = engine()
@@ -169,12 +213,13 @@ def stack(tmp_path_factory):
                     if not victims:
                         c.kill()  # SIGKILL through the engine
                     else:
-                        c.exec_run(["python", "-c", "import os, signal; os.kill(-1, signal.SIGKILL)"])
+                        c.exec_run(CRASH)
                     victims.append(c)
                     break
             time.sleep(0.05)
         result["killed"], result["crashed"] = victims
         result["held"] = held
+        result["vllm_crash"] = crash_vllm_after_a_version(s, bus)
 
         # the run goes on to its last version
         deadline = time.monotonic() + 600
@@ -194,6 +239,7 @@ def stack(tmp_path_factory):
         result["episodes_after"] = {c.id: healthz(c).get("episodes_done", 0)
                                     for c in s.containers("agent-runner")}
         result["services"] = {c.name: c.status for c in s.containers(all=True)}
+        result["restart_counts"] = {c.name: c.attrs["RestartCount"] for c in s.containers(all=True)}
     except BaseException:
         print(s.logs())
         raise
@@ -252,6 +298,28 @@ def test_a_crashed_replica_is_restarted_and_a_docker_killed_one_is_not(stack):
     assert status == "running" and restarts >= 1  # restart: unless-stopped
     # Docker treats `docker kill` as a manual stop: no restart policy revives it
     assert stack["states"][killed.id][0] == "exited"
+
+
+def test_a_restarted_vllm_server_serves_the_newest_published_policy_not_the_starting_model(stack):
+    crash = stack["vllm_crash"]
+    first, *_, restarted = crash["starts"]
+    assert first["version"] == 0 and first["model"] == "/models/tiny-llama-warm"
+    assert restarted["version"] >= crash["version"] >= 2
+    assert restarted["model"] == f"/data/runs/{stack['report']['run_id']}/checkpoints/v{restarted['version']:05d}"
+    assert crash["served"] == restarted["model"]
+
+
+def test_no_policy_version_trained_a_batch_twice(stack):
+    batch_ids = stack["report"]["policy_batch_ids"]
+    assert len(batch_ids) == VERSIONS and len(set(batch_ids)) == len(batch_ids), batch_ids
+
+
+def test_no_container_the_test_did_not_crash_was_restarted(stack):
+    crashed = {stack["crashed"].name, stack["vllm_crash"]["container"]}
+    counts = stack["restart_counts"]
+    assert all(counts[name] >= 1 for name in crashed), counts
+    others = {name: n for name, n in counts.items() if name not in crashed | {stack["killed"].name}}
+    assert len(others) >= 9 and set(others.values()) == {0}, others
 
 
 def test_no_service_died(stack):

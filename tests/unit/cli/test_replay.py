@@ -206,3 +206,30 @@ def test_a_run_with_nothing_recorded_is_a_clear_error(bus, target, tmp_path):
         ReplayPlan(bus.keys.run_id, str(tmp_path), streams=("trajectories",)).validate()
     result = runner.invoke(app, ["replay", bus.keys.run_id, "--to", bus.keys.run_id], env=env_for(target, tmp_path))
     assert result.exit_code == 1 and "must differ from the source" in result.output
+
+
+def test_entries_of_dead_that_do_not_decode_are_replayed_as_they_are_and_counted(bus, target, tmp_path):
+    """Junk written straight onto `dead` is the source's record of what went wrong, not archive damage: a
+    replay that takes `dead` (or reads it to skip what the source dead-lettered) carries it over."""
+    record_a_run(bus, tmp_path)
+    junk = {b"type": b"Nonsense", b"v": b"1", b"body": b"\x00\xff"}
+    handled = bus.redis.xadd(bus.keys.stream("dead"), junk).decode()
+    bus.ensure_group("dead", "reward")
+    bus.dead_letter("dead", "reward", handled, junk, 1, "unknown event type 'Nonsense'")  # as the reward service does
+    bus.redis.xadd(bus.keys.stream("dead"), junk)  # came after the reward service stopped
+    archive_all(bus, tmp_path)
+
+    every = runner.invoke(app, ["replay", bus.keys.run_id, "--to", target.keys.run_id, "--streams", "prompts,dead",
+                                "--from", "archive"], env=env_for(target, tmp_path))
+    assert every.exit_code == 0, every.output
+    assert "dead: 2 entries that do not decode were replayed as they are" in every.output
+    assert raw(target, "dead") == raw(bus, "dead") and len(raw(target, "prompts")) == 3
+
+    target.delete_run()
+    skipping = runner.invoke(app, ["replay", bus.keys.run_id, "--to", target.keys.run_id, "--streams", "prompts,dead",
+                                   "--skip-dead-lettered", "--from", "archive"], env=env_for(target, tmp_path))
+    assert skipping.exit_code == 0, skipping.output
+    assert "dead: 1 entries that do not decode were replayed as they are" in skipping.output
+    # the junk the source's reward service dead-lettered is left out; its dead letter and the later junk are not
+    assert raw(target, "dead") == [fields for entry_id, fields in bus.redis.xrange(bus.keys.stream("dead"))
+                                   if entry_id.decode() != handled]

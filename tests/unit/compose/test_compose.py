@@ -177,3 +177,23 @@ def test_the_scripts_parse():
         result = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True,
                                 check=False)
         assert result.returncode == 0, (script, result.stderr)
+
+
+def test_services_in_containers_listen_on_their_networks_interface():
+    # everywhere else they listen on loopback alone (Settings.listen_host's default)
+    services = compose()
+    for name in SERVICES:
+        assert services[name]["environment"]["RS_LISTEN_HOST"] == "0.0.0.0", name
+
+
+def test_the_cpu_vllm_server_starts_on_the_runs_newest_policy():
+    # rollstream serve-policy reads the newest PolicyUpdated of the run the services work on, from its Redis,
+    # and loads its checkpoint from the runs volume at the trainer's path (tests/integration/test_serve_policy.py)
+    services = compose()
+    vllm, trainer = services["vllm-cpu"], services["trainer"]
+    assert vllm["command"][:2] == ["rollstream", "serve-policy"]
+    assert callable(resolve(scripts()["rollstream"]))
+    for variable in ("RS_RUN_ID", "RS_REDIS_URL", "RS_STORAGE_URI", "RS_MODEL__PATH", "RS_LISTEN_HOST"):
+        assert vllm["environment"][variable] == trainer["environment"][variable], variable
+    assert vllm["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert vllm["env_file"] == trainer["env_file"]

@@ -19,6 +19,8 @@ import yaml
 from tests.support import REPO, free_port
 
 SERVICES = {"dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
+READERS = {"vllm": "vllm-cpu"}
+"""Users that only read, and the compose service that connects as each (the vLLM server finds the newest policy)."""
 USERS_FILE = REPO / "infra" / "redis-users.acl"
 
 
@@ -41,9 +43,9 @@ def compose():
 
 def test_every_service_connects_as_its_own_user_with_its_own_required_password():
     services = compose()
-    assert set(users()) == SERVICES | {"admin"}
-    for name in SERVICES:
-        env = services[name]["environment"]
+    assert set(users()) == SERVICES | set(READERS) | {"admin"}
+    for name, service in [(name, name) for name in SERVICES] + list(READERS.items()):
+        env = services[service]["environment"]
         assert env["RS_REDIS_USERNAME"] == name
         assert env["RS_REDIS_PASSWORD"].startswith("${" + password_variable(name) + ":?"), name
     redis_env = services["redis"]["environment"]
@@ -105,7 +107,7 @@ def test_service_users_write_only_what_they_own(acl_users, run_id, machine_redis
     writes = {"dispatcher": {"prompts"}, "gateway": {"trajectories"}, "agent-runner": {"prompts", "trajectories", "dead"},
               "sandbox-grader": {"trajectories", "grades", "dead"},
               "reward": {"trajectories", "grades", "dead", "rewards", "batches"},
-              "trainer": {"batches", "dead", "policy"}, "recorder": set(keys)}
+              "trainer": {"batches", "dead", "policy"}, "recorder": set(keys), "vllm": set()}
     try:
         for name, (_, client) in acl_users.items():
             for stream, key in keys.items():
@@ -180,3 +182,35 @@ def test_the_gateway_user_can_keep_sessions_and_publish_their_samples(acl_users,
         assert len(bus.read_all("trajectories")) == 4  # started, turn, segment, finished
     finally:
         redis.Redis.from_url(machine_redis_url).delete(*redis.Redis.from_url(machine_redis_url).keys(f"rs:{run_id}:*"))
+
+
+def test_the_vllm_user_finds_the_newest_policy_and_writes_nothing(acl_users, run_id, machine_redis_url, tmp_path):
+    """What `rollstream serve-policy` does to Redis, as the compose vLLM server's own user."""
+    from rollstream.cli.vllm_server import newest_policy
+    from rollstream.shared.contract.bus import Bus
+    from rollstream.shared.contract.events import PolicyUpdated
+    from rollstream.shared.runtime.config import Settings
+
+    admin = Bus(redis.Redis.from_url(machine_redis_url), run_id)
+    try:
+        admin.publish("policy", PolicyUpdated(version=1, checkpoint_uri="/ckpt/v1", batch_id="b-1", servers=[],
+                                              parity_max_abs_diff=0.0, loss=0.0, trained_samples=1))
+        admin.redis.sadd(admin.keys.trained_batches, "b-1")
+        _, client = acl_users["vllm"]
+        settings = Settings(run_id=run_id, storage_uri=str(tmp_path))
+        assert newest_policy(Bus(client, run_id), settings) == (Path("/ckpt/v1"), 1)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.hset(admin.keys.fleet_versions, "http://vllm:8000", 1)
+    finally:
+        admin.delete_run()
+
+
+def test_the_sandbox_grader_user_can_make_the_runs_incarnation(acl_users, run_id, machine_redis_url):
+    from rollstream.shared.contract.bus import Bus
+
+    _, client = acl_users["sandbox-grader"]
+    try:
+        incarnation = Bus(client, run_id).incarnation()
+        assert Bus(redis.Redis.from_url(machine_redis_url), run_id).incarnation() == incarnation
+    finally:
+        Bus(redis.Redis.from_url(machine_redis_url), run_id).delete_run()

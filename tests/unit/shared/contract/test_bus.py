@@ -208,3 +208,47 @@ def test_a_run_id_with_glob_characters_reaches_only_its_own_keys(bus):
     finally:
         starred.delete_run()
         neighbour.delete_run()
+
+
+def finish_the_job() -> str:
+    return "done"
+
+
+def fail_the_job() -> None:
+    raise RuntimeError("the job failed")
+
+
+def test_deleting_a_run_deletes_its_rq_queue_and_every_job_it_holds_and_no_other_runs(bus):
+    """RQ keeps a queue and its jobs under its own prefix, outside the run's namespace: a job left behind
+    would be run, or reported as failed, into the next run under the same id."""
+    from datetime import timedelta
+
+    from rq import Queue, SimpleWorker
+    from rq.job import Job
+
+    from rollstream.shared.contract.bus import Bus
+
+    neighbour = Bus(bus.redis, bus.keys.run_id + "-2")  # its queue's name starts with this run's id
+    queue = Queue(bus.keys.job_queue("sandbox"), connection=bus.redis)
+    other_queue = Queue(neighbour.keys.job_queue("sandbox"), connection=bus.redis)
+    try:
+        finished = queue.enqueue(finish_the_job, job_id=f"{bus.keys.run_id}-finished")
+        failed = queue.enqueue(fail_the_job, job_id=f"{bus.keys.run_id}-failed")
+        SimpleWorker([queue], connection=bus.redis).work(burst=True)
+        queued = queue.enqueue(finish_the_job, job_id=f"{bus.keys.run_id}-queued")
+        scheduled = queue.enqueue_in(timedelta(hours=1), finish_the_job, job_id=f"{bus.keys.run_id}-scheduled")
+        others = other_queue.enqueue(finish_the_job, job_id=f"{bus.keys.run_id}-others")
+        assert (finished.get_status(), failed.get_status(), queued.get_status(), scheduled.get_status()) == (
+            "finished", "failed", "queued", "scheduled")
+
+        assert bus.delete_run() == 4
+        assert not any(Job.exists(job.id, connection=bus.redis) for job in (finished, failed, queued, scheduled))
+        assert queue.count == 0 and queue.failed_job_registry.count == 0
+        assert queue.scheduled_job_registry.count == 0 and queue.finished_job_registry.count == 0
+        leftovers = [key for key in bus.redis.scan_iter(match="rq:*", count=1000)
+                     if bus.keys.job_queue("").encode() in key]
+        assert leftovers == []
+        assert Job.fetch(others.id, connection=bus.redis).get_status() == "queued"
+        assert other_queue.count == 1
+    finally:
+        neighbour.delete_run()

@@ -127,3 +127,14 @@ def test_redacted_urls_keep_the_user_and_lose_the_password():
     assert redact_url("redis://reward:secret@redis:6379/0") == "redis://reward:***@redis:6379/0"
     assert redact_url("redis://:secret@redis:6379/0") == "redis://:***@redis:6379/0"
     assert redact_url("redis://redis:6379/0") == "redis://redis:6379/0"
+
+
+# ------------------------------------------------------------------------------------------------ listening
+def test_services_listen_on_loopback_unless_told_otherwise_and_only_on_an_ip_address(monkeypatch):
+    assert Settings().listen_host == "127.0.0.1"
+    monkeypatch.setenv("RS_LISTEN_HOST", "0.0.0.0")
+    assert Settings().listen_host == "0.0.0.0" and Settings().url_host == "127.0.0.1"
+    assert Settings(listen_host="::").url_host == "[::1]" and Settings(listen_host="10.1.2.3").url_host == "10.1.2.3"
+    for wrong in ("localhost", "", "0.0.0.0:80", "*"):
+        with pytest.raises(ValidationError, match="is not an IP address"):
+            Settings(listen_host=wrong)
