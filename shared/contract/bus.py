@@ -15,6 +15,7 @@ All Redis key names are built by `Keys`; no other code writes a key string by ha
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -52,6 +53,8 @@ DEAD_LETTER_FIELD_CHARS = 65_536
 RECONNECT_BASE_S = 0.1
 RECONNECT_CAP_S = 5.0
 """Back-off between reconnection attempts: doubling from the base, never longer than the cap."""
+_JOB_ID = re.compile(r"[A-Za-z0-9_-]+")
+"""What RQ accepts as a job id."""
 
 
 class _LoggedBackoff(ExponentialWithJitterBackoff):
@@ -136,8 +139,14 @@ class Keys:
     def grade_job_id(self, incarnation: str, rollout_id: str) -> str:
         """The RQ job id of a rollout's sandbox grading. RQ job ids are global to the Redis server: the run
         id keeps a replay into another run from finding the original's job, the incarnation a new run under
-        an old id from finding the old run's; within one incarnation a re-delivered rollout finds its job."""
-        return f"grade-{self.run_id}-{incarnation}-{rollout_id}"
+        an old id from finding the old run's; within one incarnation a re-delivered rollout finds its job.
+        RQ takes only [A-Za-z0-9_-] in an id: where the run or rollout id has anything else, a digest of
+        the three stands for them."""
+        readable = f"grade-{self.run_id}-{incarnation}-{rollout_id}"
+        if _JOB_ID.fullmatch(readable):
+            return readable
+        digest = hashlib.sha256(f"{self.run_id}\0{incarnation}\0{rollout_id}".encode()).hexdigest()
+        return f"grade-{digest[:40]}"
 
     @property
     def trained_batches(self) -> str:

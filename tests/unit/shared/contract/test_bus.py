@@ -19,6 +19,18 @@ def test_keys_are_namespaced_per_run():
         Keys("a:b")
 
 
+def test_grade_job_ids_are_ids_rq_takes_whatever_the_run_and_rollout_ids_hold():
+    from rq.job import validate_job_id
+
+    plain = Keys("run-1").grade_job_id("abc", "rollout_7")
+    assert plain == "grade-run-1-abc-rollout_7"
+    odd = [Keys("exp.v2/α").grade_job_id("abc", "r:1"), Keys("exp.v2/α").grade_job_id("abc", "r:2"),
+           Keys("exp.v2/α").grade_job_id("abd", "r:1")]
+    for job_id in [plain, *odd]:
+        validate_job_id(job_id)
+    assert len(set(odd)) == 3 and odd[0] == Keys("exp.v2/α").grade_job_id("abc", "r:1")
+
+
 def test_publish_consume_ack(bus):
     bus.ensure_group("prompts", "g")
     for i in range(5):
