@@ -52,7 +52,7 @@ def archive_all(bus: Bus, root: Path) -> ArchiveWriter:
 def sandbox_uid_processes() -> list[int]:
     """Host processes, zombies included, running as a sandbox host uid of this test process's runs
     (there must be none after a sandbox run; only meaningful when the tests run as root)."""
-    first = host_uids.HOST_UID_BASE + (os.getpid() % (1 << 22)) * host_uids.SLOTS
+    uids = host_uids.this_process_uids()
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -61,7 +61,7 @@ def sandbox_uid_processes() -> list[int]:
             except OSError:
                 continue
             fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if first <= int(fields["Uid"].split()[0]) < first + host_uids.SLOTS:
+            if int(fields["Uid"].split()[0]) in uids:
                 found.append(int(entry.name))
     return found
 

@@ -34,7 +34,10 @@ sandbox's host uid, so nothing outlives the call. rlimits are set on bwrap in
 `preexec_fn` and inherited by the command: CPU time, address space, file size, open files and
 processes. stdout and stderr are read concurrently; each keeps at most `max_output_bytes` and the
 rest is read and thrown away, so the child never blocks and the host never buffers it. When we are
-root, bwrap runs as a fresh unprivileged host uid, so RLIMIT_NPROC holds (see host_uids.py).
+root, bwrap runs as a fresh unprivileged host uid, so RLIMIT_NPROC holds (see host_uids.py). When
+not, RLIMIT_NPROC counts the caller's processes too, and in a container, whose uid other containers'
+processes share unseen, none is set (they would use it up: "Creating new namespace failed: Resource
+temporarily unavailable"): the container's pids limit bounds the sandbox there (docker-compose.yml).
 
 Not bounded here: total memory across processes (RLIMIT_AS is per process; memfd/SysV shm pages
 are not in it), disk use in the workspace (RLIMIT_FSIZE is per file) and the number of files. A
@@ -83,6 +86,7 @@ from rollstream.shared.sandbox.host_uids import (
     kill_leftovers,
     lent_to,
     sandbox_host_uid,
+    sees_every_process_of_its_uid,
 )
 from rollstream.shared.sandbox.python_tools import (
     PYTHON_TOOLS_MOUNT,
@@ -162,8 +166,7 @@ def _run(bwrap: str, command: str, workspace: Path, limits: SandboxLimits, env: 
     data_fds: list[int] = []
     try:
         args = _bwrap_args(bwrap, command, workspace, limits, env, data_fds, binds, workdir)
-        nproc = limits.max_processes if host_uid is not None else \
-            limits.max_processes + count_tasks(os.getuid())
+        nproc = _process_limit(limits, host_uid)
         started = time.monotonic()
         proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -182,6 +185,17 @@ def _run(bwrap: str, command: str, workspace: Path, limits: SandboxLimits, env: 
     return SandboxResult(exit_code=exit_code, stdout=text_out, stderr=text_err, timed_out=timed_out,
                          output_truncated=truncated, duration_s=duration,
                          reason=_describe(exit_code, timed_out, limits, text_err))
+
+
+def _process_limit(limits: SandboxLimits, host_uid: int | None) -> int | None:
+    """RLIMIT_NPROC for bwrap: the sandbox's own uid's limit when we are root; else the caller's processes
+    plus the sandbox's, where we can count the caller's; None (the inherited limit) in a container that
+    shares its uid with processes it cannot see, whose pids limit is then what bounds a fork bomb."""
+    if host_uid is not None:
+        return limits.max_processes
+    if sees_every_process_of_its_uid():
+        return limits.max_processes + count_tasks(os.getuid())
+    return None
 
 
 def _bwrap_args(bwrap: str, command: str, workspace: Path, limits: SandboxLimits,
@@ -231,7 +245,7 @@ def _bwrap_args(bwrap: str, command: str, workspace: Path, limits: SandboxLimits
     return args
 
 
-def _limit_child(limits: SandboxLimits, nproc: int) -> Callable[[], None]:
+def _limit_child(limits: SandboxLimits, nproc: int | None) -> Callable[[], None]:
     """preexec_fn for bwrap (runs after the switch to the sandbox's host uid); its rlimits are
     inherited by everything in the sandbox. Kept to plain system calls: it runs in a forked child."""
     cpu = max(1, math.ceil(limits.cpu_time_s))
@@ -239,11 +253,13 @@ def _limit_child(limits: SandboxLimits, nproc: int) -> Callable[[], None]:
     rlimits = [
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),
         (resource.RLIMIT_AS, (limits.memory_mb * mib, limits.memory_mb * mib)),
-        (resource.RLIMIT_NPROC, (nproc, nproc)),
         (resource.RLIMIT_FSIZE, (limits.max_file_size_mb * mib, limits.max_file_size_mb * mib)),
         (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
         (resource.RLIMIT_CORE, (0, 0)),
     ]
+
+    if nproc is not None:
+        rlimits.append((resource.RLIMIT_NPROC, (nproc, nproc)))
 
     def apply() -> None:
         for which, value in rlimits:
@@ -369,11 +385,20 @@ NAMESPACE_HINT = (
     "security_opt seccomp=unconfined and systempaths=unconfined (as docker-compose.yml does)")
 """What to do when bwrap cannot make its namespaces: the host, or the container runtime, forbids them."""
 
+PROCESS_LIMIT_HINT = (
+    "bwrap could not start a process: the process limit (RLIMIT_NPROC) of the user it runs as is used up; "
+    "the kernel counts every process and thread of that uid on the host, other containers' too: run the "
+    "grader as root (each sandbox then gets a uid of its own) or as a uid no other service uses, or raise "
+    "`ulimit -u`")
+"""What to do when bwrap fails with EAGAIN."""
+
 
 def setup_failure_hint(stderr: str) -> str:
     """What to do about a bwrap that failed to set its sandbox up, judged by its own words; "" when
     we have no advice."""
     said = stderr.lower()
+    if "resource temporarily unavailable" in said:
+        return PROCESS_LIMIT_HINT
     if "namespace" in said or "uid map" in said or "operation not permitted" in said:
         return NAMESPACE_HINT
     return ""

@@ -12,7 +12,8 @@ only what the sandbox created in it is taken back. The workspace's parent direct
 searchable by other users (`check_reachable`: a directory made by `tempfile` under /tmp is fine;
 pytest's `tmp_path` is not). After a run, anything still running as that uid is killed
 (`kill_leftovers`). When we are not root, bwrap runs as the caller and nothing here is used but
-`count_tasks` (RLIMIT_NPROC then counts the caller's own processes too).
+`count_tasks` (RLIMIT_NPROC then counts the caller's own processes too, and where the caller cannot see all
+of them, in a container, the sandbox gets no RLIMIT_NPROC of its own: `sees_every_process_of_its_uid`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import signal
 import stat
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,7 +34,12 @@ from rollstream.shared.errors import SandboxError, WorkspaceError
 log = logging.getLogger(__name__)
 
 HOST_UID_BASE = 0x2000_0000
-"""Sandbox host uids are HOST_UID_BASE + pid * SLOTS + slot: unique per live process and run."""
+"""Sandbox host uids are HOST_UID_BASE + process key * SLOTS + slot: unique per live process and run."""
+
+_INIT_PID_NAMESPACE = 0xEFFF_FFFC
+"""The inode of the kernel's first pid namespace (the host's)."""
+
+_PROCESS_KEYS = 1 << 22
 
 SLOTS = 256
 
@@ -75,7 +82,7 @@ os.register_at_fork(after_in_child=_fresh_slots_in_child)
 
 @contextmanager
 def sandbox_host_uid():
-    """A host uid that no real user and no other live run has: HOST_UID_BASE + pid * 256 + slot."""
+    """A host uid that no real user and no other live run has: HOST_UID_BASE + _process_key() * 256 + slot."""
     with _slot_lock:
         free = [slot for slot in range(SLOTS) if slot not in _slots_in_use]
         if not free:
@@ -83,10 +90,41 @@ def sandbox_host_uid():
         slot = free[0]
         _slots_in_use.add(slot)
     try:
-        yield HOST_UID_BASE + (os.getpid() % (1 << 22)) * SLOTS + slot
+        yield this_process_uids()[slot]
     finally:
         with _slot_lock:
             _slots_in_use.discard(slot)
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return _INIT_PID_NAMESPACE
+
+
+def sees_every_process_of_its_uid() -> bool:
+    """Whether count_tasks sees every process the kernel counts against our uid's RLIMIT_NPROC: not in a
+    container (a pid namespace of its own), where the host's other processes of the same uid (the other
+    containers', which often share one image's user) are invisible but counted all the same."""
+    return _pid_namespace() == _INIT_PID_NAMESPACE
+
+
+def _process_key() -> int:
+    """This process's pid, offset by a digest of its pid namespace. Containers share the host's uids
+    (and RLIMIT_NPROC counts a uid's processes on the whole host) but number their processes from 1
+    each: without the offset, the grader's main process and every agent-runner replica's would share one
+    sandbox uid, and one's sandboxes would use up the others' process limit ("Creating new namespace
+    failed: Resource temporarily unavailable"). Within a namespace keys stay distinct."""
+    namespace = _pid_namespace()
+    offset = 0 if namespace == _INIT_PID_NAMESPACE else zlib.crc32(namespace.to_bytes(8, "little"))
+    return (os.getpid() + offset) % _PROCESS_KEYS
+
+
+def this_process_uids() -> range:
+    """The sandbox host uids this process's runs get, one per slot."""
+    first = HOST_UID_BASE + _process_key() * SLOTS
+    return range(first, first + SLOTS)
 
 
 def check_reachable(workspace: Path) -> None:

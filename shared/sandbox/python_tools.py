@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -20,19 +21,16 @@ PYTHON_TOOLS = ("pytest",)
 sandbox, for SWE test commands (`python -m pytest`): the host's /usr/bin/python3 has no pytest."""
 
 
-_python_tools_dir: Path | None = None
-
-
+@functools.cache
 def stage_python_tools() -> Path | None:
     """A read-only tree with bin/python (-> /usr/bin/python3) and site/ holding copies of
     PYTHON_TOOLS and their requirements, taken from this interpreter's environment when
     /usr/bin/python3 has the same minor version (pure-Python packages only). None otherwise.
 
     Built once per machine and tools version under the temp dir (RQ work-horses are forked per job
-    and exit without cleanup, so a per-process copy would be rebuilt and leaked on every job)."""
-    global _python_tools_dir
-    if _python_tools_dir is not None:
-        return _python_tools_dir
+    and exit without cleanup, so a per-process copy would be rebuilt and leaked on every job); looked
+    for once per process, so that a grader probing its sandbox every few seconds says what is missing
+    once."""
     import importlib.metadata as metadata
     import sys
 
@@ -54,7 +52,6 @@ def stage_python_tools() -> Path | None:
     key = hashlib.sha256(f"{sys.version}|{versions}".encode()).hexdigest()[:16]
     final = Path(tempfile.gettempdir()) / f"rs-pytools-{key}"
     if (final / "complete").exists():
-        _python_tools_dir = final
         return final
     base = Path(tempfile.mkdtemp(prefix="rs-pytools-building-")).resolve()
     base.chmod(0o755)
@@ -93,6 +90,5 @@ def stage_python_tools() -> Path | None:
         os.rename(base, final)
     except OSError:  # another process finished first: use its copy
         shutil.rmtree(base, ignore_errors=True)
-    _python_tools_dir = final
     return final
 

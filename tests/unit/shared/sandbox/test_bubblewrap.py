@@ -13,6 +13,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -411,3 +412,21 @@ def test_workspaces_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
         (path / "repo").mkdir(parents=True)
     assert remove_orphaned_workspaces("grade", tmp_path) == [orphan]
     assert not orphan.exists() and live.exists() and other.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) to start processes in pid namespaces of their own")
+def test_processes_of_two_containers_get_different_sandbox_uids():
+    """Containers share the host's uids but each numbers its processes from 1: the main processes of two
+    (pid 1 in each) must not share a sandbox uid, or one's sandboxes use up the other's process limit."""
+    show = ("import os; from rollstream.shared.sandbox import host_uids; "
+            "print(os.getpid(), host_uids.this_process_uids().start, host_uids.sees_every_process_of_its_uid())")
+    seen = []
+    for _ in range(2):
+        out = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", show], capture_output=True,
+                             text=True, check=True).stdout.split()
+        seen.append((int(out[0]), int(out[1])))
+        # nor can such a process count its uid's processes: its sandboxes get no RLIMIT_NPROC of their own
+        assert out[2] == "False"
+    assert [pid for pid, _ in seen] == [1, 1]
+    assert seen[0][1] != seen[1][1]
