@@ -7,6 +7,8 @@ test session. After the run, `read_report` takes the record the plugin wrote, re
 is right under that key, and `judge` decides whether the record can be trusted:
 
 - the session ran to its end (pytest_sessionfinish) and exited 0 (every test passed) or 1 (some failed);
+- the test files are the ones the grader restored, when collection ended and after the run (code under
+  test imported by one test module cannot rewrite another before pytest collects it);
 - the process's exit status is the session's: anything that ended or replaced the process after pytest
   finished (an `os._exit` in an atexit hook, a kill) is seen;
 - the outcomes agree with the status (0 and a failed test, or 1 and none, is a forged session), and every
@@ -79,6 +81,8 @@ class SessionReport:
     session_finished: bool
     plugin_files: list[str] = field(default_factory=list)
     tampered: list[str] = field(default_factory=list)
+    test_files: dict[str, str | None] = field(default_factory=dict)
+    """Digest of each collected test module when collection ended, by path relative to the tree."""
 
 
 def prepare_report(plugin_dir: Path, report_dir: Path) -> ReportSetup:
@@ -118,16 +122,35 @@ def read_report(setup: ReportSetup) -> tuple[SessionReport | None, str]:
             outcomes={str(key): str(value) for key, value in record["outcomes"].items()},
             exitstatus=record["exitstatus"], session_finished=bool(record["session_finished"]),
             plugin_files=[str(item) for item in record["plugin_files"]],
-            tampered=[str(item) for item in record["tampered"]])
+            tampered=[str(item) for item in record["tampered"]],
+            test_files={str(key): None if value is None else str(value)
+                        for key, value in record["test_files"].items()})
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return None, f"the test report is malformed ({type(exc).__name__}: {exc})"
     return report, "signed report"
 
 
-def judge(report: SessionReport, exit_code: int | None, changed_paths: set[str]) -> str | None:
-    """None when the report can be trusted, else why not (see the module docstring)."""
+def file_digest(base: Path, relative: str) -> str | None:
+    """sha256 of base/relative, read as the grader reads what the sandbox wrote; None when it is not there,
+    "unreadable" when it is not a regular file."""
+    try:
+        data = read_untrusted_file(base, relative, MAX_REPORT_BYTES)
+    except ValueError:
+        return "unreadable"
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
+def judge(report: SessionReport, exit_code: int | None, changed_paths: set[str],
+          test_digests: dict[str, str | None], digests_after: dict[str, str | None]) -> str | None:
+    """None when the report can be trusted, else why not (see the module docstring). test_digests: the
+    test files as the grader restored them; digests_after: the same files after the run."""
     if not report.session_finished or report.exitstatus is None:
         return "the pytest session never finished"
+    rewritten = sorted(path for path, digest in test_digests.items()
+                       if digests_after.get(path) != digest
+                       or (path in report.test_files and report.test_files[path] != digest))
+    if rewritten:
+        return f"test files were changed while the tests ran: {rewritten[:5]}"
     if exit_code != report.exitstatus:
         return (f"the test process ended with status {exit_code}, but pytest's session ended with "
                 f"{report.exitstatus}: something ended or replaced the process after pytest")

@@ -3,8 +3,8 @@
 Staged read-only into the sandbox as the module `rollstream_report` and loaded with
 `PYTEST_ADDOPTS=-p rollstream_report`; it imports only the standard library and pytest. It records what
 pytest itself decided about every test (setup, call and teardown reports), the ids collected, the
-session's exit status, whether the session finished, the source files of every plugin and hook
-implementation that lie in the tree under test, and whether pytest's own reporting functions were
+session's exit status, whether the session finished, the digest of every test module once collection
+ended, the source files of every plugin and hook implementation that lie in the tree under test, and whether pytest's own reporting functions were
 replaced. At the end of the session it writes that record as JSON with an HMAC under a key that the
 grader put in the report directory and that this module reads and deletes when it is imported: pytest
 imports `-p` plugins before any conftest.py or test module, so the key is gone before code under test
@@ -85,6 +85,7 @@ class _Recorder:
         self.root = os.path.realpath(os.getcwd())
         self.phases: dict = {}
         self.collected: list = []
+        self.test_files: dict = {}
         self.exitstatus = None
         self.finished = False
         self.plugin_files: set = set()
@@ -94,6 +95,16 @@ class _Recorder:
 
     def pytest_collection_finish(self, session) -> None:
         self.collected = [item.nodeid for item in session.items]
+        self.test_files = {}
+        for item in session.items:
+            path = os.path.realpath(str(getattr(item, "path", None) or item.fspath))
+            relative = os.path.relpath(path, self.root)
+            if relative not in self.test_files and path.startswith(self.root + os.sep):
+                try:
+                    with open(path, "rb") as source:
+                        self.test_files[relative] = hashlib.sha256(source.read()).hexdigest()
+                except OSError:
+                    self.test_files[relative] = None
         self._note_plugins()
 
     def pytest_runtest_logreport(self, report) -> None:
@@ -146,6 +157,7 @@ class _Recorder:
             "exitstatus": self.exitstatus,
             "session_finished": self.finished,
             "plugin_files": sorted(self.plugin_files),
+            "test_files": self.test_files,
             "tampered": tampered,
         }, sort_keys=True).encode()
         mac = _mac.copy()

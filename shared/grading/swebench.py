@@ -23,7 +23,9 @@ under bubblewrap and docker):
   the plugin before any conftest or test module is imported, and the tree is kept off sys.path until
   then (PYTHONSAFEPATH: no module of the tree can shadow pytest or the standard library first);
 - edited tests, conftest.py files, pytest configuration that loads another plugin or turns ours off:
-  restored to the snapshot before the run (turning ours off anyway leaves no report: 0);
+  restored to the snapshot before the run (turning ours off anyway leaves no report: 0); test files
+  rewritten during the run (by code a test module imports, before pytest collects the next module): their
+  digests when collection ended and after the run must be the restored ones;
 - a plugin or hook implementation whose code comes from a file the diff changed (registered from the
   code under test at import), and replacing pytest's reporting functions (pytest_report_plugin.GUARDED):
   seen at the end of the session;
@@ -62,6 +64,7 @@ from rollstream.shared.grading.pytest_report import (
     HARNESS_OUTCOME,
     SessionReport,
     exit_words,
+    file_digest,
     judge,
     plugin_loaded,
     prepare_report,
@@ -197,6 +200,9 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
                 return make_outcome(0, f"the task's test_patch did not apply after restoring the "
                                     f"test files: {git_message(proc)}", started=started,
                                     infrastructure_error=True)
+        test_files = sorted(set(test_paths) | {test_id.split("::", 1)[0]
+                                               for test_id in fail_to_pass + pass_to_pass})
+        test_digests = {path: file_digest(workspace.root, path) for path in test_files}
         report_setup = prepare_report(workspace.scratch("report-plugin"), workspace.scratch("report"))
         ids = " ".join(shlex.quote(test_id) for test_id in fail_to_pass + pass_to_pass)
         command = (f"set -o pipefail 2>/dev/null; ( {task.test_command} {ids} ) 2>&1 "
@@ -222,7 +228,8 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
                                 infrastructure_error=True)
         report, why = read_report(report_setup)
         refused = why if report is None else judge(
-            report, run.result.exit_code, set(changed) - set(restored))
+            report, run.result.exit_code, set(changed) - set(restored), test_digests,
+            {path: file_digest(workspace.root, path) for path in test_files})
         if refused is not None:
             return make_outcome(0, f"test results not trusted: {refused} ({run.result.reason})" + notes,
                                 log_text=log_text, started=started)

@@ -9,6 +9,7 @@ the reference patch still scores 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -103,6 +104,21 @@ def test_editing_the_test_files_through_the_patch(backend, swe):
     trivial = test_file.read_text() + "\n\ndef test_median_even():\n    assert True\n"
     outcome = _grade(swe, backend, {"tests/test_core.py": trivial})
     assert outcome.tests[F2P] == "failed" and "restored ['tests/test_core.py']" in outcome.reason
+
+
+def test_rewriting_a_test_file_before_pytest_collects_it(backend, swe):
+    """Code under test imported by a first test module rewrites the next one before pytest collects it, and
+    puts it back when the process exits."""
+    first = edit_diff(swe.repo_dir, {"tests/test_a_first.py": "import tinystats\n\n\ndef test_imports():\n"
+                                                               "    assert tinystats.mean([1]) == 1\n"})
+    task = dataclasses.replace(swe, test_patch=swe.test_patch + first,
+                               fail_to_pass=["tests/test_a_first.py::test_imports", *swe.fail_to_pass])
+    forge = ("import atexit, pathlib\n_test = pathlib.Path('tests/test_core.py')\n_real = _test.read_text()\n"
+             "_test.write_text(_real.replace('assert median([4, 1, 3, 2]) == 2.5', 'assert True'))\n"
+             "atexit.register(_test.write_text, _real)\n")
+    outcome = grade_swebench(task, edit_diff(swe.repo_dir, {CORE: _core_with(swe, forge)}), backend, LIMITS)
+    assert (outcome.score, outcome.infrastructure_error) == (0, False), outcome
+    assert "test files were changed while the tests ran: ['tests/test_core.py']" in outcome.reason, outcome.reason
 
 
 def test_a_conftest_added_by_the_patch(backend, swe):
