@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import signal
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -152,3 +155,36 @@ def edit_diff(source: Path | None, edits: dict[str, str | None],
         for path, target in (symlinks or {}).items():
             os.symlink(target, workspace.root / path)
         return workspace.diff()
+
+
+def stop_process_group(process: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM the process group a test started (start_new_session=True), SIGKILL it when it has not
+    drained within timeout_s."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@contextmanager
+def supervised_run(tmp_path: Path, monkeypatch, commands: dict[str, list[str]], run_id: str):
+    """A local run's supervisor over real processes that stand in for services (name -> command line)."""
+    from rollstream.cli import local_run
+    from rollstream.shared.runtime.config import Settings
+
+    monkeypatch.setattr(local_run, "service_command", lambda service: commands[service])
+    run = local_run.LocalRun(Settings(storage_uri=str(tmp_path), run_id=run_id), services=tuple(commands))
+    run.log_dir.mkdir(parents=True)
+    for name in commands:
+        run.service_of[name] = name
+        run.spawn(name)
+    try:
+        yield run
+    finally:
+        for process in run.processes.values():
+            process.kill()
+            process.wait()

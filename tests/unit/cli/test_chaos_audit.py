@@ -15,11 +15,9 @@ import uuid
 import pytest
 import redis
 
-from rollstream.cli import local_run
 from rollstream.cli.chaos.audit import CONSUMER_GROUPS, RowLimits, audit_run, drop_bound
 from rollstream.cli.chaos.poison import audit as poison_audit
 from rollstream.cli.chaos.poison import checks
-from rollstream.cli.local_run import LocalRun
 from rollstream.shared.contract.batches import BatchRow, write_batch
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import (
@@ -31,6 +29,7 @@ from rollstream.shared.contract.events import (
 )
 from rollstream.shared.runtime.config import BusSettings, Settings
 from rollstream.shared.runtime.storage import Storage
+from tests.support import supervised_run
 
 LIMITS = RowLimits(vocab_size=32, max_positions=64)
 MAX_STALENESS = 1
@@ -171,16 +170,8 @@ def supervised(tmp_path, monkeypatch):
     """A local run's supervisor over two real processes: a reward that crashes with a message, a trainer that sleeps."""
     commands = {"reward": [sys.executable, "-c", "print('boom: poison entry', flush=True); raise SystemExit(3)"],
                 "trainer": [sys.executable, "-c", "import time; time.sleep(60)"]}
-    monkeypatch.setattr(local_run, "service_command", lambda service: commands[service])
-    run = LocalRun(Settings(storage_uri=str(tmp_path), run_id="audit"), services=("reward", "trainer"))
-    run.log_dir.mkdir(parents=True)
-    for name in ("reward", "trainer"):
-        run.service_of[name] = name
-        run.spawn(name)
-    yield run
-    for process in run.processes.values():
-        process.kill()
-        process.wait()
+    with supervised_run(tmp_path, monkeypatch, commands, "audit") as run:
+        yield run
 
 
 def test_an_exit_the_harness_did_not_bring_about_fails_both_audits_with_the_log_tail(supervised, bus, tmp_path):

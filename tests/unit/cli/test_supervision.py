@@ -10,7 +10,7 @@ import pytest
 
 from rollstream.cli import local_run
 from rollstream.cli.local_run import LocalRun, ServiceDied
-from rollstream.shared.runtime.config import Settings
+from tests.support import supervised_run
 
 CRASHING = [sys.executable, "-c", "import sys; print('boom: bad state', flush=True); sys.exit(3)"]
 SLEEPING = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -18,18 +18,9 @@ SLEEPING = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 @pytest.fixture
 def supervised(tmp_path, monkeypatch):
-    commands = {"reward": CRASHING, "trainer": SLEEPING}
-    monkeypatch.setattr(local_run, "service_command", lambda service: commands[service])
     monkeypatch.setattr(local_run, "RESTART_BACKOFF_S", (0.0, 0.1, 0.2))
-    run = LocalRun(Settings(storage_uri=str(tmp_path), run_id="sup"), services=("reward", "trainer"))
-    run.log_dir.mkdir(parents=True)
-    for name in ("reward", "trainer"):
-        run.service_of[name] = name
-        run.spawn(name)
-    yield run
-    for process in run.processes.values():
-        process.kill()
-        process.wait()
+    with supervised_run(tmp_path, monkeypatch, {"reward": CRASHING, "trainer": SLEEPING}, "sup") as run:
+        yield run
 
 
 def supervise_until(run: LocalRun, done, timeout_s: float = 20.0) -> None:

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from rollstream.shared.contract.events import PromptIssued, make_envelope
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.tasks.prompts import TOOLS_NOTE
-from tests.support import MODELS, free_port, health, wait_for
+from tests.support import MODELS, free_port, health, stop_process_group, wait_for
 
 CALC = "def add(a, b):\n    return a - b\n"
 INSTRUCTION = "Fix `add` in calc.py so that it returns the sum of its arguments."
@@ -337,11 +336,5 @@ def test_while_the_gateway_is_away_the_prompt_stays_pending_and_runs_once_it_ans
             assert wait_for(lambda: health(health_port), 10, "/healthz")[0] == 200
         assert bus.read_all("dead") == []
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_process_group(process)
         bus.delete_run()

@@ -5,7 +5,6 @@ against the local Redis."""
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import uuid
@@ -16,7 +15,7 @@ import pytest
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import TrajectoryFinished
-from tests.support import free_port, health, wait_for
+from tests.support import free_port, health, stop_process_group, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 
@@ -34,12 +33,7 @@ def grader(tmp_path: Path, redis_url: str, run_id: str):
             wait_for(lambda: (health(port) or (0,))[0] == 200, 60, "the grader to become ready")
             yield port
         finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            stop_process_group(process)
 
 
 @pytest.fixture

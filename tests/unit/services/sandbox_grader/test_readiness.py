@@ -23,6 +23,7 @@ from tests.support import (
     health,
     repair_bwrap,
     sandbox_bin_dir,
+    stop_process_group,
     wait_for,
 )
 
@@ -46,13 +47,7 @@ def grader(tmp_path, machine_redis_url):
     try:
         yield process, port, bus, bin_dir
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_process_group(process)
         log.close()
         bus.delete_run()
         shutil.rmtree(bin_dir, ignore_errors=True)
