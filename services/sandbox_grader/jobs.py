@@ -70,6 +70,9 @@ class GradeRequest:
     diff_uri: str | None = None
     retries: int = 0
     """Retries RQ was given for the job (infrastructure errors only)."""
+    incarnation: str = ""
+    """The run's incarnation when the job was queued (Bus.incarnation): once the run is deleted, a job left
+    in its queue publishes nothing into a new run under the same id. Empty: queued by an older grader."""
 
     def as_job_arg(self) -> dict:
         return asdict(self)
@@ -146,8 +149,14 @@ def grade_answer(req: GradeRequest, backend, limits: SandboxLimits) -> GradeOutc
 
 def publish(req: GradeRequest, grade: GradeReported | GradingFailed, job: Job) -> None:
     """On `grades`, under one event id per rollout whichever it is: a rollout has one verdict. Through the
-    job's own connection; the job's meta then records that its verdict is out."""
+    job's own connection; the job's meta then records that its verdict is out. Nothing is published for a
+    run deleted since the job was queued (its incarnation is gone or another)."""
     bus = Bus(job.connection, req.run_id)
+    current = bus.redis.get(bus.keys.incarnation)
+    if req.incarnation and (current or b"").decode() != req.incarnation:
+        job.meta[VERDICT_META] = "none: the run it was queued for was deleted"
+        job.save_meta()
+        return
     bus.publish("grades", grade, event_id=f"{req.ids['rollout_id']}:grade", **req.ids)
     job.meta[VERDICT_META] = type(grade).__name__
     job.save_meta()

@@ -125,7 +125,7 @@ def main() -> None:
                                backend=settings.grader.backend, wall_time_s=settings.grader.wall_time_s,
                                memory_mb=settings.grader.memory_mb, check=event.sandbox_check,
                                answer=event.response_text, grader=event.grader, diff_uri=event.artifacts.get("diff"),
-                               retries=settings.grader.retries)
+                               retries=settings.grader.retries, incarnation=incarnation)
         retry = Retry(max=settings.grader.retries, interval=RETRY_BACKOFF_S) if settings.grader.retries else None
         queue.enqueue(grade_rollout, request.as_job_arg(), job_id=job_id, job_timeout=job_timeout(event, settings),
                       result_ttl=3600, failure_ttl=86400, retry=retry, on_failure=Callback(report_job_failure))

@@ -178,3 +178,15 @@ def test_a_job_whose_callback_reported_is_not_reported_again_by_the_sweep(publis
     assert queue.fetch_job(r8).get_status() == "failed"
     assert report_failures_without_verdict(queue) == []
     assert len(published.read_all("grades")) == 1
+
+
+def test_a_job_of_a_run_deleted_since_it_was_queued_publishes_nothing_into_the_new_run(published, tmp_path):
+    """A job left in the queue of a run that was deleted (and started again under the same id) grades for
+    nobody: the new run's rollouts have jobs of their own."""
+    incarnation = published.incarnation()
+    old = request(published, tmp_path, "r-old", incarnation="an-earlier-incarnation")
+    current = request(published, tmp_path, "r-now", incarnation=incarnation)
+    queue = run_jobs(published, [("grade-old", old), ("grade-now", current)])
+    graded = [d.envelope.rollout_id for d in published.read_all("grades")]
+    assert graded == ["r-now"]
+    assert queue.fetch_job("grade-old").meta[VERDICT_META] == "none: the run it was queued for was deleted"
