@@ -39,7 +39,8 @@ the rest need the tests to run in a process that does not import the code under 
 offer. A test_command that starts no pytest session (or a sandbox without pytest) is an infrastructure error,
 never a score: nothing of the model's runs before the plugin takes its key. A command must run exactly one
 pytest session (the record is the first session's, the exit status the command's); `rollstream validate`
-shows a row that breaks either rule (its reference patch must score 1).
+shows a row that breaks either rule (its reference patch must score 1). A diff that rightly changes a module
+the project's own conftest loads as a pytest plugin (`pytest_plugins`) is refused like a forged plugin.
 """
 
 from __future__ import annotations
