@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollstream.cli.local_run import ProcessExit
-from rollstream.services.trainer.training import row_problem
+from rollstream.services.trainer.training import is_stale, row_problem
 from rollstream.shared.contract.archive import ArchiveReader, archived_id, parse_id, read_history
 from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
@@ -239,7 +239,7 @@ def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str
         for row in read_batch(storage, batch.uri):
             if row_problem(row, limits.vocab_size, limits.max_positions, trained_on) is not None:
                 fate = "invalid"
-            elif row.min_policy_version < trained_on - max_staleness:
+            elif is_stale(row, trained_on, max_staleness):
                 fate = "stale"
             else:
                 fate = "trained"
@@ -257,9 +257,11 @@ def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str
             drops[delivery.envelope.rollout_id].append(delivery.event.cause)
     segment_counts: dict[str, set[int]] = defaultdict(set)
     """rollout -> segment_count of each of its finished attempts (the reward service batches one of them)."""
+    finished: Counter[str] = Counter()
     for delivery in history["trajectories"]:
         if isinstance(delivery.event, TrajectoryFinished):
             segment_counts[delivery.envelope.rollout_id].add(delivery.event.segment_count)
+            finished[delivery.envelope.rollout_id] += 1
 
     dropped: Counter[str] = Counter()
     for rollout in admitted:
@@ -287,7 +289,6 @@ def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str
             report.trained += 1
     report.dropped = dict(dropped)
     report.never_admitted = sorted(set(row_fates) - set(admitted))
-    finished = Counter(d.envelope.rollout_id for d in history["trajectories"] if isinstance(d.event, TrajectoryFinished))
     report.repeated_attempts = sum(n - 1 for n in finished.values())
     report.longest_stall_s = _longest_stall(history)
     report.pending = _pending(bus, sandbox_queue)

@@ -129,11 +129,16 @@ def last_own_update(bus: Bus, trained_key: str, storage_uri: str | None = None) 
     return found
 
 
+def is_stale(row: BatchRow, version: int, max_staleness: int) -> bool:
+    """Whether the policy after `version` may not learn from `row`: a turn of it was produced more than eta
+    (max_staleness) versions ago."""
+    return row.min_policy_version < version - max_staleness
+
+
 def select_fresh(rows: list[BatchRow], version: int, max_staleness: int) -> tuple[list[BatchRow], dict[str, int]]:
-    """The rows the policy after `version` may learn from: none produced more than eta versions ago,
-    by any of its turns. Returns them and the count left out per reason."""
-    oldest_allowed = version - max_staleness
-    fresh = [r for r in rows if r.min_policy_version >= oldest_allowed]
+    """The rows the policy after `version` may learn from (none is_stale). Returns them and the count left
+    out per reason."""
+    fresh = [r for r in rows if not is_stale(r, version, max_staleness)]
     return fresh, ({"stale": len(rows) - len(fresh)} if len(fresh) < len(rows) else {})
 
 

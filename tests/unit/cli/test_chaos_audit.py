@@ -188,7 +188,7 @@ def test_an_exit_the_harness_did_not_bring_about_fails_both_audits_with_the_log_
 
     poisoned = poison_audit(bus, str(tmp_path), [], seed=0, rate=1.0, target_version=0, health={},
                             unhealthy_moments=[], dispatcher_version_seen=0)
-    poisoned.exits = list(supervised.exits)
+    poisoned.unexpected_exits = supervised.unexpected_exits()
     failed = [(name, figures) for name, passed, figures in checks(poisoned) if not passed]
     assert ("no process exited, not even one the supervisor restarted (the drain and the end included)",
             f"reward code 3 at {supervised.unexpected_exits()[0].at_s:.0f}s") in failed

@@ -67,11 +67,9 @@ def not_ready_because_of_bwrap(port: int) -> dict | None:
     return None
 
 
-def test_without_its_backend_the_grader_is_not_ready_and_grades_nothing_until_it_is_there(grader):
-    process, port, bus, bin_dir = grader
-    status, body = wait_for(lambda: health(port), 60, "the grader's /healthz")
-    assert status == 503 and body["status"] == "not ready"
-    assert "bubblewrap is not installed" in body["reason"] and "apt-get install bubblewrap" in body["reason"]
+def waits_then_grades_once_repaired(process, port, bus, bin_dir) -> None:
+    """A rollout that arrives while the sandbox is broken is neither graded nor turned into a 0; the grader
+    stays up saying why it waits, and grades the rollout once bwrap is repaired."""
     publish_rollout_answering_7(bus, "r0")
     time.sleep(2)
     assert bus.read_all("grades") == []  # nothing graded, and nothing turned into a grade of 0
@@ -83,20 +81,20 @@ def test_without_its_backend_the_grader_is_not_ready_and_grades_nothing_until_it
     assert grade.envelope.rollout_id == "r0" and grade.event.score == 1.0
 
 
+def test_without_its_backend_the_grader_is_not_ready_and_grades_nothing_until_it_is_there(grader):
+    process, port, bus, bin_dir = grader
+    status, body = wait_for(lambda: health(port), 60, "the grader's /healthz")
+    assert status == 503 and body["status"] == "not ready"
+    assert "bubblewrap is not installed" in body["reason"] and "apt-get install bubblewrap" in body["reason"]
+    waits_then_grades_once_repaired(process, port, bus, bin_dir)
+
+
 def test_a_bwrap_that_cannot_make_a_sandbox_keeps_the_grader_not_ready_with_bwraps_reason(grader):
     process, port, bus, bin_dir = grader
     break_bwrap(bin_dir)  # on PATH, so "is bwrap installed" says yes
     body = wait_for(lambda: not_ready_because_of_bwrap(port), 60, "/healthz to give bwrap's reason")
     assert body["status"] == "not ready" and "kernel.apparmor_restrict_unprivileged_userns" in body["reason"]
-    publish_rollout_answering_7(bus, "r0")
-    time.sleep(2)
-    assert bus.read_all("grades") == []  # nothing graded, and nothing turned into a grade of 0
-    assert process.poll() is None
-
-    repair_bwrap(bin_dir)
-    wait_for(lambda: (health(port) or (0,))[0] == 200, 30, "the grader to become ready")
-    (grade,) = wait_for(lambda: bus.read_all("grades"), 60, "the waiting rollout's grade")
-    assert grade.envelope.rollout_id == "r0" and grade.event.score == 1.0
+    waits_then_grades_once_repaired(process, port, bus, bin_dir)
 
 
 def test_a_sandbox_that_breaks_while_grading_makes_the_grader_say_why(grader):
