@@ -1,5 +1,5 @@
 # rollstream: the commands the README names.
-#   make setup   install everything into .venv and build the tiny model
+#   make setup   install everything into .venv, build the tiny models, install the coding-agent CLIs (npm)
 #   make run     the local run (embedded Redis, vLLM on the CPU, every service)
 #   make test    the test suite (unit + integration: real Redis, real vLLM, real bubblewrap; e2e: compose
 #                on a real Docker engine when one answers)
@@ -16,10 +16,15 @@ TORCH := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 MODEL := models/tiny-llama
 WARM_MODEL := models/tiny-llama-warm
+# The same tiny Llama with RoPE positions for coding agents' prompts (tens of thousands of tokens).
+LONG_MODEL := models/tiny-llama-long
+LONG_POSITIONS := 131072
+# Claude Code and Codex CLI, pinned in agents/package-lock.json: the coding-agent tests run them.
+AGENTS := agents/node_modules/.installed
 
 .PHONY: setup system run test test-unit test-e2e bench clean
 
-setup: system $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json
+setup: system $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json $(LONG_MODEL)/config.json $(AGENTS)
 
 # What the run needs from the system: bubblewrap, the grader's sandbox (the main job grades every 4th
 # prompt in it). Installed with apt when we are root, else a clear error: never a run without a sandbox.
@@ -49,6 +54,17 @@ $(MODEL)/config.json: cli/model/tiny_model.py | $(VENV)/.installed
 # The main job's start: partly trained by a supervised warm-up, so RL has room to show it learns.
 $(WARM_MODEL)/config.json: $(MODEL)/config.json cli/model/warmup.py
 	$(VENV)/bin/rollstream warmup --model $(MODEL) --out $(WARM_MODEL)
+
+$(LONG_MODEL)/config.json: cli/model/tiny_model.py | $(VENV)/.installed
+	$(VENV)/bin/rollstream build-model --out $(LONG_MODEL) --max-positions $(LONG_POSITIONS)
+
+# Without npm the coding-agent tests skip, saying so; CI has npm.
+$(AGENTS): agents/package.json agents/package-lock.json
+	@if command -v npm >/dev/null; then \
+	  cd agents && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
+	else \
+	  echo "npm is missing: Claude Code and Codex CLI are not installed, their tests will skip" >&2; \
+	fi
 
 run: setup
 	$(VENV)/bin/rollstream run

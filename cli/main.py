@@ -44,11 +44,13 @@ WARM_MODEL = Path("models/tiny-llama-warm")
 def build_model(
     out: Annotated[Path, typer.Option(help="Where to write the model.")] = Path("models/tiny-llama"),
     seed: Annotated[int, typer.Option(help="Initialisation seed.")] = 0,
+    max_positions: Annotated[int, typer.Option(min=16, help="Context length (RoPE positions); above 1024 for "
+                                               "coding agents' long prompts.")] = 1024,
 ) -> None:
     """Build the tiny Llama (untied embeddings, head_dim 64) with its own BPE tokenizer, offline."""
     from rollstream.cli.model.tiny_model import build_tiny_model
 
-    path = build_tiny_model(out, seed=seed)
+    path = build_tiny_model(out, seed=seed, max_positions=max_positions)
     console.print(f"tiny model written to [bold]{path}[/]")
 
 

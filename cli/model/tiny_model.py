@@ -134,7 +134,7 @@ def _synthetic_corpus() -> list[str]:
     return texts
 
 
-def _build_tokenizer():
+def _build_tokenizer(max_positions: int = MAX_POSITIONS):
     from tokenizers import (
         AddedToken,
         Tokenizer,
@@ -173,25 +173,32 @@ def _build_tokenizer():
         bos_token=PAD_TOKEN,
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_positions,
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0, tie_embeddings: bool = False) -> Path:
+def build_tiny_model(out_dir: Path, seed: int = 0, tie_embeddings: bool = False,
+                     max_positions: int = MAX_POSITIONS) -> Path:
     """Write the tokenizer and a freshly initialised tiny Llama (weights from `seed`) to out_dir.
 
     tie_embeddings=True shares one matrix between the input embeddings and the output head; the
     checkpoint then holds no lm_head.weight (save_pretrained drops tied copies).
+
+    max_positions above 1024 builds the long-context variant the coding-agent tests serve: real agents'
+    system prompts and tools are tens of thousands of tokens (Claude Code's first request is about 59k
+    with this tokenizer). RoPE has no learned positions, so the same weights serve any length; the answers
+    are noise either way, what such a test checks is the protocol. vLLM serves 60k tokens of prompt in
+    about 15 s on two cores, and a later turn's shared prefix comes from its prefix cache.
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer()
+    tokenizer = _build_tokenizer(max_positions)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
 
@@ -203,7 +210,7 @@ def build_tiny_model(out_dir: Path, seed: int = 0, tie_embeddings: bool = False)
         num_attention_heads=NUM_HEADS,
         num_key_value_heads=NUM_HEADS,
         head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie_embeddings,
         bos_token_id=pad_id,
