@@ -250,7 +250,8 @@ class LocalRun:
             port = free_port()
             on_step(f"starting vLLM (CPU) with {settings.model.path} on port {port}; this takes about a minute")
             self.vllm = VllmServer(settings.model.path, port, served_model_name=settings.model.served_name,
-                                   log_path=self.log_dir / "vllm.log")
+                                   log_path=self.log_dir / "vllm.log",
+                                   max_model_len=settings.model.max_model_len)
             self.vllm.start()
             started = time.monotonic()
             self.vllm.wait_healthy()
@@ -414,7 +415,8 @@ class LocalRun:
             self.vllm.stop()
         model, version = newest_policy(self.bus, self.settings)
         self.vllm = VllmServer(model, self.vllm.port, served_model_name=self.settings.model.served_name,
-                               log_path=self.log_dir / "vllm.log")
+                               log_path=self.log_dir / "vllm.log",
+                               max_model_len=self.settings.model.max_model_len)
         self.vllm.start()
         self.bus.redis.hset(self.bus.keys.fleet_versions, self.vllm.url, version)
         self.restarts["vllm"] = self.restarts.get("vllm", 0) + 1

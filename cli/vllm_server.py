@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -61,6 +61,7 @@ class VllmServer:
         max_model_len: int = 1024,
         extra_args: Sequence[str] = (),
         host: str = "127.0.0.1",
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.port = port
@@ -68,6 +69,8 @@ class VllmServer:
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.extra_args = tuple(extra_args)
+        self.extra_env = dict(extra_env or {})
+        """Over the caller's environment, e.g. what a `--logits-processors` plug-in reads."""
         self.log_path = Path(log_path) if log_path else None
         self._proc: subprocess.Popen | None = None
         self._log_file = None
@@ -115,9 +118,8 @@ class VllmServer:
         )
         return self
 
-    @staticmethod
-    def environment() -> dict[str, str]:
-        env = dict(os.environ)
+    def environment(self) -> dict[str, str]:
+        env = {**os.environ, **self.extra_env}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")  # a weights path that is not a local dir must not hit the hub
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
@@ -206,7 +208,7 @@ def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] 
         raise VllmStartError(f"policy version {version} of run {settings.run_id!r} is {model}, which holds no model "
                              f"here: mount the run's storage at the trainer's path ({settings.storage_uri})")
     server = VllmServer(model, port, served_model_name=settings.model.served_name, extra_args=extra_args,
-                        host=settings.listen_host)
+                        host=settings.listen_host, max_model_len=settings.model.max_model_len)
     print(json.dumps({"message": "serving the newest policy", "run_id": settings.run_id, "version": version,
                       "model": str(model)}), file=sys.stderr, flush=True)
     command = server.command()

@@ -4,6 +4,7 @@ root on sys.path)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -19,7 +20,8 @@ import pytest
 from rollstream.cli.vllm_server import free_port
 from rollstream.shared.contract.archive import ArchiveWriter
 from rollstream.shared.contract.bus import STREAMS, Bus
-from rollstream.shared.contract.events import PromptIssued, TrajectoryTurn
+from rollstream.shared.contract.events import PromptIssued, TrajectorySegment, TrajectoryTurn
+from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox import host_uids
 from rollstream.shared.sandbox.workspace import prepare_workspace
@@ -188,3 +190,25 @@ def supervised_run(tmp_path: Path, monkeypatch, commands: dict[str, list[str]], 
         for process in run.processes.values():
             process.kill()
             process.wait()
+
+
+def assert_turns_sampled_by_vllm(settings, segment: TrajectorySegment, turns: list[TrajectoryTurn], seed: int,
+                                 logprob_tol: float = 2e-3) -> None:
+    """Each turn's response ids are what vLLM samples for that prompt with `seed` (asked again, directly), and
+    the segment's trainable tokens are exactly those responses, with the logprobs vLLM gives them when it
+    scores the prompt and the response."""
+    trainable = [t for t, m in zip(segment.tokens, segment.loss_mask) if m]
+    assert trainable == [t for turn in turns for t in turn.response_ids]
+
+    async def check() -> None:
+        async with FleetClient(settings.fleet.urls, model=settings.model.served_name) as fleet:
+            for turn in turns:
+                prompt = segment.tokens[: turn.offset]
+                again = await fleet.complete(prompt, max_tokens=len(turn.response_ids), temperature=1.0,
+                                             session_id="check", seed=seed)
+                assert again.token_ids == turn.response_ids
+                scored = await fleet.prompt_logprobs(fleet.urls[0], prompt + turn.response_ids)
+                tail = scored[len(prompt) - 1:]
+                assert max(abs(a - b) for a, b in zip(tail, turn.logprobs)) < logprob_tol
+
+    asyncio.run(check())

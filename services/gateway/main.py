@@ -16,11 +16,14 @@ them.
     `Authorization: Bearer` or `x-api-key`:
     POST /v1/chat/completions    POST /v1/responses    POST /v1/messages    POST /v1/messages/count_tokens
     GET  /v1/models
+    and without a key, GET or HEAD on either base URL itself: 200 (Claude Code probes it before it starts)
 
 Every turn is rendered with the served model's chat template and generated token-in/token-out; the prompt
 continues the session's earlier turns with their exact ids (prompts.py), and the tokens go to the client as
 vLLM produces them (turns.py). Session state is in Redis (sessions.py): replicas are stateless and any
-replica serves any turn. Errors come in each API's own shape; bad input is a 4xx that says why.
+replica serves any turn. Errors come in each API's own shape; bad input is a 4xx that says why. Tools the
+model cannot be shown (hosted tools: web search, code execution, ...) are left out, logged, and named in the
+response's x-rollstream-ignored-tools header (gateway.strict_tools refuses them instead).
 
     rollstream-gateway           # configured by RS_* variables or RS_CONFIG_FILE
 """
@@ -63,6 +66,7 @@ LOAD_REFRESH_S = 1.0
 LOOP_STALL = Gauge("rollstream_gateway_event_loop_stall_max_seconds",
                    "Longest the gateway's event loop was late to wake up since the process started")
 SESSIONS_CREATED = Counter("rollstream_gateway_sessions_created_total", "Sessions this replica created")
+IGNORED_TOOLS_HEADER = "x-rollstream-ignored-tools"
 
 
 class SamplingDefaults(BaseModel):
@@ -225,10 +229,32 @@ def build_app(gateway: Gateway, runtime: ServiceRuntime) -> FastAPI:
         return Response(status_code=204)
 
     # ------------------------------------------------------------------------- per-session APIs
+    @app.api_route("/s/{session_id}", methods=["GET", "HEAD"])
+    @app.api_route("/s/{session_id}/v1", methods=["GET", "HEAD"])
+    async def base_url(session_id: str) -> Response:
+        """Claude Code sends HEAD to its base URL, without a key, before its first request, and stops on an
+        error: the base URLs answer 200, with nothing in them (so nothing that needs the key)."""
+        return Response(status_code=200)
+
+    def ignored_tools_headers(session: Session, chat: ChatRequest) -> dict[str, str]:
+        """The response header naming the tools the model was not shown (none when it saw them all), after
+        one log line about them; a 400 instead when gateway.strict_tools refuses them."""
+        if not chat.ignored_tools:
+            return {}
+        listed = ",".join(chat.ignored_tools)
+        if settings.gateway.strict_tools:
+            raise RequestError(400, f"the request has tools the model cannot be shown (type {listed}; only "
+                                    "function tools are), and this gateway refuses them "
+                                    "(gateway.strict_tools): remove them", "tools")
+        runtime.log.info("tools left out of the prompt", extra={"session_id": session.spec.session_id,
+                                                                 "tool_types": listed})
+        return {IGNORED_TOOLS_HEADER: listed}
+
     async def answer(session: Session, chat: ChatRequest, api: str, respond, stream) -> Response:
+        headers = ignored_tools_headers(session, chat)
         if not chat.stream:
             generation = await generate(gateway, session, chat, api)
-            return JSONResponse(respond(generation))
+            return JSONResponse(respond(generation), headers=headers)
         events = run_turn(gateway, session, chat, api)
         # The first event comes after the prompt is planned and a server took the request: errors up to
         # there still get a status of their own.
@@ -240,7 +266,7 @@ def build_app(gateway: Gateway, runtime: ServiceRuntime) -> FastAPI:
                 yield event
 
         return StreamingResponse(stream(replay()), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **headers})
 
     @app.post("/s/{session_id}/v1/chat/completions")
     async def chat_completions(session_id: str, body: dict[str, Any] = example_body("chat"),
@@ -264,9 +290,8 @@ def build_app(gateway: Gateway, runtime: ServiceRuntime) -> FastAPI:
         response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         return await answer(
             session, chat, "responses",
-            lambda g: openai_responses.responses_response(g, model=chat.model, response_id=response_id,
-                                                          created=created),
-            lambda events: openai_responses.responses_sse(events, model=chat.model, response_id=response_id,
+            lambda g: openai_responses.responses_response(g, chat, response_id=response_id, created=created),
+            lambda events: openai_responses.responses_sse(events, chat, response_id=response_id,
                                                           created=created))
 
     @app.post("/s/{session_id}/v1/messages")
@@ -282,12 +307,14 @@ def build_app(gateway: Gateway, runtime: ServiceRuntime) -> FastAPI:
 
     @app.post("/s/{session_id}/v1/messages/count_tokens")
     async def count_tokens(session_id: str, body: dict[str, Any] = example_body("count_tokens"), authorization: str | None = Header(None),
-                           x_api_key: str | None = Header(None)) -> dict[str, Any]:
+                           x_api_key: str | None = Header(None)) -> Response:
         session = await open_session(session_id, authorization, x_api_key)
         chat = anthropic_messages.parse_count_tokens(body)
-        planned = await asyncio.to_thread(plan_turn, gateway.template, store, session.spec.session_id, chat,
-                                          settings.gateway.max_prompt_tokens)
-        return anthropic_messages.count_tokens_response(len(planned.prompt_ids))
+        headers = ignored_tools_headers(session, chat)
+        planned = await asyncio.to_thread(plan_turn, gateway.template.with_thinking(chat.thinking), store,
+                                          session.spec.session_id, chat, settings.gateway.max_prompt_tokens)
+        return JSONResponse(anthropic_messages.count_tokens_response(len(planned.prompt_ids)),
+                            headers=headers)
 
     @app.get("/s/{session_id}/v1/models")
     async def models(session_id: str, authorization: str | None = Header(None), x_api_key: str | None = Header(None),

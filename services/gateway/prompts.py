@@ -8,12 +8,20 @@ the generation prompt, tokenized once. The model's earlier output is never re-to
 extends no earlier turn starts a new conversation in the session (a compaction, a sub-agent, an edit before
 the first answer), rendered and tokenized whole.
 
+Templates that rewrite history (Qwen3-style: earlier turns' reasoning is dropped once a new user message
+follows; a template that writes an empty think block only on the last answer) render the answered history
+differently from the ids recorded for it. The session stays token-exact all the same: the prompt is the
+recorded ids (what the model saw and sampled, reasoning included), then the new messages as the template
+renders them after an answer (`ChatTemplate.text_after`), and the turn says `history_rewritten`, which the
+sample's metadata reports. gateway.on_rewritten_history = "fork" starts a new conversation instead.
+
 Both functions here are synchronous (Jinja rendering and tokenizing hold the GIL for milliseconds): the
 gateway runs them in worker threads, never on its event loop.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +31,7 @@ from rollstream.services.gateway.sessions import ROOT, SessionStore, TurnNode, c
 from rollstream.shared.errors import TemplateError
 
 PROBE = "\x00probe\x00"
+MARKER = "\x00rollstream-continuation\x00"
 
 
 class ChatTemplate:
@@ -30,21 +39,54 @@ class ChatTemplate:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.template_kwargs: dict[str, Any] = {}
+        """Variables the template is rendered with besides messages and tools (see `with_thinking`)."""
         probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE}]
         rendered = self.render(probe, None, add_generation_prompt=False)
         if PROBE not in rendered:
             raise TemplateError("the chat template does not render an assistant message's content as given")
         self.turn_close = rendered[rendered.index(PROBE) + len(PROBE):]
         """What the template writes after an assistant message's content, e.g. '<|im_end|>\\n'."""
+        asked = self.render([{"role": "user", "content": PROBE}], None, add_generation_prompt=False)
+        self.user_turn_close = asked[asked.index(PROBE) + len(PROBE):] if PROBE in asked else None
+        """What the template writes after a user message's content."""
         eos = tokenizer.eos_token_id
         self.end_of_turn_ids = {eos} if isinstance(eos, int) else set(eos or ())
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **self.template_kwargs)
+
+    def with_thinking(self, thinking: bool | None) -> ChatTemplate:
+        """This template rendering with `enable_thinking` as a request asks (the switch of hybrid reasoning
+        templates such as Qwen3's; a template that does not read it renders as before); itself when the
+        request does not say."""
+        if thinking is None:
+            return self
+        switched = copy.copy(self)
+        switched.template_kwargs = {**self.template_kwargs, "enable_thinking": thinking}
+        return switched
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def text_after(self, messages: list[dict[str, Any]], closes: int, tools: list[dict] | None,
+                   full: str) -> str | None:
+        """How the template renders messages[closes + 1:] (and the generation prompt) after the answer at
+        `closes`, for a template that renders that answer differently once more follows: rendered with a
+        marker user message between the two, the text after the marker's turn. None when that text is not
+        how `full` (the rendering without the marker) ends: the template renders the new messages
+        differently too, and there is no exact continuation."""
+        if self.user_turn_close is None:
+            return None
+        marked = [*messages[: closes + 1], {"role": "user", "content": MARKER}, *messages[closes + 1:]]
+        rendered = self.render(marked, tools, add_generation_prompt=True)
+        at = rendered.find(MARKER + self.user_turn_close)
+        if at < 0:
+            return None
+        after = rendered[at + len(MARKER) + len(self.user_turn_close):]
+        return after if full.endswith(after) else None
 
     def glue_after(self, node: TurnNode) -> str:
         """The template text between the model's last sampled id and the next message."""
@@ -72,6 +114,10 @@ class PlannedTurn:
     appended_ids: list[int]
     conversation: list[str]
     """The request's message keys (turn_key of each)."""
+    history_rewritten: bool = False
+    """The template renders the history this turn continues differently from the ids recorded for it (a
+    Qwen3-style template drops earlier turns' reasoning once a new user message follows); the prompt is
+    the recorded ids all the same: they are what the model saw and sampled."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -79,7 +125,10 @@ class PlannedTurn:
 
 
 def plan_turn(template: ChatTemplate, store: SessionStore, session_id: str, request: ChatRequest,
-              max_prompt_tokens: int) -> PlannedTurn:
+              max_prompt_tokens: int, on_rewritten_history: str = "continue") -> PlannedTurn:
+    """The prompt of the request's turn. When the template renders the answered history differently now
+    that more follows (`history_rewritten`), "continue" keeps the recorded ids and appends the new
+    messages as the template renders them after an answer; "fork" starts a new conversation."""
     messages = request.messages
     if not messages:
         raise RequestError(400, "messages: at least one message is needed", param="messages")
@@ -96,12 +145,15 @@ def plan_turn(template: ChatTemplate, store: SessionStore, session_id: str, requ
         parent, node = found
         closes = conversation.index(parent)
         before = template.render(messages[: closes + 1], request.tools, add_generation_prompt=False)
-        # A template that renders earlier turns differently once more follow cannot be extended: start over.
         if full.startswith(before):
+            new_text, rewritten = full[len(before):], False
+        else:
+            new_text, rewritten = template.text_after(messages, closes, request.tools, full), True
+        if new_text is not None and not (rewritten and on_rewritten_history == "fork"):
             chain = store.chain(session_id, parent)
             prefix = [t for n in chain for t in (*n.appended_ids, *n.response_ids)]
-            delta = template.glue_after(node) + full[len(before):]
-            planned = PlannedTurn(parent, prefix, template.encode(delta), keys)
+            delta = template.glue_after(node) + new_text
+            planned = PlannedTurn(parent, prefix, template.encode(delta), keys, rewritten)
     if planned is None:
         planned = PlannedTurn(ROOT, [], template.encode(full), keys)
     length = len(planned.prompt_ids)

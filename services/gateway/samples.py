@@ -2,7 +2,8 @@
 
 Every leaf of the session's turn tree (sessions.py) is one TrajectorySegment: the chain's tokens from
 the conversation's root, loss_mask 1 exactly on the ids vLLM sampled, their logprobs, the policy version of
-each turn. The segments share the session's rollout id, so the reward service gives them one reward and one
+each turn, and in its metadata `history_rewritten_turns`: the turns whose prompt continued recorded ids the chat
+template renders differently (prompts.py). The segments share the session's rollout id, so the reward service gives them one reward and one
 advantage (the fan-out rule). Then TrajectoryFinished, with the grader, label and artifacts the session was
 created or finished with; a grader or a check sends the rollout to the sandbox-grader as usual.
 """
@@ -52,6 +53,8 @@ def publish_samples(bus: Bus, pipe, session: Session, samples: list[list[TurnNod
     publish(TrajectoryStarted(sample_index=spec.sample_index, server_url=first_server or None),
             event_id=f"{rollout}:{attempt}:started")
     metadata = {**spec.metadata, "gateway_session": spec.session_id, "conversations": len(samples)}
+    if spec.sampling.get("seed") is not None:
+        metadata["sampling_seed"] = spec.sampling["seed"]
     for index, chain in enumerate(samples):
         offset = 0
         for number, node in enumerate(chain):
@@ -63,10 +66,12 @@ def publish_samples(bus: Bus, pipe, session: Session, samples: list[list[TurnNod
                     event_id=f"{rollout}:{attempt}:turn:{index}:{number}")
             offset += len(node.response_ids)
         last = chain[-1]
+        rewritten = [number for number, node in enumerate(chain) if node.history_rewritten]
+        segment_metadata = {**metadata, "history_rewritten_turns": rewritten} if rewritten else metadata
         segment_status = status if index == len(samples) - 1 else "completed"
         publish(TrajectorySegment(segment_index=index, attempt=attempt, status=segment_status,
                                   response_text=last.response_text, sample_index=spec.sample_index,
-                                  group_size=spec.group_size, metadata=metadata, **segment_of(chain)),
+                                  group_size=spec.group_size, metadata=segment_metadata, **segment_of(chain)),
                 event_id=f"{rollout}:{attempt}:segment:{index}")
     final_text = response_text if response_text is not None else samples[-1][-1].response_text
     publish(TrajectoryFinished(status=status, attempt=attempt, segment_count=len(samples), group_size=spec.group_size,

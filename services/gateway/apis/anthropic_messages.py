@@ -1,22 +1,31 @@
 """Anthropic Messages (`POST /v1/messages`, `POST /v1/messages/count_tokens`): the request into a
 `ChatRequest`, a generation back as a `message` object or as the Messages event stream.
 
-`system` is a string or text blocks (joined with newlines). A user turn's `tool_result` blocks
-become canonical `tool` messages, in the order of the blocks, and its text blocks a user message
-(a result marked `is_error` has its content prefixed with "Error: ", the only way the template can
-tell the model). An assistant turn's `tool_use` blocks become its tool calls and its text blocks
-its content, joined with nothing between (the gateway splits one sampled text into blocks around
-the calls); `thinking` blocks are skipped. Tools are custom tools `{name, description,
-input_schema}`; `tool_choice` auto, any (as "required"), tool, none (tools dropped). `thinking`,
-`metadata`, `cache_control` and the like are accepted and ignored.
+`system` is a string or text blocks (joined with newlines), and so is a `system` message inside
+`messages` (Claude Code sends some mid-conversation): each is a system message where it stands. A
+user turn's `tool_result` blocks become canonical `tool` messages, in the order of the blocks, and
+its text blocks a user message (a result marked `is_error` has its content prefixed with "Error: ",
+the only way the template can tell the model). An assistant turn's `tool_use` blocks become its tool
+calls, its text blocks its content, joined with nothing between (the gateway splits one sampled text
+into blocks around the calls), and its `thinking` blocks its `reasoning_content` (`redacted_thinking`
+holds nothing the gateway can read: skipped). Tools are custom tools `{name, description,
+input_schema}`; a tool with another `type` (server tools such as web_search_20250305, and the
+Anthropic-defined bash, text editor and computer tools) is left out of what the model sees.
+`tool_choice` auto, any (as "required"), tool, none (tools dropped). `thinking` type "disabled" asks
+the model not to reason, any other type to reason; its budget, `output_config.effort`, `metadata`,
+`context_management`, `cache_control` and the like are accepted and ignored.
 
-Refused with a 400 that says so: images and documents, Anthropic-defined and server tools (a
-`type` other than "custom"), `top_k`, a `system` role inside `messages`, and a missing
-`max_tokens` on `/v1/messages`.
+Reasoning the model wrote comes back as a `thinking` block before the text, with a `signature` (a
+digest of the thinking: Anthropic's clients expect one and send it back; the gateway reads the text).
+
+Refused with a 400 that says so: images and documents, `top_k`, structured output
+(`output_config.format`, `output_format`), and a missing `max_tokens` on `/v1/messages`.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +34,7 @@ from rollstream.services.gateway.apis.canonical import (
     ChatRequest,
     FinishReason,
     Generation,
+    ReasoningDelta,
     RequestError,
     StreamEnd,
     StreamEvent,
@@ -37,6 +47,7 @@ from rollstream.services.gateway.apis.canonical import (
     choose_tools,
     function_tool,
     int_field,
+    leave_out_tool,
     model_field,
     name_tool_messages,
     named_tool_choice,
@@ -51,8 +62,8 @@ from rollstream.services.gateway.apis.canonical import (
 )
 from rollstream.services.gateway.apis.errors import anthropic_error, request_error_of
 
-SKIPPED_BLOCKS = ("thinking", "redacted_thinking")
 ERROR_PREFIX = "Error: "
+CUSTOM_TOOL_TYPES = (None, "custom")
 
 
 def parse_messages(body: Any) -> ChatRequest:
@@ -71,6 +82,7 @@ def _parse(body: Any, *, max_tokens_required: bool) -> ChatRequest:
         raise RequestError(400, "max_tokens is required", "max_tokens")
     if body.get("top_k") is not None:
         raise unsupported("top_k", "top_k")
+    _refuse_structured_output(body)
     messages: list[dict[str, Any]] = []
     if body.get("system") is not None:
         system = _text(body["system"], "system", joiner="\n")
@@ -78,7 +90,7 @@ def _parse(body: Any, *, max_tokens_required: bool) -> ChatRequest:
             messages.append({"role": "system", "content": system})
     for i, message in enumerate(require_list(body.get("messages"), "messages", non_empty=True)):
         messages += _turn(require_object(message, f"messages[{i}]"), f"messages[{i}]")
-    tools = _tools(body.get("tools"))
+    tools, ignored_tools = _tools(body.get("tools"))
     tool_choice, tools = _tool_choice(body.get("tool_choice"), tools)
     return ChatRequest(
         model=model,
@@ -90,7 +102,24 @@ def _parse(body: Any, *, max_tokens_required: bool) -> ChatRequest:
         top_p=number_field(body, "top_p", minimum=0, maximum=1),
         stop=stop_field(body, "stop_sequences"),
         stream=bool_field(body, "stream"),
+        thinking=_thinking(body.get("thinking")),
+        ignored_tools=ignored_tools,
     )
+
+
+def _refuse_structured_output(body: dict[str, Any]) -> None:
+    output_config = require_object(body.get("output_config") or {}, "output_config")
+    for fmt, param in ((output_config.get("format"), "output_config.format"),
+                       (body.get("output_format"), "output_format")):
+        if fmt is not None:
+            raise unsupported("structured output", param, "describe the format in the prompt")
+
+
+def _thinking(thinking: Any) -> bool | None:
+    if thinking is None:
+        return None
+    kind = require_str(require_object(thinking, "thinking").get("type"), "thinking.type", non_empty=True)
+    return kind != "disabled"
 
 
 def _text(content: Any, param: str, *, joiner: str) -> str:
@@ -109,11 +138,11 @@ def _text(content: Any, param: str, *, joiner: str) -> str:
 
 def _turn(message: dict[str, Any], param: str) -> list[dict[str, Any]]:
     role = message.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise RequestError(400, f"{param}.role must be 'user', 'assistant' or 'system', not {role!r}",
+                           f"{param}.role")
     if role == "system":
-        raise RequestError(400, f"{param}.role 'system' is not allowed in messages: use the top-level "
-                                "`system`", f"{param}.role")
-    if role not in ("user", "assistant"):
-        raise RequestError(400, f"{param}.role must be 'user' or 'assistant', not {role!r}", f"{param}.role")
+        return [{"role": "system", "content": _text(message.get("content"), f"{param}.content", joiner="\n")}]
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
@@ -123,7 +152,7 @@ def _turn(message: dict[str, Any], param: str) -> list[dict[str, Any]]:
 
 
 def _assistant_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
-    texts, calls = [], []
+    texts, calls, thinking = [], [], []
     for j, block in enumerate(blocks):
         where = f"{param}.content[{j}]"
         kind = block.get("type")
@@ -133,12 +162,17 @@ def _assistant_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, 
             calls.append(canonical_tool_call(require_str(block.get("id"), f"{where}.id", non_empty=True),
                                              require_str(block.get("name"), f"{where}.name", non_empty=True),
                                              require_object(block.get("input", {}), f"{where}.input")))
-        elif kind not in SKIPPED_BLOCKS:
+        elif kind == "thinking":
+            thinking.append(require_str(block.get("thinking"), f"{where}.thinking"))
+        elif kind != "redacted_thinking":
             raise unsupported(f"content block type {kind!r} in an assistant turn", f"{where}.type",
                               "only text, tool_use and thinking blocks are")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         message["tool_calls"] = calls
+    reasoning = "".join(thinking)
+    if reasoning:
+        message["reasoning_content"] = reasoning
     return [message]
 
 
@@ -168,20 +202,22 @@ def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]
     return messages
 
 
-def _tools(tools: Any) -> Tools:
+def _tools(tools: Any) -> tuple[Tools, list[str]]:
+    """The custom tools as the request's tools, and the types of the others (left out)."""
     if tools is None:
-        return None
-    canonical = []
+        return None, []
+    canonical: list[dict[str, Any]] = []
+    ignored: list[str] = []
     for i, tool in enumerate(require_list(tools, "tools")):
         tool = require_object(tool, f"tools[{i}]")
-        if tool.get("type") not in (None, "custom"):
-            raise unsupported(f"tool type {tool.get('type')!r}", f"tools[{i}].type",
-                              "define the tool as a custom tool with an input_schema")
+        if tool.get("type") not in CUSTOM_TOOL_TYPES:
+            leave_out_tool(ignored, tool.get("type"), f"tools[{i}].type")
+            continue
         if tool.get("input_schema") is None:
             raise RequestError(400, f"tools[{i}].input_schema is required", f"tools[{i}].input_schema")
         canonical.append(function_tool(tool.get("name"), tool.get("description"), tool["input_schema"],
                                        f"tools[{i}]"))
-    return tool_list(canonical, "tools")
+    return tool_list(canonical, "tools"), ignored
 
 
 def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
@@ -212,8 +248,18 @@ def _usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
+def thinking_signature(thinking: str) -> str:
+    """The `signature` of a thinking block: a digest of its text (clients send it back unread)."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
+
+
 def messages_response(gen: Generation, *, model: str, message_id: str) -> dict[str, Any]:
-    content: list[dict[str, Any]] = [{"type": "text", "text": gen.text}] if gen.text else []
+    content: list[dict[str, Any]] = []
+    if gen.reasoning:
+        content.append({"type": "thinking", "thinking": gen.reasoning,
+                        "signature": thinking_signature(gen.reasoning)})
+    if gen.text:
+        content.append({"type": "text", "text": gen.text})
     content += [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
                 for call in gen.tool_calls]
     stop_reason = _stop_reason(gen.finish_reason, bool(gen.tool_calls), gen.stop_sequence)
@@ -231,31 +277,50 @@ async def messages_sse(events: AsyncIterator[StreamEvent], *, model: str, messag
                        prompt_tokens: int = 0) -> AsyncIterator[str]:
     """The Messages event stream: `message_start` (its usage counts `prompt_tokens`, when the core
     knows them before sampling), `ping`, per block `content_block_start`, `content_block_delta`
-    (`text_delta`, or one `input_json_delta` with a call's whole input), `content_block_stop`, then
-    `message_delta` with the stop reason and the final usage, and `message_stop`. Text after a call
-    opens a new text block. A failure of the generation ends it with an `error` event (the SDK
-    raises it)."""
+    (`thinking_delta`s then one `signature_delta`, `text_delta`s, or one `input_json_delta` with a
+    call's whole input), `content_block_stop`, then `message_delta` with the stop reason and the final
+    usage, and `message_stop`. Text after a call opens a new text block. A failure of the generation
+    ends it with an `error` event (the SDK raises it)."""
     yield sse({"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0)}}, "message_start")
     yield sse({"type": "ping"}, "ping")
     block_count = 0
-    text_block_open = called_tools = False
+    open_block: str | None = None
+    """"thinking" or "text" while deltas are being added to the last block."""
+    thinking = ""
+    called_tools = False
     try:
         async for event in events:
-            if isinstance(event, TextDelta):
-                if not text_block_open:
+            kind = "thinking" if isinstance(event, ReasoningDelta) \
+                else "text" if isinstance(event, TextDelta) else None
+            if open_block is not None and open_block != kind:
+                if open_block == "thinking":
+                    signature = {"type": "signature_delta", "signature": thinking_signature(thinking)}
+                    yield sse({"type": "content_block_delta", "index": block_count - 1, "delta": signature},
+                              "content_block_delta")
+                yield sse({"type": "content_block_stop", "index": block_count - 1}, "content_block_stop")
+                open_block = None
+            if kind == "thinking":
+                if open_block is None:
+                    yield sse({"type": "content_block_start", "index": block_count,
+                               "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
+                              "content_block_start")
+                    open_block = "thinking"
+                    block_count += 1
+                thinking += event.text
+                yield sse({"type": "content_block_delta", "index": block_count - 1,
+                           "delta": {"type": "thinking_delta", "thinking": event.text}},
+                          "content_block_delta")
+            elif kind == "text":
+                if open_block is None:
                     yield sse({"type": "content_block_start", "index": block_count,
                                "content_block": {"type": "text", "text": ""}}, "content_block_start")
-                    text_block_open = True
+                    open_block = "text"
                     block_count += 1
                 yield sse({"type": "content_block_delta", "index": block_count - 1,
                            "delta": {"type": "text_delta", "text": event.text}}, "content_block_delta")
-                continue
-            if text_block_open:
-                yield sse({"type": "content_block_stop", "index": block_count - 1}, "content_block_stop")
-                text_block_open = False
-            if isinstance(event, ToolCallDelta):
+            elif isinstance(event, ToolCallDelta):
                 called_tools = True
                 call = event.call
                 tool_use = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}

@@ -1,16 +1,20 @@
 """OpenAI Chat Completions (`POST /v1/chat/completions`): the request into a `ChatRequest`, a
 generation back as a `chat.completion` object or a stream of `chat.completion.chunk` events.
 
-Accepted as sent: roles system, developer (as system), user, assistant, tool; content as a string
-or a list of text parts; `tool_calls` with `arguments` as a JSON string; `max_completion_tokens`
-or the older `max_tokens`; `stop`, `seed`, `temperature`, `top_p`, `tool_choice`,
-`stream_options.include_usage`.
+Accepted as sent: roles system, developer (as system), user, assistant, tool, wherever they are;
+content as a string or a list of text parts; `tool_calls` with `arguments` as a JSON string; an
+assistant message's `reasoning_content` (vLLM's and DeepSeek's field for the reasoning);
+`max_completion_tokens` or the older `max_tokens`; `stop`, `seed`, `temperature`, `top_p`,
+`tool_choice`, `stream_options.include_usage`; `reasoning_effort` ("none" asks the model not to
+reason, another effort to reason). Tools of a type other than function are left out of what the
+model sees. Reasoning the model wrote comes back as the message's `reasoning_content` (streamed as
+`delta.reasoning_content`), as vLLM serves reasoning models.
 
-Refused with a 400 that says so: images, audio and files; more than one choice (`n`); the legacy
-`functions` / `function_call` / `function` role; structured output (`response_format` other than
-text); sampling changes the gateway does not make (`frequency_penalty`, `presence_penalty`,
-`logit_bias`). Other fields (`user`, `metadata`, `store`, `parallel_tool_calls`, `logprobs`, ...)
-are accepted and ignored.
+Refused with a 400 that says so: images, audio and files, and audio output (`modalities`); more than
+one choice (`n`); the legacy `functions` / `function_call` / `function` role; structured output
+(`response_format` other than text); sampling changes the gateway does not make
+(`frequency_penalty`, `presence_penalty`, `logit_bias`). Other fields (`user`, `metadata`, `store`,
+`parallel_tool_calls`, `logprobs`, ...) are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 from rollstream.services.gateway.apis.canonical import (
     ChatRequest,
     Generation,
+    ReasoningDelta,
     RequestError,
     StreamEnd,
     StreamEvent,
@@ -37,6 +42,7 @@ from rollstream.services.gateway.apis.canonical import (
     final_finish_reason,
     function_tool,
     int_field,
+    leave_out_tool,
     model_field,
     name_tool_messages,
     named_tool_choice,
@@ -46,6 +52,7 @@ from rollstream.services.gateway.apis.canonical import (
     require_str,
     sse,
     stop_field,
+    thinking_of_effort,
     tool_list,
     unsupported,
 )
@@ -60,7 +67,7 @@ def parse_chat_completions(body: Any) -> ChatRequest:
     _refuse_unsupported(body)
     messages = [_message(message, f"messages[{i}]")
                 for i, message in enumerate(require_list(body.get("messages"), "messages", non_empty=True))]
-    tools = _tools(body.get("tools"))
+    tools, ignored_tools = _tools(body.get("tools"))
     tool_choice, tools = _tool_choice(body.get("tool_choice"), tools)
     stream_options = require_object(body.get("stream_options") or {}, "stream_options")
     max_completion_tokens = int_field(body, "max_completion_tokens", minimum=1)
@@ -77,6 +84,8 @@ def parse_chat_completions(body: Any) -> ChatRequest:
         seed=int_field(body, "seed", minimum=-(2**63)),
         stream=bool_field(body, "stream"),
         include_usage=bool_field(stream_options, "include_usage"),
+        thinking=thinking_of_effort(body.get("reasoning_effort"), "reasoning_effort"),
+        ignored_tools=ignored_tools,
     )
 
 
@@ -98,6 +107,9 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise unsupported(f"a non-zero {penalty}", penalty)
     if body.get("logit_bias"):
         raise unsupported("logit_bias", "logit_bias")
+    modalities = require_list(body.get("modalities") or [], "modalities")
+    if any(modality != "text" for modality in modalities):
+        raise unsupported(f"output modalities {modalities!r}", "modalities", "the model writes text only")
 
 
 def _text(content: Any, param: str, *, role: str) -> str:
@@ -139,6 +151,9 @@ def _message(message: Any, param: str) -> dict[str, Any]:
         calls = [_tool_call(call, f"{param}.tool_calls[{j}]") for j, call in enumerate(wire_calls)]
         if calls:
             canonical["tool_calls"] = calls
+        reasoning = message.get("reasoning_content")
+        if reasoning:
+            canonical["reasoning_content"] = require_str(reasoning, f"{param}.reasoning_content")
     elif role == "tool":
         canonical["tool_call_id"] = require_str(message.get("tool_call_id"), f"{param}.tool_call_id",
                                                 non_empty=True)
@@ -156,19 +171,21 @@ def _tool_call(call: Any, param: str) -> dict[str, Any]:
                                arguments)
 
 
-def _tools(tools: Any) -> Tools:
+def _tools(tools: Any) -> tuple[Tools, list[str]]:
+    """The function tools as the request's tools, and the types of the others (left out)."""
     if tools is None:
-        return None
-    canonical = []
+        return None, []
+    canonical: list[dict[str, Any]] = []
+    ignored: list[str] = []
     for i, tool in enumerate(require_list(tools, "tools")):
         tool = require_object(tool, f"tools[{i}]")
         if tool.get("type") != "function":
-            raise unsupported(f"tool type {tool.get('type')!r}", f"tools[{i}].type",
-                              "only function tools are")
+            leave_out_tool(ignored, tool.get("type"), f"tools[{i}].type")
+            continue
         function = require_object(tool.get("function"), f"tools[{i}].function")
         canonical.append(function_tool(function.get("name"), function.get("description"),
                                        function.get("parameters"), f"tools[{i}].function"))
-    return tool_list(canonical, "tools")
+    return tool_list(canonical, "tools"), ignored
 
 
 def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
@@ -204,6 +221,8 @@ def chat_completion_response(gen: Generation, *, model: str, response_id: str,
     # OpenAI sends null content for a turn of tool calls only; clients such as LangChain expect it.
     message: dict[str, Any] = {"role": "assistant", "content": gen.text or (None if gen.tool_calls else ""),
                                "refusal": None}
+    if gen.reasoning:
+        message["reasoning_content"] = gen.reasoning
     if gen.tool_calls:
         message["tool_calls"] = [_wire_tool_call(call) for call in gen.tool_calls]
     return {
@@ -220,8 +239,8 @@ def chat_completion_response(gen: Generation, *, model: str, response_id: str,
 
 async def chat_completion_sse(events: AsyncIterator[StreamEvent], *, model: str, response_id: str,
                               created: int, include_usage: bool = False) -> AsyncIterator[str]:
-    """The stream of a generation: a chunk with the role, one per text delta and per tool call, one
-    with the finish reason, the usage chunk when asked for, then `data: [DONE]`. A failure of the
+    """The stream of a generation: a chunk with the role, one per reasoning delta, text delta and tool
+    call, one with the finish reason, the usage chunk when asked for, then `data: [DONE]`. A failure of the
     generation ends the stream with an OpenAI error object (the SDK raises it as an APIError)."""
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
@@ -238,7 +257,9 @@ async def chat_completion_sse(events: AsyncIterator[StreamEvent], *, model: str,
     called_tools = False
     try:
         async for event in events:
-            if isinstance(event, TextDelta):
+            if isinstance(event, ReasoningDelta):
+                yield chunk({"reasoning_content": event.text})
+            elif isinstance(event, TextDelta):
                 yield chunk({"content": event.text})
             elif isinstance(event, ToolCallDelta):
                 called_tools = True

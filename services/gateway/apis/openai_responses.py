@@ -5,13 +5,30 @@ The gateway keeps no responses, so every request carries the whole conversation 
 `previous_response_id`, `conversation` and `item_reference` items are refused with a 400 saying so.
 
 `input` is a string (one user message) or a list of items: messages (`input_text` / `output_text`
-parts or a plain string; developer as system), `function_call` items (`arguments` a JSON string) and
-`function_call_output` items. Calls and assistant text in a row form one assistant turn, as the
-gateway produced them: a turn's text, its calls, and any text the model wrote after a call (streamed
-as a message item of its own). `reasoning` items are skipped (the model sees no reasoning of an
-earlier turn). `instructions` is the first system message. Tools are function tools in the flat
-Responses shape `{"type": "function", "name", "description", "parameters"}`; hosted tools, images
-and files, and structured output (`text.format` other than text) are refused with a 400.
+parts or a plain string; system and developer messages, wherever they are, as system messages),
+`function_call` items (`arguments` a JSON string) and `function_call_output` items. Calls and
+assistant text in a row form one assistant turn, as the gateway produced them: a turn's text, its
+calls, and any text the model wrote after a call (streamed as a message item of its own). A
+`reasoning` item opens the turn it belongs to and becomes its `reasoning_content`: read from the
+`encrypted_content` the gateway wrote, else from its `reasoning_text` content, else its summary;
+another provider's encrypted reasoning, with nothing readable, is skipped. `instructions` is the
+first system message.
+
+Tools are function tools in the flat Responses shape `{"type": "function", "name", "description",
+"parameters"}`, and namespaces of them (`{"type": "namespace", "name", "tools": [...]}`), whose
+members the model sees as `namespace.name` (a dot is never in an OpenAI function name, so it cannot
+collide) and whose calls go back as OpenAI returns them, `{"type": "function_call", "name",
+"namespace", ...}`. Any other tool (hosted ones such as web_search, file_search, code_interpreter,
+image_generation, mcp; custom tools) is left out of what the model sees. `reasoning.effort` "none"
+asks the model not to reason, another effort or a `reasoning.summary` to reason.
+
+Reasoning the model wrote comes back as a `reasoning` item before the message: its text as
+`reasoning_text` content, as the summary too when `reasoning.summary` asks for one, and encoded in
+`encrypted_content` when `include` asks for "reasoning.encrypted_content" (an encoding, not a
+secret: what lets the gateway read the reasoning again when the client sends the item back).
+
+Refused with a 400: images and files, structured output (`text.format` other than text), stored
+prompts and background mode.
 
 A generation cut by `max_output_tokens` is a response with status "incomplete" and
 `incomplete_details.reason` "max_output_tokens"; its stream ends with `response.incomplete`, not
@@ -20,6 +37,8 @@ A generation cut by `max_output_tokens` is a response with status "incomplete" a
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +47,7 @@ from rollstream.services.gateway.apis.canonical import (
     ChatRequest,
     FinishReason,
     Generation,
+    ReasoningDelta,
     RequestError,
     StreamEnd,
     StreamEvent,
@@ -42,6 +62,7 @@ from rollstream.services.gateway.apis.canonical import (
     choose_tools,
     function_tool,
     int_field,
+    leave_out_tool,
     model_field,
     name_tool_messages,
     named_tool_choice,
@@ -50,6 +71,7 @@ from rollstream.services.gateway.apis.canonical import (
     require_object,
     require_str,
     sse,
+    thinking_of_effort,
     tool_list,
     unsupported,
 )
@@ -58,6 +80,11 @@ from rollstream.services.gateway.apis.errors import request_error_of
 STATELESS = "this gateway keeps no responses, so send the whole conversation in `input`"
 TEXT_PARTS = ("input_text", "output_text")
 MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+NAMESPACE_SEPARATOR = "."
+ENCRYPTED_REASONING = "rollstream-reasoning:"
+"""How the gateway's `encrypted_content` starts: base64 of the reasoning follows."""
+ENCRYPTED_REASONING_INCLUDE = "reasoning.encrypted_content"
+IGNORED_TOOLS_METADATA = "rollstream_ignored_tools"
 
 
 def parse_responses(body: Any) -> ChatRequest:
@@ -86,8 +113,14 @@ def parse_responses(body: Any) -> ChatRequest:
     else:
         for i, item in enumerate(require_list(body["input"], "input", non_empty=True)):
             _add_item(messages, require_object(item, f"input[{i}]"), f"input[{i}]")
-    tools = _tools(body.get("tools"))
+    tools, tool_namespaces, ignored_tools = _tools(body.get("tools"))
     tool_choice, tools = _tool_choice(body.get("tool_choice"), tools)
+    reasoning = require_object(body.get("reasoning") or {}, "reasoning")
+    summary = reasoning.get("summary", reasoning.get("generate_summary"))
+    thinking = thinking_of_effort(reasoning.get("effort"), "reasoning.effort")
+    if thinking is None and summary is not None:
+        thinking = True  # a summary asks for reasoning, unless the effort turns it off
+    include = require_list(body.get("include") or [], "include")
     return ChatRequest(
         model=model,
         messages=name_tool_messages(messages),
@@ -97,6 +130,11 @@ def parse_responses(body: Any) -> ChatRequest:
         temperature=number_field(body, "temperature", minimum=0, maximum=2),
         top_p=number_field(body, "top_p", minimum=0, maximum=1),
         stream=bool_field(body, "stream"),
+        thinking=thinking,
+        ignored_tools=ignored_tools,
+        reasoning_summary=summary is not None,
+        encrypted_reasoning=ENCRYPTED_REASONING_INCLUDE in include,
+        tool_namespaces=tool_namespaces,
     )
 
 
@@ -114,12 +152,19 @@ def _content(content: Any, param: str, *, role: str) -> str:
     return ("" if role == "assistant" else "\n").join(texts)
 
 
+def _last_assistant_turn(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last message when it is the assistant's: no tool output or user message came after it."""
+    return messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+
+
 def _open_assistant_turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The assistant message a call or more assistant text belongs to: the last message when it is
-    the assistant's (no tool output came in between), else a new one."""
-    if not messages or messages[-1]["role"] != "assistant":
-        messages.append({"role": "assistant", "content": ""})
-    return messages[-1]
+    """The assistant message a call belongs to: the last message when it is the assistant's, else a
+    new one."""
+    turn = _last_assistant_turn(messages)
+    if turn is None:
+        turn = {"role": "assistant", "content": ""}
+        messages.append(turn)
+    return turn
 
 
 def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) -> None:
@@ -131,23 +176,33 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) 
                                f"{param}.role")
         role = MESSAGE_ROLES[role]
         content = _content(item.get("content"), f"{param}.content", role=role)
-        if role == "assistant" and messages and messages[-1]["role"] == "assistant" \
-                and messages[-1].get("tool_calls"):
-            messages[-1]["content"] += content  # text the model wrote after a call, in the same turn
+        turn = _last_assistant_turn(messages)
+        # Text the model wrote after a call, or the text of a turn its reasoning item opened: the same turn.
+        if role == "assistant" and turn is not None and (turn.get("tool_calls") or not turn["content"]):
+            turn["content"] += content
         else:
             messages.append({"role": role, "content": content})
     elif kind == "function_call":
         turn = _open_assistant_turn(messages)
+        name = require_str(item.get("name"), f"{param}.name", non_empty=True)
+        if item.get("namespace") is not None:
+            name = _namespaced(require_str(item["namespace"], f"{param}.namespace", non_empty=True), name)
         turn.setdefault("tool_calls", []).append(canonical_tool_call(
-            require_str(item.get("call_id"), f"{param}.call_id", non_empty=True),
-            require_str(item.get("name"), f"{param}.name", non_empty=True),
+            require_str(item.get("call_id"), f"{param}.call_id", non_empty=True), name,
             arguments_from_json(item.get("arguments", ""), f"{param}.arguments")))
+    elif kind == "reasoning":
+        reasoning = _reasoning_of(item, param)
+        if reasoning:
+            # Reasoning comes first in its turn: it opens one, unless another reasoning item just did.
+            turn = _last_assistant_turn(messages)
+            if turn is None or turn["content"] or turn.get("tool_calls"):
+                turn = {"role": "assistant", "content": ""}
+                messages.append(turn)
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + reasoning
     elif kind == "function_call_output":
         call_id = require_str(item.get("call_id"), f"{param}.call_id", non_empty=True)
         output = _content(item.get("output"), f"{param}.output", role="tool")
         messages.append({"role": "tool", "content": output, "tool_call_id": call_id})
-    elif kind == "reasoning":
-        pass  # another model's reasoning (often encrypted) means nothing to this one
     elif kind == "item_reference":
         raise RequestError(400, f"item_reference is not supported: {STATELESS}", f"{param}.type")
     else:
@@ -155,18 +210,71 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) 
                           "only message, function_call, function_call_output and reasoning items are")
 
 
-def _tools(tools: Any) -> Tools:
-    if tools is None:
+def _reasoning_of(item: dict[str, Any], param: str) -> str:
+    """The text of a reasoning item sent back ("" when there is none the gateway can read)."""
+    encrypted = item.get("encrypted_content")
+    if encrypted is not None:
+        decoded = decode_reasoning(require_str(encrypted, f"{param}.encrypted_content"))
+        if decoded is not None:
+            return decoded
+    for key, kind, joiner in (("content", "reasoning_text", ""), ("summary", "summary_text", "\n\n")):
+        parts = [require_object(part, f"{param}.{key}[{j}]")
+                 for j, part in enumerate(require_list(item.get(key) or [], f"{param}.{key}"))]
+        texts = [require_str(part.get("text"), f"{param}.{key}[{j}].text")
+                 for j, part in enumerate(parts) if part.get("type") == kind]
+        if texts:
+            return joiner.join(texts)
+    return ""
+
+
+def encode_reasoning(reasoning: str) -> str:
+    return ENCRYPTED_REASONING + base64.b64encode(reasoning.encode()).decode()
+
+
+def decode_reasoning(encrypted: str) -> str | None:
+    """The reasoning `encode_reasoning` encoded; None for anything else (another provider's)."""
+    if not encrypted.startswith(ENCRYPTED_REASONING):
         return None
-    canonical = []
+    try:
+        return base64.b64decode(encrypted[len(ENCRYPTED_REASONING):], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def _namespaced(namespace: str, name: str) -> str:
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def _function(tool: dict[str, Any], param: str, namespace: str | None = None) -> dict[str, Any]:
+    name = require_str(tool.get("name"), f"{param}.name", non_empty=True)
+    return function_tool(name if namespace is None else _namespaced(namespace, name), tool.get("description"),
+                         tool.get("parameters"), param)
+
+
+def _tools(tools: Any) -> tuple[Tools, dict[str, tuple[str, str]], list[str]]:
+    """The function tools (namespaces' members flattened) as the request's tools, the namespaced
+    names, and the types of the tools left out."""
+    if tools is None:
+        return None, {}, []
+    canonical: list[dict[str, Any]] = []
+    namespaced: dict[str, tuple[str, str]] = {}
+    ignored: list[str] = []
     for i, tool in enumerate(require_list(tools, "tools")):
         tool = require_object(tool, f"tools[{i}]")
-        if tool.get("type") != "function":
-            raise unsupported(f"tool type {tool.get('type')!r}", f"tools[{i}].type",
-                              "only function tools are")
-        canonical.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
-                                       f"tools[{i}]"))
-    return tool_list(canonical, "tools")
+        if tool.get("type") == "function":
+            canonical.append(_function(tool, f"tools[{i}]"))
+        elif tool.get("type") == "namespace":
+            namespace = require_str(tool.get("name"), f"tools[{i}].name", non_empty=True)
+            for j, member in enumerate(require_list(tool.get("tools"), f"tools[{i}].tools")):
+                member = require_object(member, f"tools[{i}].tools[{j}]")
+                if member.get("type") != "function":
+                    leave_out_tool(ignored, member.get("type"), f"tools[{i}].tools[{j}].type")
+                    continue
+                canonical.append(_function(member, f"tools[{i}].tools[{j}]", namespace))
+                namespaced[canonical[-1]["function"]["name"]] = (namespace, member["name"])
+        else:
+            leave_out_tool(ignored, tool.get("type"), f"tools[{i}].type")
+    return tool_list(canonical, "tools"), namespaced, ignored
 
 
 def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
@@ -183,11 +291,12 @@ def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
 # --- responses ------------------------------------------------------------------------------------
 
 
-def _response(model: str, response_id: str, created: int, *, status: str, output: list[dict[str, Any]],
-              usage: dict[str, Any] | None) -> dict[str, Any]:
-    # OpenAI echoes the request's settings here; the builders are given the model only, so tools,
-    # tool_choice and sampling are left at neutral values (agents read the output, not these), while
-    # every field the SDK's Response type requires is present.
+def _response(request: ChatRequest, response_id: str, created: int, *, status: str,
+              output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+    # OpenAI echoes the request's settings here; agents read the output, not these, so tools,
+    # tool_choice and sampling are left at neutral values, while every field the SDK's Response type
+    # requires is present. `metadata` (string values only) names the tools the model was not shown.
+    metadata = {IGNORED_TOOLS_METADATA: ",".join(request.ignored_tools)} if request.ignored_tools else {}
     return {
         "id": response_id,
         "object": "response",
@@ -196,13 +305,13 @@ def _response(model: str, response_id: str, created: int, *, status: str, output
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": None,
-        "model": model,
+        "model": request.model,
         "output": output,
         "parallel_tool_calls": True,
         "tool_choice": "auto",
         "tools": [],
         "text": {"format": {"type": "text"}},
-        "metadata": {},
+        "metadata": metadata,
         "usage": usage,
     }
 
@@ -230,35 +339,65 @@ def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]
             "content": [] if text is None else [_text_part(text)]}
 
 
-def _call_item(item_id: str, call: ToolCall, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "status": status, "call_id": call.id, "name": call.name,
+def _reasoning_text_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def _summary_part(text: str) -> dict[str, Any]:
+    return {"type": "summary_text", "text": text}
+
+
+def _reasoning_item(item_id: str, reasoning: str | None, request: ChatRequest) -> dict[str, Any]:
+    """A reasoning item; `reasoning` None while it is still being streamed."""
+    if reasoning is None:
+        return {"id": item_id, "type": "reasoning", "summary": [], "content": []}
+    item = {"id": item_id, "type": "reasoning",
+            "summary": [_summary_part(reasoning)] if request.reasoning_summary else [],
+            "content": [_reasoning_text_part(reasoning)]}
+    if request.encrypted_reasoning:
+        item["encrypted_content"] = encode_reasoning(reasoning)
+    return item
+
+
+def _call_item(item_id: str, call: ToolCall, arguments: str, status: str,
+               request: ChatRequest) -> dict[str, Any]:
+    """A function_call item; a call of a namespace's member names the namespace and the member apart."""
+    item = {"id": item_id, "type": "function_call", "status": status, "call_id": call.id, "name": call.name,
             "arguments": arguments}
+    if call.name in request.tool_namespaces:
+        item["namespace"], item["name"] = request.tool_namespaces[call.name]
+    return item
 
 
-def responses_response(gen: Generation, *, model: str, response_id: str, created: int) -> dict[str, Any]:
-    """The `response` object: a message item with the text (none without text), a function_call item
-    per call; status "incomplete" when the token limit cut the turn."""
+def responses_response(gen: Generation, request: ChatRequest, *, response_id: str,
+                       created: int) -> dict[str, Any]:
+    """The `response` object: a reasoning item when the model reasoned, a message item with the text
+    (none without text), a function_call item per call; status "incomplete" when the token limit cut
+    the turn."""
     status = _status(gen.finish_reason)
     output = []
+    if gen.reasoning:
+        output.append(_reasoning_item(_item_id("rs", response_id, 0), gen.reasoning, request))
     if gen.text:
-        output.append(_message_item(_item_id("msg", response_id, 0), gen.text, status))
+        output.append(_message_item(_item_id("msg", response_id, len(output)), gen.text, status))
     for call in gen.tool_calls:
         output.append(_call_item(_item_id("fc", response_id, len(output)), call,
-                                 json.dumps(call.arguments, ensure_ascii=False), "completed"))
-    return _response(model, response_id, created, status=status, output=output,
+                                 json.dumps(call.arguments, ensure_ascii=False), "completed", request))
+    return _response(request, response_id, created, status=status, output=output,
                      usage=_usage(gen.prompt_tokens, gen.completion_tokens))
 
 
 class _ResponseStream:
     """The events of one streamed response, numbered, and the output items they have completed."""
 
-    def __init__(self, model: str, response_id: str, created: int) -> None:
-        self.model, self.response_id, self.created = model, response_id, created
+    def __init__(self, request: ChatRequest, response_id: str, created: int) -> None:
+        self.request, self.response_id, self.created = request, response_id, created
         self.sequence_number = 0
         self.output: list[dict[str, Any]] = []
-        self.message_id: str | None = None
-        """The message item text is being added to, while one is open."""
+        self.open_item: str | None = None
+        """"reasoning" or "message" while deltas are being added to the item at index len(output)."""
         self.text = ""
+        """The open item's text so far."""
 
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -266,51 +405,91 @@ class _ResponseStream:
         return sse(data, kind)
 
     def response(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        return _response(self.model, self.response_id, self.created, status=status,
+        return _response(self.request, self.response_id, self.created, status=status,
                          output=list(self.output), usage=usage)
 
     def start(self) -> list[str]:
         return [self.event("response.created", response=self.response("in_progress")),
                 self.event("response.in_progress", response=self.response("in_progress"))]
 
-    def text_delta(self, text: str) -> list[str]:
-        events = []
+    def _open(self, kind: str) -> tuple[list[str], str, int]:
+        """The item of `kind` deltas go to (opened now, after closing another, if it is not open): the
+        events that did so, its id and its output index."""
+        events = [] if self.open_item == kind else self.close("completed")
         output_index = len(self.output)
-        if self.message_id is None:
-            self.message_id, self.text = _item_id("msg", self.response_id, output_index), ""
+        item_id = _item_id("rs" if kind == "reasoning" else "msg", self.response_id, output_index)
+        if self.open_item == kind:
+            return events, item_id, output_index
+        self.open_item, self.text = kind, ""
+        if kind == "reasoning":
             events += [self.event("response.output_item.added", output_index=output_index,
-                                  item=_message_item(self.message_id, None, "in_progress")),
-                       self.event("response.content_part.added", item_id=self.message_id,
-                                  output_index=output_index, content_index=0, part=_text_part(""))]
+                                  item=_reasoning_item(item_id, None, self.request)),
+                       self.event("response.content_part.added", item_id=item_id, output_index=output_index,
+                                  content_index=0, part=_reasoning_text_part(""))]
+            if self.request.reasoning_summary:
+                events.append(self.event("response.reasoning_summary_part.added", item_id=item_id,
+                                         output_index=output_index, summary_index=0, part=_summary_part("")))
+        else:
+            events += [self.event("response.output_item.added", output_index=output_index,
+                                  item=_message_item(item_id, None, "in_progress")),
+                       self.event("response.content_part.added", item_id=item_id, output_index=output_index,
+                                  content_index=0, part=_text_part(""))]
+        return events, item_id, output_index
+
+    def reasoning_delta(self, text: str) -> list[str]:
+        events, item_id, output_index = self._open("reasoning")
         self.text += text
-        events.append(self.event("response.output_text.delta", item_id=self.message_id,
-                                 output_index=output_index, content_index=0, delta=text, logprobs=[]))
+        events.append(self.event("response.reasoning_text.delta", item_id=item_id, output_index=output_index,
+                                 content_index=0, delta=text))
+        if self.request.reasoning_summary:
+            events.append(self.event("response.reasoning_summary_text.delta", item_id=item_id,
+                                     output_index=output_index, summary_index=0, delta=text))
         return events
 
-    def close_message(self, status: str) -> list[str]:
-        if self.message_id is None:
+    def text_delta(self, text: str) -> list[str]:
+        events, item_id, output_index = self._open("message")
+        self.text += text
+        events.append(self.event("response.output_text.delta", item_id=item_id, output_index=output_index,
+                                 content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def close(self, status: str) -> list[str]:
+        """The events that complete the open item, if any; `status` is a message item's."""
+        if self.open_item is None:
             return []
-        output_index, item_id = len(self.output), self.message_id
-        item = _message_item(item_id, self.text, status)
+        output_index, text = len(self.output), self.text
+        if self.open_item == "reasoning":
+            item = _reasoning_item(_item_id("rs", self.response_id, output_index), text, self.request)
+            events = [self.event("response.reasoning_text.done", item_id=item["id"],
+                                 output_index=output_index, content_index=0, text=text),
+                      self.event("response.content_part.done", item_id=item["id"], output_index=output_index,
+                                 content_index=0, part=_reasoning_text_part(text))]
+            if self.request.reasoning_summary:
+                events += [self.event("response.reasoning_summary_text.done", item_id=item["id"],
+                                      output_index=output_index, summary_index=0, text=text),
+                           self.event("response.reasoning_summary_part.done", item_id=item["id"],
+                                      output_index=output_index, summary_index=0, part=_summary_part(text))]
+        else:
+            item = _message_item(_item_id("msg", self.response_id, output_index), text, status)
+            events = [self.event("response.output_text.done", item_id=item["id"], output_index=output_index,
+                                 content_index=0, text=text, logprobs=[]),
+                      self.event("response.content_part.done", item_id=item["id"], output_index=output_index,
+                                 content_index=0, part=_text_part(text))]
         self.output.append(item)
-        self.message_id = None
-        return [self.event("response.output_text.done", item_id=item_id, output_index=output_index,
-                           content_index=0, text=self.text, logprobs=[]),
-                self.event("response.content_part.done", item_id=item_id, output_index=output_index,
-                           content_index=0, part=_text_part(self.text)),
-                self.event("response.output_item.done", output_index=output_index, item=item)]
+        self.open_item = None
+        return [*events, self.event("response.output_item.done", output_index=output_index, item=item)]
 
     def call(self, call: ToolCall) -> list[str]:
-        events = self.close_message("completed")
+        events = self.close("completed")
         output_index = len(self.output)
         item_id = _item_id("fc", self.response_id, output_index)
         arguments = json.dumps(call.arguments, ensure_ascii=False)
-        item = _call_item(item_id, call, arguments, "completed")
+        item = _call_item(item_id, call, arguments, "completed", self.request)
         self.output.append(item)
         return [
             *events,
             self.event("response.output_item.added", output_index=output_index,
-                       item=_call_item(item_id, call, "", "in_progress")),
+                       item=_call_item(item_id, call, "", "in_progress", self.request)),
             self.event("response.function_call_arguments.delta", item_id=item_id, output_index=output_index,
                        delta=arguments),
             self.event("response.function_call_arguments.done", item_id=item_id, output_index=output_index,
@@ -320,7 +499,7 @@ class _ResponseStream:
 
     def end(self, end: StreamEnd) -> list[str]:
         status = _status(end.finish_reason)
-        events = self.close_message(status)
+        events = self.close(status)
         final = self.response(status, _usage(end.prompt_tokens, end.completion_tokens))
         return [*events, self.event(f"response.{status}", response=final)]
 
@@ -330,20 +509,25 @@ class _ResponseStream:
         return [self.event("response.failed", response=failed)]
 
 
-async def responses_sse(events: AsyncIterator[StreamEvent], *, model: str, response_id: str,
+async def responses_sse(events: AsyncIterator[StreamEvent], request: ChatRequest, *, response_id: str,
                         created: int) -> AsyncIterator[str]:
     """The Responses event stream, each event as `event: <type>\\ndata: {...}\\n\\n` with its
-    `sequence_number`: `response.created`, `response.in_progress`, a message item for the text
-    (`output_item.added`, `content_part.added`, `output_text.delta`..., `output_text.done`,
-    `content_part.done`, `output_item.done`), a function_call item per call (`output_item.added`,
-    `function_call_arguments.delta` / `.done`, `output_item.done`), then `response.completed` (or
-    `response.incomplete`). A failure of the generation ends it with `response.failed`."""
-    stream = _ResponseStream(model, response_id, created)
+    `sequence_number`: `response.created`, `response.in_progress`, a reasoning item when the model
+    reasons (`output_item.added`, `content_part.added`, `reasoning_text.delta`..., `reasoning_text.done`,
+    `content_part.done`, and the `reasoning_summary_*` events too when a summary is asked for, then
+    `output_item.done`), a message item for the text (`output_item.added`, `content_part.added`,
+    `output_text.delta`..., `output_text.done`, `content_part.done`, `output_item.done`), a
+    function_call item per call (`output_item.added`, `function_call_arguments.delta` / `.done`,
+    `output_item.done`), then `response.completed` (or `response.incomplete`). A failure of the
+    generation ends it with `response.failed`."""
+    stream = _ResponseStream(request, response_id, created)
     for event in stream.start():
         yield event
     try:
         async for event in events:
-            if isinstance(event, TextDelta):
+            if isinstance(event, ReasoningDelta):
+                produced = stream.reasoning_delta(event.text)
+            elif isinstance(event, TextDelta):
                 produced = stream.text_delta(event.text)
             elif isinstance(event, ToolCallDelta):
                 produced = stream.call(event.call)

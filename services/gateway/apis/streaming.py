@@ -1,4 +1,4 @@
-"""Tool calls out of the model's text while it is still being sampled (hermes format).
+"""Reasoning and tool calls out of the model's text while it is still being sampled (hermes format).
 
 `ToolCallStreamParser` is fed the decoded text as tokens arrive and hands back what can already be
 shown: text at once, except a tail that may be the start of `<tool_call>`, and each call as a whole
@@ -10,6 +10,10 @@ The text is stripped at both ends, as `HermesFormat.parse` strips a turn: leadin
 dropped and trailing whitespace is held until more text follows it. Whatever the pieces the text
 arrives in, the deltas add up to the same content and calls (`canonical.split_tool_calls` is this
 parser fed the whole text at once).
+
+`TurnStreamParser` puts a reasoning block in front of that: a turn that opens with `<think>` (Qwen3,
+DeepSeek-R1 and most open reasoning models) gives its reasoning as `ReasoningDelta` up to `</think>`,
+and only the text after it goes through `ToolCallStreamParser`.
 """
 
 from __future__ import annotations
@@ -22,11 +26,20 @@ from rollstream.shared.agent.tools import ToolCall
 
 _HERMES = HermesFormat()
 OPEN, CLOSE = HermesFormat.OPEN, HermesFormat.CLOSE
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+"""The markers of a reasoning block, as the open reasoning models write them."""
 
 
 @dataclass(frozen=True)
 class TextDelta:
     """Text of the assistant message, to be appended to what came before."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """Reasoning the model wrote before its answer, to be appended to what came before."""
 
     text: str
 
@@ -39,12 +52,34 @@ class ToolCallDelta:
     call: ToolCall
 
 
-def _partial_open_tag(text: str) -> int:
-    """Length of the longest end of `text` that `OPEN` starts with (the start of a tag not yet complete)."""
-    for length in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-length:]):
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that `tag` starts with (the start of a tag not yet complete)."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-length:]):
             return length
     return 0
+
+
+class _StrippedText:
+    """Text stripped at both ends while it arrives: leading whitespace is dropped, trailing whitespace is
+    held until more text follows it (and dropped if none does)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.held_whitespace = ""
+
+    def push(self, text: str) -> str:
+        """What of `text` can be shown now ("" when nothing)."""
+        if not self.started:
+            text = text.lstrip()
+            self.started = bool(text)
+        visible = text.rstrip()
+        if not visible:
+            self.held_whitespace += text
+            return ""
+        piece = self.held_whitespace + visible
+        self.held_whitespace = text[len(visible):]
+        return piece
 
 
 class ToolCallStreamParser:
@@ -54,8 +89,7 @@ class ToolCallStreamParser:
         """Outside a call: a possible partial `<tool_call>`; inside one: the call's body so far."""
         self._in_call = False
         self._calls = 0
-        self._text_started = False
-        self._held_whitespace = ""
+        self._content = _StrippedText()
 
     def feed(self, text: str) -> list[TextDelta | ToolCallDelta]:
         out: list[TextDelta | ToolCallDelta] = []
@@ -64,7 +98,7 @@ class ToolCallStreamParser:
             if not self._in_call:
                 start = buffer.find(OPEN)
                 if start == -1:
-                    keep = _partial_open_tag(buffer)
+                    keep = _partial_tag(buffer, OPEN)
                     self._text(buffer[: len(buffer) - keep], out)
                     self._unresolved = buffer[len(buffer) - keep:]
                     return out
@@ -84,7 +118,7 @@ class ToolCallStreamParser:
         """What is left once sampling has ended: a call never closed, or a partial tag, as text."""
         out: list[TextDelta | ToolCallDelta] = []
         self._text(OPEN + self._unresolved if self._in_call else self._unresolved, out)
-        self._unresolved, self._in_call, self._held_whitespace = "", False, ""
+        self._unresolved, self._in_call, self._content.held_whitespace = "", False, ""
         return out
 
     def _block(self, body: str, out: list[TextDelta | ToolCallDelta]) -> None:
@@ -100,12 +134,66 @@ class ToolCallStreamParser:
         self._calls += 1
 
     def _text(self, text: str, out: list[TextDelta | ToolCallDelta]) -> None:
-        if not self._text_started:
-            text = text.lstrip()
-            self._text_started = bool(text)
-        visible = text.rstrip()
-        if visible:
-            out.append(TextDelta(self._held_whitespace + visible))
-            self._held_whitespace = text[len(visible):]
+        piece = self._content.push(text)
+        if piece:
+            out.append(TextDelta(piece))
+
+
+TurnPiece = ReasoningDelta | TextDelta | ToolCallDelta
+
+
+class TurnStreamParser:
+    """A whole turn as it arrives: its reasoning block, then its text and calls (`ToolCallStreamParser`).
+
+    The text reasons when it starts, after whitespace, with `<think>`; a `<think>` later on is text of
+    the answer. `reasoning_open` says the prompt opened the block already (templates of models that
+    always reason end the generation prompt with `<think>`): the text then starts inside it. The
+    reasoning is stripped at both ends like the answer; a block never closed (the turn was cut by
+    max_tokens) is reasoning to its end.
+    """
+
+    def __init__(self, turn: int, reasoning_open: bool = False) -> None:
+        self._answer = ToolCallStreamParser(turn)
+        self._state = "reasoning" if reasoning_open else "start"
+        """start (not yet known whether the turn reasons), reasoning, or answer"""
+        self._unresolved = ""
+        """At the start: whitespace or part of `<think>`; in the reasoning: part of `</think>`."""
+        self._reasoning = _StrippedText()
+
+    def feed(self, text: str) -> list[TurnPiece]:
+        out: list[TurnPiece] = []
+        buffer, self._unresolved = self._unresolved + text, ""
+        if self._state == "start":
+            opening = buffer.lstrip()
+            if opening.startswith(THINK_OPEN):
+                self._state, buffer = "reasoning", opening[len(THINK_OPEN):]
+            elif THINK_OPEN.startswith(opening):
+                self._unresolved = buffer
+                return out
+            else:
+                self._state = "answer"
+        if self._state == "reasoning":
+            end = buffer.find(THINK_CLOSE)
+            if end == -1:
+                keep = _partial_tag(buffer, THINK_CLOSE)
+                self._add_reasoning(buffer[: len(buffer) - keep], out)
+                self._unresolved = buffer[len(buffer) - keep:]
+                return out
+            self._add_reasoning(buffer[:end], out)
+            self._state, buffer = "answer", buffer[end + len(THINK_CLOSE):]
+        return out + self._answer.feed(buffer)
+
+    def finish(self) -> list[TurnPiece]:
+        """What is left once sampling has ended: an unclosed block's tail as reasoning, else text."""
+        out: list[TurnPiece] = []
+        if self._state == "reasoning":
+            self._add_reasoning(self._unresolved, out)
         else:
-            self._held_whitespace += text
+            out += self._answer.feed(self._unresolved)
+        self._unresolved = ""
+        return out + self._answer.finish()
+
+    def _add_reasoning(self, text: str, out: list[TurnPiece]) -> None:
+        piece = self._reasoning.push(text)
+        if piece:
+            out.append(ReasoningDelta(piece))

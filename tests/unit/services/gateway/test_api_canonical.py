@@ -32,6 +32,17 @@ def test_message_key_ignores_what_clients_change_when_they_send_a_turn_back():
     hash(message_key(recorded))
 
 
+def test_message_key_ignores_the_reasoning_clients_alter_or_drop():
+    recorded = assistant_message("Done.", [ToolCall("call_3_0", "read", {"path": "a.py"})],
+                                 reasoning="Think.")
+    assert recorded["reasoning_content"] == "Think."
+    assert "reasoning_content" not in assistant_message("Done.", [])
+    for echoed_reasoning in ({}, {"reasoning_content": "A summary of it."}, {"reasoning_content": ""}):
+        assert message_key({**recorded, **echoed_reasoning}) == message_key(recorded)
+    without = {key: value for key, value in recorded.items() if key != "reasoning_content"}
+    assert message_key(without) == message_key(recorded)
+
+
 @pytest.mark.parametrize("changed", [
     {"role": "user", "content": "Let me look."},
     {"role": "assistant", "content": "Let me look again."},

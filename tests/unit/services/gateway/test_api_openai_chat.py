@@ -70,6 +70,31 @@ def test_defaults_and_the_older_max_tokens():
             request.include_usage, request.temperature) == (64, None, "auto", [], False, False, None)
 
 
+def test_system_and_developer_messages_anywhere_and_reasoning_sent_back():
+    request = parse_chat_completions(body(
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": "Checking.", "reasoning_content": "Paris means France.",
+                   "tool_calls": [{"id": "call_0_0", "type": "function",
+                                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                  {"role": "tool", "tool_call_id": "call_0_0", "content": "18C"},
+                  {"role": "developer", "content": [{"type": "text", "text": "Answer in Celsius."},
+                                                    {"type": "text", "text": "One line."}]}],
+        tools=TOOLS + [{"type": "custom", "custom": {"name": "apply_patch"}}], reasoning_effort="high"))
+    assert [(m["role"], m["content"]) for m in request.messages] == [
+        ("system", "Be brief."), ("user", "Weather in Paris?"), ("assistant", "Checking."), ("tool", "18C"),
+        ("system", "Answer in Celsius.\nOne line.")]
+    assert request.messages[2]["reasoning_content"] == "Paris means France."
+    assert [tool["function"]["name"] for tool in request.tools] == ["get_weather"]
+    assert (request.ignored_tools, request.thinking) == (["custom"], True)
+
+
+@pytest.mark.parametrize("effort, thinking", [
+    ("none", False), ("minimal", True), ("high", True), (None, None)])
+def test_reasoning_effort_asks_the_model_to_reason_or_not(effort, thinking):
+    assert parse_chat_completions(body(reasoning_effort=effort)).thinking is thinking
+
+
 def test_tool_choice_none_hides_the_tools_and_a_named_one_is_kept():
     assert parse_chat_completions(body(tools=TOOLS, tool_choice="none")).tools is None
     named = parse_chat_completions(body(tools=TOOLS, tool_choice={"type": "function",
@@ -111,8 +136,11 @@ def test_tool_choice_none_hides_the_tools_and_a_named_one_is_kept():
     ({"max_completion_tokens": "100"}, 400, "max_completion_tokens must be an integer, not a string",
      "max_completion_tokens"),
     ({"stop": ["a", 3]}, 400, "stop[1] must be a string", "stop[1]"),
-    ({"tools": [{"type": "custom", "custom": {"name": "grammar"}}]}, 400, "tool type 'custom'",
+    ({"tools": [{"function": {"name": "f"}}]}, 400, "tools[0].type must be a string, not null",
      "tools[0].type"),
+    ({"modalities": ["text", "audio"]}, 400, "output modalities ['text', 'audio'] is not supported",
+     "modalities"),
+    ({"reasoning_effort": 3}, 400, "reasoning_effort must be a string", "reasoning_effort"),
     ({"tools": TOOLS + TOOLS}, 400, "the tool name 'get_weather' is given twice", "tools[1].name"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, 400,
      "tool_choice names the tool 'nope', which is not among the request's tools",
@@ -144,6 +172,16 @@ def test_a_completion_with_tool_calls():
         "usage": {"prompt_tokens": 31, "completion_tokens": 12, "total_tokens": 43},
         "system_fingerprint": None,
     }
+
+
+def test_a_completion_that_reasoned_carries_reasoning_content():
+    gen = Generation("Sunny.", [], "stop", 31, 12, reasoning="Look it up first.")
+    response = chat_completion_response(gen, model="policy", response_id="r", created=0)
+    message = response["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Look it up first.", "Sunny.")
+    plain = chat_completion_response(Generation("Sunny.", [], "stop", 1, 1), model="m", response_id="r",
+                                     created=0)
+    assert "reasoning_content" not in plain["choices"][0]["message"]
 
 
 def test_a_turn_of_calls_only_has_null_content_and_a_cut_off_turn_says_length():

@@ -24,6 +24,7 @@ from rollstream.services.gateway.apis.anthropic_messages import (
     messages_sse,
     parse_count_tokens,
     parse_messages,
+    thinking_signature,
 )
 from rollstream.services.gateway.apis.canonical import (
     ChatRequest,
@@ -33,7 +34,7 @@ from rollstream.services.gateway.apis.canonical import (
     StreamEvent,
     assistant_message,
     message_key,
-    split_tool_calls,
+    split_turn,
 )
 from rollstream.services.gateway.apis.errors import anthropic_error, openai_error
 from rollstream.services.gateway.apis.openai_chat import (
@@ -46,7 +47,7 @@ from rollstream.services.gateway.apis.openai_responses import (
     responses_response,
     responses_sse,
 )
-from rollstream.services.gateway.apis.streaming import ToolCallStreamParser
+from rollstream.services.gateway.apis.streaming import ToolCallStreamParser, TurnStreamParser
 from rollstream.shared.errors import RollstreamError
 
 TURN = 3
@@ -59,6 +60,9 @@ AFTER_A_CALL = ('Looking first.\n'
 PARIS_AND_ZURICH = [("call_3_0", "get_weather", {"city": "Paris", "unit": "celsius"}),
                     ("call_3_1", "get_weather", {"city": "Zürich"})]
 PLAIN = "It is sunny in Paris."
+REASONED = ('<think>\nThe user wants Paris. I should call the tool.\n</think>\n\n'
+            'Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>')
+REASONING = "The user wants Paris. I should call the tool."
 PARSERS = {"/v1/chat/completions": parse_chat_completions, "/v1/responses": parse_responses,
            "/v1/messages": parse_messages, "/v1/messages/count_tokens": parse_count_tokens}
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
@@ -66,20 +70,25 @@ WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "
 
 
 def generation(text: str, finish: FinishReason = "stop", stop_sequence: str | None = None) -> Generation:
-    content, calls = split_tool_calls(text, TURN)
+    reasoning, content, calls = split_turn(text, TURN)
     return Generation(content, calls, finish, prompt_tokens=57, completion_tokens=21,
-                      stop_sequence=stop_sequence)
+                      stop_sequence=stop_sequence, reasoning=reasoning)
+
+
+def recorded(text: str) -> dict[str, Any]:
+    """The assistant message the gateway records for a sampled turn."""
+    reasoning, content, calls = split_turn(text, TURN)
+    return assistant_message(content, calls, reasoning)
 
 
 def recorded_key(text: str) -> tuple:
-    """The key of the assistant message the gateway records for a sampled turn."""
-    return message_key(assistant_message(*split_tool_calls(text, TURN)))
+    return message_key(recorded(text))
 
 
 async def stream_events(text: str, finish: FinishReason = "stop", stop_sequence: str | None = None,
                         piece: int = 4) -> AsyncIterator[StreamEvent]:
     """The events the core feeds the SSE builders while sampling `text`, a few characters a token."""
-    parser = ToolCallStreamParser(TURN)
+    parser = TurnStreamParser(TURN)
     for start in range(0, len(text), piece):
         for event in parser.feed(text[start:start + piece]):
             yield event
@@ -242,6 +251,27 @@ def test_openai_chat_bad_request_raises_the_sdk_error_with_our_message():
     assert caught.value.body["param"] == "n"
 
 
+def test_openai_chat_reasoning_comes_back_as_reasoning_content_and_round_trips():
+    gateway = chat_gateway(REASONED)
+    client = gateway.openai()
+    message = client.chat.completions.create(model="policy", messages=CHAT_MESSAGES, tools=CHAT_TOOLS,
+                                             reasoning_effort="high").choices[0].message
+    assert (message.content, message.model_extra["reasoning_content"]) == ("Checking.", REASONING)
+    assert gateway.requests[0].thinking is True
+    chunks = list(client.chat.completions.create(model="policy", messages=CHAT_MESSAGES, tools=CHAT_TOOLS,
+                                                 stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == REASONING
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+
+    client.chat.completions.create(model="policy", tools=CHAT_TOOLS, messages=[
+        *CHAT_MESSAGES, message,
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "20C"}])
+    echoed = gateway.requests[-1].messages[2]
+    assert message_key(echoed) == recorded_key(REASONED)
+    assert echoed["reasoning_content"] == REASONING
+
+
 def test_openai_chat_failure_inside_the_stream_raises_in_the_sdk():
     gateway = Gateway(lambda request: sse_text(chat_completion_sse(failing_events(), model="policy",
                                                                    response_id="chatcmpl-1", created=0)))
@@ -258,10 +288,9 @@ RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "C
 def responses_gateway(text: str, finish: FinishReason = "stop") -> Gateway:
     def answer(request: ChatRequest) -> dict[str, Any] | str:
         if request.stream:
-            return sse_text(responses_sse(stream_events(text, finish), model=request.model,
-                                          response_id="resp_1", created=1700000000))
-        return responses_response(generation(text, finish), model=request.model, response_id="resp_1",
-                                  created=1700000000)
+            return sse_text(responses_sse(stream_events(text, finish), request, response_id="resp_1",
+                                          created=1700000000))
+        return responses_response(generation(text, finish), request, response_id="resp_1", created=1700000000)
     return Gateway(answer)
 
 
@@ -301,7 +330,7 @@ def test_openai_responses_stream_gives_the_final_response_and_the_turn_round_tri
     with client.responses.stream(model="policy", input="Weather?", tools=RESPONSES_TOOLS) as stream:
         events = list(stream)
         final = stream.get_final_response()
-    content, calls = split_tool_calls(text, TURN)
+    _, content, calls = split_turn(text, TURN)
     assert final.output_text == content
     assert function_calls(final.output) == [(call.id, call.name, call.arguments) for call in calls]
     assert (final.status, final.usage.input_tokens, final.usage.output_tokens) == ("completed", 57, 21)
@@ -347,12 +376,60 @@ def test_openai_responses_previous_response_id_is_refused_with_the_reason():
 
 
 def test_openai_responses_failure_inside_the_stream_ends_it_as_failed():
-    gateway = Gateway(lambda request: sse_text(responses_sse(failing_events(), model="policy",
-                                                             response_id="resp_1", created=0)))
+    gateway = Gateway(lambda request: sse_text(responses_sse(failing_events(), request, response_id="resp_1",
+                                                             created=0)))
     with gateway.openai().responses.stream(model="policy", input="Weather?") as stream:
         last = list(stream)[-1]
     assert (last.type, last.response.status) == ("response.failed", "failed")
     assert last.response.error.message == "generation failed: ConnectionError: vLLM server went away"
+
+
+AGENTS_NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+    {"type": "function", "name": "spawn_agent", "description": "Start a sub-agent.", "strict": False,
+     "parameters": {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]}}]}
+DELEGATED = ('<think>\nThe tests are slow: delegate them.\n</think>\n\nDelegating.\n'
+             '<tool_call>{"name": "multi_agent_v1.spawn_agent", '
+             '"arguments": {"task": "run the tests"}}</tool_call>')
+
+
+def test_openai_responses_reasoning_and_a_namespaced_call_round_trip_as_codex_sends_them():
+    gateway = responses_gateway(DELEGATED)
+    client = gateway.openai()
+    request = dict(model="policy", input=[{"role": "developer", "content": "Be brief."},
+                                          {"role": "user", "content": "Split the work."}],
+                   tools=[AGENTS_NAMESPACE, {"type": "web_search"}], reasoning={"summary": "auto"},
+                   include=["reasoning.encrypted_content"], store=False, parallel_tool_calls=True)
+    with client.responses.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    reasoning, message, call = final.output
+    assert reasoning.type == "reasoning"
+    assert [part.text for part in reasoning.summary] == [part.text for part in reasoning.content] == \
+        ["The tests are slow: delegate them."]
+    assert reasoning.encrypted_content
+    assert (message.type, final.output_text) == ("message", "Delegating.")
+    assert (call.type, call.name, call.namespace, json.loads(call.arguments)) == \
+        ("function_call", "spawn_agent", "multi_agent_v1", {"task": "run the tests"})
+    assert final.metadata == {"rollstream_ignored_tools": "web_search"}
+    for kind in ("response.reasoning_text.delta", "response.reasoning_summary_text.delta"):
+        assert "".join(e.delta for e in events if e.type == kind) == "The tests are slow: delegate them."
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    whole = client.responses.create(**request)
+    assert (whole.output[0], whole.output_text) == (reasoning, "Delegating.")
+    assert (whole.output[2].name, whole.output[2].namespace, whole.output[2].arguments) == \
+        (call.name, call.namespace, call.arguments)
+
+    # Codex sends the reasoning item back without its reasoning_text (it keeps the summary and the
+    # encrypted copy), the call with its namespace, then the call's output.
+    sent_back = {"type": "reasoning", "id": reasoning.id, "encrypted_content": reasoning.encrypted_content,
+                 "summary": [part.model_dump() for part in reasoning.summary]}
+    client.responses.create(**{**request, "input": [
+        *request["input"], sent_back, message, call,
+        {"type": "function_call_output", "call_id": call.call_id, "output": "agent a1 started"}]})
+    echoed = gateway.requests[-1].messages
+    assert message_key(echoed[2]) == recorded_key(DELEGATED)
+    assert echoed[2]["reasoning_content"] == "The tests are slow: delegate them."
+    assert (echoed[3]["role"], echoed[3]["name"]) == ("tool", "multi_agent_v1.spawn_agent")
 
 
 # --- Anthropic Messages ---------------------------------------------------------------------------
@@ -409,7 +486,7 @@ def test_anthropic_stream_gives_the_final_message_and_the_turn_round_trips(text)
                                 tools=ANTHROPIC_TOOLS) as stream:
         streamed_text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    content, calls = split_tool_calls(text, TURN)
+    _, content, calls = split_turn(text, TURN)
     assert streamed_text == "".join(block.text for block in final.content if block.type == "text") == content
     assert tool_uses(final.content) == [(call.id, call.name, call.arguments) for call in calls]
     assert final.stop_reason == ("tool_use" if calls else "end_turn")
@@ -445,6 +522,31 @@ def test_anthropic_stop_reasons_streamed_and_not(finish, stop_sequence, stop_rea
         final = stream.get_final_message()
     for result in (message, final):
         assert (result.stop_reason, result.stop_sequence) == (stop_reason, stop_sequence)
+
+
+def test_anthropic_thinking_streams_as_a_signed_thinking_block_and_round_trips():
+    gateway = anthropic_gateway(REASONED)
+    client = gateway.anthropic()
+    with client.messages.stream(model="policy", max_tokens=32000, messages=ANTHROPIC_MESSAGES,
+                                tools=ANTHROPIC_TOOLS, thinking={"type": "adaptive"}) as stream:
+        streamed_thinking = "".join(event.thinking for event in stream if event.type == "thinking")
+        final = stream.get_final_message()
+    assert streamed_thinking == REASONING
+    assert [block.type for block in final.content] == ["thinking", "text", "tool_use"]
+    assert (final.content[0].thinking, final.content[0].signature) == \
+        (REASONING, thinking_signature(REASONING))
+    whole = client.messages.create(model="policy", max_tokens=300, messages=ANTHROPIC_MESSAGES,
+                                   tools=ANTHROPIC_TOOLS, thinking={"type": "adaptive"})
+    assert [block.to_dict(exclude_none=True) for block in whole.content] == \
+        [block.to_dict(exclude_none=True) for block in final.content]
+
+    results = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": final.content[2].id,
+                                            "content": "20C"}]}
+    client.messages.create(model="policy", max_tokens=300, tools=ANTHROPIC_TOOLS,
+                           messages=[*ANTHROPIC_MESSAGES, final.to_param(), results])
+    echoed = gateway.requests[-1].messages[1]
+    assert message_key(echoed) == recorded_key(REASONED)
+    assert echoed["reasoning_content"] == REASONING
 
 
 def test_anthropic_count_tokens():

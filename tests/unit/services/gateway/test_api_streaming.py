@@ -1,5 +1,6 @@
-"""Tool calls out of text that arrives a few characters at a time: whatever the pieces, the same
-content and calls as the whole turn parsed at once, with text shown as soon as it cannot be a tag."""
+"""Reasoning and tool calls out of text that arrives a few characters at a time: whatever the pieces,
+the same reasoning, content and calls as the whole turn parsed at once, with text shown as soon as it
+cannot be a tag."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ import random
 
 import pytest
 
-from rollstream.services.gateway.apis.canonical import split_tool_calls
-from rollstream.services.gateway.apis.streaming import TextDelta, ToolCallDelta, ToolCallStreamParser
+from rollstream.services.gateway.apis.canonical import SampledTurn, split_tool_calls, split_turn
+from rollstream.services.gateway.apis.streaming import (
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    ToolCallStreamParser,
+    TurnStreamParser,
+)
 from rollstream.shared.agent.tool_calls import get_format
 from rollstream.shared.agent.tools import ToolCall
 
@@ -98,3 +105,52 @@ def test_whitespace_at_the_ends_of_the_turn_is_never_emitted():
     parser = ToolCallStreamParser(turn=0)
     out = [delta for piece in ("\n\n  ", "Hi", " there \n", "\n") for delta in parser.feed(piece)]
     assert out + parser.finish() == [TextDelta("Hi"), TextDelta(" there")]
+
+
+CALL = '<tool_call>{"name": "ls", "arguments": {"path": "."}}</tool_call>'
+LS = ToolCall("call_2_0", "ls", {"path": "."})
+REASONING_TURNS = [
+    # (text, the template opened the block, reasoning, content, calls)
+    ("<think>\nList first.\n</think>\n\nListing.\n" + CALL, False, "List first.", "Listing.", [LS]),
+    ("  \n<think>Only thought, then cut off by max_tok", False, "Only thought, then cut off by max_tok", "",
+     []),
+    ("<think>\n\n</think>\n\nNo reasoning at all.", False, "", "No reasoning at all.", []),
+    ("The answer, with <think>in the middle</think> of it.", False, "",
+     "The answer, with <think>in the middle</think> of it.", []),
+    ("<thinking>is not the marker</thinking>", False, "", "<thinking>is not the marker</thinking>", []),
+    ("<thin", False, "", "<thin", []),
+    (CALL, False, "", "", [LS]),
+    ("Opened by the prompt.\n</think>\n\nDone.", True, "Opened by the prompt.", "Done.", []),
+    ("Opened by the prompt, a </thi", True, "Opened by the prompt, a </thi", "", []),
+    ("Tests 1 < 2 and a </ b.</think>" + CALL, True, "Tests 1 < 2 and a </ b.", "", [LS]),
+]
+
+
+@pytest.mark.parametrize("text, reasoning_open, reasoning, content, calls", REASONING_TURNS)
+def test_any_split_of_a_reasoning_turn_gives_the_reasoning_content_and_calls_of_the_whole(
+        text, reasoning_open, reasoning, content, calls):
+    assert split_turn(text, turn=2, reasoning_open=reasoning_open) == SampledTurn(reasoning, content, calls)
+    rng = random.Random(text)
+    for pieces in [list(text), [text]] + [random_pieces(text, rng) for _ in range(300)]:
+        parser = TurnStreamParser(turn=2, reasoning_open=reasoning_open)
+        out = [piece for chunk in pieces for piece in parser.feed(chunk)] + parser.finish()
+        assert "".join(d.text for d in out if isinstance(d, ReasoningDelta)) == reasoning, pieces
+        assert "".join(d.text for d in out if isinstance(d, TextDelta)) == content, pieces
+        assert [d.call for d in out if isinstance(d, ToolCallDelta)] == calls, pieces
+        assert all(isinstance(d, ToolCallDelta) or d.text for d in out), "no empty deltas"
+        answer_starts = next((i for i, d in enumerate(out) if not isinstance(d, ReasoningDelta)), len(out))
+        assert not any(isinstance(d, ReasoningDelta) for d in out[answer_starts:]), "reasoning comes first"
+
+
+def test_a_turn_without_reasoning_splits_as_before():
+    for text in WELL_FORMED + MALFORMED:
+        assert split_turn(text, turn=4) == SampledTurn("", *split_tool_calls(text, turn=4))
+
+
+def test_reasoning_is_emitted_at_once_and_only_a_possible_marker_is_held_back():
+    parser = TurnStreamParser(turn=0)
+    assert parser.feed("  <thi") == []
+    assert parser.feed("nk>\nStep one") == [ReasoningDelta("Step one")]
+    assert parser.feed(", step two.\n</th") == [ReasoningDelta(", step two.")]
+    assert parser.feed("ink>\n\nAnswer") == [TextDelta("Answer")]
+    assert parser.finish() == []
