@@ -13,29 +13,39 @@ coding tools take it (shared/agent/environments/coding.py: metadata "repo" and/o
 One episode:
 
 1. the task's workspace is made as the coding tools make theirs (a copy of the repository with a baseline
-   snapshot, coding.get_workspace);
+   snapshot, coding.get_workspace), and its sandbox is prepared (agent_sandbox.py: the backend, the task's
+   image, built now when docker has not got it yet, so that building it costs the agent none of its budget);
 2. a gateway session is opened (POST /v1/sessions) with the prompt's ids, sample index, group size, label,
-   reward function, sandbox check and grader, the rollout's sampling settings and the time budget;
-3. the command line runs as `/bin/sh -c COMMAND` in its own process group, in the workspace's repository,
-   with stdin closed and stdout and stderr in a log. In the command line `{task_file}` and `{model}` are
-   replaced by the task file's path and the served model's name, shell-quoted. Its environment is clean
-   (nothing of the agent-runner's, whose secrets it must not see) but for PATH, and holds:
+   reward function, sandbox check and grader, the rollout's sampling settings (a seed of the rollout's own when
+   rollout.seed is set) and the time budget;
+3. the command line runs as `/bin/sh -c COMMAND` in the task's sandbox (agent_sandbox.py: bubblewrap or
+   docker, agent.command_sandbox, default grader.backend), never on the host: the repository at the task's
+   WORKDIR (a Harbor task's, e.g. /app; /workspace otherwise) is its working directory, it has no network but
+   its way to its own gateway session, and nothing of the host is writable but the repository, its HOME and
+   its log. Stdin is closed; stdout and stderr go to the log. In the command line `{task_file}` and `{model}`
+   are replaced by the task file's path in the sandbox and the served model's name, shell-quoted. Its
+   environment is clean (nothing of the agent-runner's, whose secrets it must not see) and holds:
 
-       OPENAI_BASE_URL, OPENAI_API_BASE   the session's OpenAI base URL ({gateway}/s/{session}/v1;
-                                          litellm reads OPENAI_API_BASE)
+       OPENAI_BASE_URL, OPENAI_API_BASE   the session's OpenAI base URL through the sandbox's forwarder,
+                                          http://127.0.0.1:18300/s/{session}/v1 (litellm reads OPENAI_API_BASE)
        OPENAI_API_KEY, ANTHROPIC_API_KEY  the session's key
-       ANTHROPIC_BASE_URL                 the session's Anthropic base URL ({gateway}/s/{session})
+       ANTHROPIC_BASE_URL                 the session's Anthropic base URL, http://127.0.0.1:18300/s/{session}
        ROLLSTREAM_SESSION_ID              the session
        ROLLSTREAM_MODEL                   the served model's name (model.served_name)
        ROLLSTREAM_TASK                    the instruction: the prompt's last user message, without the
                                           note on the coding tools, which such an agent does not have
-       ROLLSTREAM_TASK_FILE               a file holding the same text
-       HOME                               an empty directory of the episode's, beside the repository
+       ROLLSTREAM_TASK_FILE               a file holding the same text, /rollstream/episode/task.md
+       HOME                               /home/agent, an empty directory of the episode's, outside the
+                                          repository (what the agent writes there is in no diff)
+       PATH                               the system's, after /opt/agent/bin and /opt/agent/node_modules/.bin
+                                          when agent.command_runtime_dir (the agent's own runtime) is set
        LANG                               C.UTF-8
 
-4. the time budget ends it: the whole process group is killed and the episode is "truncated"; a command
-   that exits non-zero is "failed" (the reason and the end of its log in the error), one that exits 0
-   "completed". Whatever it left running in its process group is killed either way;
+4. the time budget ends it: the sandbox's wall clock (the budget left since the session opened) kills
+   everything in it and the episode is "truncated"; a command that exits non-zero is "failed" (the reason and
+   the end of its log in the error), one that exits 0 "completed". Whatever it left running dies with the
+   sandbox either way. A sandbox that could not run the command at all (no sandbox, no forwarder: e.g. a
+   docker image without python3) raises AgentSandboxError, the machinery's failure, not an outcome;
 5. the log is stored at {run_id}/artifacts/{rollout}.log and the workspace released (its diff stored at
    {run_id}/artifacts/{rollout}.diff), and the session is finished with the status, the error and the
    artifacts {"diff": ..., "log": ...}. The gateway publishes the trajectory; the agent-runner then
@@ -47,8 +57,10 @@ gateway that refuses a call (4xx, e.g. a finish of a session with no model turn:
 raises GatewayRefused, the prompt's failure (retried, then dead-lettered). A session that is not finished
 is deleted (DELETE, nothing published) as far as the gateway still answers.
 
-The command runs on the host with the agent-runner's rights, and so do the commands the model makes it
-run: give this mode to agents and tasks you would run yourself, or run the agent-runner in a container.
+What the agent needs in its sandbox: its runtime (agent.command_runtime_dir, e.g. a node_modules holding
+Claude Code or codex, read-only at /opt/agent; node itself is the host's /usr/bin/node under bubblewrap and
+must be in the image, or in the runtime dir's bin/, under docker), python3 for the forwarder (docker: in the
+image), and an address space of agent.command_memory_mb.
 
     python -m pytest tests/unit/services/agent_runner/test_blackbox.py -q
 """
@@ -56,22 +68,25 @@ run: give this mode to agents and tasks you would run yourself, or run the agent
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import shlex
-import signal
-import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from rollstream.services.agent_runner.agent_sandbox import GATEWAY_PORT, TASK_FILE, AgentSandbox
+from rollstream.services.agent_runner.gateway_forwarder import SessionForwarder
 from rollstream.shared.agent.environments.coding import get_workspace, release_workspace, store_artifact
 from rollstream.shared.agent.tools import Episode
 from rollstream.shared.contract.events import PromptIssued
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.runtime.config import Settings
+from rollstream.shared.sandbox.base import SandboxResult
 from rollstream.shared.tasks.prompts import TOOLS_NOTE
 
 log = logging.getLogger(__name__)
@@ -169,6 +184,10 @@ class BlackBoxRunner:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # a sandbox's run blocks its thread for the whole episode: on the loop's default executor (a few
+        # threads) the episodes would starve every other to_thread call of the agent-runner (acks, claims)
+        self.sandbox_threads = ThreadPoolExecutor(max_workers=settings.rollout.concurrency,
+                                                  thread_name_prefix="agent-sandbox")
 
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(timeout=GATEWAY_TIMEOUT)
@@ -181,24 +200,32 @@ class BlackBoxRunner:
         """One episode, its session finished on the gateway (which publishes it) when this returns."""
         command = self.command_line(prompt)
         budget_s = self.time_budget_s(prompt)
-        async with self.client() as client:
-            gateway = GatewaySessions(self.settings, client)
-            session = await gateway.open(self.session_request(prompt, ids, budget_s))
-            # the gateway counts the budget from now too: the agent is not cut off there before it is here
-            deadline = asyncio.get_running_loop().time() + budget_s
-            session_id = session["session_id"]
-            finished = False
-            try:
-                outcome = await self.episode(prompt, ids["rollout_id"], command, session, deadline, budget_s)
+        settings = self.settings
+        episode = Episode(episode_id=ids["rollout_id"], run_id=settings.run_id, metadata=dict(prompt.metadata),
+                          storage_uri=settings.storage_uri)
+        workspace = await get_workspace(episode)
+        try:
+            sandbox = await asyncio.to_thread(AgentSandbox.prepare, settings, workspace, prompt.metadata)
+            async with self.client() as client:
+                gateway = GatewaySessions(settings, client)
+                session = await gateway.open(self.session_request(prompt, ids, budget_s))
+                # the gateway counts the budget from now too: the agent is not cut off there before it is here
+                deadline = asyncio.get_running_loop().time() + budget_s
+                session_id = session["session_id"]
+                finished = False
                 try:
-                    await gateway.finish(session_id, outcome)
-                except GatewayRefused as exc:
-                    raise GatewayRefused(f"{exc} (the episode was {outcome.status}"
-                                         f"{': ' + outcome.error if outcome.error else ''})") from exc
-                finished = True
-            finally:
-                if not finished:
-                    await gateway.discard(session_id)
+                    outcome = await self.episode(prompt, episode, sandbox, command, session, deadline, budget_s)
+                    try:
+                        await gateway.finish(session_id, outcome)
+                    except GatewayRefused as exc:
+                        raise GatewayRefused(f"{exc} (the episode was {outcome.status}"
+                                             f"{': ' + outcome.error if outcome.error else ''})") from exc
+                    finished = True
+                finally:
+                    if not finished:
+                        await gateway.discard(session_id)
+        finally:
+            await release_workspace(episode)
 
     def command_line(self, prompt: PromptIssued) -> str:
         command = prompt.metadata.get("command") or self.settings.agent.command
@@ -219,41 +246,58 @@ class BlackBoxRunner:
                 "sample_index": prompt.sample_index, "group_size": prompt.group_size, "label": prompt.label,
                 "reward_fn": prompt.reward_fn, "sandbox_check": prompt.sandbox_check,
                 "grader": dict(prompt.metadata.get("grader") or {}), "metadata": dict(prompt.metadata),
-                "sampling": {"temperature": rollout.temperature, "max_tokens": rollout.max_tokens},
+                "sampling": {"temperature": rollout.temperature, "max_tokens": rollout.max_tokens,
+                             **({"seed": rollout_seed(rollout.seed, ids["rollout_id"])} if rollout.seed is not None
+                                else {})},
                 "time_budget_s": budget_s}
 
-    async def episode(self, prompt: PromptIssued, episode_id: str, command: str, session: dict[str, Any],
-                      deadline: float, budget_s: float) -> Outcome:
-        """Run the command in the task's workspace; store its log and the workspace's diff."""
+    async def episode(self, prompt: PromptIssued, episode: Episode, sandbox: AgentSandbox, command: str,
+                      session: dict[str, Any], deadline: float, budget_s: float) -> Outcome:
+        """Run the command in the task's sandbox; store its log and the workspace's diff."""
         settings = self.settings
-        episode = Episode(episode_id=episode_id, run_id=settings.run_id, metadata=dict(prompt.metadata),
-                          storage_uri=settings.storage_uri)
-        workspace = await get_workspace(episode)
-        try:
-            scratch = await asyncio.to_thread(workspace.scratch, "agent")
-            home = await asyncio.to_thread(workspace.scratch, "home")
-            task = instruction(prompt.messages)
-            task_file = scratch / "task.md"
-            task_file.write_text(task)
-            model = settings.model.served_name
-            env = agent_environment(session, home, model, task, task_file)
-            filled = command.replace("{task_file}", shlex.quote(str(task_file))).replace("{model}", shlex.quote(model))
-            log_file = scratch / "command.log"
-            status, error = await run_command(filled, workspace.root, env, log_file, deadline, budget_s)
-            log_uri = await asyncio.to_thread(store_artifact, settings.storage_uri, log_file, settings.run_id,
-                                              episode_id, ".log")
-        finally:
-            await release_workspace(episode)
+        task = instruction(prompt.messages)
+        sandbox.write_task(task)
+        model = settings.model.served_name
+        env = {**sandbox.environment(), **agent_environment(session, model, task)}
+        filled = command.replace("{task_file}", shlex.quote(TASK_FILE)).replace("{model}", shlex.quote(model))
+        async with SessionForwarder(sandbox.socket_path, settings.gateway.url, session["session_id"]):
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self.sandbox_threads, sandbox.run, filled, env,
+                                                deadline - loop.time())
+        log_file = await asyncio.to_thread(sandbox.take_log)
+        status, error = outcome_of(result, budget_s, log_file)
+        log_uri = await asyncio.to_thread(store_artifact, settings.storage_uri, log_file, settings.run_id,
+                                          episode.episode_id, ".log")
+        await release_workspace(episode)
         return Outcome(status=status, error=error, artifacts={**episode.artifacts, "log": log_uri})
 
 
-def agent_environment(session: dict[str, Any], home: Path, model: str, task: str, task_file: Path) -> dict[str, str]:
-    """The command's whole environment (see the module docstring): nothing of the agent-runner's but PATH."""
-    return {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8",
-            "OPENAI_BASE_URL": session["openai_base_url"], "OPENAI_API_BASE": session["openai_base_url"],
-            "OPENAI_API_KEY": session["api_key"], "ANTHROPIC_BASE_URL": session["anthropic_base_url"],
+def rollout_seed(run_seed: int, rollout_id: str) -> int:
+    """The sampling seed of a rollout's turns (32 bits): the same run seed and rollout id give the same seed in
+    every process."""
+    return int.from_bytes(hashlib.blake2b(f"{run_seed}:{rollout_id}".encode(), digest_size=4).digest(), "big")
+
+
+def agent_environment(session: dict[str, Any], model: str, task: str) -> dict[str, str]:
+    """The episode's own part of the command's environment (see the module docstring): its session, reached
+    through the sandbox's forwarder, and its task."""
+    base_url = f"http://127.0.0.1:{GATEWAY_PORT}/s/{session['session_id']}"
+    return {"OPENAI_BASE_URL": f"{base_url}/v1", "OPENAI_API_BASE": f"{base_url}/v1",
+            "OPENAI_API_KEY": session["api_key"], "ANTHROPIC_BASE_URL": base_url,
             "ANTHROPIC_API_KEY": session["api_key"], "ROLLSTREAM_SESSION_ID": session["session_id"],
-            "ROLLSTREAM_MODEL": model, "ROLLSTREAM_TASK": task, "ROLLSTREAM_TASK_FILE": str(task_file)}
+            "ROLLSTREAM_MODEL": model, "ROLLSTREAM_TASK": task, "ROLLSTREAM_TASK_FILE": TASK_FILE}
+
+
+def outcome_of(result: SandboxResult, budget_s: float, log_file: Path) -> tuple[str, str | None]:
+    """The episode's status and error from how the sandbox ended."""
+    if result.timed_out:
+        return "truncated", f"the time budget of {budget_s:g} s ran out: the command was killed"
+    if result.exit_code == 0:
+        return "completed", None
+    how = f"exited with status {result.exit_code}"
+    if result.reason != f"exit {result.exit_code}":  # a signal (128 + N), named with its likely cause
+        how += f" ({result.reason})"
+    return "failed", f"the command {how}; the end of its output:\n{_tail(log_file)}"
 
 
 def instruction(messages: list[dict[str, Any]]) -> str:
@@ -266,42 +310,6 @@ def instruction(messages: list[dict[str, Any]]) -> str:
                 content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
             return str(content or "").removesuffix(f"\n\n{TOOLS_NOTE}")
     raise ValueError("a command episode needs a user message: the task's instruction")
-
-
-async def run_command(command: str, cwd: Path, env: dict[str, str], log_file: Path, deadline: float,
-                      budget_s: float) -> tuple[str, str | None]:
-    """Run `command` in its own process group until it exits or the loop's clock reaches `deadline` (the end
-    of the episode's `budget_s`); returns the status and the error."""
-    with await asyncio.to_thread(open, log_file, "wb") as output:
-        process = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=output,
-            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        code = await asyncio.wait_for(process.wait(), deadline - asyncio.get_running_loop().time())
-    except TimeoutError:
-        return "truncated", f"the time budget of {budget_s:g} s ran out: the command was killed"
-    finally:
-        # the group outlives its leader: an agent's tool processes left running would keep writing the tree
-        _kill_group(process.pid)
-        await process.wait()
-    if code == 0:
-        return "completed", None
-    how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
-    return "failed", f"the command {how}; the end of its output:\n{_tail(log_file)}"
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _tail(path: Path) -> str:

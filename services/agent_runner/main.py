@@ -12,9 +12,11 @@ published, so a replica that dies leaves it to be reclaimed by another. When no 
 new prompt meanwhile, and /healthz says why: a fleet restart costs time, not prompts.
 
 A prompt whose agent is `command` is a black-box episode instead (blackbox.py): an unmodified agent, run
-as a command in the task's workspace, talks to the fleet through the gateway, which records its turns
-and publishes the trajectory when the agent-runner finishes the session. A gateway that does not answer
-is waited for like the fleet: the prompt is kept and run again once it answers.
+as a command in the task's sandbox (agent_sandbox.py), talks to the fleet through the gateway, which
+records its turns and publishes the trajectory when the agent-runner finishes the session. A gateway that
+does not answer is waited for like the fleet: the prompt is kept and run again once it answers. When
+black-box agents run under docker, the agent-runner first removes the containers that agent-runners
+killed on this host left behind.
 
 One entry's failure is that entry's: an entry on `prompts` that is no PromptIssued, or one without
 the rollout and group ids a sample needs, is dead-lettered at once with the reason; an episode that
@@ -29,6 +31,7 @@ import asyncio
 import functools
 import uuid
 
+from rollstream.services.agent_runner.agent_sandbox import remove_orphaned_containers
 from rollstream.services.agent_runner.blackbox import COMMAND_AGENT, BlackBoxRunner, GatewayUnavailable
 from rollstream.shared.agent.environments import (
     calculator,  # noqa: F401  (registers the calculator tool)
@@ -153,6 +156,8 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
 
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     bus.ensure_group("prompts", GROUP)
+    # a container of an agent-runner that was killed (this one, restarted) may still hold a black-box agent
+    await asyncio.to_thread(remove_orphaned_containers, settings)
     consumer = consumer_name(GROUP)
     tokenizer = AutoTokenizer.from_pretrained(settings.model.path)
     fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,

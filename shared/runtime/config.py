@@ -101,11 +101,25 @@ class AgentSettings(Section):
     """Extra tools from a YAML file (see shared/agent/tools.py)."""
     command: str | None = None
     """Command line of black-box episodes (rows whose agent is `command`) that name none in metadata["command"]:
-    an unmodified agent run through the gateway, in the task's repository, `{task_file}` and `{model}` filled in
-    (see services/agent_runner/blackbox.py)."""
+    an unmodified agent run in the task's sandbox, in its repository, through the gateway, `{task_file}` and
+    `{model}` filled in (see services/agent_runner/blackbox.py)."""
     command_time_budget_s: float = Field(600.0, gt=0)
     """Wall-clock budget of a black-box episode whose row sets no metadata["time_budget_s"]; then its command is
     killed and the episode is truncated."""
+    command_sandbox: Literal["bubblewrap", "docker"] | None = None
+    """Sandbox a black-box episode's command runs in (its own network-less sandbox with the task's workspace at the
+    task's WORKDIR; see services/agent_runner/agent_sandbox.py): bubblewrap or docker (the task's image); None: the
+    grader's, grader.backend."""
+    command_memory_mb: int = Field(8192, ge=256)
+    """Memory of a black-box episode's sandbox: under bubblewrap the address space of each process (RLIMIT_AS),
+    under docker the container's memory limit. Agent runtimes reserve far more address space than they use
+    (measured under bubblewrap): Claude Code 2.1 (Bun) needs 2.1 GiB to start a session (`claude -p`; 740 MiB for
+    --version), codex 0.169 and node 20 750 MiB to start; the grader's 512 MiB kills all three."""
+    command_runtime_dir: Path | None = None
+    """Host directory holding the black-box agent's own runtime (a node_modules with its CLI, a virtualenv made with
+    the sandbox's python3, static binaries in bin/), mounted read-only at /opt/agent in the sandbox, with
+    /opt/agent/bin and /opt/agent/node_modules/.bin first on PATH. None: the command finds only what the sandbox
+    has (bubblewrap: the host's /usr; docker: the task's image)."""
 
 
 class TrainSettings(Section):

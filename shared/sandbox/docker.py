@@ -14,6 +14,11 @@ removed. The workdir and the mounts' targets are checked as bubblewrap checks th
 Harbor task's environment/ directory is built into `rollstream-task:<content hash>` once (skipped
 when that tag exists). `BackendUnavailable` when no engine is reachable.
 
+Every container is labelled with the process that made it (OWNER_LABEL: host name, pid namespace,
+pid and the process's start time). A process killed while its container runs never removes it, and
+nothing in the engine would stop it: `remove_orphaned_containers` (the agent-runner calls it when it
+starts) removes the containers of this host's and pid namespace's processes that are gone.
+
     python -m pytest tests/unit/shared/sandbox/test_docker_backend.py -q
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import stat
 import threading
 import time
@@ -43,6 +49,8 @@ DEFAULT_IMAGE = "python:3.11-slim"
 """Image of runs whose task brings no environment/Dockerfile (the compose file's Python base)."""
 OUTPUT_DRAIN_S = 10.0
 """How long the rest of a finished container's output may take to arrive."""
+OWNER_LABEL = "rollstream.sandbox.owner"
+"""Label of every container the backend makes: `process_owner()` of the process that made it."""
 
 
 class DockerBackend:
@@ -119,7 +127,19 @@ class DockerBackend:
                      Ulimit(name="core", soft=0, hard=0)],
             log_config=LogConfig(type="none", config={}),
             stdin_open=False, tty=False, auto_remove=False, privileged=False, ipc_mode="none",
+            labels={OWNER_LABEL: process_owner()},
         )
+
+    def remove_orphaned_containers(self) -> list[str]:
+        """Remove (killing them first) the containers made by processes of this host and pid namespace that
+        are gone; returns their ids. Containers of other hosts, other pid namespaces or live processes are
+        left alone: whether their maker lives cannot be told from here."""
+        removed = []
+        for container in self.client.containers.list(all=True, filters={"label": OWNER_LABEL}):
+            if owner_is_gone(container.labels.get(OWNER_LABEL, "")):
+                container.remove(force=True)
+                removed.append(container.id)
+        return removed
 
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
@@ -213,6 +233,38 @@ class _CappedOutput:
 
     def text(self) -> tuple[str, str]:
         return tuple(kept.decode("utf-8", errors="replace") for kept in self.kept)
+
+
+def process_owner() -> str:
+    """`host/pid namespace/pid/start time` of this process: the pid alone is reused, by the next process on this
+    host or by the same service restarted in its container (the same host name and pid namespace, another start
+    time)."""
+    return f"{socket.gethostname()}/{_pid_namespace()}/{os.getpid()}/{_start_time(os.getpid())}"
+
+
+def owner_is_gone(owner: str) -> bool:
+    """Whether `owner` (process_owner's form) names a process of this host and pid namespace that no longer
+    runs; False for any other host or namespace, and for a label not in that form."""
+    parts = owner.split("/")
+    if len(parts) != 4 or not parts[2].isdigit():
+        return False
+    host, namespace, pid, started = parts
+    if host != socket.gethostname() or namespace != str(_pid_namespace()):
+        return False
+    return _start_time(int(pid)) != started
+
+
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); "" when it does not run."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            return stat_file.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def directory_hash(path: Path) -> str:

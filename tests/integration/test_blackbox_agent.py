@@ -1,11 +1,18 @@
 """mini-swe-agent, unmodified, as a black-box agent: the pipeline for real (Redis, vLLM on the CPU, the
 gateway and the other services as processes) on the Harbor task fix-add. The agent-runner runs `mini`
-in the task's workspace with the session's OpenAI base URL; its turns go through the gateway, which
-publishes them; the sandbox-grader grades the diff, the reward service batches, the trainer trains.
+in the task's sandbox (bubblewrap, the grader's backend), in the task's workspace at its WORKDIR (/app),
+with the session's OpenAI base URL through the sandbox's forwarder; its turns go through the gateway,
+which publishes them; the sandbox-grader grades the diff, the reward service batches, the trainer trains.
 
 The tiny model writes no usable shell command, so the episode is a few turns of format errors until
 mini's step limit: what is tested is the machinery, not the agent's skill. mini runs the commands the
-model writes on the host (its local environment): run this only with a model you would let do that.
+model writes in its sandbox (its local environment is the sandbox).
+
+mini's runtime is this project's virtualenv, mounted read-only at /opt/agent (agent.command_runtime_dir):
+its bin/python is a link to an interpreter outside the sandbox, so the sandbox's python3 (the host's
+/usr/bin/python3, of the same minor version) runs mini from the virtualenv's site-packages. A runtime made
+for the sandbox needs no such detour: `/usr/bin/python3 -m venv DIR && DIR/bin/pip install mini-swe-agent`,
+then `python -m minisweagent.run.mini` (README, "Black-box episodes").
 
     pip install mini-swe-agent==2.4.6
     python -m pytest tests/integration/test_blackbox_agent.py -q
@@ -13,10 +20,9 @@ model writes on the host (its local environment): run this only with a model you
 
 from __future__ import annotations
 
-import shlex
+import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -40,11 +46,12 @@ pytest.importorskip("minisweagent", reason="the black-box agent: pip install min
 TASK = FIXTURES / "harbor" / "fix-add"
 GROUP = 2
 STEPS = 3
-MINI = Path(sys.executable).with_name("mini")
+SITE_PACKAGES = f"/opt/agent/lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
 MINI_COMMAND = " ".join([
     # no first-run questions, no cost lookups for a model litellm does not know, no cost map download
     "MSWEA_CONFIGURED=true MSWEA_COST_TRACKING=ignore_errors LITELLM_LOCAL_MODEL_COST_MAP=True",
-    shlex.quote(str(MINI)), "--agent-class default --environment-class local",
+    f"PYTHONPATH={SITE_PACKAGES} python3 -m minisweagent.run.mini",
+    "--agent-class default --environment-class local",
     # litellm's `openai/` provider, pointed at the session by OPENAI_API_BASE and OPENAI_API_KEY
     "--model openai/{model} --model-class litellm_textbased",
     "-c mini_textbased.yaml", f"-c agent.step_limit={STEPS}",
@@ -62,12 +69,18 @@ def run(tmp_path_factory, machine_redis_url):
     model = MODELS / "tiny-llama-warm"
     if not (model / "tokenizer.json").exists():
         pytest.skip("the tiny model is built by make setup")
+    sandbox_python = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"],
+                                    capture_output=True, text=True).stdout.strip()
+    if sandbox_python != str(tuple(sys.version_info[:2])):
+        pytest.skip(f"the sandbox's python3 is {sandbox_python or 'missing'}, not {sys.version_info[:2]}: it cannot "
+                    "run mini from this virtualenv")
     root = tmp_path_factory.mktemp("blackbox")
     settings = Settings(
         run_id=f"bb-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url, storage_uri=str(root / "runs"),
         model={"path": model}, data={"path": TASK, "samples_per_prompt": GROUP},
         rollout={"max_tokens": 32, "concurrency": GROUP},
-        agent={"default": "command", "command": MINI_COMMAND, "command_time_budget_s": 300},
+        agent={"default": "command", "command": MINI_COMMAND, "command_time_budget_s": 300,
+               "command_runtime_dir": sys.prefix},
         train={"batch_size": GROUP, "total_versions": 1, "max_staleness": 1},
         recorder={"enabled": False},
     )

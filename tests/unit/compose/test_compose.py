@@ -4,6 +4,7 @@ on a real engine is in the file (tests/e2e/test_compose.py runs it where an engi
 import importlib
 import tomllib
 
+import pytest
 import yaml
 
 from tests.support import REPO
@@ -120,8 +121,9 @@ def test_vllm_cpu_has_the_shared_memory_it_needs_and_serves_dev_endpoints():
         assert compose()[vllm]["networks"]["default"]["aliases"] == ["vllm"]
 
 
-def test_the_sandbox_grader_gets_what_bubblewrap_needs_and_no_more():
-    service = compose()["sandbox-grader"]
+@pytest.mark.parametrize("name", ["sandbox-grader", "agent-runner"])  # tests; coding tools and black-box agents
+def test_the_services_that_make_sandboxes_get_what_bubblewrap_needs_and_no_more(name):
+    service = compose()[name]
     assert {"seccomp=unconfined", "systempaths=unconfined"} <= set(service["security_opt"])
     assert "cap_add" not in service and not service.get("privileged")
 

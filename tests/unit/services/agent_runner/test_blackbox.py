@@ -1,7 +1,9 @@
 """Black-box episodes against a real local HTTP server that speaks the gateway's sessions API (and records
-what it was sent): the agent is a real subprocess, a small Python script that reads its environment, calls
-the session's OpenAI endpoint, edits the task's file and exits. The last test runs the agent-runner
-service itself against the machine's Redis with no gateway at first.
+what it was sent): the agent is a small Python script run in its real sandbox (bubblewrap; the hostile suite in
+test_blackbox_sandbox.py runs both backends), from a runtime directory mounted at /opt/agent: it reads its
+environment, calls the session's OpenAI endpoint through the sandbox's forwarders, edits the task's file, prints
+a report into its log and exits. The last test runs the agent-runner service itself against the machine's Redis
+with no gateway at first.
 
     python -m pytest tests/unit/services/agent_runner/test_blackbox.py -q
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,8 +26,10 @@ from typing import Self
 
 import pytest
 
+from rollstream.services.agent_runner.agent_sandbox import AgentSandbox
 from rollstream.services.agent_runner.blackbox import BlackBoxRunner, GatewayRefused, GatewayUnavailable
 from rollstream.services.agent_runner.main import EpisodeRunner
+from rollstream.shared.agent.environments.coding import Workspace
 from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import PromptIssued, make_envelope
 from rollstream.shared.runtime.config import Settings
@@ -38,7 +42,7 @@ INSTRUCTION = "Fix `add` in calc.py so that it returns the sum of its arguments.
 GRADER = {"kind": "harbor", "task_dir": "/data/tasks/fix-add"}
 AGENT = """\
 import json, os, sys, urllib.request
-report, task_file, model = sys.argv[1:4]
+task_file, model = sys.argv[1:3]
 request = urllib.request.Request(
     os.environ["OPENAI_BASE_URL"] + "/chat/completions",
     data=json.dumps({"model": model, "messages": [{"role": "user", "content": os.environ["ROLLSTREAM_TASK"]}]}).encode(),
@@ -48,11 +52,12 @@ with open("calc.py") as handle:
     source = handle.read()
 with open("calc.py", "w") as handle:
     handle.write(source.replace("a - b", "a + b"))
-with open(report, "w") as handle:
-    json.dump({"env": dict(os.environ), "cwd": os.getcwd(), "argv": sys.argv[1:],
-               "task_file_text": open(task_file).read(), "answer": answer}, handle)
+print("REPORT " + json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "argv": sys.argv[1:],
+                              "task_file_text": open(task_file).read(), "answer": answer}))
 print("agent: edited calc.py")
 """
+AGENT_COMMAND = "python3 /opt/agent/agent.py {task_file} {model}"
+"""The sandbox's python3 (the host's /usr/bin/python3 under bubblewrap, the image's under docker)."""
 
 
 class FakeGateway:
@@ -156,10 +161,22 @@ class FakeGateway:
         return Handler
 
 
+@pytest.fixture(scope="module")
+def runtime():
+    """The agent's runtime directory (agent.command_runtime_dir): agent.py. Made with tempfile, which the
+    sandbox's host uid can reach when the tests run as root (pytest's tmp_path is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="rs-test-agent-"))
+    path.chmod(0o755)
+    (path / "agent.py").write_text(AGENT)
+    (path / "agent.py").chmod(0o644)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def settings_for(tmp_path: Path, gateway_url: str, security: dict | None = None, **agent) -> Settings:
     return Settings(run_id="bb", storage_uri=str(tmp_path / "runs"), gateway={"url": gateway_url},
                     model={"served_name": "tiny-served"}, rollout={"temperature": 0.7, "max_tokens": 48},
-                    agent=agent, security=security or {})
+                    agent={"command_sandbox": "bubblewrap", **agent}, security=security or {})
 
 
 def task_prompt(command: str | None = None, **metadata) -> PromptIssued:
@@ -175,12 +192,6 @@ def task_prompt(command: str | None = None, **metadata) -> PromptIssued:
 IDS = {"trajectory_id": "r7", "rollout_id": "r7", "group_id": "g2", "session_id": "r7"}
 
 
-def agent_command(tmp_path: Path) -> tuple[str, Path]:
-    script, report = tmp_path / "agent.py", tmp_path / "report.json"
-    script.write_text(AGENT)
-    return f"{shlex.quote(sys.executable)} {script} {report} {{task_file}} {{model}}", report
-
-
 def our_workspaces() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob(f"rs-ws-{os.getpid()}-*"))
 
@@ -189,14 +200,21 @@ def stored(settings: Settings, uri: str) -> str:
     return Storage(settings.storage_uri).read_bytes(uri).decode()
 
 
+def report_in(log: str) -> dict:
+    """What the agent reported about itself, from its log."""
+    (line,) = [line for line in log.splitlines() if line.startswith("REPORT ")]
+    return json.loads(line.removeprefix("REPORT "))
+
+
 def test_the_agent_runs_in_the_workspace_through_its_session_and_the_session_finishes_with_its_diff(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, runtime):
     monkeypatch.setenv("ROLLSTREAM_TEST_SECRET", "not for agents")
-    command, report_file = agent_command(tmp_path)
     before = our_workspaces()
     with FakeGateway(token="t" * 16) as gateway:
-        settings = settings_for(tmp_path, gateway.url, security={"http_token": "t" * 16})
-        delivery = Delivery("prompts", "1-0", make_envelope(task_prompt(command, time_budget_s=45), run_id="bb", **IDS))
+        settings = settings_for(tmp_path, gateway.url, security={"http_token": "t" * 16},
+                                command_runtime_dir=runtime)
+        prompt = task_prompt(AGENT_COMMAND, time_budget_s=45)
+        delivery = Delivery("prompts", "1-0", make_envelope(prompt, run_id="bb", **IDS))
         asyncio.run(EpisodeRunner(settings, bus=None, fleet=None, tokenizer=None).run(delivery))
 
     (opened,) = gateway.opened
@@ -207,24 +225,24 @@ def test_the_agent_runs_in_the_workspace_through_its_session_and_the_session_fin
     assert opened["sampling"] == {"temperature": 0.7, "max_tokens": 48}
     assert opened["metadata"]["grader"] == GRADER
 
-    report = json.loads(report_file.read_text())
+    ((session_id, finish),) = gateway.finished
+    report = report_in(stored(settings, finish["artifacts"]["log"]))
     env = report["env"]
-    base = f"{gateway.url}/s/s1"
+    base = "http://127.0.0.1:18300/s/s1"  # the sandbox's forwarder, on the sandbox's own loopback
     assert env["OPENAI_BASE_URL"] == env["OPENAI_API_BASE"] == f"{base}/v1"
     assert env["ANTHROPIC_BASE_URL"] == base
     assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == "key-s1"
     assert env["ROLLSTREAM_SESSION_ID"] == "s1" and env["ROLLSTREAM_MODEL"] == "tiny-served"
     assert env["ROLLSTREAM_TASK"] == INSTRUCTION == report["task_file_text"]
-    assert report["argv"][1:] == [env["ROLLSTREAM_TASK_FILE"], "tiny-served"]
+    assert report["argv"] == [env["ROLLSTREAM_TASK_FILE"], "tiny-served"]
+    assert env["ROLLSTREAM_TASK_FILE"] == "/rollstream/episode/task.md"
+    assert env["PATH"].startswith("/opt/agent/bin:/opt/agent/node_modules/.bin:")
     assert "ROLLSTREAM_TEST_SECRET" not in env and not any(name.startswith("RS_") for name in env)
-    cwd = Path(report["cwd"])
-    assert cwd.name == "repo" and cwd.parent.name.startswith(f"rs-ws-{os.getpid()}-")
-    assert Path(env["HOME"]).parent == cwd.parent
+    assert report["cwd"] == "/workspace" and env["HOME"] == "/home/agent"
     assert our_workspaces() == before  # released
 
     assert gateway.turns == [("s1", "Bearer key-s1", {"model": "tiny-served",
                                                       "messages": [{"role": "user", "content": INSTRUCTION}]})]
-    ((session_id, finish),) = gateway.finished
     assert session_id == "s1" and finish["status"] == "completed" and finish["error"] is None
     assert finish["artifacts"]["diff"].endswith("/bb/artifacts/r7.diff")
     diff = stored(settings, finish["artifacts"]["diff"])
@@ -233,17 +251,29 @@ def test_the_agent_runs_in_the_workspace_through_its_session_and_the_session_fin
     assert gateway.deleted == []
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
+def processes_with(marker: str) -> list[int]:
+    """Live host processes whose command line holds `marker` (a sandbox's processes are host processes too)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                cmdline = Path(entry.path, "cmdline").read_bytes()
+                state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if marker.encode() in cmdline and state != "Z" and int(entry.name) != os.getpid():
+                found.append(int(entry.name))
+    return found
 
 
-def test_the_time_budget_kills_the_whole_process_group_and_truncates_the_episode(tmp_path):
-    pid_file = tmp_path / "pid"
-    command = f"sleep 300 & echo $! > {pid_file}; echo started; sleep 300"
+def sleeper(marker: str) -> str:
+    """A command that sleeps for five minutes with `marker` in its command line."""
+    return f'python3 -c "import time; time.sleep(300)" {marker}'
+
+
+def test_the_time_budget_kills_the_whole_sandbox_and_truncates_the_episode(tmp_path):
+    marker = f"rs-sleeper-{uuid.uuid4().hex}"
+    command = f"{sleeper(marker)} & echo started; {sleeper(marker)}"
     with FakeGateway() as gateway:
         settings = settings_for(tmp_path, gateway.url, command=command, command_time_budget_s=1.5)
         started = time.monotonic()
@@ -254,11 +284,7 @@ def test_the_time_budget_kills_the_whole_process_group_and_truncates_the_episode
     ((_, finish),) = gateway.finished
     assert finish["status"] == "truncated" and "time budget of 1.5 s ran out" in finish["error"]
     assert took < 15
-    background = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while alive(background) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(background), "the command's background child outlived the episode"
+    assert processes_with(marker) == [], "the command's background child outlived the episode"
     assert "started" in stored(settings, finish["artifacts"]["log"])
 
 
@@ -305,14 +331,15 @@ def test_a_prompt_without_a_command_line_opens_no_session(tmp_path):
 # ------------------------------------------------------------------------------- the service itself
 @pytest.mark.skipif(not (MODELS / "tiny-llama-warm" / "tokenizer.json").exists(),
                     reason="the agent-runner loads the tiny model's tokenizer; make setup builds it")
-def test_while_the_gateway_is_away_the_prompt_stays_pending_and_runs_once_it_answers(tmp_path, machine_redis_url):
+def test_while_the_gateway_is_away_the_prompt_stays_pending_and_runs_once_it_answers(tmp_path, machine_redis_url,
+                                                                                     runtime):
     run_id = f"bb-{uuid.uuid4().hex[:8]}"
     gateway_port, health_port = free_port(), free_port()
-    command, report_file = agent_command(tmp_path)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RS_")}, "RS_REDIS_URL": machine_redis_url,
            "RS_RUN_ID": run_id, "RS_HEALTH_PORT": str(health_port), "RS_STORAGE_URI": str(tmp_path / "runs"),
            "RS_MODEL__PATH": str(MODELS / "tiny-llama-warm"), "RS_FLEET__URLS": '["http://127.0.0.1:9"]',
-           "RS_GATEWAY__URL": f"http://127.0.0.1:{gateway_port}", "RS_AGENT__COMMAND": command,
+           "RS_GATEWAY__URL": f"http://127.0.0.1:{gateway_port}", "RS_AGENT__COMMAND": AGENT_COMMAND,
+           "RS_AGENT__COMMAND_SANDBOX": "bubblewrap", "RS_AGENT__COMMAND_RUNTIME_DIR": str(runtime),
            "RS_BUS__RECLAIM_IDLE_MS": "1000"}
     bus = Bus.connect(machine_redis_url, run_id)
     with open(tmp_path / "agent-runner.log", "wb") as log:
@@ -326,15 +353,38 @@ def test_while_the_gateway_is_away_the_prompt_stays_pending_and_runs_once_it_ans
         time.sleep(3)  # several reclaim periods: the waiting replica keeps its claim and spends no delivery
         assert bus.group_lag("prompts", "agent-runner") == (0, 1)
         assert bus.read_all("dead") == []
-        assert not report_file.exists()
 
         with FakeGateway(port=gateway_port) as gateway:
             wait_for(lambda: bus.group_lag("prompts", "agent-runner") == (0, 0), 60, "the prompt to be acknowledged")
             assert [finish["status"] for _, finish in gateway.finished] == ["completed"]
             assert gateway.opened[0]["rollout_id"] == "r7"
-            assert report_file.exists()
+            assert [session for session, _, _ in gateway.turns] == ["s1"]
             assert wait_for(lambda: health(health_port), 10, "/healthz")[0] == 200
         assert bus.read_all("dead") == []
     finally:
         stop_process_group(process)
         bus.delete_run()
+
+
+@pytest.mark.parametrize("replace", ["symlink", "fifo", "directory", "remove"])
+def test_a_log_the_command_replaced_is_not_read(tmp_path, replace):
+    """Where the sandbox runs as the agent-runner's own uid (bubblewrap, not root), the command could swap its log
+    for a link to a host file, which would then be stored as the episode's log."""
+    secret = tmp_path / "secret"
+    secret.write_text("TOP-SECRET\n")
+    workspace = Workspace.for_task({"files": {"calc.py": CALC}})
+    try:
+        sandbox = AgentSandbox(workspace, backend=None, image=None, runtime_dir=None, memory_mb=1024)
+        log = sandbox.log_dir / "command.log"
+        log.unlink()
+        if replace == "symlink":
+            log.symlink_to(secret)
+        elif replace == "fifo":
+            os.mkfifo(log)
+        elif replace == "directory":
+            log.mkdir()
+        kept = sandbox.take_log()
+        assert kept.parent == workspace.base and "replaced its log file" in kept.read_text()
+        assert not kept.is_symlink()
+    finally:
+        workspace.cleanup()

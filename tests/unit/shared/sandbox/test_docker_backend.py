@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 from unittest import mock
@@ -21,7 +22,7 @@ from docker.types import LogConfig, Ulimit
 from rollstream.shared.errors import BackendUnavailable, SandboxError
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
-from rollstream.shared.sandbox.docker import DockerBackend, directory_hash
+from rollstream.shared.sandbox.docker import OWNER_LABEL, DockerBackend, directory_hash, owner_is_gone, process_owner
 
 LIMITS = SandboxLimits(wall_time_s=7, cpu_time_s=7, memory_mb=256, max_processes=32,
                        max_file_size_mb=16, max_open_files=128, max_output_bytes=1000,
@@ -84,7 +85,7 @@ def test_hardened_container_parameters(dirs):
                     Ulimit(name="nofile", soft=128, hard=128), Ulimit(name="core", soft=0, hard=0)],
         "log_config": LogConfig(type="none", config={}),
         "stdin_open": False, "tty": False, "auto_remove": False, "privileged": False,
-        "ipc_mode": "none",
+        "ipc_mode": "none", "labels": {OWNER_LABEL: process_owner()},
     }
     # attached before the start: the output is read from its first byte, whatever follows
     assert [c[0] for c in container.method_calls[:2]] == ["attach", "start"]
@@ -192,6 +193,37 @@ def test_start_failure_is_an_infrastructure_error(dirs):
     client.containers.create.side_effect = DockerException("boom")
     with pytest.raises(BackendUnavailable, match="could not start"):
         DockerBackend(client=client).run("true", dirs / "workspace", limits=LIMITS)
+
+
+def a_dead_process_owner() -> str:
+    """This process's owner label with the pid of a process that has exited."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    host, namespace, _, _ = process_owner().split("/")
+    return f"{host}/{namespace}/{child.pid}/123"
+
+
+def test_only_the_containers_of_this_hosts_dead_processes_are_orphans():
+    host, namespace, pid, started = process_owner().split("/")
+    assert pid == str(os.getpid()) and started.isdigit()
+    assert not owner_is_gone(process_owner())
+    assert owner_is_gone(a_dead_process_owner())
+    assert owner_is_gone(f"{host}/{namespace}/{pid}/{int(started) + 1}")  # the pid, reused by a later process
+    assert not owner_is_gone(f"another-host/{namespace}/999999999/1")
+    assert not owner_is_gone(f"{host}/1/999999999/1")  # another pid namespace: cannot be told from here
+    assert not owner_is_gone("not an owner")
+
+
+def test_orphaned_containers_are_removed_and_the_others_kept():
+    client = mock.MagicMock(name="docker-client")
+    containers = [mock.MagicMock(id=name, labels={OWNER_LABEL: owner})
+                  for name, owner in (("ours", process_owner()), ("orphan", a_dead_process_owner()),
+                                      ("elsewhere", "another-host/1/2/3"))]
+    client.containers.list.return_value = containers
+    assert DockerBackend(client=client).remove_orphaned_containers() == ["orphan"]
+    client.containers.list.assert_called_once_with(all=True, filters={"label": OWNER_LABEL})
+    assert [c.id for c in containers if c.remove.called] == ["orphan"]
+    containers[1].remove.assert_called_once_with(force=True)
 
 
 def test_real_container(dirs, docker_engine):
