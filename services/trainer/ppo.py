@@ -44,7 +44,8 @@ class MicroBatch:
 
     tokens: torch.Tensor              # [R, T] long
     position_ids: torch.Tensor        # [R, T] long, restarting at 0 at each sample; 0 on padding
-    attention_mask: torch.Tensor      # [R, 1, T, T] bool, True where a query token may attend a key token
+    attention_mask: torch.Tensor | None  # [R, 1, T, T] bool, True where a query token may attend a key token;
+    # None when every row holds one sample: plain causal attention is then exact (padding only follows it)
     loss_mask: torch.Tensor           # [R, T] float, 1 on sampled (trainable) tokens
     behaviour_logprobs: torch.Tensor  # [R, T] vLLM's logprob of each sampled token
     advantages: torch.Tensor          # [R, T] float, each token carries its sample's advantage
@@ -171,17 +172,24 @@ def _micro_batch(rows: list[BatchRow], weights: list[list[float]], layout: list[
             advantages[r, span] = sample.advantage
             token_weight[r, span] = torch.tensor(weights[index], dtype=torch.float32)
             offset += len(sample.tokens)
-    same_sample = sample_ids[:, :, None] == sample_ids[:, None, :]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    # Padding is one block of its own: real tokens never attend it, and it attends no real token.
-    attention_mask = (same_sample & causal)[:, None]
+    if all(len(row) == 1 for row in layout):
+        # A T x T mask is T^2 bytes, and with one the attention kernel materialises T^2 scores per head (a 60k-token
+        # coding-agent sample: tens of GB); without one it attends causally in memory linear in T.
+        attention_mask = None
+    else:
+        same_sample = sample_ids[:, :, None] == sample_ids[:, None, :]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        # Padding is one block of its own: real tokens never attend it, and it attends no real token.
+        attention_mask = (same_sample & causal)[:, None].to(device)
     return MicroBatch(tokens=tokens.to(device), position_ids=positions.to(device),
-                      attention_mask=attention_mask.to(device), loss_mask=loss_mask.to(device),
+                      attention_mask=attention_mask, loss_mask=loss_mask.to(device),
                       behaviour_logprobs=behaviour.to(device), advantages=advantages.to(device),
                       weights=token_weight.to(device))
 
 
-def _model_attention_mask(model, mask: torch.Tensor) -> torch.Tensor | None:
+def _model_attention_mask(model, mask: torch.Tensor | None) -> torch.Tensor | None:
+    if mask is None:
+        return None
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if implementation == "sdpa":
         return mask

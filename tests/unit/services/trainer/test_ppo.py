@@ -248,6 +248,27 @@ def test_packed_samples_get_the_logprobs_they_get_alone(tiny_dir, attention):
     assert model.training
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_rows_of_one_sample_take_no_mask_and_get_the_logprobs_they_get_alone(tiny_dir, attention):
+    """A long sample (a coding agent's, tens of thousands of tokens) is alone in its row: a T x T mask would
+    cost T^2 memory, and plain causal attention is exact there, padding only following the sample."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation=attention)
+    rows = random_rows([12, 11, 10], seed=2)  # three rows of 12: no two samples fit in one
+    micro_batches = make_micro_batches(rows, "token", micro_batch_tokens=36, pad_id=PAD, device="cpu")
+    assert all(micro.attention_mask is None for micro in micro_batches)
+    assert any((micro.tokens == PAD).any() for micro in micro_batches), "some row is padded"
+    with torch.no_grad():
+        alone = {tuple(r.tokens): unpacked_logprobs(model, r.tokens) for r in rows}
+        spans = [(micro, r, start, length) for micro in micro_batches for r, start, length in sample_spans(micro)]
+        assert len(spans) == len(rows)
+        for micro, r, start, length in spans:
+            logprobs = token_logprobs(model, micro)
+            sample = tuple(micro.tokens[r, start:start + length].tolist())
+            assert torch.allclose(logprobs[r, start:start + length], alone[sample], atol=1e-5)
+
+
 def sample_spans(micro: MicroBatch, pad: int = PAD):
     """(row, start, length) of every sample, read back from the restarting position ids."""
     for r in range(micro.tokens.shape[0]):
