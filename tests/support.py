@@ -11,6 +11,7 @@ import subprocess
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,18 +58,7 @@ def archive_all(bus: Bus, root: Path) -> ArchiveWriter:
 def sandbox_uid_processes() -> list[int]:
     """Host processes, zombies included, running as a sandbox host uid of this test process's runs
     (there must be none after a sandbox run; only meaningful when the tests run as root)."""
-    uids = host_uids.this_process_uids()
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                status = Path(entry.path, "status").read_text()
-            except OSError:
-                continue
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if int(fields["Uid"].split()[0]) in uids:
-                found.append(int(entry.name))
-    return found
+    return host_uids.processes_of_uids(host_uids.this_process_uids())
 
 
 
@@ -212,3 +202,20 @@ def assert_turns_sampled_by_vllm(settings, segment: TrajectorySegment, turns: li
                 assert max(abs(a - b) for a, b in zip(tail, turn.logprobs)) < logprob_tol
 
     asyncio.run(check())
+
+
+def run_until_version(local, version: int, timeout_s: float, extra_log: Callable[[], str] | None = None):
+    """Start the local run, wait until the trainer publishes `version`, stop it; its progress. On a failure,
+    every process's log tail (and `extra_log()`) is printed before the run is stopped."""
+    try:
+        local.start()
+        progress = local.wait_for_version(version, timeout_s=timeout_s)
+    except BaseException:
+        for name in local.processes:
+            print(f"--- {name}\n{local.log_tail(name, 80)}")
+        if extra_log is not None:
+            print(extra_log())
+        local.stop()
+        raise
+    local.stop()
+    return progress

