@@ -14,6 +14,10 @@ newest published policy (its checkpoint), so that it serves the version the flee
 Every exit it sees is recorded (`exits`), with whether fault injection brought it about (kill(),
 crash(), restart_vllm(), record_exit()); the chaos and poison audits fail on any other
 (`unexpected_exits`).
+
+Several gateway replicas each serve on a port of their own, and the agent-runner replicas are spread over
+them (agent-runner-1 on gateway-1, agent-runner-2 on gateway-2, ...: what a load balancer would do); any
+replica serves any session (their state is in Redis). settings.gateway.url is the first replica's.
 """
 
 from __future__ import annotations
@@ -213,6 +217,10 @@ class LocalRun:
         """Process name -> the port its /healthz answers on, as the service logged it at start."""
         self.gateway_urls: dict[str, str] = {}
         """Gateway process name -> the URL it serves its APIs on (each replica its own port)."""
+        self.gateway_of: dict[str, str] = {}
+        """Agent-runner process name -> the URL of the gateway replica its black-box episodes use."""
+        self.pids: dict[str, list[int]] = {}
+        """Process name -> the pid of each start of it, restarts included (what an audit asks of the dead)."""
         self.log_offsets: dict[str, int] = {}
         """Process name -> size of its log before this start (earlier runs of the name log there too)."""
         self.redis_server = None
@@ -258,12 +266,14 @@ class LocalRun:
             self.vllm_startup_s = time.monotonic() - started
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": [self.vllm.url]})})
         if "gateway" in self.services:
-            count = self.replicas["gateway"]
-            names = ["gateway"] if count == 1 else [f"gateway-{replica}" for replica in range(1, count + 1)]
-            self.gateway_urls = {name: f"http://{settings.url_host}:{free_port()}" for name in names}
-            first = next(iter(self.gateway_urls.values()))
+            self.gateway_urls = {name: f"http://{settings.url_host}:{free_port()}"
+                                 for name in self.process_names("gateway")}
+            urls = list(self.gateway_urls.values())
             settings = settings.model_copy(update={"gateway": settings.gateway.model_copy(
-                update={"url": first, "port": int(first.rsplit(":", 1)[1])})})
+                update={"url": urls[0], "port": int(urls[0].rsplit(":", 1)[1])})})
+            if "agent-runner" in self.services:
+                self.gateway_of = {name: urls[index % len(urls)]
+                                   for index, name in enumerate(self.process_names("agent-runner"))}
         self.settings = settings
         self.progress_reader = ProgressReader(self.bus, settings.storage_uri)
         config_file = self.run_dir / "config.json"
@@ -276,14 +286,17 @@ class LocalRun:
         self.env = env
         self.starting = True
         for service in self.services:
-            count = self.replicas[service]
-            for replica in range(1, count + 1):
-                name = service if count == 1 else f"{service}-{replica}"
+            for name in self.process_names(service):
                 on_step(f"starting {name}")
                 self.service_of[name] = service
                 self.spawn(name)
         self.wait_healthy()
         self.starting = False
+
+    def process_names(self, service: str) -> list[str]:
+        """The service's process names: the service's own, or with a replica number when it has several."""
+        count = self.replicas[service]
+        return [service] if count == 1 else [f"{service}-{replica}" for replica in range(1, count + 1)]
 
     def spawn(self, name: str) -> None:
         """Start (or start again) one service process, logging to <run dir>/logs/<name>.log."""
@@ -299,11 +312,16 @@ class LocalRun:
                 env={**self.env, **self.service_env.get(self.service_of[name], {}), **self._own_env(name),
                      "RS_HEALTH_PORT": "0"},
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pids.setdefault(name, []).append(self.processes[name].pid)
 
     def _own_env(self, name: str) -> dict[str, str]:
-        """A gateway replica serves on its own port; every other process takes the run's settings."""
+        """A gateway replica serves on its own port, an agent-runner uses its gateway replica; every other
+        process takes the run's settings."""
         url = self.gateway_urls.get(name)
-        return {"RS_GATEWAY__URL": url, "RS_GATEWAY__PORT": url.rsplit(":", 1)[1]} if url else {}
+        if url:
+            return {"RS_GATEWAY__URL": url, "RS_GATEWAY__PORT": url.rsplit(":", 1)[1]}
+        url = self.gateway_of.get(name)
+        return {"RS_GATEWAY__URL": url} if url else {}
 
     def _find_health_port(self, name: str) -> int | None:
         """The port the service says it serves /healthz on (its "service started" log line)."""

@@ -326,7 +326,9 @@ def chaos_run(
     """A local run under fault injection (cli/chaos/harness.py), then the audit of what it kept.
 
     Exit 1 when the audit finds a sample lost or duplicated, a batch or version twice, work left pending, more
-    drops than the faults explain, or a process that exited without the harness stopping it.
+    drops than the faults explain, or a process that exited without the harness stopping it. With black-box
+    agents (RS_AGENT__DEFAULT=command) two gateway replicas run and are killed too, like the agent-runners in
+    the middle of episodes, and an agent left running or a gateway session open past its end fails it as well.
     """
     signal.signal(signal.SIGTERM, _interrupt)
     from rollstream.cli.chaos.harness import ChaosPlan, ChaosRun, result_tables

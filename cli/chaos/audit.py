@@ -14,6 +14,11 @@ The drops a run under fault injection may have are bounded by what its faults ca
 (`drop_bound`, checked by `check_drops`), and any process exit the harness did not bring about fails it
 (`unexpected_exits`, from the local run's supervisor).
 
+A run of black-box agents (agent "command") must also leave none of them behind (`audit_blackbox`): once the
+run has drained, no process runs as a sandbox uid of any agent-runner process it ever started and no
+container those processes made is left, and no gateway session is open past its end (its deadline plus
+gateway.finish_grace_s: its keys must expire by then, finished or not).
+
     report = audit_run(bus, storage_uri, max_staleness, limits=RowLimits.of_model(path))
     report.check_drops(drop_bound(faults, settings, replicas)); report.problems()   # what is wrong
 
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollstream.cli.local_run import ProcessExit
+from rollstream.services.gateway.sessions import SessionStore
 from rollstream.services.trainer.training import is_stale, row_problem
 from rollstream.shared.contract.archive import ArchiveReader, archived_id, parse_id, read_history
 from rollstream.shared.contract.batches import read_batch
@@ -42,11 +48,15 @@ from rollstream.shared.contract.events import (
 )
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
+from rollstream.shared.sandbox.docker import DockerBackend
+from rollstream.shared.sandbox.host_uids import process_uids, processes_of_uids
 
 CONSUMER_GROUPS: tuple[tuple[StreamName, str], ...] = (
     ("prompts", "agent-runner"), ("trajectories", "sandbox-grader"), ("trajectories", "reward"),
     ("grades", "reward"), ("dead", "reward"), ("batches", "trainer"))
 """Every (stream, consumer group) the services read: all must end with nothing undelivered or pending."""
+EXPIRY_ROUNDING_S = 0.001
+"""Keys expire at whole milliseconds."""
 DROP_CAUSES: tuple[tuple[str, ...], ...] = (
     ("grading_failed", "grade_timeout"), ("stale",), ("dead_lettered",), ("batch_dead_lettered",), ("filtered",))
 """Drop causes bounded together (a lost grade ends as one or the other of the first two)."""
@@ -83,15 +93,19 @@ def drop_bound(faults: Iterable[tuple[str, str]], settings: Settings,
     moved on, and the whole group waits for it: a crashed or paused agent-runner holds at most
     rollout.concurrency rollouts (reclaimed after bus.reclaim_idle_ms, or finished when resumed), each
     holding back its group: concurrency x group size; a vLLM or Redis restart holds every replica's
-    in flight; a trainer crash at most the batch it was training (B + G - 1 rollouts: a batch fills
-    with whole groups), should its restart train it later than planned.
+    in flight, and so does a gateway crash (black-box episodes: each agent-runner's episodes wait for
+    the gateway, or run again when their finish went unanswered); a trainer crash at most the batch it
+    was training (B + G - 1 rollouts: a batch fills with whole groups), should its restart train it
+    later than planned.
 
     dead_lettered, batch_dead_lettered: an entry is dead-lettered after bus.max_deliveries failed
     deliveries, and one fault (crash or pause of a consumer) fails at most one delivery of each entry
     its process holds (an agent-runner rollout.concurrency, any other bus.read_count): a group whose
     processes suffered fewer faults than max_deliveries cannot have lost an entry to them; otherwise
-    faults x held / max_deliveries entries. A prompts, trajectories or grades entry drops 1 rollout,
-    a batches entry a batch (B + G - 1).
+    faults x held / max_deliveries entries. A gateway crash counts as a fault of every agent-runner: a
+    black-box episode it cut off may be refused at its finish (an agent that gave up before any turn got
+    through leaves nothing to train on). A prompts, trajectories or grades entry drops 1 rollout, a
+    batches entry a batch (B + G - 1).
 
     filtered: the run's own rule (train.filter_zero_variance), no fault's doing: unbounded when it is
     on, none otherwise.
@@ -110,12 +124,14 @@ def drop_bound(faults: Iterable[tuple[str, str]], settings: Settings,
             grades += graders
         if kind == "pause" or (kind == "crash" and service == "agent-runner"):
             stale += concurrency * group
-        if kind in ("vllm", "redis"):
+        if kind in ("vllm", "redis") or (kind == "crash" and service == "gateway"):
             stale += runners * concurrency * group
         if kind == "crash" and service == "trainer":
             stale += largest_batch
         if kind in ("crash", "pause") and service in ("agent-runner", "sandbox-grader", "reward", "trainer"):
             consumer_faults[service] += 1
+        if kind == "crash" and service == "gateway":
+            consumer_faults["agent-runner"] += runners
 
     def lost_entries(service: str) -> int:
         faults_there = consumer_faults[service]
@@ -130,6 +146,19 @@ def drop_bound(faults: Iterable[tuple[str, str]], settings: Settings,
         "batch_dead_lettered": lost_entries("trainer") * largest_batch,
         "filtered": None if settings.train.filter_zero_variance else 0,
     }
+
+
+@dataclass
+class BlackBoxAudit:
+    """What the black-box agents of a drained run left behind; audit_blackbox."""
+
+    agents_left: list[str] = field(default_factory=list)
+    """Processes running as a sandbox uid of the run's agent-runners ('pid N'), and containers they made
+    ('container ID')."""
+    sessions_past_end: list[str] = field(default_factory=list)
+    """Open gateway sessions that outlive their end (deadline plus gateway.finish_grace_s), or have none."""
+    sessions_open: int = 0
+    """Sessions open now (an agent-runner killed mid-episode never finishes its own): each ends at its end."""
 
 
 @dataclass
@@ -172,6 +201,8 @@ class AuditReport:
     drops_over_bound: list[str] = field(default_factory=list)
     unexpected_exits: list[ProcessExit] = field(default_factory=list)
     """Process exits the harness did not bring about (the supervisor restarted them, or saw them at the end)."""
+    blackbox: BlackBoxAudit | None = None
+    """What black-box agents left behind; None: the run had none (its agent is no command)."""
 
     def drops_of(self, causes: str) -> int:
         return sum(self.dropped.get(cause, 0) for cause in causes.split(" + "))
@@ -197,6 +228,12 @@ class AuditReport:
         out.extend(f"archive of {stream}: {why}" for stream, why in self.archive_mismatches.items())
         out.extend(f"more drops than the faults explain: {why}" for why in self.drops_over_bound)
         out.extend(f"a process exited that the harness did not stop: {e.describe()}" for e in self.unexpected_exits)
+        if self.blackbox is not None:
+            left, past_end = self.blackbox.agents_left, self.blackbox.sessions_past_end
+            if left:
+                out.append(f"black-box agents left running: {len(left)} ({', '.join(left[:5])})")
+            if past_end:
+                out.append(f"gateway sessions open past their end: {len(past_end)} ({'; '.join(past_end[:5])})")
         return out
 
 
@@ -293,6 +330,34 @@ def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str
     report.longest_stall_s = _longest_stall(history)
     report.pending = _pending(bus, sandbox_queue)
     report.archive_mismatches = _archive_mismatches(bus, storage_uri, report.events)
+    return report
+
+
+def audit_blackbox(bus: Bus, settings: Settings, agent_runner_pids: set[int]) -> BlackBoxAudit:
+    """What the black-box agents of a drained run left (see the module docstring). agent_runner_pids: every
+    agent-runner process the run started, killed ones included. A sandbox uid is one of its agent-runner's
+    (host_uids.process_uids) when the agent-runners run as root; as another user bwrap runs as that user,
+    and its --die-with-parent is what ends the agent with a killed agent-runner. Containers are looked for
+    when the agents' sandbox is docker."""
+    report = BlackBoxAudit()
+    for pid in sorted(agent_runner_pids):
+        report.agents_left += [f"pid {leftover} (a sandbox uid of agent-runner pid {pid})"
+                               for leftover in processes_of_uids(process_uids(pid))]
+    if (settings.agent.command_sandbox or settings.grader.backend) == "docker":
+        report.agents_left += [f"container {cid}" for cid in DockerBackend().containers_of(agent_runner_pids)]
+    store = SessionStore(bus, settings.gateway.session_ttl_s, settings.gateway.finish_grace_s)
+    sessions = store.open_sessions()
+    report.sessions_open = len(sessions)
+    for session in sessions:
+        name = f"{session.spec.session_id} (rollout {session.spec.rollout_id})"
+        expires = store.expires_at(session.spec.session_id)
+        if session.ends_at is None:
+            report.sessions_past_end.append(f"{name}: it has no end (time budget: {session.spec.time_budget_s})")
+        elif expires is None:
+            report.sessions_past_end.append(f"{name}: its keys never expire (its end is {session.ends_at:.3f})")
+        elif expires > session.ends_at + EXPIRY_ROUNDING_S:
+            report.sessions_past_end.append(f"{name}: its keys expire at {expires:.3f}, "
+                                            f"{expires - session.ends_at:.3f} s after its end")
     return report
 
 

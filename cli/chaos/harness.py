@@ -10,6 +10,13 @@ drained, cli/chaos/audit.py checks what it kept, that its drops are no more than
 (audit.drop_bound), and that no process exited but those the harness stopped (the local run's
 supervisor records every exit it sees; every process is checked once more at the end).
 
+When the run's agent is a black-box command (the local run then starts the gateway), the gateway runs as
+several replicas (the agent-runners spread over them) and is killed like every other service, and each
+kill of a gateway replica or an agent-runner waits until a black-box episode is in the middle of its turns
+(an open gateway session records a turn, as Redis shows it), so that it lands mid-episode. The audit
+then also checks that the agents left nothing behind: no agent process or container, no gateway session
+open past its end (audit.audit_blackbox).
+
     rollstream chaos run --kills 20 --redis-restarts 3 --vllm-restarts 2 --versions 120
 """
 
@@ -25,14 +32,19 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from rollstream.cli.chaos.audit import AuditReport, RowLimits, audit_run, drop_bound
-from rollstream.cli.local_run import LocalRun
+from rollstream.cli.chaos.audit import AuditReport, RowLimits, audit_blackbox, audit_run, drop_bound
+from rollstream.cli.local_run import LocalRun, needs_gateway
+from rollstream.services.gateway.sessions import SessionStore
 from rollstream.shared.runtime.config import Settings
 
 WASTEFUL_CAUSES = ("stale", "dead_lettered", "grade_timeout", "grading_failed", "batch_dead_lettered")
 """Drop causes that are work lost to a fault (a filtered group is the run's own rule, not waste)."""
 REDIS_DOWN_S = 3.0
 HORSE_WAIT_S = 20.0
+EPISODE_WAIT_S = 30.0
+"""How long a kill meant to land mid-episode waits for a black-box episode to be in the middle of its turns."""
+BLACKBOX_SERVICES = ("gateway", "agent-runner")
+"""Processes whose kills are timed to land in the middle of black-box episodes."""
 
 
 @dataclass
@@ -40,6 +52,8 @@ class ChaosPlan:
     seed: int = 0
     kills_per_service: int = 1
     """SIGKILLs of each service process, and of sandbox work-horses."""
+    services: tuple[str, ...] | None = None
+    """The services whose processes are killed (the work-horses count as the sandbox-grader's); None: all."""
     redis_restarts: int = 1
     vllm_restarts: int = 1
     pauses: int = 1
@@ -58,6 +72,9 @@ class Fault:
     version: int
     done: bool = True
     note: str = ""
+    sessions_under_way: int | None = None
+    """Of a gateway or agent-runner kill in a black-box run: the black-box episodes in the middle of their turns
+    when it landed (None: a kill not timed to episodes)."""
 
 
 @dataclass
@@ -76,25 +93,31 @@ class ChaosResult:
         return self.audit.repeated_attempts + sum(self.audit.dropped.get(cause, 0) for cause in WASTEFUL_CAUSES)
 
 
-def plan_faults(plan: ChaosPlan, processes: list[str]) -> list[tuple[str, str]]:
+def plan_faults(plan: ChaosPlan, processes: dict[str, str]) -> list[tuple[str, str]]:
+    """The faults in a seeded order; processes: process name -> its service."""
     rng = random.Random(plan.seed)
-    faults = [("crash", name) for name in processes for _ in range(plan.kills_per_service)]
-    faults += [("horse", "sandbox work-horse")] * plan.kills_per_service
+    killed = [name for name, service in sorted(processes.items()) if plan.services is None or service in plan.services]
+    faults = [("crash", name) for name in killed for _ in range(plan.kills_per_service)]
+    if plan.services is None or "sandbox-grader" in plan.services:
+        faults += [("horse", "sandbox work-horse")] * plan.kills_per_service
     faults += [("redis", "redis")] * plan.redis_restarts + [("vllm", "vllm")] * plan.vllm_restarts
-    runners = [name for name in processes if name.startswith("agent-runner")]
+    runners = [name for name, service in sorted(processes.items()) if service == "agent-runner"]
     faults += [("pause", rng.choice(runners)) for _ in range(plan.pauses if runners else 0)]
     rng.shuffle(faults)
     return faults
 
 
 class ChaosRun:
-    def __init__(self, settings: Settings, plan: ChaosPlan, agent_runners: int = 2,
+    def __init__(self, settings: Settings, plan: ChaosPlan, agent_runners: int = 2, gateways: int = 2,
                  on_event: Callable[[str], None] = lambda message: None) -> None:
+        """gateways: replicas of the gateway, when the run has black-box agents (needs_gateway)."""
         if settings.redis_url:
             raise ValueError("chaos restarts Redis: it needs the local run's own (leave RS_REDIS_URL unset)")
         self.settings = settings
         self.plan = plan
-        self.local = LocalRun(settings, replicas={"agent-runner": agent_runners})
+        self.blackbox = needs_gateway(settings)
+        self.local = LocalRun(settings, replicas={"agent-runner": agent_runners,
+                                                  **({"gateway": gateways} if self.blackbox else {})})
         self.on_event = on_event
         self.faults: list[Fault] = []
         self.paused: dict[str, float] = {}
@@ -106,7 +129,7 @@ class ChaosRun:
         local.start(on_step=self.on_event)
         try:
             target = self.settings.train.total_versions
-            pending = plan_faults(self.plan, sorted(local.processes))
+            pending = plan_faults(self.plan, local.service_of)
             retries_left = Counter(kind for kind, _ in pending)  # as many retries per kind as faults of it
             next_fault = time.monotonic() + self.plan.interval_s
             while True:
@@ -137,6 +160,10 @@ class ChaosRun:
             audit.check_drops(drop_bound(faults, self.settings, local.replicas))
             local.check_alive()  # an exit after the last supervision round counts as much as one during the run
             audit.unexpected_exits = local.unexpected_exits()
+            if self.blackbox:
+                runner_pids = {pid for name, pids in local.pids.items()
+                               if local.service_of[name] == "agent-runner" for pid in pids}
+                audit.blackbox = audit_blackbox(local.bus, local.settings, runner_pids)
             summary = local.summary(local.progress())
         finally:
             for name in list(self.paused):
@@ -156,11 +183,17 @@ class ChaosRun:
     def inject(self, kind: str, name: str, version: int, at_s: float) -> Fault:
         fault = Fault(kind, name, at_s=round(at_s, 1), version=version)
         if kind == "crash":
-            if name in self.local.restart_due:
+            if self.blackbox and self.local.service_of[name] in BLACKBOX_SERVICES:
+                fault.sessions_under_way = self.wait_for_episode()
+                if not fault.sessions_under_way:
+                    fault.done, fault.note = False, "no black-box episode under way"
+            if fault.done and name in self.local.restart_due:
                 fault.done, fault.note = False, "already down"
-            else:
+            if fault.done:
                 self.paused.pop(name, None)
                 self.local.crash(name)
+                if fault.sessions_under_way:
+                    fault.note = f"{fault.sessions_under_way} black-box episodes under way"
         elif kind == "horse":
             fault.done, fault.note = self.kill_work_horse()
         elif kind == "redis":
@@ -177,6 +210,26 @@ class ChaosRun:
         self.faults.append(fault)
         self.on_event(f"{fault.at_s:7.1f}s v{version}: {kind} {name}" + (f" ({fault.note})" if fault.note else ""))
         return fault
+
+    def wait_for_episode(self) -> int:
+        """Wait up to EPISODE_WAIT_S for black-box episodes in the middle of their turns: open gateway sessions
+        that record a turn while we watch (an agent talking to the model now; a session that only has turns
+        may be one whose agent-runner was killed). How many did; 0: none within the wait, or none can come
+        (the run reached its target and ran every prompt)."""
+        local = self.local
+        sessions = SessionStore(local.bus, local.settings.gateway.session_ttl_s, local.settings.gateway.finish_grace_s)
+        turns_seen = {s.spec.session_id: s.turns for s in sessions.open_sessions()}
+        deadline = time.monotonic() + EPISODE_WAIT_S
+        while time.monotonic() < deadline:
+            under_way = sum(1 for s in sessions.open_sessions() if s.turns > turns_seen.get(s.spec.session_id, 0))
+            if under_way:
+                return under_way
+            if (local.progress().version >= self.settings.train.total_versions
+                    and "prompts/agent-runner" not in local.backlog()):
+                return 0
+            self.tick()
+            time.sleep(0.1)
+        return 0
 
     def resume(self, name: str) -> None:
         self.paused.pop(name, None)
@@ -255,8 +308,17 @@ def result_tables(result: ChaosResult) -> list:
         ("samples wasted per kill", f"{result.wasted_samples() / max(1, result.kills):.2f}"),
         ("restarts by the supervisor", sum(result.summary.get("restarts", {}).values())),
         ("processes that exited unless the harness stopped them (must be 0)", len(audit.unexpected_exits)),
-        ("wall time", f"{result.wall_s:.0f} s"),
     ]
+    if audit.blackbox is not None:
+        rows += [
+            ("kills of gateways and agent-runners that landed mid-episode",
+             sum(1 for f in result.faults if f.done and f.sessions_under_way)),
+            ("black-box agents left running: processes, containers (must be 0)", len(audit.blackbox.agents_left)),
+            ("gateway sessions open past their end, deadline + grace (must be 0)",
+             len(audit.blackbox.sessions_past_end)),
+            ("gateway sessions open at the end (each expires by its end)", audit.blackbox.sessions_open),
+        ]
+    rows.append(("wall time", f"{result.wall_s:.0f} s"))
     for name, value in rows:
         figures.add_row(name, str(value))
 

@@ -55,7 +55,8 @@ Nothing is made up: a gateway that does not answer (or answers 5xx) raises Gatew
 machinery's failure: the agent-runner keeps the prompt and runs it again once the gateway answers. A
 gateway that refuses a call (4xx, e.g. a finish of a session with no model turn: nothing to train on)
 raises GatewayRefused, the prompt's failure (retried, then dead-lettered). A session that is not finished
-is deleted (DELETE, nothing published) as far as the gateway still answers.
+is deleted (DELETE, nothing published) as far as the gateway still answers; one that nobody finishes or
+deletes (its agent-runner was killed) ends gateway.finish_grace_s after its deadline, nothing published.
 
 What the agent needs in its sandbox: its runtime (agent.command_runtime_dir, e.g. a node_modules holding
 Claude Code or codex, read-only at /opt/agent; node itself is the host's /usr/bin/node under bubblewrap and
@@ -134,8 +135,8 @@ class GatewaySessions:
         return (await self.call("POST", f"/v1/sessions/{session_id}/finish", body)).json()
 
     async def discard(self, session_id: str) -> None:
-        """Delete the session, so that nothing is published for it; a gateway that cannot do it now lets it
-        expire (gateway.session_ttl_s)."""
+        """Delete the session, so that nothing is published for it; where the gateway cannot do it now, the
+        session ends on its own gateway.finish_grace_s after its deadline."""
         try:
             await self.call("DELETE", f"/v1/sessions/{session_id}")
         except (GatewayUnavailable, GatewayRefused) as exc:

@@ -10,7 +10,8 @@ them.
     GET    /v1/sessions/{id}                read
     POST   /v1/sessions/{id}/finish         finish: status, reward, artifacts -> samples published
     DELETE /v1/sessions/{id}                discard (nothing published)
-    (these ask for security.http_token when it is set)
+    (these ask for security.http_token when it is set; a session with a time budget refuses turns from its
+    deadline on and ends gateway.finish_grace_s later, finished or not: sessions.py)
 
     under /s/{id} (the Anthropic base URL; /s/{id}/v1 is the OpenAI one), with the session's key as
     `Authorization: Bearer` or `x-api-key`:
@@ -202,7 +203,9 @@ def build_app(gateway: Gateway, runtime: ServiceRuntime) -> FastAPI:
         check_admin(authorization)
         session = await asyncio.to_thread(store.get, session_id)
         if session is None:
-            raise RequestError(404, f"no session {session_id!r}", kind="not_found_error")
+            raise RequestError(404, f"no session {session_id!r} (never created, deleted, or ended: a session with "
+                                    "a time budget ends gateway.finish_grace_s after its deadline)",
+                               kind="not_found_error")
         if session.status != "open":
             raise RequestError(409, f"session {session_id} is finished already", kind="invalid_request_error")
         counted: list[int] = []
@@ -216,7 +219,8 @@ def build_app(gateway: Gateway, runtime: ServiceRuntime) -> FastAPI:
                             response_text=body.response_text, artifacts=body.artifacts, error=body.error)
 
         if not await asyncio.to_thread(store.finish, session_id, publish):
-            raise RequestError(409, f"session {session_id} is finished already", kind="invalid_request_error")
+            raise RequestError(409, f"session {session_id} was finished, or ended, meanwhile",
+                               kind="invalid_request_error")
         runtime.log.info("session finished", extra={"session_id": session_id, "samples": counted[0],
                                                     "rollout_id": session.spec.rollout_id})
         return {"session_id": session_id, "status": "finished", "samples": counted[0]}
@@ -383,8 +387,9 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
     async def versions() -> dict[str, int]:
         return await asyncio.to_thread(bus.fleet_versions)
 
-    gateway = Gateway(settings=settings, store=SessionStore(bus, settings.gateway.session_ttl_s),
-                      template=ChatTemplate(tokenizer), fleet=fleet, versions=versions)
+    store = SessionStore(bus, settings.gateway.session_ttl_s, settings.gateway.finish_grace_s)
+    gateway = Gateway(settings=settings, store=store, template=ChatTemplate(tokenizer), fleet=fleet,
+                      versions=versions)
     app = build_app(gateway, runtime)
     # What start-up loaded (transformers, torch, the tokenizer: some 400k objects) lives as long as the process.
     # Left to the collector, each full collection walks all of it on the event loop (0.2 s on an idle core).

@@ -3,7 +3,12 @@
 Every gateway replica is stateless: a session's settings and every turn it sampled live under
 `rs:{run}:state:gateway:session:{id}` (a hash), `...:nodes` (turn nodes by key) and `...:parents` (the
 keys of nodes that have a child), so any replica serves any turn and a killed replica loses nothing.
-Every key expires session_ttl_s after the session's last request.
+Every key expires session_ttl_s after the session's last request, and a session with a time budget ends for
+good at its deadline plus finish_grace_s (`ends_at`, fixed when it is created): the grace leaves room for the
+finish that follows the budget killing the agent, and then the keys expire whether or not anyone finished it
+(an agent-runner killed mid-episode never does). Redis itself ends it, so no replica has to be alive to sweep,
+and a finish is one transaction that watches the keys: one that expire before it commits is refused whole,
+nothing of it published.
 
 A turn node is one generation: the tokens appended before it (prompt, or template glue and the new
 messages, tokenized once: loss_mask 0), the ids vLLM sampled with their logprobs (loss_mask 1), the
@@ -64,6 +69,9 @@ class Session:
     """open, or finished"""
     created_at: float
     turns: int = 0
+    ends_at: float | None = None
+    """When its keys expire at the latest, finished or not: the deadline plus the grace for the finish; None
+    without a time budget (then session_ttl_s after its last request)."""
 
     @property
     def deadline(self) -> float | None:
@@ -78,7 +86,7 @@ class Session:
     def describe(self) -> dict[str, Any]:
         return {"session_id": self.spec.session_id, "status": self.status, "turns": self.turns,
                 "rollout_id": self.spec.rollout_id, "group_id": self.spec.group_id,
-                "created_at": self.created_at, "deadline": self.deadline}
+                "created_at": self.created_at, "deadline": self.deadline, "ends_at": self.ends_at}
 
 
 class TurnNode(msgspec.Struct, frozen=True):
@@ -104,6 +112,10 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _optional_float(raw: bytes | None) -> float | None:
+    return None if raw is None else float(raw)
+
+
 def conversation_keys(tools_key: str, message_keys: list[str]) -> list[str]:
     """The node key of every prefix of the conversation: keys[i] closes messages[: i + 1]."""
     running = hashlib.blake2b(tools_key.encode(), digest_size=16)
@@ -117,10 +129,11 @@ def conversation_keys(tools_key: str, message_keys: list[str]) -> list[str]:
 class SessionStore:
     """Sessions of one run, on the run's Redis."""
 
-    def __init__(self, bus: Bus, ttl_s: int) -> None:
+    def __init__(self, bus: Bus, ttl_s: int, finish_grace_s: float) -> None:
         self.bus = bus
         self.redis = bus.redis
         self.ttl_s = ttl_s
+        self.finish_grace_s = finish_grace_s
 
     def _key(self, session_id: str, *parts: str) -> str:
         return self.bus.keys.state("gateway", "session", session_id, *parts)
@@ -128,19 +141,35 @@ class SessionStore:
     def _keys(self, session_id: str) -> list[str]:
         return [self._key(session_id), self._key(session_id, "nodes"), self._key(session_id, "parents")]
 
+    def _expire_at_ms(self, ends_at: float | None) -> int:
+        """When a session's keys expire, touched now: session_ttl_s from now, or its end when that is sooner.
+        Absolute, on the gateway's clock: Redis's must agree to within a fraction of the grace."""
+        expiry = time.time() + self.ttl_s
+        return int(1000 * (expiry if ends_at is None else min(expiry, ends_at)))
+
     def create(self, spec: SessionSpec) -> tuple[Session, str] | None:
         """A new open session and its API key; None when the id is taken."""
         api_key = "rs-" + secrets.token_urlsafe(32)
         session = Session(spec=spec, key_digest=_digest(api_key), status="open", created_at=time.time())
+        if session.deadline is not None:
+            session.ends_at = session.deadline + self.finish_grace_s
         fields = {"spec": json.dumps(asdict(spec)), "key_digest": session.key_digest, "status": "open",
                   "created_at": repr(session.created_at), "turns": 0}
+        if session.ends_at is not None:
+            fields["ends_at"] = repr(session.ends_at)
         key = self._key(spec.session_id)
-        if not self.redis.hsetnx(key, "spec", fields["spec"]):
-            return None
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(key, mapping=fields)
-        pipe.expire(key, self.ttl_s)
-        pipe.execute()
+        # one transaction: a replica killed half-way must not leave a key that never expires
+        with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(key)
+                if pipe.exists(key):
+                    return None
+                pipe.multi()
+                pipe.hset(key, mapping=fields)
+                pipe.pexpireat(key, self._expire_at_ms(session.ends_at))
+                pipe.execute()
+            except redis.WatchError:  # created meanwhile by another request
+                return None
         return session, api_key
 
     def get(self, session_id: str) -> Session | None:
@@ -149,7 +178,29 @@ class SessionStore:
             return None
         return Session(spec=SessionSpec(**json.loads(raw[b"spec"])), key_digest=raw[b"key_digest"].decode(),
                        status=raw[b"status"].decode(), created_at=float(raw[b"created_at"]),
-                       turns=int(raw.get(b"turns", 0)))
+                       turns=int(raw.get(b"turns", 0)), ends_at=_optional_float(raw.get(b"ends_at")))
+
+    def open_sessions(self) -> list[Session]:
+        """Every session of the run that is open now, oldest first (a scan of the run's keys: for audits, not
+        for serving)."""
+        sessions = []
+        for key in self.redis.scan_iter(match=self._key("*"), count=1000):
+            session_id = key.decode().removeprefix(self._key(""))
+            if ":" in session_id:  # a session's nodes or parents (session ids have no colon)
+                continue
+            session = self.get(session_id)
+            if session is not None and session.status == "open":
+                sessions.append(session)
+        return sorted(sessions, key=lambda session: session.created_at)
+
+    def expires_at(self, session_id: str) -> float | None:
+        """When the last of the session's keys expires (epoch seconds, on Redis's clock); None when one of them
+        never does, 0 when none is left."""
+        pipe = self.redis.pipeline(transaction=False)
+        for key in self._keys(session_id):
+            pipe.pexpiretime(key)
+        expiries = [ms for ms in pipe.execute() if ms != -2]  # -2: no such key (no turn yet, or finished)
+        return None if -1 in expiries else max(expiries, default=0) / 1000
 
     def deepest_known(self, session_id: str, candidates: list[str]) -> tuple[str, TurnNode] | None:
         """Of the node keys a request's history could continue (deepest last), the deepest that exists."""
@@ -183,15 +234,17 @@ class SessionStore:
             with self.redis.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(session_key)
-                    if pipe.hget(session_key, "status") != b"open":
+                    status, ends_at = pipe.hmget(session_key, "status", "ends_at")
+                    if status != b"open":
                         return False
                     pipe.multi()
                     pipe.hsetnx(nodes_key, key, _encoder.encode(node))
                     if node.parent != ROOT:
                         pipe.sadd(parents_key, node.parent)
                     pipe.hincrby(session_key, "turns", 1)
+                    expire_at_ms = self._expire_at_ms(_optional_float(ends_at))
                     for each in (session_key, nodes_key, parents_key):
-                        pipe.expire(each, self.ttl_s)
+                        pipe.pexpireat(each, expire_at_ms)
                     pipe.execute()
                     return True
                 except redis.WatchError:

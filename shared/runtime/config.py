@@ -244,8 +244,14 @@ class GatewaySettings(Section):
     port: int = Field(8300, ge=0, le=65535)
     """Port the gateway serves its APIs on; 0: any free port."""
     session_ttl_s: int = Field(86_400, ge=60)
-    """How long a session's state stays in Redis after its last request; a finished session's state is
-    deleted once its samples are published."""
+    """How long a session's state stays in Redis after its last request (a session with a time budget: no
+    longer than finish_grace_s past its deadline); a finished session's turns are deleted once its samples are
+    published."""
+    finish_grace_s: float = Field(300.0, gt=0)
+    """How long a session with a time budget can still be finished after its deadline (turns are refused from
+    the deadline on): the agent-runner finishes it once the budget has killed the agent, its log is stored and
+    its diff taken. Then the session ends, finished or not (its agent-runner may have died): its state expires
+    and nothing of it is published."""
     max_prompt_tokens: int = Field(32_768, ge=16)
     """Longest prompt a turn may send (history plus new messages); longer gets 400, never a truncation."""
     strict_tools: bool = False

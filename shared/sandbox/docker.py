@@ -141,6 +141,16 @@ class DockerBackend:
                 removed.append(container.id)
         return removed
 
+    def containers_of(self, pids: set[int]) -> list[str]:
+        """Ids of the containers, running or not, that the processes `pids` of this host and pid namespace made
+        (dead ones included: an audit's question is what they left)."""
+        found = []
+        for container in self.client.containers.list(all=True, filters={"label": OWNER_LABEL}):
+            owner = _local_owner(container.labels.get(OWNER_LABEL, ""))
+            if owner is not None and owner[0] in pids:
+                found.append(container.id)
+        return found
+
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
             env: dict[str, str] | None = None, image: str | None = None,
@@ -245,13 +255,20 @@ def process_owner() -> str:
 def owner_is_gone(owner: str) -> bool:
     """Whether `owner` (process_owner's form) names a process of this host and pid namespace that no longer
     runs; False for any other host or namespace, and for a label not in that form."""
+    local = _local_owner(owner)
+    return local is not None and _start_time(local[0]) != local[1]
+
+
+def _local_owner(owner: str) -> tuple[int, str] | None:
+    """(pid, start time) of an owner label (process_owner's form) that names a process of this host and pid
+    namespace; None for any other, and for a label not in that form."""
     parts = owner.split("/")
     if len(parts) != 4 or not parts[2].isdigit():
-        return False
+        return None
     host, namespace, pid, started = parts
     if host != socket.gethostname() or namespace != str(_pid_namespace()):
-        return False
-    return _start_time(int(pid)) != started
+        return None
+    return int(pid), started
 
 
 def _pid_namespace() -> int:

@@ -82,7 +82,7 @@ os.register_at_fork(after_in_child=_fresh_slots_in_child)
 
 @contextmanager
 def sandbox_host_uid():
-    """A host uid that no real user and no other live run has: HOST_UID_BASE + _process_key() * 256 + slot."""
+    """A host uid that no real user and no other live run has: one of this_process_uids(), by slot."""
     with _slot_lock:
         free = [slot for slot in range(SLOTS) if slot not in _slots_in_use]
         if not free:
@@ -110,21 +110,32 @@ def sees_every_process_of_its_uid() -> bool:
     return _pid_namespace() == _INIT_PID_NAMESPACE
 
 
-def _process_key() -> int:
-    """This process's pid, offset by a digest of its pid namespace. Containers share the host's uids
-    (and RLIMIT_NPROC counts a uid's processes on the whole host) but number their processes from 1
-    each: without the offset, the grader's main process and every agent-runner replica's would share one
+def _process_key(pid: int) -> int:
+    """The pid of a process of our pid namespace, offset by a digest of that namespace. Containers share the
+    host's uids (and RLIMIT_NPROC counts a uid's processes on the whole host) but number their processes from
+    1 each: without the offset, the grader's main process and every agent-runner replica's would share one
     sandbox uid, and one's sandboxes would use up the others' process limit ("Creating new namespace
     failed: Resource temporarily unavailable"). Within a namespace keys stay distinct."""
     namespace = _pid_namespace()
     offset = 0 if namespace == _INIT_PID_NAMESPACE else zlib.crc32(namespace.to_bytes(8, "little"))
-    return (os.getpid() + offset) % _PROCESS_KEYS
+    return (pid + offset) % _PROCESS_KEYS
+
+
+def process_uids(pid: int) -> range:
+    """The sandbox host uids the runs of process `pid` (of our pid namespace) get, one per slot."""
+    first = HOST_UID_BASE + _process_key(pid) * SLOTS
+    return range(first, first + SLOTS)
 
 
 def this_process_uids() -> range:
     """The sandbox host uids this process's runs get, one per slot."""
-    first = HOST_UID_BASE + _process_key() * SLOTS
-    return range(first, first + SLOTS)
+    return process_uids(os.getpid())
+
+
+def processes_of_uids(uids: range) -> list[int]:
+    """Processes, zombies included, whose real uid is one of `uids` (e.g. process_uids(pid): what sandboxes
+    of that process left running; only ever any when it ran as root)."""
+    return [pid for pid, fields in _proc_statuses() if int(fields.get("Uid", "-1").split()[0]) in uids]
 
 
 def check_reachable(workspace: Path) -> None:

@@ -1,13 +1,16 @@
 """The chaos audit (cli/chaos/audit.py) on runs written event by event into a real Redis, with real batch
 files: a segment in two rows is a duplicate, a row the trainer left out as invalid is never counted as
 trained, drops beyond what the faults explain fail the audit, and so does a process exit no fault
-brought about (the local run's supervisor records it, with the process's log tail).
+brought about (the local run's supervisor records it, with the process's log tail); so do, in a run of
+black-box agents, an agent process left running and a gateway session open past its end.
 
 The audit of a whole run under fault injection is tests/integration/test_chaos.py.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 import uuid
@@ -15,9 +18,18 @@ import uuid
 import pytest
 import redis
 
-from rollstream.cli.chaos.audit import CONSUMER_GROUPS, RowLimits, audit_run, drop_bound
+from rollstream.cli.chaos.audit import (
+    CONSUMER_GROUPS,
+    BlackBoxAudit,
+    RowLimits,
+    audit_blackbox,
+    audit_run,
+    drop_bound,
+)
+from rollstream.cli.chaos.harness import ChaosPlan, plan_faults
 from rollstream.cli.chaos.poison import audit as poison_audit
 from rollstream.cli.chaos.poison import checks
+from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
 from rollstream.shared.contract.batches import BatchRow, write_batch
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import (
@@ -29,6 +41,7 @@ from rollstream.shared.contract.events import (
 )
 from rollstream.shared.runtime.config import BusSettings, Settings
 from rollstream.shared.runtime.storage import Storage
+from rollstream.shared.sandbox.host_uids import process_uids
 from tests.support import supervised_run
 
 LIMITS = RowLimits(vocab_size=32, max_positions=64)
@@ -148,6 +161,75 @@ def test_the_drop_bound_follows_the_faults_injected():
     assert bound["stale"] == 8 * 4 + 2 * 8 * 4  # the paused replica's rollouts, and every replica's during Redis's
     assert bound["dead_lettered"] == 0  # no consumer suffered max_deliveries (5) faults
     assert drop_bound([], chaos_settings(filter_zero_variance=True), replicas)["filtered"] is None
+
+
+def test_a_gateway_crash_holds_back_every_agent_runners_episodes_and_may_fail_a_delivery_of_each():
+    settings = chaos_settings()  # bus.max_deliveries 5, rollout.concurrency 8
+    replicas = {"agent-runner": 2, "gateway": 2}
+    bound = drop_bound([("crash", "gateway")], settings, replicas)
+    assert bound["stale"] == 2 * 8 * 4 and bound["dead_lettered"] == 0  # 2 faults of the agent-runners' group
+    # three gateway crashes: 6 faults of the agent-runners' group, each holding 8 prompts, 5 deliveries each
+    assert drop_bound([("crash", "gateway")] * 3, settings, replicas)["dead_lettered"] == 6 * 8 // 5
+
+
+def test_the_planned_faults_can_be_kept_to_some_services():
+    processes = {"gateway-1": "gateway", "gateway-2": "gateway", "agent-runner-1": "agent-runner",
+                 "agent-runner-2": "agent-runner", "trainer": "trainer", "sandbox-grader": "sandbox-grader"}
+    plan = ChaosPlan(seed=3, kills_per_service=2, services=("gateway", "agent-runner"), redis_restarts=0,
+                     vllm_restarts=0, pauses=0)
+    replicas = ["agent-runner-1", "agent-runner-2", "gateway-1", "gateway-2"]
+    assert sorted(plan_faults(plan, processes)) == sorted([("crash", name) for name in replicas] * 2)
+    everything = plan_faults(ChaosPlan(seed=3, redis_restarts=0, vllm_restarts=0, pauses=0), processes)
+    assert sorted(everything) == sorted([*(("crash", name) for name in processes), ("horse", "sandbox work-horse")])
+
+
+def blackbox_settings(tmp_path) -> Settings:
+    return Settings(storage_uri=str(tmp_path), agent={"default": "command"}, gateway={"finish_grace_s": 30})
+
+
+def test_open_gateway_sessions_must_end_by_their_deadline_plus_the_grace(bus, tmp_path):
+    settings = blackbox_settings(tmp_path)
+    store = SessionStore(bus, settings.gateway.session_ttl_s, settings.gateway.finish_grace_s)
+
+    def create(session_id: str, budget_s: float | None = 60.0):
+        rollout = f"r-{session_id}"
+        return store.create(SessionSpec(rollout_id=rollout, group_id="g", trajectory_id=rollout, session_id=session_id,
+                                        time_budget_s=budget_s))[0]
+
+    create("ending")
+    create("finished")
+    assert store.add_turn("finished", "a", TurnNode(ROOT, [1], [2], [-0.1], 0, 0, "stop", "http://v", "", 0.0))
+    assert store.finish("finished", lambda pipe, samples: None)
+    create("without-budget", budget_s=None)
+    create("never-expiring")
+    bus.redis.persist(bus.keys.state("gateway", "session", "never-expiring"))
+
+    report = audit_blackbox(bus, settings, set())
+    assert report.sessions_open == 3 and report.agents_left == []
+    assert report.sessions_past_end == [
+        "without-budget (rollout r-without-budget): it has no end (time budget: None)",
+        f"never-expiring (rollout r-never-expiring): its keys never expire (its end is "
+        f"{store.get('never-expiring').ends_at:.3f})"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes run as uids of their agent-runner only under root")
+def test_a_process_of_a_dead_agent_runners_sandbox_uid_is_an_agent_left_running(bus, tmp_path):
+    dead = subprocess.Popen(["true"])  # an agent-runner that was killed
+    dead.wait()
+    leftover = subprocess.Popen(["sleep", "60"], user=process_uids(dead.pid)[3])  # its sandbox's, slot 3
+    try:
+        report = audit_blackbox(bus, blackbox_settings(tmp_path), {dead.pid, os.getpid()})
+        assert report.agents_left == [f"pid {leftover.pid} (a sandbox uid of agent-runner pid {dead.pid})"]
+    finally:
+        leftover.kill()
+        leftover.wait()
+    assert audit_blackbox(bus, blackbox_settings(tmp_path), {dead.pid}).agents_left == []
+    report = audit(bus, str(tmp_path))
+    report.blackbox = BlackBoxAudit(agents_left=["pid 7 (a sandbox uid of agent-runner pid 3)"],
+                                    sessions_past_end=["s (rollout r): it has no end (time budget: None)"])
+    assert report.problems() == [
+        "black-box agents left running: 1 (pid 7 (a sandbox uid of agent-runner pid 3))",
+        "gateway sessions open past their end: 1 (s (rollout r): it has no end (time budget: None))"]
 
 
 def test_drops_beyond_what_the_faults_explain_fail_the_audit(bus, tmp_path):

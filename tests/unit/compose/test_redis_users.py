@@ -172,7 +172,7 @@ def test_the_gateway_user_can_keep_sessions_and_publish_their_samples(acl_users,
 
     _, client = acl_users["gateway"]
     bus = Bus(client, run_id)
-    store = SessionStore(bus, ttl_s=60)
+    store = SessionStore(bus, ttl_s=60, finish_grace_s=60)
     try:
         session, _ = store.create(SessionSpec(rollout_id="r", group_id="g", trajectory_id="r", session_id="s"))
         assert store.add_turn("s", "k", TurnNode(ROOT, [1, 2], [3], [-0.1], 0, 0, "stop", "http://v", "x", 0.0))

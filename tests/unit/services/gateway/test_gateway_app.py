@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -67,7 +68,7 @@ class ScriptedFleet:
 def gateway_app(bus, template, **settings: Any) -> tuple[TestClient, ScriptedFleet, SessionStore]:
     settings = Settings(model={"path": str(MODEL), "max_model_len": CONTEXT}, **settings)
     fleet = ScriptedFleet(template)
-    store = SessionStore(bus, ttl_s=600)
+    store = SessionStore(bus, settings.gateway.session_ttl_s, settings.gateway.finish_grace_s)
 
     async def versions() -> dict[str, int]:
         return {}
@@ -210,6 +211,23 @@ def test_a_prompt_that_fills_the_context_is_refused_with_both_sizes(bus, templat
     message = response.json()["error"]["message"]
     assert message.startswith("the prompt is ") and f"tokens; the model's context is {CONTEXT}" in message
     assert fleet.asked == []
+
+
+def test_a_session_refuses_turns_from_its_deadline_and_ends_its_grace_later(bus, template):
+    client, fleet, _ = gateway_app(bus, template, gateway={"finish_grace_s": 0.5})
+    created = client.post("/v1/sessions", json={"rollout_id": "r1", "group_id": "g1", "time_budget_s": 0.5}).json()
+    assert created["ends_at"] == created["deadline"] + 0.5
+    session_id, key = created["session_id"], {"x-api-key": created["api_key"]}
+    chat = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    fleet.texts = ["hello"]
+    assert client.post(f"/s/{session_id}/v1/chat/completions", json=chat, headers=key).status_code == 200
+    time.sleep(max(0.0, created["deadline"] - time.time()) + 0.05)
+    late = client.post(f"/s/{session_id}/v1/chat/completions", json=chat, headers=key)
+    assert late.status_code == 403 and "time budget of 0.5 s is spent" in late.json()["error"]["message"]
+    time.sleep(max(0.0, created["ends_at"] - time.time()) + 0.05)
+    finish = client.post(f"/v1/sessions/{session_id}/finish", json={"status": "truncated"})
+    assert finish.status_code == 404 and "ends gateway.finish_grace_s after its deadline" in finish.text
+    assert bus.read_all("trajectories") == []
 
 
 def test_strict_tools_refuses_the_tools_the_model_cannot_be_shown(bus, template):

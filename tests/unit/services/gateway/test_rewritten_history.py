@@ -59,7 +59,7 @@ def template():
 
 @pytest.fixture
 def store(bus):
-    store = SessionStore(bus, ttl_s=600)
+    store = SessionStore(bus, ttl_s=600, finish_grace_s=60)
     store.create(SessionSpec(rollout_id="r1", group_id="g1", trajectory_id="r1", session_id="s1"))
     return store
 

@@ -29,7 +29,7 @@ def template():
 
 @pytest.fixture
 def session(bus):
-    store = SessionStore(bus, ttl_s=600)
+    store = SessionStore(bus, ttl_s=600, finish_grace_s=60)
     spec = SessionSpec(rollout_id="r1", group_id="g1", trajectory_id="r1", session_id="s1", group_size=1,
                        grader={"kind": "harbor", "task_dir": "/tasks/fix-add"})
     created, api_key = store.create(spec)

@@ -226,6 +226,19 @@ def test_orphaned_containers_are_removed_and_the_others_kept():
     containers[1].remove.assert_called_once_with(force=True)
 
 
+def test_the_containers_of_given_processes_are_found_whether_they_run_or_not():
+    client = mock.MagicMock(name="docker-client")
+    dead = a_dead_process_owner()
+    host, namespace, _, _ = process_owner().split("/")
+    client.containers.list.return_value = [
+        mock.MagicMock(id=name, labels={OWNER_LABEL: owner})
+        for name, owner in (("ours", process_owner()), ("dead", dead), ("elsewhere", f"another-host/{namespace}/1/2"),
+                            ("other-namespace", f"{host}/1/{os.getpid()}/2"), ("unlabelled", "not an owner"))]
+    dead_pid = int(dead.split("/")[2])
+    assert DockerBackend(client=client).containers_of({os.getpid(), dead_pid}) == ["ours", "dead"]
+    client.containers.list.assert_called_once_with(all=True, filters={"label": OWNER_LABEL})
+
+
 def test_real_container(dirs, docker_engine):
     backend = DockerBackend()
     result = backend.run("id -u; echo hi > out.txt; touch /etc/x 2>&1 || echo ro", dirs / "workspace",

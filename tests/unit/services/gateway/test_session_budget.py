@@ -1,0 +1,97 @@
+"""A gateway session with a time budget ends at its budget, on real Redis (the machine's and an embedded Valkey):
+its keys expire at its deadline plus the grace for the finish however busy it was, whether or not anyone
+finishes it; a finish within the grace publishes the session, and one that the end overtakes publishes nothing.
+A session without a budget expires session_ttl_s after its last request."""
+
+from __future__ import annotations
+
+import time
+
+from rollstream.services.gateway.samples import publish_samples
+from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
+
+BUDGET_S = 0.4
+GRACE_S = 0.6
+
+
+def open_session(bus, session_id: str = "s1", budget_s: float | None = BUDGET_S, ttl_s: int = 600):
+    store = SessionStore(bus, ttl_s=ttl_s, finish_grace_s=GRACE_S)
+    session, _ = store.create(SessionSpec(rollout_id="r1", group_id="g1", trajectory_id="r1", session_id=session_id,
+                                          time_budget_s=budget_s))
+    return store, session
+
+
+def turn(parent: str = ROOT) -> TurnNode:
+    return TurnNode(parent, [1, 2], [3], [-0.1], 0, 0, "stop", "http://vllm", "x", time.time())
+
+
+def publisher(bus, session, before=lambda: None):
+    def publish(pipe, samples) -> None:
+        before()
+        publish_samples(bus, pipe, session, samples, status="truncated", reward=None, response_text=None,
+                        artifacts={}, error=None)
+    return publish
+
+
+def session_keys(bus, session_id: str = "s1") -> list[str]:
+    return [k.decode() for k in bus.redis.keys(bus.keys.state("gateway", "session", session_id) + "*")]
+
+
+def sleep_until(at: float) -> None:
+    time.sleep(max(0.0, at - time.time()) + 0.05)
+
+
+def test_a_sessions_keys_expire_at_its_deadline_plus_the_grace_however_busy_it_was(bus):
+    store, session = open_session(bus)
+    assert session.ends_at == session.deadline + GRACE_S
+    assert store.add_turn("s1", "a", turn())
+    assert store.add_turn("s1", "b", turn("a"))  # turns do not push the end out, as they push the idle TTL
+    assert len(session_keys(bus)) == 3
+    assert store.get("s1").ends_at == session.ends_at
+    assert session.ends_at - 0.002 < store.expires_at("s1") <= session.ends_at
+    assert [s.spec.session_id for s in store.open_sessions()] == ["s1"]
+
+    sleep_until(session.ends_at)  # nobody finished it: an agent-runner killed mid-episode
+    assert session_keys(bus) == [] and store.get("s1") is None and store.open_sessions() == []
+    assert not store.finish("s1", publisher(bus, session))
+    assert bus.read_all("trajectories") == []
+
+
+def test_a_finish_after_the_deadline_but_within_the_grace_publishes_the_session(bus):
+    store, session = open_session(bus)
+    assert store.add_turn("s1", "a", turn())
+    sleep_until(session.deadline)
+    assert store.get("s1").expired()  # turns are refused from here on (403), the finish is not
+    assert store.finish("s1", publisher(bus, session))
+    events = [d.event.TYPE for d in bus.read_all("trajectories")]
+    assert events == ["TrajectoryStarted", "TrajectoryTurn", "TrajectorySegment", "TrajectoryFinished"]
+    assert store.open_sessions() == []
+    sleep_until(session.ends_at)  # the finished session's state goes at the same end
+    assert session_keys(bus) == []
+
+
+def test_a_finish_that_the_end_overtakes_publishes_nothing(bus):
+    """The finish's transaction watches the session's keys: their expiring before it commits refuses it
+    whole, so no sample of a session is published after the session ended."""
+    store, session = open_session(bus)
+    assert store.add_turn("s1", "a", turn())
+    assert not store.finish("s1", publisher(bus, session, before=lambda: sleep_until(session.ends_at)))
+    assert bus.read_all("trajectories") == [] and session_keys(bus) == []
+
+
+def test_a_session_without_a_budget_expires_its_ttl_after_its_last_request(bus):
+    store, session = open_session(bus, budget_s=None, ttl_s=60)
+    assert session.ends_at is None and store.get("s1").ends_at is None
+    time.sleep(0.3)
+    assert store.add_turn("s1", "a", turn())
+    expires = store.expires_at("s1")
+    assert time.time() + 59 < expires <= time.time() + 60  # counted from the turn, not from the creation
+    assert store.open_sessions()[0].ends_at is None
+
+
+def test_only_open_sessions_are_listed(bus):
+    store, first = open_session(bus, "s1")
+    open_session(bus, "s2")
+    assert store.add_turn("s1", "a", turn())
+    assert store.finish("s1", publisher(bus, first))
+    assert [s.spec.session_id for s in store.open_sessions()] == ["s2"]
