@@ -188,6 +188,13 @@ def test_services_in_containers_listen_on_their_networks_interface():
         assert services[name]["environment"]["RS_LISTEN_HOST"] == "0.0.0.0", name
 
 
+def test_agent_runners_open_black_box_sessions_on_the_gateway_service():
+    # the default, 127.0.0.1:8300, is the agent-runner's own container: no gateway there
+    services = compose()
+    assert services["agent-runner"]["environment"]["RS_GATEWAY__URL"] == "http://gateway:8300"
+    assert services["gateway"]["environment"]["RS_GATEWAY__URL"] == "http://gateway:8300"
+
+
 def test_the_cpu_vllm_server_starts_on_the_runs_newest_policy():
     # rollstream serve-policy reads the newest PolicyUpdated of the run the services work on, from its Redis,
     # and loads its checkpoint from the runs volume at the trainer's path (tests/integration/test_serve_policy.py)
