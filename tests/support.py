@@ -9,7 +9,9 @@ import os
 import shutil
 import subprocess
 import signal
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -86,6 +88,34 @@ def health(port: int) -> tuple[int, dict] | None:
     except httpx.HTTPError:
         return None
     return reply.status_code, reply.json()
+
+
+@contextmanager
+def host_listener(greeting: bytes = b""):
+    """A TCP listener on the host's loopback that accepts every connection (sends it `greeting`, closes it):
+    what a sandboxed command must not reach. Yields its port and the list of the connections it accepted;
+    closed at exit."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(connection)
+            if greeting:
+                connection.sendall(greeting)
+            connection.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield listener.getsockname()[1], accepted
+    finally:
+        listener.close()
 
 
 def wait_for(condition, timeout_s: float, what: str):

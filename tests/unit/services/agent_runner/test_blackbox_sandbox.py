@@ -15,11 +15,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -33,7 +31,7 @@ from rollstream.shared.sandbox.docker import OWNER_LABEL, process_owner
 from rollstream.shared.sandbox.workspace import remove_orphaned_workspaces
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.prompts import task_prompt_row
-from tests.support import FIXTURES, REPO, sandbox_uid_processes, wait_for
+from tests.support import FIXTURES, REPO, host_listener, sandbox_uid_processes, wait_for
 from tests.unit.services.agent_runner.test_blackbox import (
     IDS,
     FakeGateway,
@@ -142,26 +140,12 @@ def test_writes_outside_the_workspace_leave_the_host_unchanged(tmp_path, sandbox
 
 # ----------------------------------------------------------------------------------------------- the network
 def test_the_network_is_out_of_reach(tmp_path, sandbox, runtime):
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    accepted = []
-
-    def serve() -> None:
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except OSError:
-                return
-            accepted.append(connection)
-            connection.close()
-
-    threading.Thread(target=serve, daemon=True).start()
     gateway = FakeGateway()
-    targets = [("127.0.0.1", listener.getsockname()[1]), ("127.0.0.1", 6379),  # the host's Redis
-               ("127.0.0.1", gateway.server.server_address[1]),  # the gateway itself, not through the forwarder
-               ("1.1.1.1", 53), ("example.com", 80)]
-    command = python(runtime, "net.py", f"""
+    with host_listener() as (port, accepted):
+        targets = [("127.0.0.1", port), ("127.0.0.1", 6379),  # the host's Redis
+                   ("127.0.0.1", gateway.server.server_address[1]),  # the gateway itself, not through the forwarder
+                   ("1.1.1.1", 53), ("example.com", 80)]
+        command = python(runtime, "net.py", f"""
 import socket
 for host, port in {targets!r}:
     try:
@@ -170,10 +154,7 @@ for host, port in {targets!r}:
     except OSError as exc:
         print("refused", host, port, type(exc).__name__, exc)
 """)
-    try:
         finish, log, _ = episode(tmp_path, sandbox, command, runtime, gateway=gateway)
-    finally:
-        listener.close()
     assert finish["status"] == "completed", finish["error"]
     outcomes = [line.split()[0] for line in log.splitlines()]
     assert outcomes == ["refused"] * len(targets), log

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
 import uuid
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from rollstream.shared.grading.validation import reference_diff
 from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.sandbox.workspace import workspace_prefix
 from rollstream.shared.tasks.harbor import HarborTask
-from tests.support import edit_diff, sandbox_uid_processes
+from tests.support import edit_diff, host_listener, sandbox_uid_processes
 
 LIMITS = SandboxLimits(wall_time_s=8, cpu_time_s=8, memory_mb=256, max_processes=32,
                        max_file_size_mb=16, max_open_files=256, max_output_bytes=64 * 1024,
@@ -73,30 +71,12 @@ def host_unaffected():
 
 
 def test_network_access_is_refused(backend, make_task):
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
-    accepted = []
-
-    def serve():
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            accepted.append(conn)
-            conn.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    task = make_task(f"""python3 app.py && echo 1 > {REWARD} || echo 0 > {REWARD}\n""")
-    diff = edit_diff(task.workspace, {"app.py": (
-        "import socket\ns = socket.create_connection(('127.0.0.1', %d), timeout=3)\n"
-        "print('CONNECTED')\n" % port)})
-    try:
+    with host_listener() as (port, accepted):
+        task = make_task(f"""python3 app.py && echo 1 > {REWARD} || echo 0 > {REWARD}\n""")
+        diff = edit_diff(task.workspace, {"app.py": (
+            "import socket\ns = socket.create_connection(('127.0.0.1', %d), timeout=3)\n"
+            "print('CONNECTED')\n" % port)})
         outcome = grade_harbor(task, diff, backend, LIMITS)
-    finally:
-        listener.close()
     assert outcome.score == 0 and not outcome.infrastructure_error, outcome
     assert "ConnectionRefusedError" in outcome.log and "CONNECTED" not in outcome.log
     assert accepted == []

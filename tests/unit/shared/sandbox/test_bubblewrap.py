@@ -7,6 +7,7 @@ Network tests only ever use this machine's loopback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
@@ -15,7 +16,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +27,7 @@ from rollstream.shared.errors import SandboxError, SandboxUnavailable, Workspace
 from rollstream.shared.sandbox import bubblewrap
 from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.sandbox.bubblewrap import run_in_sandbox
-from tests.support import sandbox_uid_processes
+from tests.support import host_listener, sandbox_uid_processes
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
@@ -104,28 +104,11 @@ def test_workspace_is_readable_and_writable_and_handed_back(workspace):
 
 
 def test_no_network(workspace):
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
     abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     abstract_name = f"rs-sandbox-test-{uuid.uuid4().hex}"
     abstract.bind("\0" + abstract_name)
     abstract.listen()
-    accepted = []
-
-    def serve():
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            accepted.append(conn)
-            conn.sendall(b"hello")
-            conn.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
+    with host_listener(greeting=b"hello") as (port, accepted), contextlib.closing(abstract):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:  # the control
             assert conn.recv(5) == b"hello"
         assert len(accepted) == 1
@@ -142,9 +125,6 @@ for family, address in [(socket.AF_INET, ("127.0.0.1", {port})),
         print("failed", type(exc).__name__)
 print(sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]))
 """), workspace)
-    finally:
-        listener.close()
-        abstract.close()
     assert result.exit_code == 0, result
     lines = result.stdout.splitlines()
     assert lines[0] == "failed ConnectionRefusedError"
