@@ -257,9 +257,7 @@ class LocalRun:
 
             port = free_port()
             on_step(f"starting vLLM (CPU) with {settings.model.path} on port {port}; this takes about a minute")
-            self.vllm = VllmServer(settings.model.path, port, served_model_name=settings.model.served_name,
-                                   log_path=self.log_dir / "vllm.log",
-                                   max_model_len=settings.model.max_model_len)
+            self.vllm = VllmServer.for_run(settings, settings.model.path, port, log_path=self.log_dir / "vllm.log")
             self.vllm.start()
             started = time.monotonic()
             self.vllm.wait_healthy()
@@ -432,9 +430,7 @@ class LocalRun:
         else:
             self.vllm.stop()
         model, version = newest_policy(self.bus, self.settings)
-        self.vllm = VllmServer(model, self.vllm.port, served_model_name=self.settings.model.served_name,
-                               log_path=self.log_dir / "vllm.log",
-                               max_model_len=self.settings.model.max_model_len)
+        self.vllm = VllmServer.for_run(self.settings, model, self.vllm.port, log_path=self.log_dir / "vllm.log")
         self.vllm.start()
         self.bus.redis.hset(self.bus.keys.fleet_versions, self.vllm.url, version)
         self.restarts["vllm"] = self.restarts.get("vllm", 0) + 1

@@ -75,6 +75,12 @@ class VllmServer:
         self._proc: subprocess.Popen | None = None
         self._log_file = None
 
+    @classmethod
+    def for_run(cls, settings: Settings, model_dir: Path | str, port: int, **options) -> VllmServer:
+        """A server of `model_dir` as the run's settings serve its model: its served name and context length."""
+        return cls(model_dir, port, served_model_name=settings.model.served_name,
+                   max_model_len=settings.model.max_model_len, **options)
+
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
@@ -207,8 +213,7 @@ def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] 
     if not (model / "config.json").is_file():
         raise VllmStartError(f"policy version {version} of run {settings.run_id!r} is {model}, which holds no model "
                              f"here: mount the run's storage at the trainer's path ({settings.storage_uri})")
-    server = VllmServer(model, port, served_model_name=settings.model.served_name, extra_args=extra_args,
-                        host=settings.listen_host, max_model_len=settings.model.max_model_len)
+    server = VllmServer.for_run(settings, model, port, extra_args=extra_args, host=settings.listen_host)
     print(json.dumps({"message": "serving the newest policy", "run_id": settings.run_id, "version": version,
                       "model": str(model)}), file=sys.stderr, flush=True)
     command = server.command()
