@@ -53,7 +53,6 @@ from rollstream.services.gateway.apis.streaming import (
     ReasoningDelta,
     TextDelta,
     ToolCallDelta,
-    ToolCallStreamParser,
     TurnStreamParser,
 )
 from rollstream.shared.agent.tools import ToolCall
@@ -62,7 +61,7 @@ from rollstream.shared.errors import RollstreamError
 __all__ = [
     "ChatRequest", "FinishReason", "Generation", "ReasoningDelta", "RequestError", "SampledTurn", "StreamEnd",
     "StreamEvent", "TextDelta", "ToolCall", "ToolCallDelta", "ToolChoice", "Tools",
-    "assistant_message", "final_finish_reason", "message_key", "split_tool_calls", "split_turn",
+    "assistant_message", "final_finish_reason", "message_key", "split_turn",
 ]
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -116,7 +115,7 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class Generation:
-    """One sampled assistant turn: `text` without the tool-call markup (see `split_tool_calls`)."""
+    """One sampled assistant turn: `text` without the reasoning and the tool-call markup (see `split_turn`)."""
 
     text: str
     tool_calls: list[ToolCall]
@@ -148,15 +147,6 @@ class SampledTurn(NamedTuple):
     reasoning: str
     content: str
     calls: list[ToolCall]
-
-
-def split_tool_calls(text: str, turn: int) -> tuple[str, list[ToolCall]]:
-    """The content and the calls of a complete turn, ids `call_{turn}_{index}`. A malformed call block
-    stays in the content as text; the content is stripped."""
-    parser = ToolCallStreamParser(turn)
-    pieces = parser.feed(text) + parser.finish()
-    content = "".join(piece.text for piece in pieces if isinstance(piece, TextDelta))
-    return content, [piece.call for piece in pieces if isinstance(piece, ToolCallDelta)]
 
 
 def split_turn(text: str, turn: int, reasoning_open: bool = False) -> SampledTurn:

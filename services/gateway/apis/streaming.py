@@ -8,8 +8,7 @@ no name, or never closed) is given back as text, so nothing the model wrote is l
 
 The text is stripped at both ends, as `HermesFormat.parse` strips a turn: leading whitespace is
 dropped and trailing whitespace is held until more text follows it. Whatever the pieces the text
-arrives in, the deltas add up to the same content and calls (`canonical.split_tool_calls` is this
-parser fed the whole text at once).
+arrives in, the deltas add up to the same content and calls as the whole text fed at once.
 
 `TurnStreamParser` puts a reasoning block in front of that: a turn that opens with `<think>` (Qwen3,
 DeepSeek-R1 and most open reasoning models) gives its reasoning as `ReasoningDelta` up to `</think>`,

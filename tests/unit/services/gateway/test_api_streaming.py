@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from rollstream.services.gateway.apis.canonical import SampledTurn, split_tool_calls, split_turn
+from rollstream.services.gateway.apis.canonical import SampledTurn, split_turn
 from rollstream.services.gateway.apis.streaming import (
     ReasoningDelta,
     TextDelta,
@@ -47,6 +47,14 @@ def stream(text: str, pieces: list[str], turn: int = 4) -> list[TextDelta | Tool
     for piece in pieces:
         out += parser.feed(piece)
     return out + parser.finish()
+
+
+def split_tool_calls(text: str, turn: int) -> tuple[str, list[ToolCall]]:
+    """The content and the calls of a whole turn, fed to the tool-call parser at once."""
+    parser = ToolCallStreamParser(turn)
+    pieces = parser.feed(text) + parser.finish()
+    return ("".join(piece.text for piece in pieces if isinstance(piece, TextDelta)),
+            [piece.call for piece in pieces if isinstance(piece, ToolCallDelta)])
 
 
 def random_pieces(text: str, rng: random.Random) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.services.gateway.apis.canonical import ChatRequest, RequestError, assistant_message, split_tool_calls
+from rollstream.services.gateway.apis.canonical import ChatRequest, RequestError, assistant_message, split_turn
 from rollstream.services.gateway.prompts import ChatTemplate, answer_key, plan_turn
 from rollstream.services.gateway.samples import publish_samples
 from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
@@ -42,7 +42,8 @@ def sample(template, store, session, messages, answer_text, *, tools=None, finis
     request = ChatRequest(model="m", messages=messages, tools=tools)
     planned = plan_turn(template, store, "s1", request, max_prompt_tokens=4096)
     sampled = template.encode(answer_text + ("<|im_end|>" if finish == "stop" else ""))
-    content, calls = split_tool_calls(template.tokenizer.decode(sampled, skip_special_tokens=True), 0)
+    turn = split_turn(template.tokenizer.decode(sampled, skip_special_tokens=True), 0)
+    content, calls = turn.content, turn.calls
     answer = assistant_message(content, calls)
     node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=sampled,
                     logprobs=[-0.5] * len(sampled), policy_version=3, policy_version_end=3, finish_reason=finish,
