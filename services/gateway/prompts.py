@@ -41,17 +41,21 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.template_kwargs: dict[str, Any] = {}
         """Variables the template is rendered with besides messages and tools (see `with_thinking`)."""
-        probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE}]
-        rendered = self.render(probe, None, add_generation_prompt=False)
-        if PROBE not in rendered:
+        turn_close = self._after_probe([{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE}])
+        if turn_close is None:
             raise TemplateError("the chat template does not render an assistant message's content as given")
-        self.turn_close = rendered[rendered.index(PROBE) + len(PROBE):]
+        self.turn_close = turn_close
         """What the template writes after an assistant message's content, e.g. '<|im_end|>\\n'."""
-        asked = self.render([{"role": "user", "content": PROBE}], None, add_generation_prompt=False)
-        self.user_turn_close = asked[asked.index(PROBE) + len(PROBE):] if PROBE in asked else None
+        self.user_turn_close = self._after_probe([{"role": "user", "content": PROBE}])
         """What the template writes after a user message's content."""
         eos = tokenizer.eos_token_id
         self.end_of_turn_ids = {eos} if isinstance(eos, int) else set(eos or ())
+
+    def _after_probe(self, messages: list[dict[str, Any]]) -> str | None:
+        """What the template writes after the last message's content, PROBE; None when it does not render it."""
+        rendered = self.render(messages, None, add_generation_prompt=False)
+        at = rendered.find(PROBE)
+        return None if at < 0 else rendered[at + len(PROBE):]
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
