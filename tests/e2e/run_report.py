@@ -3,8 +3,10 @@
 settings (RS_* from the compose file), its Redis and its `runs` volume are what the services see.
 
 It reads each stream's whole history (archive + what Redis still holds: the recorder trims Redis behind
-the archive) and the batch Parquet files. With an argument, also the prompt entries pending on that
-agent-runner consumer. Standard library and the installed project only: it runs in the slim image.
+the archive) and the batch Parquet files, and says what became of the black-box episodes (rows whose agent
+is `command`): their finish, the turns their gateway sessions recorded, their grades, batches and diffs.
+With an argument, also the prompt entries pending on that agent-runner consumer. Standard library and the
+installed project only: it runs in the slim image.
 """
 
 import json
@@ -22,6 +24,8 @@ from rollstream.shared.contract.events import (
     GradingFailed,
     PolicyUpdated,
     PromptIssued,
+    TrajectoryFinished,
+    TrajectoryTurn,
 )
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
@@ -58,6 +62,9 @@ def main() -> None:
     report["graded_in_sandbox"] = sum(isinstance(d.event, GradeReported) for d in grades)
     report["grading_failed"] = sum(isinstance(d.event, GradingFailed) for d in grades)
     report["dead_lettered"] = len(history("dead"))
+    report["blackbox"] = blackbox_report(
+        {d.envelope.rollout_id for d in prompts if d.event.agent == "command"},
+        history("trajectories"), grades, set(report["batched_rollouts"]), storage)
     key = bus.keys.stream("prompts")
     try:
         consumers = bus.redis.xinfo_consumers(key, GROUP)
@@ -68,6 +75,29 @@ def main() -> None:
         pending = bus.redis.xpending_range(key, GROUP, "-", "+", 1000, consumername=sys.argv[1])
         report["pending_on_consumer"] = [_text(row["message_id"]) for row in pending]
     print(json.dumps(report))
+
+
+def blackbox_report(rollouts, trajectories, grades, batched, storage) -> dict:
+    """Per black-box rollout: its last finish (status, error, whether its diff has the agent's file), how
+    many turns gateway sessions recorded for it, the scores its grades gave, whether it was batched."""
+    report = {rollout: {"status": None, "session_turns": 0, "grade_scores": [], "batched": rollout in batched}
+              for rollout in sorted(rollouts)}
+    for delivery in trajectories:
+        entry = report.get(delivery.envelope.rollout_id)
+        if entry is None:
+            continue
+        event = delivery.event
+        if isinstance(event, TrajectoryTurn) and delivery.envelope.session_id:
+            entry["session_turns"] += 1
+        elif isinstance(event, TrajectoryFinished):
+            diff = storage.read_bytes(event.artifacts["diff"]).decode() if "diff" in event.artifacts else ""
+            entry.update(status=event.status, error=event.error, grader=event.grader.get("kind"),
+                         diff_has_answers="answers.txt" in diff, log="log" in event.artifacts)
+    for delivery in grades:
+        entry = report.get(delivery.envelope.rollout_id)
+        if entry is not None and isinstance(delivery.event, GradeReported):
+            entry["grade_scores"].append(delivery.event.score)
+    return report
 
 
 def _text(value) -> str:

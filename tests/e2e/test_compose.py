@@ -11,7 +11,13 @@ version is out, the vLLM server crashes too: restarted, it must serve the newest
 starting model. The run goes on to its last policy version with nothing lost, no batch trained twice and no
 other container restarted; `docker compose down -v` leaves nothing behind.
 
-Redis is published on a random localhost port by a test-only override file, so the test watches the run
+Two of the run's prompt groups are black-box episodes of the Harbor task fix-add (the dataset, written by the
+test, mixes them among the synthetic arithmetic rows): the tests' own small agent (tests/fixtures/
+agent-runtime) run by the agent-runner containers in bubblewrap, its requests through the gateway container,
+its diff graded by the sandbox-grader container, its samples trained like the others.
+
+Redis is published on a random localhost port by a test-only override file (which also mounts the dataset,
+the agent's runtime and the task), so the test watches the run
 as it goes, as Redis's admin user (every service has a user of its own; the passwords are new for each
 stack); the final accounting (streams' whole history, archive included, and the batch Parquet files in
 the `runs` volume) runs inside the reward container (tests/e2e/run_report.py).
@@ -28,7 +34,10 @@ import uuid
 
 import pytest
 
-from tests.support import REPO, docker_client
+from rollstream.shared.tasks.datasets import arithmetic_dataset
+from rollstream.shared.tasks.harbor import load_harbor_task
+from rollstream.shared.tasks.prompts import task_prompt_row
+from tests.support import FIXTURES, REPO, docker_client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -44,11 +53,32 @@ SETTINGS = {
     "RS_ROLLOUT__CONCURRENCY": 4,
     # a dead replica's prompts are reclaimed after this long (live ones refresh theirs every third of it)
     "RS_BUS__RECLAIM_IDLE_MS": 6000,
+    # the dataset and the black-box agent, mounted by the override file (Stack)
+    "RS_DATA__PATH": "/e2e/dataset.jsonl",
+    "RS_AGENT__COMMAND": "chat-agent",
+    "RS_AGENT__COMMAND_RUNTIME_DIR": "/e2e/agent-runtime",
 }
+ARITHMETIC_ROWS = 15
+BLACKBOX_ROW = 1
+"""The dataset: the Harbor task's row at this index among the arithmetic rows; the dispatcher issues the rows in
+order, one group each, round and round: groups 1 and 17 of the run's 32 are black-box episodes."""
+BLACKBOX_BUDGET_S = 120
 HEALTHZ = ("import urllib.request; "
            "print(urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=3).read().decode())")
 VLLM_MODELS = ("import urllib.request; "
                "print(urllib.request.urlopen('http://127.0.0.1:8000/v1/models', timeout=3).read().decode())")
+AGENT_PROCESSES = """
+import json, os, pathlib
+lines = []
+for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+    try:
+        line = cmdline.read_bytes().replace(b"\\0", b" ").decode(errors="replace")
+    except OSError:  # gone since the listing
+        continue
+    if cmdline.parent.name != str(os.getpid()) and ("bwrap" in line or "chat-agent" in line):
+        lines.append(line)
+print(json.dumps(lines))
+"""
 CRASH = ["python", "-c", "import os, signal; os.kill(-1, signal.SIGKILL)"]
 """Every process of the container's user dies (its init, tini, then exits with them): a crash."""
 
@@ -74,8 +104,15 @@ class Stack:
         self.run_id = f"e2e-{uuid.uuid4().hex[:6]}"
         env_file = tmp_path / "run.env"
         env_file.write_text("".join(f"{key}={value}\n" for key, value in SETTINGS.items()))
-        override = tmp_path / "publish-redis.yml"
-        override.write_text('services:\n  redis:\n    ports: ["127.0.0.1::6379"]\n')
+        data = write_mounted_data(tmp_path / "e2e")
+        harbor = FIXTURES / "harbor"
+        override = tmp_path / "override.yml"
+        override.write_text(json.dumps({"services": {  # YAML is a superset of JSON
+            "redis": {"ports": ["127.0.0.1::6379"]},
+            "dispatcher": {"volumes": [f"{data}:/e2e:ro"]},
+            "agent-runner": {"volumes": [f"{data}:/e2e:ro", f"{harbor}:/tasks/harbor:ro"]},
+            "sandbox-grader": {"volumes": [f"{harbor}:/tasks/harbor:ro"]},
+        }}))
         users = subprocess.run(["sh", str(REPO / "infra" / "redis-passwords.sh")], capture_output=True, text=True,
                                check=True).stdout
         self.passwords = dict(line.split("=", 1) for line in users.split())
@@ -112,6 +149,34 @@ class Stack:
 
     def logs(self) -> str:
         return self.compose("logs", "--no-color", "--tail", "40", check=False, timeout=120).stdout
+
+
+def write_mounted_data(folder):
+    """The dataset (arithmetic rows, every 4th graded in the sandbox as the synthetic default is, and the Harbor
+    task's row for the black-box agent, its paths as the containers see the task) and the agent's runtime, in
+    a folder the containers' user can read."""
+    folder.mkdir(mode=0o755)
+    rows = [{"prompt": row.messages, "label": row.label, "sandbox_check": row.sandbox_check, "tools": row.tools,
+             "metadata": row.metadata} for row in arithmetic_dataset(ARITHMETIC_ROWS, seed=0, sandbox_every=4)]
+    task = load_harbor_task(FIXTURES / "harbor" / "fix-add")
+    row = task_prompt_row(task)
+    metadata = json.loads(json.dumps(row.metadata).replace(str(task.path.parent), "/tasks/harbor"))
+    rows.insert(BLACKBOX_ROW, {"prompt": row.messages, "agent": "command",
+                               "metadata": {**metadata, "time_budget_s": BLACKBOX_BUDGET_S}})
+    (folder / "dataset.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    runtime = folder / "agent-runtime" / "bin"
+    runtime.mkdir(mode=0o755, parents=True)
+    shutil.copy(REPO / "tests" / "fixtures" / "agent-runtime" / "bin" / "chat-agent", runtime)
+    for path in (folder, runtime.parent, runtime):  # whatever the umask
+        path.chmod(0o755)
+    return folder
+
+
+def agent_processes(container) -> list[str]:
+    """Command lines of the black-box episodes' processes (bubblewrap, the agent) still in a container."""
+    code, out = container.exec_run(["python", "-c", AGENT_PROCESSES])
+    assert code == 0, out
+    return json.loads(out)
 
 
 def healthz(container) -> dict:
@@ -238,6 +303,7 @@ def stack(tmp_path_factory):
         result["states"] = {c.id: (c.status, c.attrs["RestartCount"]) for c in victims}
         result["episodes_after"] = {c.id: healthz(c).get("episodes_done", 0)
                                     for c in s.containers("agent-runner")}
+        result["agent_processes_left"] = {c.name: agent_processes(c) for c in s.containers("agent-runner")}
         result["services"] = {c.name: c.status for c in s.containers(all=True)}
         result["restart_counts"] = {c.name: c.attrs["RestartCount"] for c in s.containers(all=True)}
     except BaseException:
@@ -282,6 +348,24 @@ def test_the_sandbox_grader_ran_bubblewrap_in_its_container(stack):
     # every 4th synthetic prompt is graded by a shell check in the sandbox (data.synthetic_sandbox_every)
     assert stack["report"]["graded_in_sandbox"] > 0
     assert stack["report"]["grading_failed"] == 0
+
+
+def test_black_box_agents_ran_in_their_sandboxes_through_the_gateway_and_were_graded_and_trained(stack):
+    episodes = stack["report"]["blackbox"]
+    assert len(episodes) == 2 * GROUP, episodes  # groups 1 and 17
+    for rollout, episode in episodes.items():
+        assert episode["status"] == "completed", (rollout, episode)
+        # the agent's three requests, each a turn its gateway session recorded
+        assert episode["session_turns"] >= 3, (rollout, episode)
+        # what the agent wrote at the task's WORKDIR in its sandbox is the diff the task's tests graded
+        assert episode["diff_has_answers"] and episode["log"], (rollout, episode)
+        assert episode["grader"] == "harbor" and episode["grade_scores"], (rollout, episode)
+        assert episode["batched"], (rollout, episode)
+
+
+def test_no_black_box_agent_process_is_left_in_an_agent_runner(stack):
+    assert stack["agent_processes_left"] and not any(stack["agent_processes_left"].values()), \
+        stack["agent_processes_left"]
 
 
 def test_prompts_held_by_killed_and_crashed_replicas_were_finished_by_others(stack):

