@@ -26,7 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rollstream.services.gateway.apis.canonical import ChatRequest, RequestError, message_key
+from rollstream.services.gateway.apis.canonical import ChatRequest, message_key
+from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.sessions import ROOT, SessionStore, TurnNode, conversation_keys
 from rollstream.shared.errors import TemplateError
 

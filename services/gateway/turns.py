@@ -1,12 +1,13 @@
 """One turn of a session: plan the prompt, stream the generation from the fleet, record the node.
 
-`run_turn` yields the API-neutral stream events (apis/canonical.py) as vLLM produces tokens: reasoning and
-text as they are decoded, a tool call once its closing tag is sampled, and StreamEnd last. The turn is
-recorded in the session (sessions.py) before StreamEnd is yielded, so an agent that sends its next request
-as soon as it has the answer finds its turn there. A non-streamed request asks vLLM for the whole
-generation in one response (no chunk per token to send, parse and decode), which then takes the same path
-as one delta: both record the same ids. A turn whose client went away before the end is not recorded: the
-agent never saw that answer.
+`run_turn` plans the prompt, so its length is known before anything is sampled (Anthropic's stream opens
+with it), and hands back the API-neutral stream events (apis/canonical.py), which come as vLLM produces
+tokens: reasoning and text as they are decoded, a tool call once its closing tag is sampled, and StreamEnd
+last. The turn is recorded in the session (sessions.py) before StreamEnd is yielded, so an agent that sends
+its next request as soon as it has the answer finds its turn there. A non-streamed request asks vLLM for the
+whole generation in one response (no chunk per token to send, parse and decode), which then takes the same
+path as one delta: both record the same ids. A turn whose client went away before the end is not recorded:
+the agent never saw that answer.
 
 The policy versions are read from the fleet version record before and after the generation, as the
 agent-runner does for its own turns, so a turn sampled across a weight sync says so.
@@ -29,14 +30,15 @@ from prometheus_client import Counter, Histogram
 from rollstream.services.gateway.apis.canonical import (
     ChatRequest,
     Generation,
-    RequestError,
     StreamEnd,
+    StreamEvent,
     assistant_message,
     final_finish_reason,
     split_turn,
 )
+from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.apis.streaming import THINK_OPEN, TurnStreamParser
-from rollstream.services.gateway.prompts import ChatTemplate, answer_key, plan_turn
+from rollstream.services.gateway.prompts import ChatTemplate, PlannedTurn, answer_key, plan_turn
 from rollstream.services.gateway.sessions import Session, SessionStore, TurnNode
 from rollstream.shared.inference.fleet import StreamDelta
 from rollstream.shared.runtime.config import Settings
@@ -149,14 +151,31 @@ def whole_generation(fleet):
     return one_delta
 
 
+@dataclass
+class Turn:
+    """A turn whose prompt is planned: the prompt's length, and the generation's events (`run_turn`)."""
+
+    prompt_tokens: int
+    events: AsyncIterator[StreamEvent]
+
+
 async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, api: str,
-                   answer_out: Answer | None = None) -> AsyncIterator[Any]:
+                   answer_out: Answer | None = None) -> Turn:
+    """Plans the turn's prompt (raising what makes the request one the gateway will not serve); the
+    generation starts when its events are first read."""
     started = time.monotonic()
-    session_id = session.spec.session_id
     template = gateway.template.with_thinking(request.thinking)
-    planned = await asyncio.to_thread(plan_turn, template, gateway.store, session_id, request,
+    planned = await asyncio.to_thread(plan_turn, template, gateway.store, session.spec.session_id, request,
                                       gateway.settings.gateway.max_prompt_tokens,
                                       gateway.settings.gateway.on_rewritten_history)
+    events = _generation(gateway, session, request, api, planned, started, answer_out)
+    return Turn(len(planned.prompt_ids), events)
+
+
+async def _generation(gateway: Gateway, session: Session, request: ChatRequest, api: str,
+                      planned: PlannedTurn, started: float,
+                      answer_out: Answer | None) -> AsyncIterator[StreamEvent]:
+    session_id = session.spec.session_id
     sampling = sampling_for(session, request, gateway.settings, len(planned.prompt_ids))
     text = IncrementalText(gateway.template.tokenizer)
     reasoning_open = prompt_opens_reasoning(gateway.template, planned.prompt_ids)
@@ -210,7 +229,8 @@ async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, api
 async def generate(gateway: Gateway, session: Session, request: ChatRequest, api: str) -> Generation:
     """A whole turn, for a request that did not ask for a stream."""
     answer = Answer()
-    async for event in run_turn(gateway, session, request, api, answer):
+    turn = await run_turn(gateway, session, request, api, answer)
+    async for event in turn.events:
         if isinstance(event, StreamEnd):
             return Generation(text=answer.content, tool_calls=answer.calls, finish_reason=event.finish_reason,
                               prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,

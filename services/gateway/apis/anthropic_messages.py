@@ -34,33 +34,32 @@ from rollstream.services.gateway.apis.canonical import (
     ChatRequest,
     FinishReason,
     Generation,
-    ReasoningDelta,
-    RequestError,
     StreamEnd,
     StreamEvent,
-    TextDelta,
     ToolCallDelta,
     ToolChoice,
     Tools,
-    bool_field,
     canonical_tool_call,
+    name_tool_messages,
+)
+from rollstream.services.gateway.apis.errors import RequestError, anthropic_error
+from rollstream.services.gateway.apis.sse import render_sse, sse
+from rollstream.services.gateway.apis.validation import (
+    bool_field,
     choose_tools,
     function_tool,
     int_field,
     leave_out_tool,
     model_field,
-    name_tool_messages,
     named_tool_choice,
     number_field,
     require_list,
     require_object,
     require_str,
-    sse,
     stop_field,
     tool_list,
     unsupported,
 )
-from rollstream.services.gateway.apis.errors import anthropic_error, request_error_of
 
 ERROR_PREFIX = "Error: "
 CUSTOM_TOOL_TYPES = (None, "custom")
@@ -273,75 +272,88 @@ def count_tokens_response(input_tokens: int) -> dict[str, int]:
     return {"input_tokens": input_tokens}
 
 
-async def messages_sse(events: AsyncIterator[StreamEvent], *, model: str, message_id: str,
-                       prompt_tokens: int = 0) -> AsyncIterator[str]:
-    """The Messages event stream: `message_start` (its usage counts `prompt_tokens`, when the core
-    knows them before sampling), `ping`, per block `content_block_start`, `content_block_delta`
-    (`thinking_delta`s then one `signature_delta`, `text_delta`s, or one `input_json_delta` with a
-    call's whole input), `content_block_stop`, then `message_delta` with the stop reason and the final
-    usage, and `message_stop`. Text after a call opens a new text block. A failure of the generation
-    ends it with an `error` event (the SDK raises it)."""
-    yield sse({"type": "message_start", "message": {
-        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0)}}, "message_start")
-    yield sse({"type": "ping"}, "ping")
-    block_count = 0
-    open_block: str | None = None
-    """"thinking" or "text" while deltas are being added to the last block."""
-    thinking = ""
-    called_tools = False
-    try:
-        async for event in events:
-            kind = "thinking" if isinstance(event, ReasoningDelta) \
-                else "text" if isinstance(event, TextDelta) else None
-            if open_block is not None and open_block != kind:
-                if open_block == "thinking":
-                    signature = {"type": "signature_delta", "signature": thinking_signature(thinking)}
-                    yield sse({"type": "content_block_delta", "index": block_count - 1, "delta": signature},
-                              "content_block_delta")
-                yield sse({"type": "content_block_stop", "index": block_count - 1}, "content_block_stop")
-                open_block = None
-            if kind == "thinking":
-                if open_block is None:
-                    yield sse({"type": "content_block_start", "index": block_count,
-                               "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
-                              "content_block_start")
-                    open_block = "thinking"
-                    block_count += 1
-                thinking += event.text
-                yield sse({"type": "content_block_delta", "index": block_count - 1,
-                           "delta": {"type": "thinking_delta", "thinking": event.text}},
-                          "content_block_delta")
-            elif kind == "text":
-                if open_block is None:
-                    yield sse({"type": "content_block_start", "index": block_count,
-                               "content_block": {"type": "text", "text": ""}}, "content_block_start")
-                    open_block = "text"
-                    block_count += 1
-                yield sse({"type": "content_block_delta", "index": block_count - 1,
-                           "delta": {"type": "text_delta", "text": event.text}}, "content_block_delta")
-            elif isinstance(event, ToolCallDelta):
-                called_tools = True
-                call = event.call
-                tool_use = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
-                yield sse({"type": "content_block_start", "index": block_count, "content_block": tool_use},
-                          "content_block_start")
-                yield sse({"type": "content_block_delta", "index": block_count,
-                           "delta": {"type": "input_json_delta",
-                                     "partial_json": json.dumps(call.arguments, ensure_ascii=False)}},
-                          "content_block_delta")
-                yield sse({"type": "content_block_stop", "index": block_count}, "content_block_stop")
-                block_count += 1
-            elif isinstance(event, StreamEnd):
-                stop_reason = _stop_reason(event.finish_reason, called_tools, event.stop_sequence)
-                yield sse({"type": "message_delta",
-                           "delta": {"stop_reason": stop_reason,
-                                     "stop_sequence": event.stop_sequence if stop_reason == "stop_sequence"
-                                     else None},
-                           "usage": _usage(event.prompt_tokens, event.completion_tokens)}, "message_delta")
-                yield sse({"type": "message_stop"}, "message_stop")
-                return
-        raise RuntimeError("the generation ended without a finish reason")
-    except Exception as e:  # noqa: BLE001 - the 200 is out: every failure must reach the client as an error event
-        error = request_error_of(e)
-        yield sse(anthropic_error(error.status, error.message), "error")
+class _MessageEvents:
+    """The Messages API's stream events (sse.EventRenderer)."""
+
+    def __init__(self, model: str, message_id: str, prompt_tokens: int) -> None:
+        self.model, self.message_id, self.prompt_tokens = model, message_id, prompt_tokens
+        self.blocks = 0
+        """How many content blocks were started; the last one's index is one less."""
+        self.open_block: str | None = None
+        """The type of the last block while it is open: deltas may still be added to it."""
+        self.thinking = ""
+        self.called_tools = False
+
+    def start(self) -> list[str]:
+        message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": _usage(self.prompt_tokens, 0)}
+        return [sse({"type": "message_start", "message": message}, "message_start"),
+                sse({"type": "ping"}, "ping")]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse({"type": "content_block_delta", "index": self.blocks - 1, "delta": delta},
+                   "content_block_delta")
+
+    def _close(self) -> list[str]:
+        """The events that close the open block, if any: a thinking block ends with its signature."""
+        if self.open_block is None:
+            return []
+        lines = []
+        if self.open_block == "thinking":
+            signature = thinking_signature(self.thinking)
+            lines.append(self._delta({"type": "signature_delta", "signature": signature}))
+        lines.append(sse({"type": "content_block_stop", "index": self.blocks - 1}, "content_block_stop"))
+        self.open_block = None
+        return lines
+
+    def _open(self, content_block: dict[str, Any]) -> list[str]:
+        """The events that make a block of this type the open one, unless it is already."""
+        if self.open_block == content_block["type"]:
+            return []
+        lines = self._close()
+        lines.append(sse({"type": "content_block_start", "index": self.blocks,
+                          "content_block": content_block}, "content_block_start"))
+        self.open_block = content_block["type"]
+        self.blocks += 1
+        return lines
+
+    def reasoning(self, text: str) -> list[str]:
+        lines = self._open({"type": "thinking", "thinking": "", "signature": ""})
+        self.thinking += text
+        return [*lines, self._delta({"type": "thinking_delta", "thinking": text})]
+
+    def text(self, text: str) -> list[str]:
+        lines = self._open({"type": "text", "text": ""})
+        return [*lines, self._delta({"type": "text_delta", "text": text})]
+
+    def tool_call(self, delta: ToolCallDelta) -> list[str]:
+        self.called_tools = True
+        call = delta.call
+        lines = self._open({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        lines.append(self._delta({"type": "input_json_delta",
+                                  "partial_json": json.dumps(call.arguments, ensure_ascii=False)}))
+        return [*lines, *self._close()]
+
+    def end(self, end: StreamEnd) -> list[str]:
+        stop_reason = _stop_reason(end.finish_reason, self.called_tools, end.stop_sequence)
+        delta = {"stop_reason": stop_reason,
+                 "stop_sequence": end.stop_sequence if stop_reason == "stop_sequence" else None}
+        return [*self._close(),
+                sse({"type": "message_delta", "delta": delta,
+                     "usage": _usage(end.prompt_tokens, end.completion_tokens)}, "message_delta"),
+                sse({"type": "message_stop"}, "message_stop")]
+
+    def fail(self, error: RequestError) -> list[str]:
+        return [sse(anthropic_error(error.status, error.message), "error")]
+
+
+def messages_sse(events: AsyncIterator[StreamEvent], *, model: str, message_id: str,
+                 prompt_tokens: int) -> AsyncIterator[str]:
+    """The Messages event stream: `message_start` (its usage counts the prompt's tokens), `ping`, per
+    block `content_block_start`, `content_block_delta` (`thinking_delta`s then one `signature_delta`,
+    `text_delta`s, or one `input_json_delta` with a call's whole input), `content_block_stop`, then
+    `message_delta` with the stop reason and the final usage, and `message_stop`. Text after a call
+    opens a new text block. A failure of the generation ends it with an `error` event (the SDK raises
+    it)."""
+    return render_sse(events, _MessageEvents(model, message_id, prompt_tokens))

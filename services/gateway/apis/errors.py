@@ -1,10 +1,11 @@
-"""Error bodies in each API's own shape, so a client's SDK raises its usual exception with our message.
+"""Why the gateway refuses a request (`RequestError`), and error bodies in each API's own shape, so a
+client's SDK raises its usual exception with our message.
 
 OpenAI (both APIs): `{"error": {"message", "type", "param", "code"}}`.
 Anthropic: `{"type": "error", "error": {"type", "message"}}`, the type following the status.
 
-`request_error_of` is for failures inside a stream, after the 200 has gone out: the SSE builders
-turn what the generation raised into an error event instead of cutting the connection.
+`request_error_of` is for failures inside a stream, after the 200 has gone out: the stream driver
+(sse.py) turns what the generation raised into the API's error event instead of cutting the connection.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rollstream.services.gateway.apis.canonical import RequestError
+from rollstream.shared.errors import RollstreamError
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,19 @@ ANTHROPIC_ERROR_TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
+
+
+class RequestError(RollstreamError, ValueError):
+    """A request the gateway will not serve: `status` is the HTTP status to answer with, `message` says
+    why in words a client's developer can act on, `param` names the field when one is at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind
 
 
 def openai_error(status: int, message: str, param: str | None = None, kind: str | None = None,

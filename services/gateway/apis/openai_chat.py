@@ -26,37 +26,36 @@ from typing import Any
 from rollstream.services.gateway.apis.canonical import (
     ChatRequest,
     Generation,
-    ReasoningDelta,
-    RequestError,
     StreamEnd,
     StreamEvent,
-    TextDelta,
     ToolCall,
     ToolCallDelta,
     ToolChoice,
     Tools,
+    canonical_tool_call,
+    final_finish_reason,
+    name_tool_messages,
+)
+from rollstream.services.gateway.apis.errors import RequestError, openai_error
+from rollstream.services.gateway.apis.sse import render_sse, sse
+from rollstream.services.gateway.apis.validation import (
     arguments_from_json,
     bool_field,
-    canonical_tool_call,
     choose_tools,
-    final_finish_reason,
     function_tool,
     int_field,
     leave_out_tool,
     model_field,
-    name_tool_messages,
     named_tool_choice,
     number_field,
     require_list,
     require_object,
     require_str,
-    sse,
     stop_field,
     thinking_of_effort,
     tool_list,
     unsupported,
 )
-from rollstream.services.gateway.apis.errors import openai_error, request_error_of
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -237,42 +236,52 @@ def chat_completion_response(gen: Generation, *, model: str, response_id: str,
     }
 
 
-async def chat_completion_sse(events: AsyncIterator[StreamEvent], *, model: str, response_id: str,
-                              created: int, include_usage: bool = False) -> AsyncIterator[str]:
-    """The stream of a generation: a chunk with the role, one per reasoning delta, text delta and tool
-    call, one with the finish reason, the usage chunk when asked for, then `data: [DONE]`. A failure of the
-    generation ends the stream with an OpenAI error object (the SDK raises it as an APIError)."""
+class _Chunks:
+    """`chat.completion.chunk` events (sse.EventRenderer)."""
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+    def __init__(self, model: str, response_id: str, created: int, include_usage: bool) -> None:
+        self.model, self.response_id, self.created = model, response_id, created
+        self.include_usage = include_usage
+        self.called_tools = False
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> str:
         data: dict[str, Any] = {
-            "id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": None,
+            "id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model, "system_fingerprint": None,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
         }
-        if include_usage:
+        if self.include_usage:
             data["usage"] = None  # every chunk but the last carries a null usage when usage is asked for
         return sse(data)
 
-    yield chunk({"role": "assistant", "content": ""})
-    called_tools = False
-    try:
-        async for event in events:
-            if isinstance(event, ReasoningDelta):
-                yield chunk({"reasoning_content": event.text})
-            elif isinstance(event, TextDelta):
-                yield chunk({"content": event.text})
-            elif isinstance(event, ToolCallDelta):
-                called_tools = True
-                yield chunk({"tool_calls": [_wire_tool_call(event.call, event.index)]})
-            elif isinstance(event, StreamEnd):
-                yield chunk({}, final_finish_reason(event.finish_reason, called_tools))
-                if include_usage:
-                    yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                               "model": model, "system_fingerprint": None, "choices": [],
-                               "usage": _usage(event.prompt_tokens, event.completion_tokens)})
-                yield "data: [DONE]\n\n"
-                return
-        raise RuntimeError("the generation ended without a finish reason")
-    except Exception as e:  # noqa: BLE001 - the 200 is out: every failure must reach the client as an error chunk
-        error = request_error_of(e)
-        yield sse(openai_error(error.status, error.message, error.param, error.kind))
+    def start(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def reasoning(self, text: str) -> list[str]:
+        return [self._chunk({"reasoning_content": text})]
+
+    def text(self, text: str) -> list[str]:
+        return [self._chunk({"content": text})]
+
+    def tool_call(self, delta: ToolCallDelta) -> list[str]:
+        self.called_tools = True
+        return [self._chunk({"tool_calls": [_wire_tool_call(delta.call, delta.index)]})]
+
+    def end(self, end: StreamEnd) -> list[str]:
+        lines = [self._chunk({}, final_finish_reason(end.finish_reason, self.called_tools))]
+        if self.include_usage:
+            lines.append(sse({"id": self.response_id, "object": "chat.completion.chunk",
+                              "created": self.created, "model": self.model, "system_fingerprint": None,
+                              "choices": [], "usage": _usage(end.prompt_tokens, end.completion_tokens)}))
+        return [*lines, "data: [DONE]\n\n"]
+
+    def fail(self, error: RequestError) -> list[str]:
+        return [sse(openai_error(error.status, error.message, error.param, error.kind))]
+
+
+def chat_completion_sse(events: AsyncIterator[StreamEvent], *, model: str, response_id: str,
+                        created: int, include_usage: bool = False) -> AsyncIterator[str]:
+    """The stream of a generation: a chunk with the role, one per reasoning delta, text delta and tool
+    call, one with the finish reason, the usage chunk when asked for, then `data: [DONE]`. A failure of the
+    generation ends the stream with an OpenAI error object (the SDK raises it as an APIError)."""
+    return render_sse(events, _Chunks(model, response_id, created, include_usage))

@@ -47,35 +47,34 @@ from rollstream.services.gateway.apis.canonical import (
     ChatRequest,
     FinishReason,
     Generation,
-    ReasoningDelta,
-    RequestError,
     StreamEnd,
     StreamEvent,
-    TextDelta,
     ToolCall,
     ToolCallDelta,
     ToolChoice,
     Tools,
+    canonical_tool_call,
+    name_tool_messages,
+)
+from rollstream.services.gateway.apis.errors import RequestError
+from rollstream.services.gateway.apis.sse import render_sse, sse
+from rollstream.services.gateway.apis.validation import (
     arguments_from_json,
     bool_field,
-    canonical_tool_call,
     choose_tools,
     function_tool,
     int_field,
     leave_out_tool,
     model_field,
-    name_tool_messages,
     named_tool_choice,
     number_field,
     require_list,
     require_object,
     require_str,
-    sse,
     thinking_of_effort,
     tool_list,
     unsupported,
 )
-from rollstream.services.gateway.apis.errors import request_error_of
 
 STATELESS = "this gateway keeps no responses, so send the whole conversation in `input`"
 TEXT_PARTS = ("input_text", "output_text")
@@ -388,7 +387,8 @@ def responses_response(gen: Generation, request: ChatRequest, *, response_id: st
 
 
 class _ResponseStream:
-    """The events of one streamed response, numbered, and the output items they have completed."""
+    """The events of one streamed response, numbered, and the output items they have completed
+    (sse.EventRenderer)."""
 
     def __init__(self, request: ChatRequest, response_id: str, created: int) -> None:
         self.request, self.response_id, self.created = request, response_id, created
@@ -396,7 +396,7 @@ class _ResponseStream:
         self.output: list[dict[str, Any]] = []
         self.open_item: str | None = None
         """"reasoning" or "message" while deltas are being added to the item at index len(output)."""
-        self.text = ""
+        self.item_text = ""
         """The open item's text so far."""
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -415,12 +415,12 @@ class _ResponseStream:
     def _open(self, kind: str) -> tuple[list[str], str, int]:
         """The item of `kind` deltas go to (opened now, after closing another, if it is not open): the
         events that did so, its id and its output index."""
-        events = [] if self.open_item == kind else self.close("completed")
+        events = [] if self.open_item == kind else self._close("completed")
         output_index = len(self.output)
         item_id = _item_id("rs" if kind == "reasoning" else "msg", self.response_id, output_index)
         if self.open_item == kind:
             return events, item_id, output_index
-        self.open_item, self.text = kind, ""
+        self.open_item, self.item_text = kind, ""
         if kind == "reasoning":
             events += [self.event("response.output_item.added", output_index=output_index,
                                   item=_reasoning_item(item_id, None, self.request)),
@@ -436,9 +436,9 @@ class _ResponseStream:
                                   content_index=0, part=_text_part(""))]
         return events, item_id, output_index
 
-    def reasoning_delta(self, text: str) -> list[str]:
+    def reasoning(self, text: str) -> list[str]:
         events, item_id, output_index = self._open("reasoning")
-        self.text += text
+        self.item_text += text
         events.append(self.event("response.reasoning_text.delta", item_id=item_id, output_index=output_index,
                                  content_index=0, delta=text))
         if self.request.reasoning_summary:
@@ -446,18 +446,18 @@ class _ResponseStream:
                                      output_index=output_index, summary_index=0, delta=text))
         return events
 
-    def text_delta(self, text: str) -> list[str]:
+    def text(self, text: str) -> list[str]:
         events, item_id, output_index = self._open("message")
-        self.text += text
+        self.item_text += text
         events.append(self.event("response.output_text.delta", item_id=item_id, output_index=output_index,
                                  content_index=0, delta=text, logprobs=[]))
         return events
 
-    def close(self, status: str) -> list[str]:
+    def _close(self, status: str) -> list[str]:
         """The events that complete the open item, if any; `status` is a message item's."""
         if self.open_item is None:
             return []
-        output_index, text = len(self.output), self.text
+        output_index, text = len(self.output), self.item_text
         if self.open_item == "reasoning":
             item = _reasoning_item(_item_id("rs", self.response_id, output_index), text, self.request)
             events = [self.event("response.reasoning_text.done", item_id=item["id"],
@@ -479,8 +479,9 @@ class _ResponseStream:
         self.open_item = None
         return [*events, self.event("response.output_item.done", output_index=output_index, item=item)]
 
-    def call(self, call: ToolCall) -> list[str]:
-        events = self.close("completed")
+    def tool_call(self, delta: ToolCallDelta) -> list[str]:
+        call = delta.call
+        events = self._close("completed")
         output_index = len(self.output)
         item_id = _item_id("fc", self.response_id, output_index)
         arguments = json.dumps(call.arguments, ensure_ascii=False)
@@ -499,7 +500,7 @@ class _ResponseStream:
 
     def end(self, end: StreamEnd) -> list[str]:
         status = _status(end.finish_reason)
-        events = self.close(status)
+        events = self._close(status)
         final = self.response(status, _usage(end.prompt_tokens, end.completion_tokens))
         return [*events, self.event(f"response.{status}", response=final)]
 
@@ -509,8 +510,8 @@ class _ResponseStream:
         return [self.event("response.failed", response=failed)]
 
 
-async def responses_sse(events: AsyncIterator[StreamEvent], request: ChatRequest, *, response_id: str,
-                        created: int) -> AsyncIterator[str]:
+def responses_sse(events: AsyncIterator[StreamEvent], request: ChatRequest, *, response_id: str,
+                  created: int) -> AsyncIterator[str]:
     """The Responses event stream, each event as `event: <type>\\ndata: {...}\\n\\n` with its
     `sequence_number`: `response.created`, `response.in_progress`, a reasoning item when the model
     reasons (`output_item.added`, `content_part.added`, `reasoning_text.delta`..., `reasoning_text.done`,
@@ -520,24 +521,4 @@ async def responses_sse(events: AsyncIterator[StreamEvent], request: ChatRequest
     function_call item per call (`output_item.added`, `function_call_arguments.delta` / `.done`,
     `output_item.done`), then `response.completed` (or `response.incomplete`). A failure of the
     generation ends it with `response.failed`."""
-    stream = _ResponseStream(request, response_id, created)
-    for event in stream.start():
-        yield event
-    try:
-        async for event in events:
-            if isinstance(event, ReasoningDelta):
-                produced = stream.reasoning_delta(event.text)
-            elif isinstance(event, TextDelta):
-                produced = stream.text_delta(event.text)
-            elif isinstance(event, ToolCallDelta):
-                produced = stream.call(event.call)
-            else:
-                produced = stream.end(event)
-            for line in produced:
-                yield line
-            if isinstance(event, StreamEnd):
-                return
-        raise RuntimeError("the generation ended without a finish reason")
-    except Exception as e:  # noqa: BLE001 - the 200 is out: every failure must reach the client as response.failed
-        for line in stream.fail(request_error_of(e)):
-            yield line
+    return render_sse(events, _ResponseStream(request, response_id, created))

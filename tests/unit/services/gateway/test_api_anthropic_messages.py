@@ -12,7 +12,8 @@ from rollstream.services.gateway.apis.anthropic_messages import (
     parse_messages,
     thinking_signature,
 )
-from rollstream.services.gateway.apis.canonical import Generation, RequestError, ToolCall
+from rollstream.services.gateway.apis.canonical import Generation, ToolCall
+from rollstream.services.gateway.apis.errors import RequestError
 
 BASH = {"name": "Bash", "description": "Run a shell command.",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},

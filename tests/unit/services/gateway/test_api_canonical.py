@@ -7,13 +7,17 @@ import logging
 import pytest
 
 from rollstream.services.gateway.apis.canonical import (
-    RequestError,
     ToolCall,
     assistant_message,
     final_finish_reason,
     message_key,
 )
-from rollstream.services.gateway.apis.errors import anthropic_error, openai_error, request_error_of
+from rollstream.services.gateway.apis.errors import (
+    RequestError,
+    anthropic_error,
+    openai_error,
+    request_error_of,
+)
 from rollstream.shared.errors import RollstreamError
 
 

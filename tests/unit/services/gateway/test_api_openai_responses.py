@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollstream.services.gateway.apis.canonical import Generation, RequestError, ToolCall
+from rollstream.services.gateway.apis.canonical import Generation, ToolCall
+from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.apis.openai_responses import (
     decode_reasoning,
     encode_reasoning,

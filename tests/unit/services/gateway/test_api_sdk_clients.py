@@ -572,7 +572,7 @@ def test_anthropic_bad_request_raises_the_sdk_error_with_our_message():
 
 def test_anthropic_failure_inside_the_stream_raises_in_the_sdk():
     gateway = Gateway(lambda request: sse_text(messages_sse(failing_events(), model="policy",
-                                                            message_id="msg_1")))
+                                                            message_id="msg_1", prompt_tokens=57)))
     client = gateway.anthropic()
     with pytest.raises(anthropic.APIStatusError) as caught, \
             client.messages.stream(model="policy", max_tokens=300, messages=ANTHROPIC_MESSAGES) as stream:

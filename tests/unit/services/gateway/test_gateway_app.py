@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from rollstream.services.gateway.main import IGNORED_TOOLS_HEADER, build_app
+from rollstream.services.gateway.agent_api import IGNORED_TOOLS_HEADER
+from rollstream.services.gateway.main import build_app
 from rollstream.services.gateway.prompts import ChatTemplate
 from rollstream.services.gateway.sessions import SessionStore
 from rollstream.services.gateway.turns import Gateway, prompt_opens_reasoning
@@ -133,6 +134,21 @@ def test_claude_codes_first_request_is_served_within_the_context(bus, template, 
     (asked,) = fleet.asked
     assert asked["max_tokens"] == CONTEXT - len(asked["prompt_ids"]) < 32000
     assert events[-2]["usage"]["output_tokens"] == len(asked["response_ids"])
+
+
+def test_the_messages_stream_opens_with_the_prompts_tokens(bus, template):
+    client, fleet, _ = gateway_app(bus, template)
+    session_id, key = open_session(client)
+    fleet.texts = ["Five."]
+    response = client.post(f"/s/{session_id}/v1/messages", headers=key, json={
+        "model": "tiny", "max_tokens": 16, "stream": True,
+        "messages": [{"role": "user", "content": "What is 2 + 3?"}]})
+    assert response.status_code == 200, response.text
+    events = events_of(response.text)
+    (asked,) = fleet.asked
+    assert events[0]["type"] == "message_start"
+    assert events[0]["message"]["usage"]["input_tokens"] == len(asked["prompt_ids"]) > 0
+    assert events[-2]["usage"]["input_tokens"] == len(asked["prompt_ids"])
 
 
 def test_a_model_that_reasons_answers_claude_code_with_a_thinking_block(bus, template):
