@@ -324,7 +324,7 @@ def run_mode(kind: str, fleet, urls: list[str], eta: int, args: argparse.Namespa
     t1 = times[-1]
     result.update_times = [t - t0 for t in times]
     result.trained = sum(u.trained_samples for _, u in updates)
-    result.dropped = sum(u.dropped_stale for _, u in updates)
+    result.dropped = sum(u.dropped.get("stale", 0) for _, u in updates)
     result.window_s = t1 - t0
     result.per_min = 60 * result.trained / result.window_s
     if len(updates) >= 2 and t1 > times[0]:

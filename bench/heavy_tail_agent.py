@@ -36,8 +36,8 @@ from rollstream.shared.agent.loop import (
     Task,
     TemplateError,
     TokenTrajectory,
-    TurnRecord,
 )
+from rollstream.shared.contract.events import TrajectoryTurn
 
 ENV = "HEAVY_TAIL_AGENT"
 OBSERVATION_RESERVE = 32
@@ -105,7 +105,7 @@ async def heavy_tail_agent(task: Task, ctx: AgentContext) -> list[Segment]:
 
     segments: list[Segment] = []
     trajectory = TokenTrajectory(ctx.tokenizer, task.messages)
-    turns: list[TurnRecord] = []
+    turns: list[TrajectoryTurn] = []
     text, status, error = "", "completed", None
     try:
         for turn in range(turns_total):
@@ -128,11 +128,11 @@ async def heavy_tail_agent(task: Task, ctx: AgentContext) -> list[Segment]:
             appended, offset = trajectory.pending_ids, len(trajectory.tokens)
             text = trajectory.append_sampled(completion.token_ids, completion.logprobs)
             version = before.get(completion.server_url, 0)
-            turns.append(TurnRecord(segment_index=len(segments), offset=offset, appended_ids=appended,
-                                    response_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
-                                    policy_version=version,
-                                    policy_version_end=after.get(completion.server_url, version),
-                                    finish_reason=completion.finish_reason, server_url=completion.server_url))
+            turns.append(TrajectoryTurn(turn=len(turns), segment_index=len(segments), offset=offset,
+                                        appended_ids=appended, response_ids=list(completion.token_ids),
+                                        logprobs=list(completion.logprobs), policy_version=version,
+                                        policy_version_end=after.get(completion.server_url, version),
+                                        finish_reason=completion.finish_reason, server_url=completion.server_url))
     except TemplateError as exc:
         status, error = "failed", str(exc)
     answer = task.label if task.label is not None and is_solved(index, params) else text

@@ -38,6 +38,7 @@ from rollstream.cli.embedded_redis import EmbeddedRedis
 from rollstream.cli.vllm_server import free_port
 from rollstream.shared.contract.archive import ArchiveReader, StreamHistory
 from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
+from rollstream.shared.contract.consumers import stream_groups
 from rollstream.shared.contract.events import (
     BatchReady,
     DeadLettered,
@@ -53,9 +54,6 @@ from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
 SERVICES = ("dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder")
 OPT_IN_SERVICES = ("gateway",)
 """Started only when asked for, or when the run's agent is a black-box command (needs_gateway)."""
-CONSUMES: dict[str, tuple[StreamName, ...]] = {"agent-runner": ("prompts",), "sandbox-grader": ("trajectories",),
-                                               "reward": ("trajectories", "grades"), "trainer": ("batches",)}
-"""The streams each service reads through a consumer group named after the service."""
 STOP_GRACE_S = 30.0
 EMBEDDED_REDIS_USER = "rollstream"
 """The embedded Redis's user when only a password is configured (its default user may only PING)."""
@@ -463,16 +461,13 @@ class LocalRun:
         """Work the run's consumers have not finished: per stream and group, entries not yet delivered
         plus delivered and unacknowledged (a running service's group that does not exist yet: all of the
         stream); and sandbox jobs queued, running or scheduled for a retry."""
-        from rq import Queue
-
         assert self.bus is not None
         out: dict[str, int] = {}
-        for stream, group in sorted({(stream, service) for service in self.services
-                                     for stream in CONSUMES.get(service, ())}):
+        for stream, group in sorted((stream, group) for stream, group in stream_groups() if group in self.services):
             undelivered, pending = self.bus.group_lag(stream, group)
             if undelivered + pending:
                 out[f"{stream}/{group}"] = undelivered + pending
-        queue = Queue(self.bus.keys.job_queue(self.settings.grader.queue), connection=self.bus.redis)
+        queue = self.bus.job_queue(self.settings.grader.queue)
         jobs = queue.count + queue.started_job_registry.count + queue.scheduled_job_registry.count
         if jobs:
             out["sandbox jobs"] = jobs
@@ -518,7 +513,7 @@ class LocalRun:
         per_version = [{"version": u.version, "batch_mean_reward": next((b.mean_reward for b in progress.batches
                                                                          if b.batch_id == u.batch_id), None),
                         "loss": u.loss, "parity_max_abs_diff": u.parity_max_abs_diff,
-                        "trained": u.trained_samples, "dropped_stale": u.dropped_stale}
+                        "trained": u.trained_samples, "dropped_stale": u.dropped.get("stale", 0)}
                        for u in progress.updates]
         return {
             "run_id": self.settings.run_id,

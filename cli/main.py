@@ -280,7 +280,9 @@ def chaos_poison(
     version, every admitted sample in exactly one batch, no forged sample trained. Exit 1 when one fails.
     """
     signal.signal(signal.SIGTERM, _interrupt)
-    from rollstream.cli.chaos.poison import PoisonError, checks, report_tables, run_poison
+    from rollstream.cli.chaos.poison import run_poison
+    from rollstream.cli.chaos.poison_inject import PoisonError
+    from rollstream.cli.chaos.poison_report import checks, report_tables
     from rollstream.cli.local_run import RunExists, ServiceDied
     from rollstream.shared.errors import BackendUnavailable, DatasetError
     from rollstream.shared.runtime.config import Settings

@@ -22,13 +22,16 @@ gateway.finish_grace_s: its keys must expire by then, finished or not).
     report = audit_run(bus, storage_uri, max_staleness, limits=RowLimits.of_model(path))
     report.check_drops(drop_bound(faults, settings, replicas)); report.problems()   # what is wrong
 
-`rollstream chaos run` (cli/chaos/harness.py) prints it after a run under fault injection.
+`rollstream chaos run` (cli/chaos/harness.py) prints it after a run under fault injection; `rollstream chaos
+poison` (cli/chaos/poison_report.py) reads a poisoned run's own rollouts with it, leaving out the entries it wrote.
+
+    python -m pytest tests/unit/cli/test_chaos_audit.py -q
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +39,8 @@ from rollstream.cli.local_run import ProcessExit
 from rollstream.services.gateway.sessions import SessionStore
 from rollstream.services.trainer.training import is_stale, row_problem
 from rollstream.shared.contract.archive import ArchiveReader, archived_id, parse_id, read_history
-from rollstream.shared.contract.batches import read_batch
-from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
+from rollstream.shared.contract.batches import BatchRow, read_batch
+from rollstream.shared.contract.bus import STREAMS, Bus, Delivery, StreamName
 from rollstream.shared.contract.events import (
     BatchReady,
     DeadLettered,
@@ -46,20 +49,22 @@ from rollstream.shared.contract.events import (
     RolloutDropped,
     TrajectoryFinished,
 )
+from rollstream.shared.contract.consumers import stream_groups
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox.docker import DockerBackend
 from rollstream.shared.sandbox.host_uids import process_uids, processes_of_uids
 
-CONSUMER_GROUPS: tuple[tuple[StreamName, str], ...] = (
-    ("prompts", "agent-runner"), ("trajectories", "sandbox-grader"), ("trajectories", "reward"),
-    ("grades", "reward"), ("dead", "reward"), ("batches", "trainer"))
+CONSUMER_GROUPS: tuple[tuple[StreamName, str], ...] = stream_groups()
 """Every (stream, consumer group) the services read: all must end with nothing undelivered or pending."""
 EXPIRY_ROUNDING_S = 0.001
 """Keys expire at whole milliseconds."""
 DROP_CAUSES: tuple[tuple[str, ...], ...] = (
     ("grading_failed", "grade_timeout"), ("stale",), ("dead_lettered",), ("batch_dead_lettered",), ("filtered",))
 """Drop causes bounded together (a lost grade ends as one or the other of the first two)."""
+BATCHED_DROP_CAUSES = ("stale", "batch_dead_lettered")
+"""Drop causes of rollouts whose rows are in a batch: the trainer left them out as too old, or dead-lettered
+the batch. The others are the reward service's (RolloutDropped): never batched."""
 
 
 @dataclass(frozen=True)
@@ -110,42 +115,60 @@ def drop_bound(faults: Iterable[tuple[str, str]], settings: Settings,
     filtered: the run's own rule (train.filter_zero_variance), no fault's doing: unbounded when it is
     on, none otherwise.
     """
-    group, batch = settings.data.samples_per_prompt, settings.train.batch_size
-    concurrency, read_count = settings.rollout.concurrency, settings.bus.read_count
-    runners, graders = replicas.get("agent-runner", 1), replicas.get("sandbox-grader", 1)
-    largest_batch = batch + group - 1
-    held = {"agent-runner": concurrency}
-    consumer_faults: Counter[str] = Counter()
-    grades = stale = 0
-    for kind, service in faults:
-        if kind == "horse" or (kind == "crash" and service == "sandbox-grader"):
-            grades += 1
-        if kind == "redis":
-            grades += graders
-        if kind == "pause" or (kind == "crash" and service == "agent-runner"):
-            stale += concurrency * group
-        if kind in ("vllm", "redis") or (kind == "crash" and service == "gateway"):
-            stale += runners * concurrency * group
-        if kind == "crash" and service == "trainer":
-            stale += largest_batch
-        if kind in ("crash", "pause") and service in ("agent-runner", "sandbox-grader", "reward", "trainer"):
-            consumer_faults[service] += 1
-        if kind == "crash" and service == "gateway":
-            consumer_faults["agent-runner"] += runners
+    faults = list(faults)
+    largest_batch = settings.train.batch_size + settings.data.samples_per_prompt - 1
+    consumer_faults = _consumer_faults(faults, replicas.get("agent-runner", 1))
 
     def lost_entries(service: str) -> int:
         faults_there = consumer_faults[service]
         if faults_there < settings.bus.max_deliveries:
             return 0
-        return faults_there * held.get(service, read_count) // settings.bus.max_deliveries
+        held = settings.rollout.concurrency if service == "agent-runner" else settings.bus.read_count
+        return faults_there * held // settings.bus.max_deliveries
 
     return {
-        "grading_failed + grade_timeout": grades,
-        "stale": stale,
+        "grading_failed + grade_timeout": _grades_cut_short(faults, replicas.get("sandbox-grader", 1)),
+        "stale": _rollouts_held_back(faults, settings, replicas.get("agent-runner", 1), largest_batch),
         "dead_lettered": sum(lost_entries(s) for s in ("agent-runner", "sandbox-grader", "reward")),
         "batch_dead_lettered": lost_entries("trainer") * largest_batch,
         "filtered": None if settings.train.filter_zero_variance else 0,
     }
+
+
+def _grades_cut_short(faults: list[tuple[str, str]], graders: int) -> int:
+    """Grading jobs the faults can cut short (drop_bound)."""
+    cut = 0
+    for kind, service in faults:
+        if kind == "horse" or (kind == "crash" and service == "sandbox-grader"):
+            cut += 1
+        if kind == "redis":
+            cut += graders
+    return cut
+
+
+def _rollouts_held_back(faults: list[tuple[str, str]], settings: Settings, runners: int, largest_batch: int) -> int:
+    """Rollouts the faults can hold back past train.max_staleness (drop_bound)."""
+    group, concurrency = settings.data.samples_per_prompt, settings.rollout.concurrency
+    held = 0
+    for kind, service in faults:
+        if kind == "pause" or (kind == "crash" and service == "agent-runner"):
+            held += concurrency * group
+        if kind in ("vllm", "redis") or (kind == "crash" and service == "gateway"):
+            held += runners * concurrency * group
+        if kind == "crash" and service == "trainer":
+            held += largest_batch
+    return held
+
+
+def _consumer_faults(faults: list[tuple[str, str]], runners: int) -> Counter[str]:
+    """Faults per consuming service, each failing a delivery of what its processes hold (drop_bound)."""
+    counted: Counter[str] = Counter()
+    for kind, service in faults:
+        if kind in ("crash", "pause") and service in ("agent-runner", "sandbox-grader", "reward", "trainer"):
+            counted[service] += 1
+        if kind == "crash" and service == "gateway":
+            counted["agent-runner"] += runners
+    return counted
 
 
 @dataclass
@@ -185,8 +208,12 @@ class AuditReport:
     batches_trained_twice: list[str] = field(default_factory=list)
     versions_published_twice: list[int] = field(default_factory=list)
     versions_missing: list[int] = field(default_factory=list)
+    batches_announced: int = 0
+    """BatchReady events of the run."""
     batches_not_trained: list[str] = field(default_factory=list)
     """Announced batches no PolicyUpdated trained and that were not dead-lettered."""
+    batches_dead_lettered: list[str] = field(default_factory=list)
+    """Announced batches the trainer dead-lettered untrained: their rows are dropped (batch_dead_lettered)."""
     trainer_disagrees: list[str] = field(default_factory=list)
     """Batches whose rows trained, stale and invalid differ from the trainer's PolicyUpdated counts."""
     pending: dict[str, int] = field(default_factory=dict)
@@ -238,68 +265,121 @@ class AuditReport:
 
 
 def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str = "sandbox", *,
-              limits: RowLimits) -> AuditReport:
-    history = {stream: read_history(bus, stream, storage_uri) for stream in STREAMS}
+              limits: RowLimits, leave_out: Collection[tuple[str, str]] = frozenset()) -> AuditReport:
+    """What the run kept (see the module docstring). leave_out: (stream, entry id) of entries written into
+    the run from outside (poison): what became of the run's own rollouts is read as if they had never been
+    written, though they count among the entries added and in the archive's check."""
+    history = {stream: run_events(bus, stream, storage_uri, leave_out) for stream in STREAMS}
     admitted = Counter(d.envelope.rollout_id for d in history["prompts"] if isinstance(d.event, PromptIssued))
     report = AuditReport(events=_entries_added(bus), admitted=len(admitted), trained=0, dropped={})
     report.admitted_twice = sorted(r for r, n in admitted.items() if n > 1)
-
     updates = [d.event for d in history["policy"] if isinstance(d.event, PolicyUpdated)]
+    _check_versions(report, updates)
+    row_fates = _batch_row_fates(report, history, updates, Storage(storage_uri), max_staleness, limits)
+    segment_counts, finished = _finished_attempts(history)
+    _account_admitted(report, admitted, row_fates, _drop_causes(history), segment_counts)
+    report.never_admitted = sorted(set(row_fates) - set(admitted))
+    report.repeated_attempts = sum(n - 1 for n in finished.values())
+    report.longest_stall_s = _longest_stall(history)
+    report.pending = _pending(bus, sandbox_queue)
+    report.archive_mismatches = _archive_mismatches(bus, storage_uri, report.events)
+    return report
+
+
+def run_events(bus: Bus, stream: StreamName, storage_uri: str,
+               leave_out: Collection[tuple[str, str]] = frozenset()) -> list[Delivery]:
+    """Every event the stream has had (archive, then live; what does not decode left out), but the entries
+    in leave_out: (stream, entry id)."""
+    return [d for d in read_history(bus, stream, storage_uri) if (stream, d.entry_id) not in leave_out]
+
+
+RowFates = dict[str, dict[int, list[str]]]
+"""rollout -> segment index -> what became of each row of it: 'trained', 'stale', 'invalid' or
+'batch_dead_lettered'."""
+
+
+def _check_versions(report: AuditReport, updates: list[PolicyUpdated]) -> None:
     versions = Counter(u.version for u in updates)
     report.versions_published_twice = sorted(v for v, n in versions.items() if n > 1)
     report.versions_missing = sorted(set(range(1, max(versions, default=0) + 1)) - set(versions))
     trained_batches = Counter(u.batch_id for u in updates)
     report.batches_trained_twice = sorted(b for b, n in trained_batches.items() if n > 1)
-    update_of = {u.batch_id: u for u in updates}
 
+
+def _batch_row_fates(report: AuditReport, history: dict[StreamName, list[Delivery]], updates: list[PolicyUpdated],
+                     storage: Storage, max_staleness: int, limits: RowLimits) -> RowFates:
+    """The fate of every row of every announced batch; notes the batches no PolicyUpdated trained, those the
+    trainer counted otherwise, and the trained batches' rows by fate."""
+    update_of = {u.batch_id: u for u in updates}
     batch_entries = {d.entry_id: d.event for d in history["batches"] if isinstance(d.event, BatchReady)}
     dead_batches = {d.event.entry_id for d in history["dead"]
                     if isinstance(d.event, DeadLettered) and d.event.stream == "batches"}
-    row_fates: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
-    """rollout -> segment index -> what became of each row of it: 'trained', 'stale', 'invalid' or
-    'batch_dead_lettered'."""
+    report.batches_announced = len(batch_entries)
+    row_fates: RowFates = defaultdict(lambda: defaultdict(list))
     rows: Counter[str] = Counter()
-    storage = Storage(storage_uri)
     for entry_id, batch in batch_entries.items():
         update = update_of.get(batch.batch_id)
         if update is None:
             if entry_id in dead_batches:
+                report.batches_dead_lettered.append(batch.batch_id)
                 for row in read_batch(storage, batch.uri):
                     row_fates[row.rollout_id][row.segment_index].append("batch_dead_lettered")
             else:
                 report.batches_not_trained.append(batch.batch_id)
             continue
-        # the trainer's rules, in its order: rows no model can train on are left out as invalid, then,
-        # of the others, those generated before version - 1 - max_staleness as stale
-        trained_on = update.version - 1
-        fates = Counter()
-        for row in read_batch(storage, batch.uri):
-            if row_problem(row, limits.vocab_size, limits.max_positions, trained_on) is not None:
-                fate = "invalid"
-            elif is_stale(row, trained_on, max_staleness):
-                fate = "stale"
-            else:
-                fate = "trained"
-            row_fates[row.rollout_id][row.segment_index].append(fate)
-            fates[fate] += 1
+        fates = _trained_row_fates(read_batch(storage, batch.uri), update, max_staleness, limits, row_fates)
         rows.update(fates)
         said = {"trained": update.trained_samples, "stale": update.dropped.get("stale", 0),
                 "invalid": update.dropped.get("invalid", 0)}
         if said != {fate: fates[fate] for fate in said}:
             report.trainer_disagrees.append(f"{batch.batch_id} (rows: {dict(fates)}, PolicyUpdated: {said})")
     report.rows = {fate: rows[fate] for fate in ("trained", "stale", "invalid")}
+    return row_fates
+
+
+def _trained_row_fates(rows: list[BatchRow], update: PolicyUpdated, max_staleness: int, limits: RowLimits,
+                       row_fates: RowFates) -> Counter[str]:
+    """Adds the fate of each row of a batch `update` trained to row_fates; the rows by fate."""
+    # the trainer's rules, in its order: rows no model can train on are left out as invalid, then,
+    # of the others, those generated before version - 1 - max_staleness as stale
+    trained_on = update.version - 1
+    fates: Counter[str] = Counter()
+    for row in rows:
+        if row_problem(row, limits.vocab_size, limits.max_positions, trained_on) is not None:
+            fate = "invalid"
+        elif is_stale(row, trained_on, max_staleness):
+            fate = "stale"
+        else:
+            fate = "trained"
+        row_fates[row.rollout_id][row.segment_index].append(fate)
+        fates[fate] += 1
+    return fates
+
+
+def _drop_causes(history: dict[StreamName, list[Delivery]]) -> dict[str, list[str]]:
+    """rollout -> the cause of each RolloutDropped of it."""
     drops: dict[str, list[str]] = defaultdict(list)
     for delivery in history["rewards"]:
         if isinstance(delivery.event, RolloutDropped):
             drops[delivery.envelope.rollout_id].append(delivery.event.cause)
+    return drops
+
+
+def _finished_attempts(history: dict[StreamName, list[Delivery]]) -> tuple[dict[str, set[int]], Counter[str]]:
+    """rollout -> segment_count of each of its finished attempts (the reward service batches one of them);
+    and rollout -> attempts finished."""
     segment_counts: dict[str, set[int]] = defaultdict(set)
-    """rollout -> segment_count of each of its finished attempts (the reward service batches one of them)."""
     finished: Counter[str] = Counter()
     for delivery in history["trajectories"]:
         if isinstance(delivery.event, TrajectoryFinished):
             segment_counts[delivery.envelope.rollout_id].add(delivery.event.segment_count)
             finished[delivery.envelope.rollout_id] += 1
+    return segment_counts, finished
 
+
+def _account_admitted(report: AuditReport, admitted: Iterable[str], row_fates: RowFates,
+                      drops: dict[str, list[str]], segment_counts: dict[str, set[int]]) -> None:
+    """Each admitted rollout, once: duplicated, dropped (with its cause), lost, left out as invalid or trained."""
     dropped: Counter[str] = Counter()
     for rollout in admitted:
         segments, causes = row_fates.get(rollout, {}), drops.get(rollout, [])
@@ -325,12 +405,6 @@ def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str
         else:
             report.trained += 1
     report.dropped = dict(dropped)
-    report.never_admitted = sorted(set(row_fates) - set(admitted))
-    report.repeated_attempts = sum(n - 1 for n in finished.values())
-    report.longest_stall_s = _longest_stall(history)
-    report.pending = _pending(bus, sandbox_queue)
-    report.archive_mismatches = _archive_mismatches(bus, storage_uri, report.events)
-    return report
 
 
 def audit_blackbox(bus: Bus, settings: Settings, agent_runner_pids: set[int]) -> BlackBoxAudit:
@@ -379,14 +453,12 @@ def _longest_stall(history: dict) -> float:
 
 
 def _pending(bus: Bus, sandbox_queue: str) -> dict[str, int]:
-    from rq import Queue
-
     out = {}
     for stream, group in CONSUMER_GROUPS:
         undelivered, pending = bus.group_lag(stream, group)
         if undelivered + pending:
             out[f"{stream}/{group}"] = undelivered + pending
-    queue = Queue(bus.keys.job_queue(sandbox_queue), connection=bus.redis)
+    queue = bus.job_queue(sandbox_queue)
     jobs = queue.count + queue.started_job_registry.count + queue.scheduled_job_registry.count
     if jobs:
         out["sandbox jobs"] = jobs

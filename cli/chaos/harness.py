@@ -278,10 +278,25 @@ def result_tables(result: ChaosResult) -> list:
     if skipped:
         faults.caption = f"{len(skipped)} not injected: " + "; ".join(sorted({f"{f.kind} {f.target}: {f.note}" for f in skipped}))
 
-    audit = result.audit
     figures = Table(title="audit")
     figures.add_column("figure")
     figures.add_column("value", justify="right")
+    for name, value in audit_figures(result):
+        figures.add_row(name, str(value))
+
+    exits = Table(title="process exits the supervisor saw")
+    for column in ("process", "exit code", "at", "brought about by"):
+        exits.add_column(column)
+    for seen in result.summary.get("exits", []):
+        exits.add_row(seen["process"], str(seen["exit_code"]), f"{seen['at_s']:.1f} s",
+                      "the harness" if seen["injected"] else "[bold red]itself (unexpected)[/]")
+    return [faults, figures, exits]
+
+
+def audit_figures(result: ChaosResult) -> list[tuple[str, object]]:
+    """(figure, value) rows of the audit's table: what became of the run's samples, batches and versions, what
+    the faults cost, and (black-box agents) what the agents left behind."""
+    audit = result.audit
     rows = [
         ("events processed (entries added, all streams)", sum(audit.events.values())),
         ("samples admitted", audit.admitted),
@@ -319,13 +334,4 @@ def result_tables(result: ChaosResult) -> list:
             ("gateway sessions open at the end (each expires by its end)", audit.blackbox.sessions_open),
         ]
     rows.append(("wall time", f"{result.wall_s:.0f} s"))
-    for name, value in rows:
-        figures.add_row(name, str(value))
-
-    exits = Table(title="process exits the supervisor saw")
-    for column in ("process", "exit code", "at", "brought about by"):
-        exits.add_column(column)
-    for seen in result.summary.get("exits", []):
-        exits.add_row(seen["process"], str(seen["exit_code"]), f"{seen['at_s']:.1f} s",
-                      "the harness" if seen["injected"] else "[bold red]itself (unexpected)[/]")
-    return [faults, figures, exits]
+    return rows

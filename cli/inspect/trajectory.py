@@ -186,73 +186,80 @@ def _token_pieces(ids: list[int], decoder: TokenDecoder | None) -> list[str]:
 
 def rollout_document(view: RolloutView, decoder: TokenDecoder | None) -> dict[str, Any]:
     """Everything about one rollout as plain data (the --json output, and what the render shows)."""
-    doc: dict[str, Any] = {"run": view.run, "rollout_id": view.rollout_id, "group_id": view.group_id,
-                           "tokenizer": decoder.source if decoder is not None else None}
-    if view.prompt is not None:
-        p: PromptIssued = view.prompt.payload
-        doc["prompt"] = {"event_id": view.prompt.event_id, "sample_index": p.sample_index, "group_size": p.group_size,
-                         "messages": p.messages, "label": p.label, "reward_fn": p.reward_fn,
-                         "sandbox_check": p.sandbox_check, "agent": p.agent, "tools": list(p.tools),
-                         "policy_version": p.policy_version, "metadata": p.metadata}
-    else:
-        doc["prompt"] = None
-    attempts = []
-    for attempt in view.attempts:
-        turns = []
-        for envelope in attempt.turns:
-            t: TrajectoryTurn = envelope.payload
-            context = [{"id": i, "text": piece, "mask": 0, "logprob": None, "policy_version": None,
-                        "policy_version_end": None}
-                       for i, piece in zip(t.appended_ids, _token_pieces(t.appended_ids, decoder))]
-            response = [{"id": i, "text": piece, "mask": 1, "logprob": _f32(lp), "policy_version": t.policy_version,
-                         "policy_version_end": t.policy_version_end}
-                        for i, piece, lp in zip(t.response_ids, _token_pieces(t.response_ids, decoder), t.logprobs)]
-            tools = [{"call_id": tool.payload.call_id, "name": tool.payload.name, "arguments": tool.payload.arguments,
-                      "ok": tool.payload.ok, "error_kind": tool.payload.error_kind, "content": tool.payload.content}
-                     for segment, tool in attempt.tools if segment == t.segment_index and tool.payload.turn == t.turn]
-            turns.append({
-                "event_id": envelope.event_id, "segment_index": t.segment_index, "turn": t.turn, "offset": t.offset,
-                "policy_version": t.policy_version, "policy_version_end": t.policy_version_end,
-                "synced_mid_turn": t.policy_version != t.policy_version_end, "finish_reason": t.finish_reason,
-                "server_url": t.server_url,
-                "context_text": decoder.text(t.appended_ids) if decoder is not None else None,
-                "response_text": decoder.text(t.response_ids) if decoder is not None else None,
-                "tokens": context + response, "tools": tools,
-            })
-        segments = [{"segment_index": s.payload.segment_index, "status": s.payload.status,
-                     "tokens": len(s.payload.tokens), "response_length": s.payload.response_length,
-                     "sampled_tokens": sum(s.payload.loss_mask), "turn_policy_versions": s.payload.turn_policy_versions,
-                     "response_text": s.payload.response_text} for s in attempt.segments]
-        finished = None
-        if attempt.finished is not None:
-            f: TrajectoryFinished = attempt.finished.payload
-            finished = {"status": f.status, "segment_count": f.segment_count, "response_text": f.response_text,
-                        "label": f.label, "reward_fn": f.reward_fn, "sandbox_check": f.sandbox_check,
-                        "grader": f.grader, "artifacts": f.artifacts, "error": f.error}
-        started = attempt.started.payload.server_url if attempt.started is not None else None
-        attempts.append({"attempt": attempt.attempt, "server_url": started, "turns": turns, "segments": segments,
-                         "finished": finished})
-    doc["attempts"] = attempts
-    doc["grades"] = [{"event_id": g.event_id, "type": g.type, **g.payload.model_dump(mode="json")} for g in view.grades]
-    doc["rewards"] = [{"event_id": r.event_id, **r.payload.model_dump(mode="json")} for r in view.rewards]
-    batches = []
-    for envelope in view.batches:
-        b: BatchReady = envelope.payload
-        entry: dict[str, Any] = {"batch_id": b.batch_id, "uri": b.uri, "sample_count": b.sample_count,
-                                 "group_ids": b.group_ids, "min_policy_version": b.min_policy_version,
-                                 "mean_reward": b.mean_reward, "rows": None, "rows_error": None,
-                                 "trained_in": [p.payload.version for p in view.policies if p.payload.batch_id == b.batch_id]}
-        try:
-            rows = _open_batch_rows(view.storage_uri, view.run, b.uri)
-            entry["rows"] = [{"segment_index": r.segment_index, "tokens": len(r.tokens),
-                              "sampled_tokens": sum(r.loss_mask), "reward": _f32(r.reward),
-                              "advantage": _f32(r.advantage), "turn_policy_versions": r.turn_policy_versions}
-                             for r in rows if r.rollout_id == view.rollout_id]
-        except Exception as exc:  # the file is gone or unreadable: say so, show the rest
-            entry["rows_error"] = f"{type(exc).__name__}: {exc}"
-        batches.append(entry)
-    doc["batches"] = batches
-    return doc
+    return {
+        "run": view.run, "rollout_id": view.rollout_id, "group_id": view.group_id,
+        "tokenizer": decoder.source if decoder is not None else None,
+        "prompt": _prompt_document(view.prompt) if view.prompt is not None else None,
+        "attempts": [_attempt_document(attempt, decoder) for attempt in view.attempts],
+        "grades": [{"event_id": g.event_id, "type": g.type, **g.payload.model_dump(mode="json")} for g in view.grades],
+        "rewards": [{"event_id": r.event_id, **r.payload.model_dump(mode="json")} for r in view.rewards],
+        "batches": [_batch_document(envelope, view) for envelope in view.batches],
+    }
+
+
+def _prompt_document(prompt: Envelope) -> dict[str, Any]:
+    p: PromptIssued = prompt.payload
+    return {"event_id": prompt.event_id, "sample_index": p.sample_index, "group_size": p.group_size,
+            "messages": p.messages, "label": p.label, "reward_fn": p.reward_fn,
+            "sandbox_check": p.sandbox_check, "agent": p.agent, "tools": list(p.tools),
+            "policy_version": p.policy_version, "metadata": p.metadata}
+
+
+def _attempt_document(attempt: AttemptEvents, decoder: TokenDecoder | None) -> dict[str, Any]:
+    segments = [{"segment_index": s.payload.segment_index, "status": s.payload.status,
+                 "tokens": len(s.payload.tokens), "response_length": s.payload.response_length,
+                 "sampled_tokens": sum(s.payload.loss_mask), "turn_policy_versions": s.payload.turn_policy_versions,
+                 "response_text": s.payload.response_text} for s in attempt.segments]
+    finished = None
+    if attempt.finished is not None:
+        f: TrajectoryFinished = attempt.finished.payload
+        finished = {"status": f.status, "segment_count": f.segment_count, "response_text": f.response_text,
+                    "label": f.label, "reward_fn": f.reward_fn, "sandbox_check": f.sandbox_check,
+                    "grader": f.grader, "artifacts": f.artifacts, "error": f.error}
+    started = attempt.started.payload.server_url if attempt.started is not None else None
+    return {"attempt": attempt.attempt, "server_url": started,
+            "turns": [_turn_document(envelope, attempt, decoder) for envelope in attempt.turns],
+            "segments": segments, "finished": finished}
+
+
+def _turn_document(envelope: Envelope, attempt: AttemptEvents, decoder: TokenDecoder | None) -> dict[str, Any]:
+    t: TrajectoryTurn = envelope.payload
+    context = [{"id": i, "text": piece, "mask": 0, "logprob": None, "policy_version": None,
+                "policy_version_end": None}
+               for i, piece in zip(t.appended_ids, _token_pieces(t.appended_ids, decoder))]
+    response = [{"id": i, "text": piece, "mask": 1, "logprob": _f32(lp), "policy_version": t.policy_version,
+                 "policy_version_end": t.policy_version_end}
+                for i, piece, lp in zip(t.response_ids, _token_pieces(t.response_ids, decoder), t.logprobs)]
+    tools = [{"call_id": tool.payload.call_id, "name": tool.payload.name, "arguments": tool.payload.arguments,
+              "ok": tool.payload.ok, "error_kind": tool.payload.error_kind, "content": tool.payload.content}
+             for segment, tool in attempt.tools if segment == t.segment_index and tool.payload.turn == t.turn]
+    return {
+        "event_id": envelope.event_id, "segment_index": t.segment_index, "turn": t.turn, "offset": t.offset,
+        "policy_version": t.policy_version, "policy_version_end": t.policy_version_end,
+        "synced_mid_turn": t.policy_version != t.policy_version_end, "finish_reason": t.finish_reason,
+        "server_url": t.server_url,
+        "context_text": decoder.text(t.appended_ids) if decoder is not None else None,
+        "response_text": decoder.text(t.response_ids) if decoder is not None else None,
+        "tokens": context + response, "tools": tools,
+    }
+
+
+def _batch_document(envelope: Envelope, view: RolloutView) -> dict[str, Any]:
+    """A batch the rollout's group went into, with the rollout's rows of its file."""
+    b: BatchReady = envelope.payload
+    entry: dict[str, Any] = {"batch_id": b.batch_id, "uri": b.uri, "sample_count": b.sample_count,
+                             "group_ids": b.group_ids, "min_policy_version": b.min_policy_version,
+                             "mean_reward": b.mean_reward, "rows": None, "rows_error": None,
+                             "trained_in": [p.payload.version for p in view.policies if p.payload.batch_id == b.batch_id]}
+    try:
+        rows = _open_batch_rows(view.storage_uri, view.run, b.uri)
+        entry["rows"] = [{"segment_index": r.segment_index, "tokens": len(r.tokens),
+                          "sampled_tokens": sum(r.loss_mask), "reward": _f32(r.reward),
+                          "advantage": _f32(r.advantage), "turn_policy_versions": r.turn_policy_versions}
+                         for r in rows if r.rollout_id == view.rollout_id]
+    except Exception as exc:  # the file is gone or unreadable: say so, show the rest
+        entry["rows_error"] = f"{type(exc).__name__}: {exc}"
+    return entry
 
 
 LOGPROB_STYLES: tuple[tuple[float | None, str], ...] = ((-0.5, "green"), (-2.0, "yellow"), (None, "red"))
@@ -284,85 +291,108 @@ def _shorten(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
+def _indented(renderable: Any) -> Padding:
+    return Padding(renderable, (0, 0, 0, 2), expand=False)
+
+
 def render_rollout(doc: dict[str, Any]) -> Group:
     """The rollout turn by turn, from rollout_document's data."""
     out: list[Any] = [Text.assemble(("rollout ", "bold"), (doc["rollout_id"], "bold cyan"), f"  run {doc['run']}  group ",
                                     doc["group_id"] or "-"),
                       logprob_legend() if doc["tokenizer"] else
                       Text("no tokenizer: token ids shown (coloured by logprob, context dim)", style="italic")]
-    prompt = doc["prompt"]
-    if prompt is None:
-        out.append(Text("PromptIssued: not found", style="yellow"))
-    else:
-        out.append(Text.assemble(("PromptIssued", "bold"), f"  sample {prompt['sample_index']} of a group of "
-                                 f"{prompt['group_size']}, label {prompt['label']!r}, reward_fn {prompt['reward_fn']}",
-                                 f", sandbox check {prompt['sandbox_check']!r}" if prompt["sandbox_check"] else "",
-                                 f", admitted at policy v{prompt['policy_version']}"))
-        for message in prompt["messages"]:
-            out.append(Padding(Text.assemble((f"{message.get('role', '?')}: ", "bold"),
-                                             _shorten(str(message.get("content", "")), 2000)), (0, 0, 0, 2), expand=False))
+    out += _render_prompt(doc["prompt"])
     for attempt in doc["attempts"]:
-        label = attempt["attempt"] or "(unnamed)"
-        out.append(Text.assemble(("\nattempt ", "bold"), label, f"  server {attempt['server_url'] or '-'}"))
-        for turn in attempt["turns"]:
-            if turn["synced_mid_turn"]:
-                versions = Text(f"policy v{turn['policy_version']} -> v{turn['policy_version_end']} "
-                                "(weights synced mid-turn)", style=SYNC_STYLE)
-            else:
-                versions = Text(f"policy v{turn['policy_version']}")
-            out.append(Text.assemble((f"segment {turn['segment_index']} turn {turn['turn']}", "bold"), "  ", versions,
-                                     f"  finish {turn['finish_reason']}  server {turn['server_url']}"))
-            context = [t for t in turn["tokens"] if not t["mask"]]
-            response = [t for t in turn["tokens"] if t["mask"]]
-            if context:
-                out.append(Padding(Text.assemble((f"context ({len(context)} tokens): ", "italic"), tokens_text(context)),
-                                   (0, 0, 0, 2), expand=False))
-            out.append(Padding(Text.assemble((f"response ({len(response)} tokens): ", "italic"), tokens_text(response)),
-                               (0, 0, 0, 2), expand=False))
-            for tool in turn["tools"]:
-                outcome = Text("ok", style="green") if tool["ok"] else Text(f"error ({tool['error_kind'] or 'unknown'})",
-                                                                            style="red")
-                out.append(Padding(Text.assemble(("tool ", "bold"), (tool["name"], "bold cyan"),
-                                                 f"({json.dumps(tool['arguments'])}) -> ", outcome, ": ",
-                                                 _shorten(tool["content"])), (0, 0, 0, 2), expand=False))
-        for segment in attempt["segments"]:
-            out.append(Text(f"segment {segment['segment_index']}: {segment['status']}, {segment['tokens']} tokens "
-                            f"({segment['sampled_tokens']} sampled), turn versions {segment['turn_policy_versions']}"))
-        finished = attempt["finished"]
-        if finished is None:
-            out.append(Text("TrajectoryFinished: not found (still running, or lost)", style="yellow"))
-        else:
-            out.append(Text.assemble(("TrajectoryFinished", "bold"), f"  status {finished['status']}, "
-                                     f"{finished['segment_count']} segment(s)",
-                                     f", error {finished['error']}" if finished["error"] else "",
-                                     "\n  response_text: ", _shorten(finished["response_text"], 2000)))
+        out += _render_attempt(attempt)
     if not doc["attempts"]:
         out.append(Text("no trajectory events", style="yellow"))
-    for grade in doc["grades"]:
-        if grade["type"] == GradingFailed.TYPE:
-            out.append(Text.assemble(("GradingFailed", "bold red"), f"  the sandbox could not grade it after "
-                                     f"{grade['attempts']} attempt(s): {grade['reason']!r}; no reward, left out "
-                                     "of its group's batch"))
-            continue
-        out.append(Text.assemble(("GradeReported", "bold"), f"  score {grade['score']}, ",
-                                 ("passed", "green") if grade["passed"] else ("failed", "red"),
-                                 f", reason {grade['reason']!r}, {grade['duration_s']:.2f}s"))
+    out += [_render_grade(grade) for grade in doc["grades"]]
     for reward in doc["rewards"]:
         out.append(Text.assemble(("RewardAssigned", "bold"), f"  reward {reward['reward']}, advantage "
                                  f"{reward['advantage']}, source {reward['source']}"))
     if not doc["rewards"]:
         out.append(Text("RewardAssigned: none yet", style="yellow"))
     for batch in doc["batches"]:
-        trained = (", trained into " + ", ".join(f"v{v}" for v in batch["trained_in"])) if batch["trained_in"] else \
-            ", not trained yet"
-        out.append(Text.assemble(("BatchReady", "bold"), f"  {batch['batch_id']}: {batch['sample_count']} samples, "
-                                 f"min policy v{batch['min_policy_version']}, mean reward {batch['mean_reward']:.4g}{trained}"))
-        if batch["rows_error"]:
-            out.append(Padding(Text(f"batch file unreadable: {batch['rows_error']}", style="yellow"), (0, 0, 0, 2), expand=False))
-        for row in batch["rows"] or []:
-            out.append(Padding(Text(f"row segment {row['segment_index']}: {row['tokens']} tokens "
-                                    f"({row['sampled_tokens']} sampled), reward {row['reward']}, "
-                                    f"advantage {row['advantage']}"), (0, 0, 0, 2), expand=False))
+        out += _render_batch(batch)
     if not doc["batches"]:
         out.append(Text("BatchReady: in no batch yet", style="yellow"))
     return Group(*out)
+
+
+def _render_prompt(prompt: dict[str, Any] | None) -> list[Any]:
+    if prompt is None:
+        return [Text("PromptIssued: not found", style="yellow")]
+    out: list[Any] = [Text.assemble(("PromptIssued", "bold"), f"  sample {prompt['sample_index']} of a group of "
+                                    f"{prompt['group_size']}, label {prompt['label']!r}, reward_fn {prompt['reward_fn']}",
+                                    f", sandbox check {prompt['sandbox_check']!r}" if prompt["sandbox_check"] else "",
+                                    f", admitted at policy v{prompt['policy_version']}")]
+    for message in prompt["messages"]:
+        out.append(_indented(Text.assemble((f"{message.get('role', '?')}: ", "bold"),
+                                           _shorten(str(message.get("content", "")), 2000))))
+    return out
+
+
+def _render_attempt(attempt: dict[str, Any]) -> list[Any]:
+    label = attempt["attempt"] or "(unnamed)"
+    out: list[Any] = [Text.assemble(("\nattempt ", "bold"), label, f"  server {attempt['server_url'] or '-'}")]
+    for turn in attempt["turns"]:
+        out += _render_turn(turn)
+    for segment in attempt["segments"]:
+        out.append(Text(f"segment {segment['segment_index']}: {segment['status']}, {segment['tokens']} tokens "
+                        f"({segment['sampled_tokens']} sampled), turn versions {segment['turn_policy_versions']}"))
+    finished = attempt["finished"]
+    if finished is None:
+        out.append(Text("TrajectoryFinished: not found (still running, or lost)", style="yellow"))
+    else:
+        out.append(Text.assemble(("TrajectoryFinished", "bold"), f"  status {finished['status']}, "
+                                 f"{finished['segment_count']} segment(s)",
+                                 f", error {finished['error']}" if finished["error"] else "",
+                                 "\n  response_text: ", _shorten(finished["response_text"], 2000)))
+    return out
+
+
+def _render_turn(turn: dict[str, Any]) -> list[Any]:
+    if turn["synced_mid_turn"]:
+        versions = Text(f"policy v{turn['policy_version']} -> v{turn['policy_version_end']} "
+                        "(weights synced mid-turn)", style=SYNC_STYLE)
+    else:
+        versions = Text(f"policy v{turn['policy_version']}")
+    out: list[Any] = [Text.assemble((f"segment {turn['segment_index']} turn {turn['turn']}", "bold"), "  ", versions,
+                                    f"  finish {turn['finish_reason']}  server {turn['server_url']}")]
+    context = [t for t in turn["tokens"] if not t["mask"]]
+    response = [t for t in turn["tokens"] if t["mask"]]
+    if context:
+        out.append(_indented(Text.assemble((f"context ({len(context)} tokens): ", "italic"), tokens_text(context))))
+    out.append(_indented(Text.assemble((f"response ({len(response)} tokens): ", "italic"), tokens_text(response))))
+    for tool in turn["tools"]:
+        outcome = Text("ok", style="green") if tool["ok"] else Text(f"error ({tool['error_kind'] or 'unknown'})",
+                                                                    style="red")
+        out.append(_indented(Text.assemble(("tool ", "bold"), (tool["name"], "bold cyan"),
+                                           f"({json.dumps(tool['arguments'])}) -> ", outcome, ": ",
+                                           _shorten(tool["content"]))))
+    return out
+
+
+def _render_grade(grade: dict[str, Any]) -> Text:
+    if grade["type"] == GradingFailed.TYPE:
+        return Text.assemble(("GradingFailed", "bold red"), f"  the sandbox could not grade it after "
+                             f"{grade['attempts']} attempt(s): {grade['reason']!r}; no reward, left out "
+                             "of its group's batch")
+    return Text.assemble(("GradeReported", "bold"), f"  score {grade['score']}, ",
+                         ("passed", "green") if grade["passed"] else ("failed", "red"),
+                         f", reason {grade['reason']!r}, {grade['duration_s']:.2f}s")
+
+
+def _render_batch(batch: dict[str, Any]) -> list[Any]:
+    trained = (", trained into " + ", ".join(f"v{v}" for v in batch["trained_in"])) if batch["trained_in"] else \
+        ", not trained yet"
+    out: list[Any] = [Text.assemble(("BatchReady", "bold"), f"  {batch['batch_id']}: {batch['sample_count']} samples, "
+                                    f"min policy v{batch['min_policy_version']}, mean reward "
+                                    f"{batch['mean_reward']:.4g}{trained}")]
+    if batch["rows_error"]:
+        out.append(_indented(Text(f"batch file unreadable: {batch['rows_error']}", style="yellow")))
+    for row in batch["rows"] or []:
+        out.append(_indented(Text(f"row segment {row['segment_index']}: {row['tokens']} tokens "
+                                  f"({row['sampled_tokens']} sampled), reward {row['reward']}, "
+                                  f"advantage {row['advantage']}")))
+    return out

@@ -26,13 +26,7 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from rollstream.shared.contract.archive import (
-    ArchiveError,
-    ArchiveReader,
-    RawEntry,
-    StreamHistory,
-    parse_id,
-)
+from rollstream.shared.contract.archive import ArchiveReader, RawEntry, StreamHistory, parse_id
 from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
 from rollstream.shared.contract.events import (
     DeadLettered,
@@ -41,7 +35,7 @@ from rollstream.shared.contract.events import (
     TrajectoryFinished,
     decode,
 )
-from rollstream.shared.errors import RollstreamError
+from rollstream.shared.errors import ArchiveError, RollstreamError
 from rollstream.shared.runtime.storage import Storage
 
 DEFAULT_STREAMS: tuple[StreamName, ...] = tuple(s for s in STREAMS if s != "dead")

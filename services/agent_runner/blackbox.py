@@ -82,7 +82,11 @@ import httpx
 
 from rollstream.services.agent_runner.agent_sandbox import GATEWAY_PORT, TASK_FILE, AgentSandbox
 from rollstream.services.agent_runner.gateway_forwarder import SessionForwarder
-from rollstream.shared.agent.environments.coding import get_workspace, release_workspace, store_artifact
+from rollstream.shared.agent.environments.coding_workspace import (
+    get_workspace,
+    release_workspace,
+    store_artifact,
+)
 from rollstream.shared.agent.tools import Episode
 from rollstream.shared.contract.events import PromptIssued
 from rollstream.shared.errors import RollstreamError

@@ -5,8 +5,9 @@ to `rollout.concurrency` episodes at once, each with its row's agent loop and to
 (shared/agent: the built-in `tool_agent` generates, calls tools, appends observations, repeats).
 It publishes on `trajectories`: TrajectoryStarted, a TrajectoryTurn per generation, a
 TrajectoryTool per tool call, the trainable TrajectorySegments and TrajectoryFinished, in one
-transaction. Model tokens are exactly the ids vLLM sampled (loss_mask 1); prompt, template glue and
-observations are tokenized once (loss_mask 0). A prompt is acknowledged only after its trajectory is
+transaction (shared/contract/rollouts.py, as the gateway does for a finished session). Model tokens
+are exactly the ids vLLM sampled (loss_mask 1); prompt, template glue and observations are tokenized
+once (loss_mask 0). A prompt is acknowledged only after its trajectory is
 published, so a replica that dies leaves it to be reclaimed by another. When no vLLM server answers
 (FleetUnavailable), the replica keeps its episodes' prompts and runs them again once one does, takes no
 new prompt meanwhile, and /healthz says why: a fleet restart costs time, not prompts.
@@ -18,9 +19,10 @@ does not answer is waited for like the fleet: the prompt is kept and run again o
 black-box agents run under docker, the agent-runner first removes the containers that agent-runners
 killed on this host left behind.
 
-One entry's failure is that entry's: an entry on `prompts` that is no PromptIssued, or one without
-the rollout and group ids a sample needs, is dead-lettered at once with the reason; an episode that
-raises leaves its prompt pending, to be retried and dead-lettered after bus.max_deliveries.
+One entry's failure is that entry's: an entry on `prompts` that is no PromptIssued is dead-lettered by the
+bus as it is read, and one without the rollout and group ids a sample needs is dead-lettered here, each at
+once with the reason; an episode that raises leaves its prompt pending, to be retried and dead-lettered after
+bus.max_deliveries.
 
     rollstream-agent-runner      # configured by RS_* variables or RS_CONFIG_FILE
 """
@@ -28,8 +30,7 @@ raises leaves its prompt pending, to be retried and dead-lettered after bus.max_
 from __future__ import annotations
 
 import asyncio
-import functools
-import uuid
+from collections.abc import Awaitable, Callable
 
 from rollstream.services.agent_runner.agent_sandbox import remove_orphaned_containers
 from rollstream.services.agent_runner.blackbox import COMMAND_AGENT, BlackBoxRunner, GatewayUnavailable
@@ -45,21 +46,16 @@ from rollstream.shared.agent.tools import (
     load_tools_yaml,
     resolve_tools,
 )
-from rollstream.shared.contract.bus import Bus, Delivery, consumer_name
-from rollstream.shared.contract.events import (
-    PromptIssued,
-    TrajectoryFinished,
-    TrajectorySegment,
-    TrajectoryStarted,
-    TrajectoryTool,
-    TrajectoryTurn,
-    encode,
-)
+from rollstream.shared.contract.bus import ENVELOPE_IDS, Bus, Delivery, consumer_name
+from rollstream.shared.contract.consumers import consumer_group
+from rollstream.shared.contract.events import PromptIssued, SampleGrading, encode
+from rollstream.shared.contract.rollouts import RolloutFinish, Segment, publish_rollout
 from rollstream.shared.errors import FleetUnavailable
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 
-GROUP = "agent-runner"
+GROUP = consumer_group("agent-runner")
+(PROMPTS,) = GROUP.streams
 DRAIN_TIMEOUT_S = 60.0
 FLEET_RECHECK_S = 2.0
 REQUIRED_IDS = ("rollout_id", "group_id")
@@ -68,8 +64,6 @@ REQUIRED_IDS = ("rollout_id", "group_id")
 
 def rejection(delivery: Delivery) -> str | None:
     """Why the prompt cannot become an episode whatever replica runs it, or None."""
-    if not isinstance(delivery.event, PromptIssued):
-        return f"agent-runner does not handle {delivery.envelope.type} on prompts"
     missing = [name for name in REQUIRED_IDS if not getattr(delivery.envelope, name)]
     if missing:
         return f"PromptIssued without {' and '.join(missing)}"
@@ -94,94 +88,130 @@ class EpisodeRunner:
         return await asyncio.to_thread(self.bus.fleet_versions)
 
     async def run(self, delivery: Delivery) -> None:
-        prompt: PromptIssued = delivery.event  # type: ignore[assignment]
-        ids = {k: getattr(delivery.envelope, k) for k in ("trajectory_id", "rollout_id", "group_id", "session_id")}
-        rollout = ids["rollout_id"]
+        prompt: PromptIssued = delivery.event  # type: ignore[assignment]  (nothing else is delivered from PROMPTS)
+        ids = {name: getattr(delivery.envelope, name) for name in ENVELOPE_IDS}
         agent_name = prompt.agent or self.settings.agent.default
         if agent_name == COMMAND_AGENT:  # the gateway publishes its trajectory
             await self.blackbox.run(prompt, ids)
             return
+        segments = await self.episode(prompt, agent_name, ids["rollout_id"], ids["session_id"])
+        final = segments[-1]
+        finish = RolloutFinish(status=final.status, response_text=final.response_text,
+                               artifacts=dict(final.metadata.get("artifacts", {})),
+                               error=final.metadata.get("error"))
+        pipe = self.bus.redis.pipeline(transaction=True)
+        publish_rollout(self.bus, pipe, ids, SampleGrading.of(prompt), segments, finish, metadata=prompt.metadata,
+                        server_url=final.turns[0].server_url if final.turns else None)
+        await asyncio.to_thread(pipe.execute)
+
+    async def episode(self, prompt: PromptIssued, agent_name: str, rollout_id: str, session_id: str | None
+                      ) -> list[Segment]:
+        """The segments the prompt's agent loop returns: at least one."""
         agent = resolve_agent(agent_name)
         tools = ToolSet([*resolve_tools(prompt.tools), *self.extra_tools],
                         max_concurrency=self.settings.agent.tool_concurrency,
                         max_output_chars=self.settings.agent.max_tool_output_chars,
                         timeout_s=self.settings.agent.tool_timeout_s)
-        episode = Episode(episode_id=rollout, run_id=self.settings.run_id, metadata=dict(prompt.metadata),
+        episode = Episode(episode_id=rollout_id, run_id=self.settings.run_id, metadata=dict(prompt.metadata),
                           storage_uri=self.settings.storage_uri)
         ctx = AgentContext(fleet=self.fleet, tokenizer=self.tokenizer, tools=tools, tool_format=self.tool_format,
-                           limits=self.limits, episode=episode, session_id=ids["session_id"],
+                           limits=self.limits, episode=episode, session_id=session_id,
                            temperature=self.settings.rollout.temperature, policy_versions=self.fleet_versions)
         result = await agent(Task(messages=prompt.messages, label=prompt.label, metadata=dict(prompt.metadata)), ctx)
         segments = result if isinstance(result, list) else [result]
         if not segments:
             raise ValueError(f"agent {agent_name} returned no segment")
-        final = segments[-1]
-        attempt = uuid.uuid4().hex[:12]
-
-        pipe = self.bus.redis.pipeline(transaction=True)
-        publish = functools.partial(self.bus.publish, "trajectories", pipe=pipe, **ids)
-        server = final.turns[0].server_url if final.turns else None
-        publish(TrajectoryStarted(sample_index=prompt.sample_index, server_url=server), event_id=f"{rollout}:{attempt}:started")
-        for index, segment in enumerate(segments):
-            for number, turn in enumerate(segment.turns):
-                publish(TrajectoryTurn(turn=number, segment_index=index, offset=turn.offset,
-                                       appended_ids=turn.appended_ids, response_ids=turn.response_ids,
-                                       logprobs=turn.logprobs, policy_version=turn.policy_version,
-                                       policy_version_end=turn.policy_version_end, finish_reason=turn.finish_reason,
-                                       server_url=turn.server_url), event_id=f"{rollout}:{attempt}:turn:{index}:{number}")
-            for call in segment.tools:
-                publish(TrajectoryTool(turn=call.turn, call_id=call.call_id, name=call.name, arguments=call.arguments,
-                                       ok=call.ok, error_kind=call.error_kind, content=call.content),
-                        event_id=f"{rollout}:{attempt}:tool:{index}:{call.call_id}")
-            publish(TrajectorySegment(segment_index=index, attempt=attempt, tokens=segment.tokens,
-                                      response_length=segment.response_length, loss_mask=segment.loss_mask,
-                                      rollout_logprobs=segment.rollout_logprobs,
-                                      turn_policy_versions=segment.turn_policy_versions, status=segment.status,
-                                      response_text=segment.response_text, sample_index=prompt.sample_index,
-                                      group_size=prompt.group_size, metadata={**prompt.metadata, **segment.metadata}),
-                    event_id=f"{rollout}:{attempt}:segment:{index}")
-        publish(TrajectoryFinished(status=final.status, attempt=attempt, segment_count=len(segments), group_size=prompt.group_size,
-                                   sample_index=prompt.sample_index, sandbox_check=prompt.sandbox_check,
-                                   grader=dict(prompt.metadata.get("grader") or {}),
-                                   response_text=final.response_text, label=prompt.label, reward_fn=prompt.reward_fn,
-                                   artifacts=dict(final.metadata.get("artifacts", {})), error=final.metadata.get("error")),
-                event_id=f"{rollout}:{attempt}:finished")
-        await asyncio.to_thread(pipe.execute)
+        return segments
 
 
-async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
-    from transformers import AutoTokenizer
+class Replica:
+    """One agent-runner process at work: up to rollout.concurrency episodes at once, each acknowledged once
+    its trajectory is published. While the fleet or the gateway does not answer, /healthz says why, the
+    episodes that need it wait, and no new prompt is taken."""
 
-    from rollstream.shared.inference.fleet import FleetClient
+    def __init__(self, settings: Settings, runtime: ServiceRuntime, bus: Bus, fleet, runner: EpisodeRunner) -> None:
+        self.settings = settings
+        self.runtime = runtime
+        self.bus = bus
+        self.fleet = fleet
+        self.runner = runner
+        self.consumer = consumer_name(GROUP.name)
+        self.in_flight: dict[asyncio.Task, str] = {}
+        """Running episodes, by their prompt's entry id."""
+        self.done = 0
 
-    bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
-    bus.ensure_group("prompts", GROUP)
-    # a container of an agent-runner that was killed (this one, restarted) may still hold a black-box agent
-    await asyncio.to_thread(remove_orphaned_containers, settings)
-    consumer = consumer_name(GROUP)
-    tokenizer = AutoTokenizer.from_pretrained(settings.model.path)
-    fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
-                        timeout_s=settings.fleet.request_timeout_s)
-    runner = EpisodeRunner(settings, bus, fleet, tokenizer)
-    in_flight: dict[asyncio.Task, str] = {}
-    done = 0
-
-    async def keep_claims_fresh() -> None:
+    async def keep_claims_fresh(self) -> None:
         # Episodes can outlast reclaim_idle_ms; a live replica keeps its prompts from being reclaimed.
         while True:
-            await asyncio.sleep(settings.bus.reclaim_idle_ms / 3000)
-            await asyncio.to_thread(bus.keep_alive, "prompts", GROUP, consumer, list(in_flight.values()))
+            await asyncio.sleep(self.settings.bus.reclaim_idle_ms / 3000)
+            await asyncio.to_thread(self.bus.keep_alive, PROMPTS, GROUP.name, self.consumer,
+                                    list(self.in_flight.values()))
 
-    async def fleet_answers() -> bool:
+    async def take_prompts(self) -> None:
+        """Until the service stops: start an episode for each prompt read, as many as there is room for."""
+        while not self.runtime.stopping:
+            free = self.settings.rollout.concurrency - len(self.in_flight)
+            if self.runtime.not_ready is not None:  # no server answers: new prompts would only wait here
+                await asyncio.sleep(FLEET_RECHECK_S)
+                continue
+            if free <= 0:
+                await asyncio.wait(self.in_flight, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            for delivery in await asyncio.to_thread(self.bus.consume, PROMPTS, GROUP.name, self.consumer, free):
+                await self.start(delivery)
+            self.runtime.status["in_flight"] = len(self.in_flight)
+
+    async def start(self, delivery: Delivery) -> None:
+        """The prompt's episode, running; or its dead letter when no replica could run it."""
+        reason = rejection(delivery)
+        if reason is not None:
+            await asyncio.to_thread(self.bus.dead_letter, PROMPTS, GROUP.name, delivery.entry_id,
+                                    encode(delivery.envelope), 1, reason)
+            return
+        task = asyncio.create_task(self.handle(delivery))
+        self.in_flight[task] = delivery.entry_id
+        task.add_done_callback(lambda done_task: self.in_flight.pop(done_task, None))
+
+    async def handle(self, delivery: Delivery) -> None:
+        """The prompt's episode; the prompt is acknowledged once its trajectory is published."""
+        if not await self.publish_episode(delivery):
+            return
+        await asyncio.to_thread(self.bus.ack, delivery, GROUP.name)
+        self.done += 1
+        self.runtime.status["episodes_done"] = self.done
+
+    async def publish_episode(self, delivery: Delivery) -> bool:
+        """Run the episode until its trajectory is published (True); False when it failed, leaving its prompt
+        pending for retry, or when the service stops while it waits."""
+        while True:
+            try:
+                await self.runner.run(delivery)
+                return True
+            except FleetUnavailable as exc:
+                # The machinery's failure, not the prompt's: run it again here once a server answers (its
+                # claim is kept fresh meanwhile) instead of spending its deliveries towards the dead letter.
+                await self.wait_until(self.fleet_answers, "the vLLM fleet", str(exc))
+            except GatewayUnavailable as exc:  # the machinery's failure too
+                await self.wait_until(self.runner.blackbox.gateway_answers, "the gateway", str(exc))
+            except Exception as exc:
+                self.bus.record_failure(delivery, GROUP.name, f"{type(exc).__name__}: {exc}")
+                self.runtime.log.exception("episode failed; prompt stays pending for retry",
+                                           extra={"rollout_id": delivery.envelope.rollout_id})
+                return False
+            if self.runtime.stopping:
+                return False
+
+    async def fleet_answers(self) -> bool:
         """Whether a server answers /health (those that do are routed to again)."""
-        answers = await asyncio.gather(*(fleet.health(url) for url in fleet.urls))
-        for url, healthy in zip(fleet.urls, answers):
+        answers = await asyncio.gather(*(self.fleet.health(url) for url in self.fleet.urls))
+        for url, healthy in zip(self.fleet.urls, answers):
             if healthy:
-                fleet.mark_healthy(url)
+                self.fleet.mark_healthy(url)
         return any(answers)
 
-    async def wait_until(answers, what: str, why: str) -> None:
+    async def wait_until(self, answers: Callable[[], Awaitable[bool]], what: str, why: str) -> None:
         """Until `answers()` (`what` answers again); meanwhile /healthz says why and no new prompt is taken."""
+        runtime = self.runtime
         if runtime.not_ready is None:
             runtime.log.warning(f"{what} does not answer; episodes wait for it", extra={"error": why})
         runtime.not_ready = f"{what} does not answer: {why}"
@@ -193,55 +223,29 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
                 return
             await asyncio.sleep(FLEET_RECHECK_S)
 
-    async def handle(delivery: Delivery) -> None:
-        nonlocal done
-        while True:
-            try:
-                await runner.run(delivery)
-                break
-            except FleetUnavailable as exc:
-                # The machinery's failure, not the prompt's: run it again here once a server answers (its
-                # claim is kept fresh meanwhile) instead of spending its deliveries towards the dead letter.
-                await wait_until(fleet_answers, "the vLLM fleet", str(exc))
-                if runtime.stopping:
-                    return
-            except GatewayUnavailable as exc:  # the machinery's failure too
-                await wait_until(runner.blackbox.gateway_answers, "the gateway", str(exc))
-                if runtime.stopping:
-                    return
-            except Exception as exc:
-                bus.record_failure(delivery, GROUP, f"{type(exc).__name__}: {exc}")
-                runtime.log.exception("episode failed; prompt stays pending for retry",
-                                      extra={"rollout_id": delivery.envelope.rollout_id})
-                return
-        await asyncio.to_thread(bus.ack, delivery, GROUP)
-        done += 1
-        runtime.status["episodes_done"] = done
+    async def drain(self) -> None:
+        """Give the running episodes DRAIN_TIMEOUT_S to publish; a prompt still running then stays pending."""
+        if self.in_flight:
+            self.runtime.log.info("draining in-flight episodes", extra={"count": len(self.in_flight)})
+            await asyncio.wait(self.in_flight, timeout=DRAIN_TIMEOUT_S)
 
-    heartbeat = asyncio.create_task(keep_claims_fresh())
-    while not runtime.stopping:
-        free = settings.rollout.concurrency - len(in_flight)
-        if runtime.not_ready is not None:  # no server answers: new prompts would only wait here
-            await asyncio.sleep(FLEET_RECHECK_S)
-            continue
-        if free <= 0:
-            await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            continue
-        deliveries = await asyncio.to_thread(bus.consume, "prompts", GROUP, consumer, free)
-        for delivery in deliveries:
-            reason = rejection(delivery)
-            if reason is not None:
-                await asyncio.to_thread(bus.dead_letter, "prompts", GROUP, delivery.entry_id,
-                                        encode(delivery.envelope), 1, reason)
-                continue
-            task = asyncio.create_task(handle(delivery))
-            in_flight[task] = delivery.entry_id
-            task.add_done_callback(lambda done_task: in_flight.pop(done_task, None))
-        runtime.status["in_flight"] = len(in_flight)
 
-    if in_flight:
-        runtime.log.info("draining in-flight episodes", extra={"count": len(in_flight)})
-        await asyncio.wait(in_flight, timeout=DRAIN_TIMEOUT_S)
+async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
+    from transformers import AutoTokenizer
+
+    from rollstream.shared.inference.fleet import FleetClient
+
+    bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
+    bus.ensure_group(PROMPTS, GROUP.name)
+    # a container of an agent-runner that was killed (this one, restarted) may still hold a black-box agent
+    await asyncio.to_thread(remove_orphaned_containers, settings)
+    tokenizer = AutoTokenizer.from_pretrained(settings.model.path)
+    fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
+                        timeout_s=settings.fleet.request_timeout_s)
+    replica = Replica(settings, runtime, bus, fleet, EpisodeRunner(settings, bus, fleet, tokenizer))
+    heartbeat = asyncio.create_task(replica.keep_claims_fresh())
+    await replica.take_prompts()
+    await replica.drain()
     heartbeat.cancel()
     await fleet.aclose()
 

@@ -27,35 +27,39 @@ import hmac
 import json
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import redis
+from pydantic import ConfigDict, Field
 
 from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import Count, Index, SampleGrading, TrajectoryTurn
 
 ROOT = ""
 """Parent key of a node that starts a conversation."""
 
 
-@dataclass
-class SessionSpec:
+class SessionGrading(SampleGrading):
+    """The per-sample grading fields (shared/contract/events.py) as a session takes them: it is sample 0 of
+    a group of 1 unless it says otherwise. The sessions API's create request has them as they are."""
+
+    sample_index: Index = 0
+    group_size: Count = 1
+
+
+class SessionSpec(SessionGrading):
     """What a session is created with: the sample it becomes and how to sample it."""
 
+    model_config = ConfigDict(extra="forbid")
     rollout_id: str
     group_id: str
     trajectory_id: str
     session_id: str
-    sample_index: int = 0
-    group_size: int = 1
-    label: str | None = None
-    reward_fn: str = "exact_match"
-    sandbox_check: str | None = None
-    grader: dict[str, Any] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    sampling: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    sampling: dict[str, Any] = Field(default_factory=dict)
     """Defaults for every turn: temperature, max_tokens, top_p, seed (a request's own values win), and
     min_tokens, ignore_eos (passed to vLLM)."""
     time_budget_s: float | None = None
@@ -90,6 +94,13 @@ class Session:
 
 
 class TurnNode(msgspec.Struct, frozen=True):
+    """One sampled turn, as the session's tree keeps it in Redis. It is not yet the contract's TrajectoryTurn:
+    the segment a turn is in, and its number there, exist only once the session finishes and each leaf's chain
+    becomes a sample, and a node that a conversation branched from is in the chain of every branch. It also
+    keeps what the tree needs and no event carries: its parent, its answer's text, when it was sampled, and
+    whether its prompt rewrote the history. `as_turn` makes the TrajectoryTurn of each place it has in the
+    samples; a msgspec struct, because every turn of a session decodes its chain of nodes."""
+
     parent: str
     appended_ids: list[int]
     response_ids: list[int]
@@ -102,6 +113,14 @@ class TurnNode(msgspec.Struct, frozen=True):
     created_at: float
     history_rewritten: bool = False
     """The prompt continued recorded ids that the template now renders differently (prompts.PlannedTurn)."""
+
+    def as_turn(self, number: int, segment_index: int, offset: int) -> TrajectoryTurn:
+        """This node as turn `number` of a sample (segment `segment_index`) whose tokens have its response
+        from `offset` on."""
+        return TrajectoryTurn(turn=number, segment_index=segment_index, offset=offset, appended_ids=self.appended_ids,
+                              response_ids=self.response_ids, logprobs=self.logprobs,
+                              policy_version=self.policy_version, policy_version_end=self.policy_version_end,
+                              finish_reason=self.finish_reason, server_url=self.server_url)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -153,7 +172,7 @@ class SessionStore:
         session = Session(spec=spec, key_digest=_digest(api_key), status="open", created_at=time.time())
         if session.deadline is not None:
             session.ends_at = session.deadline + self.finish_grace_s
-        fields = {"spec": json.dumps(asdict(spec)), "key_digest": session.key_digest, "status": "open",
+        fields = {"spec": json.dumps(spec.model_dump()), "key_digest": session.key_digest, "status": "open",
                   "created_at": repr(session.created_at), "turns": 0}
         if session.ends_at is not None:
             fields["ends_at"] = repr(session.ends_at)
@@ -176,7 +195,8 @@ class SessionStore:
         raw = self.redis.hgetall(self._key(session_id))
         if b"spec" not in raw or b"key_digest" not in raw:
             return None
-        return Session(spec=SessionSpec(**json.loads(raw[b"spec"])), key_digest=raw[b"key_digest"].decode(),
+        spec = SessionSpec.model_validate(json.loads(raw[b"spec"]))
+        return Session(spec=spec, key_digest=raw[b"key_digest"].decode(),
                        status=raw[b"status"].decode(), created_at=float(raw[b"created_at"]),
                        turns=int(raw.get(b"turns", 0)), ends_at=_optional_float(raw.get(b"ends_at")))
 

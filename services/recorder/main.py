@@ -2,9 +2,9 @@
 
 Every flush interval, and at once for a stream that grew by a part's worth of entries, it reads each
 stream with XRANGE after its archived position (no consumer group: it takes no entry away from
-anyone), writes parts under <storage>/<run>/archive/ (layout in shared/contract/archive.py), advances the
-position after each part exists, and then trims the stream behind the slowest consumer group and
-the archive. A crash at any point loses nothing: at worst one part is written twice, and readers
+anyone), writes parts under <storage>/<run>/archive/ (archive_writer.py; layout in
+shared/contract/archive/layout.py), advances the position after each part exists, and then trims the
+stream behind the slowest consumer group and the archive. A crash at any point loses nothing: at worst one part is written twice, and readers
 return each entry once. SIGTERM drains: a last flush, then exit.
 
     rollstream-recorder          # configured by RS_* variables or RS_CONFIG_FILE (recorder.*)
@@ -18,15 +18,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from rollstream.shared.contract.archive import (
-    ArchivePart,
-    ArchiveWriter,
-    archived_id,
-    count_lost,
-    counted_entries,
-    parse_id,
-    trim_stream,
-)
+from rollstream.services.recorder.archive_writer import ArchiveWriter, count_lost, counted_entries
+from rollstream.shared.contract.archive import ArchivePart, archived_id, as_text, parse_id, trim_stream
 from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
 from rollstream.shared.runtime.config import RecorderSettings, Settings
 from rollstream.shared.runtime.service import ServiceRuntime
@@ -61,7 +54,7 @@ def record_once(bus: Bus, writer: ArchiveWriter, *, part_entries: int = PART_ENT
         recorded = out[stream] = Recorded()
         # Stop at the newest entry as of the start, so a producer faster than us cannot keep a drain
         # going, and so that the stream's entries-added counter describes exactly what we read.
-        target = _text(info["last-generated-id"])
+        target = as_text(info["last-generated-id"])
         position = archived_id(bus, stream)
         while position is None or parse_id(position) < parse_id(target):
             parts = writer.archive_new(bus, stream, part_entries, until=target)
@@ -79,10 +72,6 @@ def record_once(bus: Bus, writer: ArchiveWriter, *, part_entries: int = PART_ENT
         if trim:
             recorded.trimmed = trim_stream(bus, stream, require_archived=True)
     return out
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class Recorder:

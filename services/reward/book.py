@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 from itertools import takewhile
 
 import redis
@@ -30,6 +31,7 @@ from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import (
     BatchReady,
     DeadLettered,
+    Envelope,
     GradeReported,
     GradingFailed,
     RewardAssigned,
@@ -46,6 +48,20 @@ BATCH_ORDERS = ("finished", "completed")
 _DEFAULTS = RewardSettings()
 DROPPING_STREAMS = ("prompts", "trajectories", "grades")
 """A dead letter of an event on these streams means its rollout can never complete: it is dropped."""
+
+
+@dataclass(frozen=True)
+class GroupScore:
+    """What completing a group decided: the rollouts that count (sorted), with their rewards, advantages and
+    reward sources, and the rollouts left out, by id -> (cause, reason)."""
+
+    rollouts: list[str]
+    rewards: list[float]
+    advantages: list[float]
+    sources: list[str]
+    drops: dict[str, tuple[str, str]]
+    filtered: bool
+    """No rollout counts, or (reward.filter_zero_variance) all got the same reward: it is not batched."""
 
 
 class RewardBook:
@@ -185,15 +201,12 @@ class RewardBook:
         self.bus.redis.zadd(self.sealed_key, {group_id: number}, nx=True)
 
     def complete_if_ready(self, group_id: str) -> bool:
+        """Score the group once each of its rollouts has finished or was dropped and none lacks segments
+        or a grade: rewards and drops published, the group done and queued for batching, in one
+        transaction. Returns whether it completed now."""
         state = self.load(group_id)
-        finished, dropped = state["finished"], state["dropped"]
-        if finished:
-            group_size = next(iter(finished.values())).payload.group_size
-        elif dropped and self.group_size:
-            group_size = self.group_size
-        else:
-            return False
-        if len(set(finished) | set(dropped)) < group_size:
+        group_size = self.known_group_size(state)
+        if group_size is None or len(set(state["finished"]) | set(state["dropped"])) < group_size:
             return False
         # Every rollout has finished or was dropped: from now on only grades (or segments) can be missing,
         # and expire_overdue resolves the group if they do not come.
@@ -202,53 +215,72 @@ class RewardBook:
             # Here rather than in record(): sealed before it can complete, even if the process died
             # between storing the last TrajectoryFinished and sealing.
             self.seal(group_id)
-        missing = self.missing(state)
-        if missing:
+        if self.missing(state):
             return False
+        scored = self.score_group(state)
+        self.commit_group(group_id, state["finished"], group_size, scored)
+        if self.batch_order == "finished":
+            self.release()
+        return True
 
+    def known_group_size(self, state: dict[str, dict]) -> int | None:
+        """The group's size as its finished rollouts say, else as configured; None while unknown."""
+        if state["finished"]:
+            return next(iter(state["finished"].values())).payload.group_size
+        if state["dropped"] and self.group_size:
+            return self.group_size
+        return None
+
+    def score_group(self, state: dict[str, dict]) -> GroupScore:
+        """Rewards and advantages of the rollouts that count, and why each of the others is left out."""
+        finished = state["finished"]
         # A rollout whose grading failed was never judged: it gets no reward, stays out of the batch and
         # the group's advantages, and its sample slot goes back to the dispatcher. So does one whose
         # events were dead-lettered or whose grade never came.
-        drops = dict(dropped)
+        drops = dict(state["dropped"])
         for rollout, envelope in finished.items():
             if rollout not in drops and self.score is None and envelope.payload.needs_grade \
                     and rollout not in state["grade"]:
                 drops[rollout] = ("grading_failed", state["grading-failed"][rollout].payload.reason)
         rollouts = sorted(set(finished) - set(drops))
-        rewards, sources = [], []
-        for rollout in rollouts:
-            event = finished[rollout].payload
-            if event.status == "failed":
-                rewards.append(0.0)
-                sources.append("failed")
-            elif self.score is not None:
-                rewards.append(float(self.score(event.response_text, event.label)))
-                sources.append(self.reward_function)
-            elif event.needs_grade:
-                rewards.append(state["grade"][rollout].payload.score)
-                sources.append("sandbox")
-            elif event.reward is not None:
-                rewards.append(event.reward)
-                sources.append("given")
-            else:
-                rewards.append(reward_for(event.reward_fn, event.response_text, event.label))
-                sources.append(event.reward_fn)
+        rewarded = [self.reward_of(finished[rollout].payload, state["grade"].get(rollout))
+                    for rollout in rollouts]
+        rewards = [reward for reward, _ in rewarded]
         group_advantages = advantages(rewards, self.advantage_estimator) if rewards else []
         filtered = not rollouts or (self.filter_zero_variance and min(rewards) == max(rewards))
         if filtered and rollouts:
             drops.update((rollout, ("filtered", "every rollout of its group got the same reward: no learning signal"))
                          for rollout in rollouts)
+        sources = [source for _, source in rewarded]
+        return GroupScore(rollouts, rewards, group_advantages, sources, drops, filtered)
 
-        # One transaction: a crash leaves the group either untouched (redone on redelivery) or done.
+    def reward_of(self, event: TrajectoryFinished, grade: Envelope | None) -> tuple[float, str]:
+        """A rollout's reward and where it came from."""
+        if event.status == "failed":
+            return 0.0, "failed"
+        if self.score is not None:
+            return float(self.score(event.response_text, event.label)), self.reward_function
+        if event.needs_grade:
+            return grade.payload.score, "sandbox"
+        if event.reward is not None:
+            return event.reward, "given"
+        return reward_for(event.reward_fn, event.response_text, event.label), event.reward_fn
+
+    def commit_group(self, group_id: str, finished: dict[str, Envelope], group_size: int,
+                     score: GroupScore) -> None:
+        """Publish the group's rewards and drops, mark it done and hand it on to batching (or, filtered, give
+        its samples back to the dispatcher). One transaction: a crash leaves the group either untouched
+        (redone on redelivery) or done."""
         pipe = self.bus.redis.pipeline(transaction=True)
-        for rollout, reward, advantage, source in zip(rollouts, rewards, group_advantages, sources):
+        kept = zip(score.rollouts, score.rewards, score.advantages, score.sources)
+        for rollout, reward, advantage, source in kept:
             ids = finished[rollout]
             self.bus.publish("rewards", RewardAssigned(reward=reward, advantage=advantage, source=source), pipe=pipe,
                              event_id=f"{rollout}:reward", rollout_id=rollout, group_id=group_id,
                              trajectory_id=ids.trajectory_id, session_id=ids.session_id)
-            if not filtered:
+            if not score.filtered:
                 pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
-        for rollout, (cause, reason) in sorted(drops.items()):
+        for rollout, (cause, reason) in sorted(score.drops.items()):
             self.bus.publish("rewards", RolloutDropped(reason=reason, cause=cause), pipe=pipe,
                              event_id=f"{rollout}:dropped", rollout_id=rollout, group_id=group_id)
             if cause != "filtered":
@@ -256,22 +288,19 @@ class RewardBook:
         pipe.set(self.done_key(group_id), 1, ex=self.done_ttl_s)
         pipe.zrem(self.awaiting_key, group_id)
         # The dispatcher counts admitted samples, group_size per group: it admits as many again as were left out.
-        given_back = group_size if filtered else len(drops)
+        given_back = group_size if score.filtered else len(score.drops)
         if given_back:
             pipe.incrby(self.bus.keys.filtered, given_back)
-        if filtered:
-            if rollouts:
+        if score.filtered:
+            if score.rollouts:
                 pipe.incr(self.filtered_groups_key)
             pipe.delete(self.group_key(group_id))
         if self.batch_order == "finished":
-            pipe.hset(self.held_key, group_id, 0 if filtered else len(rollouts))
-        elif not filtered:
+            pipe.hset(self.held_key, group_id, 0 if score.filtered else len(score.rollouts))
+        elif not score.filtered:
             pipe.rpush(self.ready_key, group_id)
-            pipe.incrby(self.ready_rollouts_key, len(rollouts))
+            pipe.incrby(self.ready_rollouts_key, len(score.rollouts))
         pipe.execute()
-        if self.batch_order == "finished":
-            self.release()
-        return True
 
     def release(self) -> int:
         """Move the complete groups at the head of the sealed set to the ready list, in seal order,

@@ -46,11 +46,12 @@ import time
 
 from rollstream.services.reward.book import RewardBook
 from rollstream.shared.contract.bus import Bus, Delivery, consumer_name, run_consumer
+from rollstream.shared.contract.consumers import consumer_group
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.runtime.storage import Storage
 
-GROUP = "reward"
+GROUP = consumer_group("reward")
 OVERDUE_CHECK_S = 5.0
 
 
@@ -63,7 +64,7 @@ def main() -> None:
                       settings.train.filter_zero_variance, batch_order=settings.reward.batch_order,
                       reward_function=settings.reward.function, done_ttl_s=settings.reward.done_ttl_s,
                       group_size=settings.data.samples_per_prompt, grade_timeout_s=settings.reward.grade_timeout_s)
-    consumer = consumer_name(GROUP)
+    consumer = consumer_name(GROUP.name)
     counts = {"groups_completed": 0, "batches": 0, "groups_filtered": book.filtered_groups(),
               "rollouts_dropped": book.dropped()}
 
@@ -99,8 +100,7 @@ def main() -> None:
     book.release()
     flush()
 
-    run_consumer(bus, ("grades", "trajectories", "dead"), GROUP, consumer, handle, runtime.should_stop,
-                 between_reads=resolve_overdue)
+    run_consumer(bus, GROUP, consumer, handle, runtime.should_stop, between_reads=resolve_overdue)
     runtime.close()
 
 

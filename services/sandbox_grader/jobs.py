@@ -38,6 +38,7 @@ from rollstream.shared.grading.swebench import grade_swebench
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
+from rollstream.shared.sandbox.workspace import workspace_prefix
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.swebench import load_swebench_rows
 
@@ -137,7 +138,7 @@ def grade_answer(req: GradeRequest, backend, limits: SandboxLimits) -> GradeOutc
     any other end of the check 0. Behind the start marker (run_wrapped), so that a sandbox that never
     started the check (bwrap refused its namespaces, no container) is an infrastructure error, not a 0."""
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="rs-grade-") as workspace:
+    with tempfile.TemporaryDirectory(prefix=workspace_prefix("grade")) as workspace:
         Path(workspace, "answer.txt").write_text(req.answer)
         run = run_wrapped(backend, req.check, Path(workspace), limits, {}, {}, {}, None)
     log = f"$ {req.check}\n{run_log(run)}\n"

@@ -10,7 +10,9 @@ FAILED_SWEEP_S it publishes GradingFailed for jobs RQ failed without running the
 that their groups do not wait for the reward service's grade timeout.
 
 A process that can no longer do its job exits non-zero, so that it is restarted: when the enqueuer
-thread dies (the worker finishes its job first) or the worker quits on an error of its own.
+thread dies (the worker finishes its job first) or the worker quits on an error of its own. A work-horse
+killed mid-job (its job's timeout, or with its grader) leaves its grading workspace behind: at start the
+grader removes those of processes that no longer exist (`rs-grade-{pid}-*` in the temp directory).
 
 It grades nothing while its sandbox backend cannot make a sandbox (bubblewrap not installed or not allowed
 its namespaces, no Docker engine, a full /tmp): readiness runs a trivial command in a real sandbox
@@ -41,14 +43,16 @@ from rollstream.services.sandbox_grader.jobs import (
     report_job_failure,
 )
 from rollstream.shared.contract.bus import Bus, Delivery, consumer_name, run_consumer
+from rollstream.shared.contract.consumers import consumer_group
 from rollstream.shared.contract.events import TrajectoryFinished
 from rollstream.shared.errors import BackendUnavailable, TaskError
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.sandbox.backends import probe_sandbox
+from rollstream.shared.sandbox.workspace import remove_orphaned_workspaces
 from rollstream.shared.tasks.harbor import load_harbor_task
 
-GROUP = "sandbox-grader"
+GROUP = consumer_group("sandbox-grader")
 RETRY_BACKOFF_S = [2, 10, 30]
 JOB_SETUP_S = 60
 BACKEND_RECHECK_S = 5
@@ -97,93 +101,125 @@ def wait_for_backend(settings: Settings, runtime: ServiceRuntime) -> bool:
     return False
 
 
-def main() -> None:
-    settings = Settings()
-    runtime = ServiceRuntime("sandbox-grader", settings)
-    bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
-    if not wait_for_backend(settings, runtime):
-        runtime.close()
-        return
-    queue = Queue(bus.keys.job_queue(settings.grader.queue), connection=bus.redis)
-    incarnation = bus.incarnation()
-    enqueued = 0
+def remove_orphaned_grading_workspaces(runtime: ServiceRuntime) -> None:
+    """Delete the grading workspaces that work-horses killed mid-job (a job timeout, a grader killed with
+    them) left in the temp directory, before the backend probe, which needs room there too. Those of live
+    processes stay: another replica's, on the same host, are in use."""
+    removed = remove_orphaned_workspaces("grade")
+    if removed:
+        runtime.log.info("removed grading workspaces of dead processes",
+                         extra={"workspaces": [str(path) for path in removed]})
 
-    def handle(delivery: Delivery) -> None:
-        nonlocal enqueued
-        event = delivery.event
-        if not isinstance(event, TrajectoryFinished) or not event.needs_grade:
-            return
-        envelope = delivery.envelope
-        job_id = bus.keys.grade_job_id(incarnation, envelope.rollout_id)
+
+def grade_request(settings: Settings, delivery: Delivery, incarnation: str) -> GradeRequest:
+    """The job argument that grades the finished rollout `delivery` carries."""
+    event, envelope = delivery.event, delivery.envelope
+    ids = {k: getattr(envelope, k) for k in ("trajectory_id", "rollout_id", "group_id", "session_id")}
+    return GradeRequest(run_id=settings.run_id, storage_uri=settings.storage_uri, ids=ids,
+                        backend=settings.grader.backend, wall_time_s=settings.grader.wall_time_s,
+                        memory_mb=settings.grader.memory_mb, check=event.sandbox_check,
+                        answer=event.response_text, grader=event.grader, diff_uri=event.artifacts.get("diff"),
+                        retries=settings.grader.retries, incarnation=incarnation)
+
+
+def job_exists(job_id: str, bus: Bus) -> bool:
+    try:
+        Job.fetch(job_id, connection=bus.redis)
+    except NoSuchJobError:
+        return False
+    return True
+
+
+class Enqueuer:
+    """The thread that turns finished rollouts into grading jobs, one per rollout. Between reads it reports
+    the jobs RQ failed without their failure callback, and probes the sandbox backend again."""
+
+    def __init__(self, settings: Settings, runtime: ServiceRuntime, bus: Bus, queue: Queue) -> None:
+        self.settings = settings
+        self.runtime = runtime
+        self.bus = bus
+        self.queue = queue
+        self.incarnation = bus.incarnation()
+        self.enqueued = 0
+        self.failure: BaseException | None = None
+        self.next_sweep = time.monotonic()
+        self.next_probe = time.monotonic() + settings.grader.probe_interval_s
+
+    def run_until_stopped(self, worker: Worker) -> None:
         try:
-            Job.fetch(job_id, connection=bus.redis)
-            return
-        except NoSuchJobError:
-            pass
-        ids = {k: getattr(envelope, k) for k in ("trajectory_id", "rollout_id", "group_id", "session_id")}
-        request = GradeRequest(run_id=settings.run_id, storage_uri=settings.storage_uri, ids=ids,
-                               backend=settings.grader.backend, wall_time_s=settings.grader.wall_time_s,
-                               memory_mb=settings.grader.memory_mb, check=event.sandbox_check,
-                               answer=event.response_text, grader=event.grader, diff_uri=event.artifacts.get("diff"),
-                               retries=settings.grader.retries, incarnation=incarnation)
-        retry = Retry(max=settings.grader.retries, interval=RETRY_BACKOFF_S) if settings.grader.retries else None
-        queue.enqueue(grade_rollout, request.as_job_arg(), job_id=job_id, job_timeout=job_timeout(event, settings),
-                      result_ttl=3600, failure_ttl=86400, retry=retry, on_failure=Callback(report_job_failure))
-        enqueued += 1
-        runtime.status["enqueued"] = enqueued
-
-    worker = Worker([queue], connection=bus.redis, name=consumer_name("sandbox-worker"),
-                    maintenance_interval=MAINTENANCE_INTERVAL_S, worker_ttl=MAINTENANCE_INTERVAL_S + 15)
-    enqueuer_failed: list[BaseException] = []
-    next_sweep = time.monotonic()
-    next_probe = time.monotonic() + settings.grader.probe_interval_s
-
-    def report_failed_jobs() -> None:
-        nonlocal next_sweep
-        if time.monotonic() < next_sweep:
-            return
-        next_sweep = time.monotonic() + FAILED_SWEEP_S
-        for job_id in report_failures_without_verdict(queue):
-            runtime.log.warning("job failed without its failure callback; reported GradingFailed",
-                                extra={"job_id": job_id})
-
-    def recheck_backend() -> None:
-        # Only reports (/healthz): rollouts are still enqueued, and a job that meets the broken sandbox is
-        # retried, then GradingFailed. Runs in the enqueuer, so it never overwrites "enqueuer died".
-        nonlocal next_probe
-        if time.monotonic() < next_probe:
-            return
-        healthy = check_backend(settings, runtime)
-        next_probe = time.monotonic() + (settings.grader.probe_interval_s if healthy else BACKEND_RECHECK_S)
-
-    def between_reads() -> None:
-        report_failed_jobs()
-        recheck_backend()
-
-    def enqueue_until_stopped() -> None:
-        try:
-            run_consumer(bus, ("trajectories",), GROUP, consumer_name(GROUP), handle, runtime.should_stop,
-                         between_reads=between_reads)
+            run_consumer(self.bus, GROUP, consumer_name(GROUP.name), self.handle,
+                         self.runtime.should_stop, between_reads=self.between_reads)
         except BaseException as exc:
             # A process that goes on grading without enqueuing would look healthy and grade nothing new:
             # stop it so that it exits non-zero and is restarted. Through the worker's own SIGTERM handler
             # (installed when work() starts), so that the job it is running is finished first.
-            enqueuer_failed.append(exc)
-            runtime.log.critical("enqueuer died; stopping the service", exc_info=True)
-            runtime.not_ready = f"enqueuer died: {type(exc).__name__}: {exc}"
+            self.failure = exc
+            self.runtime.log.critical("enqueuer died; stopping the service", exc_info=True)
+            self.runtime.not_ready = f"enqueuer died: {type(exc).__name__}: {exc}"
             while signal.getsignal(signal.SIGTERM) != worker.request_stop:
                 time.sleep(0.1)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    enqueuer = threading.Thread(target=enqueue_until_stopped, name="enqueuer", daemon=True)
-    enqueuer.start()
+    def handle(self, delivery: Delivery) -> None:
+        event = delivery.event
+        if not isinstance(event, TrajectoryFinished) or not event.needs_grade:
+            return
+        job_id = self.bus.keys.grade_job_id(self.incarnation, delivery.envelope.rollout_id)
+        if job_exists(job_id, self.bus):
+            return
+        request = grade_request(self.settings, delivery, self.incarnation)
+        retries = self.settings.grader.retries
+        retry = Retry(max=retries, interval=RETRY_BACKOFF_S) if retries else None
+        self.queue.enqueue(grade_rollout, request.as_job_arg(), job_id=job_id,
+                           job_timeout=job_timeout(event, self.settings), result_ttl=3600, failure_ttl=86400,
+                           retry=retry, on_failure=Callback(report_job_failure))
+        self.enqueued += 1
+        self.runtime.status["enqueued"] = self.enqueued
+
+    def between_reads(self) -> None:
+        self.report_failed_jobs()
+        self.recheck_backend()
+
+    def report_failed_jobs(self) -> None:
+        if time.monotonic() < self.next_sweep:
+            return
+        self.next_sweep = time.monotonic() + FAILED_SWEEP_S
+        for job_id in report_failures_without_verdict(self.queue):
+            self.runtime.log.warning("job failed without its failure callback; reported GradingFailed",
+                                     extra={"job_id": job_id})
+
+    def recheck_backend(self) -> None:
+        # Only reports (/healthz): rollouts are still enqueued, and a job that meets the broken sandbox is
+        # retried, then GradingFailed. Runs in the enqueuer, so it never overwrites "enqueuer died".
+        if time.monotonic() < self.next_probe:
+            return
+        healthy = check_backend(self.settings, self.runtime)
+        interval = self.settings.grader.probe_interval_s if healthy else BACKEND_RECHECK_S
+        self.next_probe = time.monotonic() + interval
+
+
+def main() -> None:
+    settings = Settings()
+    runtime = ServiceRuntime("sandbox-grader", settings)
+    bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
+    remove_orphaned_grading_workspaces(runtime)
+    if not wait_for_backend(settings, runtime):
+        runtime.close()
+        return
+    queue = Queue(bus.keys.job_queue(settings.grader.queue), connection=bus.redis)
+    enqueuer = Enqueuer(settings, runtime, bus, queue)
+    worker = Worker([queue], connection=bus.redis, name=consumer_name("sandbox-worker"),
+                    maintenance_interval=MAINTENANCE_INTERVAL_S, worker_ttl=MAINTENANCE_INTERVAL_S + 15)
+    enqueuer_thread = threading.Thread(target=enqueuer.run_until_stopped, args=(worker,), name="enqueuer",
+                                       daemon=True)
+    enqueuer_thread.start()
     # The worker owns SIGTERM from here on (warm shutdown: it finishes the running job).
     # The scheduler moves retries with a back-off interval back onto the queue when they are due.
     worker.work(with_scheduler=True)
     # set by the worker's SIGTERM/SIGINT handler (RQ has no public flag for it)
-    asked_to_stop = worker._shutdown_requested_date is not None and not enqueuer_failed
+    asked_to_stop = worker._shutdown_requested_date is not None and enqueuer.failure is None
     runtime.stopping = True
-    enqueuer.join(timeout=10)
+    enqueuer_thread.join(timeout=10)
     runtime.close()
     if not asked_to_stop:
         # the worker quit on its own (an error it does not survive), or the enqueuer died

@@ -18,12 +18,12 @@ optimizer and RNG state; one whose batch it never trained was not written by it 
 and first finishes the batches its predecessor left pending, in order. A batch is part of the model
 once its PolicyUpdated exists, and never again.
 
-One entry's failure is that entry's: an entry of another type than BatchReady, or a BatchReady whose
-file is not the batch it announces, is dead-lettered at once; one whose file cannot be read is
-retried and dead-lettered after bus.max_deliveries; rows no model can train on are left out and
-counted (PolicyUpdated.dropped["invalid"]). The trainer stops (exit 1, the batch left pending) only
-when the fleet cannot be made to serve a new version: a weight sync that keeps failing, or logprobs
-that differ from the trainer's.
+One entry's failure is that entry's: an entry of another type than BatchReady (by the bus's
+decode_on), or a BatchReady whose file is not the batch it announces, is dead-lettered at once; one
+whose file cannot be read is retried and dead-lettered after bus.max_deliveries; rows no model can
+train on are left out and counted (PolicyUpdated.dropped["invalid"]). The trainer stops (exit 1, the
+batch left pending) only when the fleet cannot be made to serve a new version: a weight sync that
+keeps failing, or logprobs that differ from the trainer's.
 
     rollstream-trainer           # configured by RS_* variables or RS_CONFIG_FILE
 """
@@ -32,12 +32,13 @@ from __future__ import annotations
 
 from rollstream.services.trainer.training import BatchRejected, Trainer
 from rollstream.shared.contract.bus import Bus, Delivery, StopConsuming, run_consumer
+from rollstream.shared.contract.consumers import consumer_group
 from rollstream.shared.contract.events import BatchReady, encode
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.runtime.storage import Storage
 
-GROUP = "trainer"
+GROUP = consumer_group("trainer")
 CONSUMER = "trainer"  # one trainer per run: a restarted one takes over its predecessor's pending batches
 
 
@@ -52,15 +53,12 @@ def main() -> None:
 
     def reject(delivery: Delivery, error: str) -> None:
         nonlocal rejected
-        bus.dead_letter(delivery.stream, GROUP, delivery.entry_id, encode(delivery.envelope), 1, error)
+        bus.dead_letter(delivery.stream, GROUP.name, delivery.entry_id, encode(delivery.envelope), 1, error)
         rejected += 1
         runtime.status["batches_rejected"] = rejected
 
     def handle(delivery: Delivery) -> None:
-        batch = delivery.event
-        if not isinstance(batch, BatchReady):
-            reject(delivery, f"the trainer does not handle {delivery.envelope.type} on batches")
-            return
+        batch: BatchReady = delivery.event
         if bus.redis.sismember(trained_key, batch.batch_id):
             return
         try:
@@ -76,7 +74,7 @@ def main() -> None:
                                                   "trained": update.trained_samples, "dropped": update.dropped})
 
     try:
-        run_consumer(bus, ("batches",), GROUP, CONSUMER, handle, runtime.should_stop, take_over_pending=True)
+        run_consumer(bus, GROUP, CONSUMER, handle, runtime.should_stop, take_over_pending=True)
     except StopConsuming as exc:
         # The batch stays pending; a restarted trainer resumes from the last published checkpoint.
         runtime.log.critical("trainer stopped", extra={"error": str(exc)})

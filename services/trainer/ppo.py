@@ -245,6 +245,26 @@ def policy_loss(logprobs: torch.Tensor, micro: MicroBatch, *, clip_eps: float, d
     one); tokens counts sampled tokens, weight the share of the loss weight. `merge_stats`
     combines them.
     """
+    _check_loss_settings(micro, clip_eps=clip_eps, decoupled=decoupled,
+                         importance_weight_cap=importance_weight_cap, kl_coef=kl_coef)
+    sampled = micro.loss_mask > 0
+    zero = torch.zeros_like(logprobs)
+    weights = _importance_weights(micro, sampled, zero, decoupled, importance_weight_cap)
+    ratio = torch.exp(torch.where(sampled, logprobs - weights.proximal, zero))
+    advantages = micro.advantages
+    surrogate = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    pg_loss = (micro.weights * weights.truncated.detach() * surrogate).sum()
+    if micro.ref_logprobs is not None:
+        to_reference = torch.where(sampled, micro.ref_logprobs.detach() - logprobs, zero)
+        kl = (micro.weights * (torch.exp(to_reference) - to_reference - 1)).sum()
+    else:
+        kl = zero.sum()
+    loss = pg_loss + kl_coef * kl
+    return loss, _loss_stats(micro, loss, pg_loss, kl, ratio, weights, sampled, zero, clip_eps)
+
+
+def _check_loss_settings(micro: MicroBatch, *, clip_eps: float, decoupled: bool,
+                         importance_weight_cap: float | None, kl_coef: float) -> None:
     if clip_eps <= 0:
         raise ValueError(f"clip_eps must be positive, got {clip_eps}")
     if importance_weight_cap is not None and importance_weight_cap <= 0:
@@ -253,13 +273,26 @@ def policy_loss(logprobs: torch.Tensor, micro: MicroBatch, *, clip_eps: float, d
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if kl_coef > 0 and micro.ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs the reference model's logprobs in micro.ref_logprobs")
-    sampled = micro.loss_mask > 0
-    zero = torch.zeros_like(logprobs)
+    if decoupled and micro.prox_logprobs is None:
+        raise ValueError("decoupled PPO needs micro.prox_logprobs: the policy's logprobs before the "
+                         "batch's first update")
+
+
+@dataclass(frozen=True)
+class ImportanceWeights:
+    """Per token: the proximal logprobs the ratio is taken against, w before and after its cap, and
+    where the cap cut it."""
+
+    proximal: torch.Tensor
+    raw: torch.Tensor
+    truncated: torch.Tensor
+    capped: torch.Tensor
+
+
+def _importance_weights(micro: MicroBatch, sampled: torch.Tensor, zero: torch.Tensor, decoupled: bool,
+                        importance_weight_cap: float | None) -> ImportanceWeights:
     behaviour = micro.behaviour_logprobs
     if decoupled:
-        if micro.prox_logprobs is None:
-            raise ValueError("decoupled PPO needs micro.prox_logprobs: the policy's logprobs before the "
-                             "batch's first update")
         proximal = micro.prox_logprobs.detach()
         # Masked before exp: prompt positions hold arbitrary values and must not overflow.
         raw_weight = torch.exp(torch.where(sampled, proximal - behaviour, zero))
@@ -271,18 +304,12 @@ def policy_loss(logprobs: torch.Tensor, micro: MicroBatch, *, clip_eps: float, d
     if decoupled and importance_weight_cap is not None:
         capped = sampled & (raw_weight > importance_weight_cap)
         importance_weight = raw_weight.clamp(max=importance_weight_cap)
+    return ImportanceWeights(proximal, raw_weight, importance_weight, capped)
 
-    ratio = torch.exp(torch.where(sampled, logprobs - proximal, zero))
-    advantages = micro.advantages
-    surrogate = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
-    pg_loss = (micro.weights * importance_weight.detach() * surrogate).sum()
-    if micro.ref_logprobs is not None:
-        to_reference = torch.where(sampled, micro.ref_logprobs.detach() - logprobs, zero)
-        kl = (micro.weights * (torch.exp(to_reference) - to_reference - 1)).sum()
-    else:
-        kl = zero.sum()
-    loss = pg_loss + kl_coef * kl
 
+def _loss_stats(micro: MicroBatch, loss: torch.Tensor, pg_loss: torch.Tensor, kl: torch.Tensor,
+                ratio: torch.Tensor, weights: ImportanceWeights, sampled: torch.Tensor, zero: torch.Tensor,
+                clip_eps: float) -> dict[str, float]:
     with torch.no_grad():
         mask = sampled.float()
         tokens = mask.sum()
@@ -292,15 +319,15 @@ def policy_loss(logprobs: torch.Tensor, micro: MicroBatch, *, clip_eps: float, d
             loss, pg_loss, kl,
             (ratio * mask).sum() / per_token,
             (clipped * mask).sum() / per_token,
-            (raw_weight * mask).sum() / per_token,
-            torch.where(sampled, raw_weight, zero).max() if bool(sampled.any()) else zero.sum(),
-            capped.float().sum() / per_token,
+            (weights.raw * mask).sum() / per_token,
+            torch.where(sampled, weights.raw, zero).max() if bool(sampled.any()) else zero.sum(),
+            weights.capped.float().sum() / per_token,
             tokens,
             micro.weights.sum(),
         ]).tolist()
     names = ("loss", "pg_loss", "kl", "ratio_mean", "clip_fraction", "importance_weight_mean",
              "importance_weight_max", "capped_fraction", "tokens", "weight")
-    return loss, dict(zip(names, values))
+    return dict(zip(names, values))
 
 
 def merge_stats(stats: list[dict[str, float]]) -> dict[str, float]:

@@ -384,7 +384,7 @@ class Trainer:
         update = PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint), batch_id=batch.batch_id,
                                servers=list(self.fleet.urls) if self.fleet else [], parity_max_abs_diff=parity,
                                loss=step.metrics.get("train/loss", 0.0), trained_samples=step.trained,
-                               dropped_stale=step.dropped.get("stale", 0), dropped=step.dropped, metrics=step.metrics)
+                               dropped=step.dropped, metrics=step.metrics)
         pipe = self.bus.redis.pipeline(transaction=True)
         self.bus.publish("policy", update, pipe=pipe, event_id=f"policy:v{update.version}")
         pipe.sadd(trained_key, batch.batch_id)

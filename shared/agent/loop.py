@@ -6,6 +6,9 @@ picks it per dataset row by the row's `agent` name (`AGENTS`, `register_agent`) 
 before a compaction, the final segment) returns one rollout: they share its rollout id, reward and
 advantage.
 
+A segment (shared/contract/rollouts.py) records each generation as the TrajectoryTurn and each tool call
+as the TrajectoryTool the agent-runner publishes for it.
+
 `TokenTrajectory` keeps the one rule: tokens the model sampled are appended as sampled, with their
 logprobs and loss_mask 1, never re-tokenized; messages appended by the loop (tool results, user
 turns) are tokenized once, as the chat template's delta, with loss_mask 0. At the end the whole
@@ -27,6 +30,8 @@ from prometheus_client import Counter
 
 from rollstream.shared.agent.tool_calls import ToolCallFormat
 from rollstream.shared.agent.tools import Episode, ToolResult, ToolSet
+from rollstream.shared.contract.events import TrajectoryTool, TrajectoryTurn
+from rollstream.shared.contract.rollouts import Segment
 from rollstream.shared.errors import TemplateError
 
 RETOKENIZATION_MISMATCHES = Counter(
@@ -51,55 +56,6 @@ class Task:
     messages: list[dict[str, Any]]
     label: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class TurnRecord:
-    """One generation, as the engine returned it."""
-
-    segment_index: int
-    offset: int
-    """Where the response starts in the segment's tokens."""
-    appended_ids: list[int]
-    """Tokens added since the previous turn (the prompt, or observations and template glue)."""
-    response_ids: list[int]
-    logprobs: list[float]
-    policy_version: int
-    policy_version_end: int
-    finish_reason: str
-    server_url: str
-
-
-@dataclass
-class ToolRecord:
-    turn: int
-    call_id: str
-    name: str
-    arguments: dict[str, Any]
-    ok: bool
-    error_kind: str | None
-    content: str
-
-
-@dataclass
-class Segment:
-    """One trainable sample; `loss_mask` and `rollout_logprobs` are aligned with `tokens`."""
-
-    tokens: list[int]
-    prompt_length: int
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
-    turn_policy_versions: list[int]
-    status: str
-    response_text: str
-    """The final answer's text (what rule-based rewards read)."""
-    turns: list[TurnRecord] = field(default_factory=list)
-    tools: list[ToolRecord] = field(default_factory=list)
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def response_length(self) -> int:
-        return len(self.tokens) - self.prompt_length
 
 
 @dataclass
@@ -213,7 +169,7 @@ class TokenTrajectory:
         return {"first_difference": _first_difference(full, self.tokens), "rerendered_length": len(full),
                 "sampled_length": len(self.tokens)}
 
-    def segment(self, status: str, response_text: str, turns: list[TurnRecord], tools: list[ToolRecord],
+    def segment(self, status: str, response_text: str, turns: list[TrajectoryTurn], tools: list[TrajectoryTool],
                 metadata: dict[str, Any]) -> Segment:
         mismatch = self.retokenization_mismatch()
         if mismatch:
@@ -239,8 +195,8 @@ def _tool_message(result: ToolResult) -> dict[str, Any]:
 async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0) -> Segment:
     """Generate; run the tool calls the model makes; append their results; until it answers."""
     trajectory = TokenTrajectory(ctx.tokenizer, task.messages, ctx.tools.schemas())
-    turns: list[TurnRecord] = []
-    tool_records: list[ToolRecord] = []
+    turns: list[TrajectoryTurn] = []
+    tool_calls: list[TrajectoryTool] = []
     status, answer, error = "truncated", "", None
     metadata: dict[str, Any] = {}
     await ctx.tools.start(ctx.episode)
@@ -257,10 +213,11 @@ async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0) -> S
             appended, offset = trajectory.pending_ids, len(trajectory.tokens)
             text = trajectory.append_sampled(completion.token_ids, completion.logprobs)
             version = before.get(completion.server_url, 0)
-            turns.append(TurnRecord(segment_index=segment_index, offset=offset, appended_ids=appended,
-                                    response_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
-                                    policy_version=version, policy_version_end=after.get(completion.server_url, version),
-                                    finish_reason=completion.finish_reason, server_url=completion.server_url))
+            turns.append(TrajectoryTurn(turn=turn, segment_index=segment_index, offset=offset,
+                                        appended_ids=appended, response_ids=list(completion.token_ids),
+                                        logprobs=list(completion.logprobs), policy_version=version,
+                                        policy_version_end=after.get(completion.server_url, version),
+                                        finish_reason=completion.finish_reason, server_url=completion.server_url))
             parsed = ctx.tool_format.parse(text, turn)
             answer = parsed.content
             if completion.finish_reason == "length":
@@ -272,8 +229,9 @@ async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0) -> S
             results += [ctx.tools.malformed(f"call_{turn}_malformed_{i}", problem)
                         for i, problem in enumerate(parsed.errors)]
             arguments = {call.id: call.arguments for call in parsed.calls}
-            tool_records += [ToolRecord(turn=turn, call_id=r.call_id, name=r.name, arguments=arguments.get(r.call_id, {}),
-                                        ok=r.ok, error_kind=r.error_kind, content=r.content) for r in results]
+            tool_calls += [TrajectoryTool(turn=turn, call_id=r.call_id, name=r.name,
+                                          arguments=arguments.get(r.call_id, {}), ok=r.ok, error_kind=r.error_kind,
+                                          content=r.content) for r in results]
             trajectory.append_messages([_tool_message(r) for r in results])
     except TemplateError as exc:
         status, error = "failed", str(exc)
@@ -282,8 +240,8 @@ async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0) -> S
     if error:
         metadata["error"] = error
     metadata["turns"] = len(turns)
-    metadata["tool_calls"] = len(tool_records)
-    metadata["tool_errors"] = sum(not r.ok for r in tool_records)
+    metadata["tool_calls"] = len(tool_calls)
+    metadata["tool_errors"] = sum(not call.ok for call in tool_calls)
     if ctx.episode.artifacts:
         metadata["artifacts"] = dict(ctx.episode.artifacts)
-    return trajectory.segment(status, answer, turns, tool_records, metadata)
+    return trajectory.segment(status, answer, turns, tool_calls, metadata)

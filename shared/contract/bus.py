@@ -23,7 +23,7 @@ import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -32,20 +32,23 @@ from redis.retry import Retry
 
 from rollstream.shared.contract.events import (
     STREAM_EVENTS,
+    STREAMS,
     DeadLettered,
     Envelope,
     Event,
     EventDecodeError,
+    StreamName,
     decode,
     encode,
     make_envelope,
 )
 from rollstream.shared.runtime.config import BusSettings
 
+if TYPE_CHECKING:
+    from rollstream.shared.contract.consumers import ConsumerGroup
+
 log = logging.getLogger(__name__)
 
-StreamName = Literal["prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead"]
-STREAMS: tuple[StreamName, ...] = ("prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead")
 LAST_PAGE = 16
 """Entries Bus.last reads at a time while it looks for the newest one that decodes."""
 DEAD_LETTER_FIELD_CHARS = 65_536
@@ -384,6 +387,12 @@ class Bus:
         keys = list(self.redis.scan_iter(match=self.keys.pattern, count=1000))
         return jobs + (self.redis.delete(*keys) if keys else 0)
 
+    def job_queue(self, name: str):
+        """The run's RQ queue `name` (the grader's sandbox queue: grader.queue), on this bus's connection."""
+        from rq import Queue
+
+        return Queue(self.keys.job_queue(name), connection=self.redis)
+
     def _delete_job_queues(self) -> int:
         """Delete the run's RQ queues (those named by Keys.job_queue), their registries and every job they
         hold; returns how many jobs."""
@@ -465,11 +474,12 @@ class StopConsuming(Exception):
     """Raised by a handler that must not go on to the next entry; the current one stays pending."""
 
 
-def run_consumer(bus: Bus, streams: tuple[StreamName, ...], group: str, consumer: str, handle: Handler,
+def run_consumer(bus: Bus, group: ConsumerGroup, consumer: str, handle: Handler,
                  should_stop: Callable[[], bool], take_over_pending: bool = False,
                  between_reads: Callable[[], None] = lambda: None) -> None:
-    """The consume loop services use: read, handle, ack. A failing handler leaves the entry pending,
-    so that it is retried (reclaimed) and, after too many failures, dead-lettered.
+    """The consume loop services use: read the group's streams (shared/contract/consumers.py), handle, ack. A
+    failing handler leaves the entry pending, so that it is retried (reclaimed) and, after too many failures,
+    dead-lettered.
 
     take_over_pending: first handle, in order, every entry the group left pending (see
     Bus.take_over_pending); for a consumer that is alone in its group.
@@ -479,24 +489,24 @@ def run_consumer(bus: Bus, streams: tuple[StreamName, ...], group: str, consumer
         try:
             handle(delivery)
         except StopConsuming as exc:
-            bus.record_failure(delivery, group, f"{type(exc).__name__}: {exc}")
+            bus.record_failure(delivery, group.name, f"{type(exc).__name__}: {exc}")
             raise
         except Exception as exc:
-            bus.record_failure(delivery, group, f"{type(exc).__name__}: {exc}")
+            bus.record_failure(delivery, group.name, f"{type(exc).__name__}: {exc}")
             log.exception("handler failed; entry stays pending for retry",
                           extra={"stream": delivery.stream, "entry_id": delivery.entry_id,
                                  "event_type": delivery.envelope.type})
             return
-        bus.ack(delivery, group)
+        bus.ack(delivery, group.name)
 
-    for stream in streams:
-        bus.ensure_group(stream, group)
+    for stream in group.streams:
+        bus.ensure_group(stream, group.name)
         if take_over_pending:
-            for delivery in bus.take_over_pending(stream, group, consumer):
+            for delivery in bus.take_over_pending(stream, group.name, consumer):
                 handle_and_ack(delivery)
-    block_ms = max(1, bus.settings.block_ms // len(streams))
+    block_ms = max(1, bus.settings.block_ms // len(group.streams))
     while not should_stop():
-        for stream in streams:
-            for delivery in bus.consume(stream, group, consumer, block_ms=block_ms):
+        for stream in group.streams:
+            for delivery in bus.consume(stream, group.name, consumer, block_ms=block_ms):
                 handle_and_ack(delivery)
         between_reads()

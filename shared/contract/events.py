@@ -105,23 +105,49 @@ class Envelope(BaseModel):
     payload: SerializeAsAny[Event]
 
 
-# ----------------------------------------------------------------------------------------- prompts
-class PromptIssued(Event):
-    """The dispatcher admitted one sample of a prompt group (stream `prompts`)."""
+# ----------------------------------------------------------------------------------------- samples
+class SampleSlot(BaseModel):
+    """Which sample of its prompt group a rollout is."""
 
-    TYPE = "PromptIssued"
     sample_index: Index
     """Position of this sample in the run's admission order (0-based)."""
     group_size: Count
     """Samples in this prompt group (n)."""
-    messages: list[dict[str, Any]]
-    """Chat messages of the prompt (role, content)."""
+
+
+class Grading(BaseModel):
+    """How a sample's answer is graded: by a built-in rule against its label, or by a check in a sandbox."""
+
     label: str | None = None
     """Reference answer for rule-based rewards."""
     reward_fn: str = "exact_match"
     """Name of the built-in reward function."""
     sandbox_check: str | None = None
     """Shell command whose exit status grades the sample in a sandbox; None: no sandbox grade."""
+
+
+class SampleGrading(SampleSlot, Grading):
+    """Every per-sample grading field: the sample's place in its group and how it is graded, a task's grader
+    included. TrajectoryFinished carries them, and a gateway session is created with them. A prompt
+    (PromptIssued, and the dataset row it comes from) has the same, but keeps its grader in
+    `metadata["grader"]`, where the agent's sandbox reads it too."""
+
+    grader: dict[str, Any] = Field(default_factory=dict)
+    """A task whose tests grade the rollout's diff: {"kind": "harbor" | "swebench", ...}."""
+
+    @staticmethod
+    def of(source: Any) -> SampleGrading:
+        """These fields of anything that has them as attributes: a prompt, a session's spec, a request."""
+        return SampleGrading(**{name: getattr(source, name) for name in SampleGrading.model_fields})
+
+
+# ----------------------------------------------------------------------------------------- prompts
+class PromptIssued(Event, SampleSlot, Grading):
+    """The dispatcher admitted one sample of a prompt group (stream `prompts`)."""
+
+    TYPE = "PromptIssued"
+    messages: list[dict[str, Any]]
+    """Chat messages of the prompt (role, content)."""
     agent: str | None = None
     """Agent loop: a registered name or package.module:function; None: the configured default."""
     tools: list[str] = Field(default_factory=list)
@@ -129,6 +155,11 @@ class PromptIssued(Event):
     policy_version: Index
     """The policy version the dispatcher saw when it admitted the sample."""
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def grader(self) -> dict[str, Any]:
+        """The task's grader (SampleGrading.grader), which a prompt carries in its metadata."""
+        return dict(self.metadata.get("grader") or {})
 
 
 # ------------------------------------------------------------------------------------ trajectories
@@ -174,7 +205,7 @@ class TrajectoryTool(Event):
     content: str
 
 
-class TrajectorySegment(Event):
+class TrajectorySegment(Event, SampleSlot):
     """One trainable sample of a rollout (slime's Sample, verl's AgentLoopOutput).
 
     `tokens` is the whole sequence; `loss_mask` and `rollout_logprobs` are aligned with it: 1 on
@@ -192,8 +223,6 @@ class TrajectorySegment(Event):
     turn_policy_versions: list[Index]
     status: Status
     response_text: str
-    sample_index: Index
-    group_size: Count
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -209,7 +238,7 @@ class TrajectorySegment(Event):
         return self
 
 
-class TrajectoryFinished(Event):
+class TrajectoryFinished(Event, SampleGrading):
     """The rollout is over; `segment_count` segments were published for it."""
 
     TYPE = "TrajectoryFinished"
@@ -218,16 +247,8 @@ class TrajectoryFinished(Event):
     """Which execution of the rollout this closes; its segments carry the same attempt."""
     segment_count: Count
     """A rollout has at least one segment (the agent-runner refuses an agent that returns none)."""
-    group_size: Count
-    sample_index: Index
-    sandbox_check: str | None = None
-    """A shell check a sandbox runs on the answer to grade this rollout."""
-    grader: dict[str, Any] = Field(default_factory=dict)
-    """A task whose tests grade the rollout's diff: {"kind": "harbor" | "swebench", ...}."""
     response_text: str = ""
     """The final answer's text, for rule-based rewards."""
-    label: str | None = None
-    reward_fn: str = "exact_match"
     reward: Finite | None = None
     """A reward the episode's own environment gave (a gateway session finished with one); used when no
     sandbox grades the rollout, instead of reward_fn."""
@@ -314,11 +335,19 @@ class PolicyUpdated(Event):
     parity_max_abs_diff: float
     loss: float
     trained_samples: int
-    dropped_stale: int = 0
     dropped: dict[str, int] = {}
     """Samples of the batch left out of training, by reason (`stale`: older than train.max_staleness)."""
     metrics: dict[str, float] = {}
     """The step's training metrics (loss terms, importance weights, staleness, timings), as tracked."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_the_old_stale_count(cls, data: Any) -> Any:
+        # Runs recorded before it was removed carry `dropped_stale`, a copy of dropped["stale"]: their
+        # archives must still replay and inspect.
+        if isinstance(data, dict) and "dropped_stale" in data:
+            return {key: value for key, value in data.items() if key != "dropped_stale"}
+        return data
 
 
 class DeadLettered(Event):
@@ -353,7 +382,11 @@ EVENT_TYPES: dict[str, type[Event]] = {
     )
 }
 
-STREAM_EVENTS: dict[str, tuple[type[Event], ...]] = {
+StreamName = Literal["prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead"]
+STREAMS: tuple[StreamName, ...] = ("prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead")
+"""The run's streams; who reads each through a consumer group is shared/contract/consumers.py."""
+
+STREAM_EVENTS: dict[StreamName, tuple[type[Event], ...]] = {
     "prompts": (PromptIssued,),
     "trajectories": (TrajectoryStarted, TrajectoryTurn, TrajectoryTool, TrajectorySegment, TrajectoryFinished),
     "grades": (GradeReported, GradingFailed),

@@ -63,6 +63,7 @@ from rollstream.shared.grading.diffs import (
 from rollstream.shared.grading.outcome import GradeOutcome, make_outcome
 from rollstream.shared.grading.pytest_report import (
     HARNESS_OUTCOME,
+    ReportSetup,
     SessionReport,
     exit_words,
     file_digest,
@@ -73,6 +74,7 @@ from rollstream.shared.grading.pytest_report import (
 )
 from rollstream.shared.grading.runs import (
     MAX_TEST_OUTPUT_BYTES,
+    SandboxRun,
     run_log,
     run_wrapped,
     task_image,
@@ -167,6 +169,10 @@ def _id_list(value: Any) -> list[str]:
     return [str(item) for item in (value or [])]
 
 
+class _TaskTestsUnusable(GradingError):
+    """The task's own test files could not be put in place: the task's fault, never the diff's."""
+
+
 def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
                    limits: SandboxLimits | None = None) -> GradeOutcome:
     """Apply `diff`, restore and re-apply the test files, run FAIL_TO_PASS + PASS_TO_PASS under the
@@ -184,35 +190,15 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
         ok, why = apply_diff(workspace, diff)
         if not ok:
             return make_outcome(0, f"patch did not apply: {why}", started=started)
-        test_patch = task.test_patch or ""
-        patch_file = workspace.base / "test.patch"
-        patch_file.write_bytes(test_patch.encode("utf-8", errors="surrogateescape"))
-        test_paths = numstat_paths(workspace, patch_file) if test_patch.strip() else []
-        if test_paths is None:
-            return make_outcome(0, "the task's test_patch cannot be parsed", started=started,
-                                infrastructure_error=True)
-        changed = _changed_paths(workspace)
-        restored = sorted(set(test_paths) | {path for path in changed if _protected(path)})
-        for path in restored:
-            _restore(workspace, path)
-        if test_patch.strip():
-            proc = workspace.git("apply", str(patch_file), check=False)
-            if proc.returncode != 0:
-                return make_outcome(0, f"the task's test_patch did not apply after restoring the "
-                                    f"test files: {git_message(proc)}", started=started,
-                                    infrastructure_error=True)
+        try:
+            test_paths, changed, restored = _put_back_test_files(workspace, task)
+        except _TaskTestsUnusable as exc:
+            return make_outcome(0, str(exc), started=started, infrastructure_error=True)
         test_files = sorted(set(test_paths) | {test_id.split("::", 1)[0]
                                                for test_id in fail_to_pass + pass_to_pass})
         test_digests = {path: file_digest(workspace.root, path) for path in test_files}
         report_setup = prepare_report(workspace.scratch("report-plugin"), workspace.scratch("report"))
-        ids = " ".join(shlex.quote(test_id) for test_id in fail_to_pass + pass_to_pass)
-        command = (f"set -o pipefail 2>/dev/null; ( {task.test_command} {ids} ) 2>&1 "
-                   f"| tail -c {MAX_TEST_OUTPUT_BYTES}")
-        run = run_wrapped(backend, f"bash -c {shlex.quote(command)}", workspace,
-                          task_limits(limits, getattr(task, "verifier_timeout_s", None)),
-                          report_setup.ro_mounts(), report_setup.rw_mounts(),
-                          {"WORKSPACE": "/workspace", "PYTHONDONTWRITEBYTECODE": "1", **report_setup.env()},
-                          image, flag_leftovers=True)
+        run = _run_tests(task, fail_to_pass + pass_to_pass, workspace, backend, image, limits, report_setup)
         log_text = run_log(run)
         if run.error:
             return make_outcome(0, run.error, log_text=log_text, started=started,
@@ -235,6 +221,40 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
             return make_outcome(0, f"test results not trusted: {refused} ({run.result.reason})" + notes,
                                 log_text=log_text, started=started)
         return _score(task, report, fail_to_pass, pass_to_pass, notes, log_text, started)
+
+
+def _put_back_test_files(workspace: GitWorkspace, task: Any) -> tuple[list[str], list[str], list[str]]:
+    """Reset the task's test files and every protected path the diff changed to the snapshot, then apply
+    the task's test_patch. Returns the test_patch's paths, the paths the diff changed and those reset."""
+    test_patch = task.test_patch or ""
+    patch_file = workspace.base / "test.patch"
+    patch_file.write_bytes(test_patch.encode("utf-8", errors="surrogateescape"))
+    test_paths = numstat_paths(workspace, patch_file) if test_patch.strip() else []
+    if test_paths is None:
+        raise _TaskTestsUnusable("the task's test_patch cannot be parsed")
+    changed = _changed_paths(workspace)
+    restored = sorted(set(test_paths) | {path for path in changed if _protected(path)})
+    for path in restored:
+        _restore(workspace, path)
+    if test_patch.strip():
+        proc = workspace.git("apply", str(patch_file), check=False)
+        if proc.returncode != 0:
+            raise _TaskTestsUnusable(f"the task's test_patch did not apply after restoring the "
+                                   f"test files: {git_message(proc)}")
+    return test_paths, changed, restored
+
+
+def _run_tests(task: Any, test_ids: list[str], workspace: GitWorkspace, backend: SandboxBackend,
+               image: str | None, limits: SandboxLimits | None, report_setup: ReportSetup) -> SandboxRun:
+    """The task's test command on `test_ids`, its output cut to its last MAX_TEST_OUTPUT_BYTES."""
+    ids = " ".join(shlex.quote(test_id) for test_id in test_ids)
+    command = (f"set -o pipefail 2>/dev/null; ( {task.test_command} {ids} ) 2>&1 "
+               f"| tail -c {MAX_TEST_OUTPUT_BYTES}")
+    return run_wrapped(backend, f"bash -c {shlex.quote(command)}", workspace,
+                       task_limits(limits, getattr(task, "verifier_timeout_s", None)),
+                       report_setup.ro_mounts(), report_setup.rw_mounts(),
+                       {"WORKSPACE": "/workspace", "PYTHONDONTWRITEBYTECODE": "1", **report_setup.env()},
+                       image, flag_leftovers=True)
 
 
 def _score(task: Any, report: SessionReport, fail_to_pass: list[str], pass_to_pass: list[str],

@@ -133,6 +133,6 @@ def test_the_trainer_trained_every_segment(run):
                if isinstance(d.event, PolicyUpdated)]
     assert [u.version for u in updates] == list(range(1, VERSIONS + 1))
     for update in updates:
-        assert update.trained_samples + update.dropped_stale == len(batches[update.batch_id])
+        assert update.trained_samples + update.dropped.get("stale", 0) == len(batches[update.batch_id])
         assert update.trained_samples > BATCH  # segments, more than the batch's rollouts
     assert all(code == 0 for code in run["exit_codes"].values())

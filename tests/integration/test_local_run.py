@@ -160,7 +160,7 @@ def test_staleness_bound_was_never_exceeded(run):
         rows = batches[update.event.batch_id]
         # A sample that finished late can land in a later batch: the trainer drops it and counts it.
         stale = [row for row in rows if trained_at - min(row.turn_policy_versions) > ETA]
-        assert update.event.dropped_stale == len(stale) == update.event.dropped.get("stale", 0)
+        assert update.event.dropped.get("stale", 0) == len(stale)
         assert update.event.trained_samples == len(rows) - len(stale)
         assert update.event.metrics["samples/staleness_max"] <= ETA
 

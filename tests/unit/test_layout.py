@@ -1,6 +1,7 @@
 """The layout's rules, read from the code itself: no import cycle, no service importing another
-service or the command line, the library importing neither, nothing under the old generic top-level
-names, and every package folder installed under rollstream.*.
+service or the command line, the library importing neither, the benchmarks importing no service, stream
+names meeting service names only in the consumer map, modules and functions short enough to read whole,
+nothing under the old generic top-level names, and every package folder installed under rollstream.*.
 
     python -m pytest tests/unit/test_layout.py -q
 """
@@ -223,3 +224,86 @@ def test_every_project_error_derives_from_the_common_base():
                     and not issubclass(value, RollstreamError):
                 stray.append(f"{module_name}.{name}")
     assert stray == []
+
+
+def test_the_benchmarks_import_no_service():
+    """bench/ measures through the library and the command line, as users run them, not a service's
+    insides (which would make it a second consumer of a service's private code)."""
+    wrong = []
+    for path in sorted((REPO / "bench").rglob("*.py")):
+        for name, line in imported_names(ast.parse(path.read_text(), str(path))):
+            if name.startswith("rollstream.services"):
+                wrong.append(f"{path.relative_to(REPO)}:{line} imports {name}")
+    assert wrong == []
+
+
+def stream_meets_service(tree: ast.AST) -> list[int]:
+    """Lines where a stream's name and a consumer group's name are written side by side: in one call's
+    arguments, or one tuple, list or dict literal (a module-level NAME = "reward" counts as the name)."""
+    from rollstream.shared.contract.bus import STREAMS
+    from rollstream.shared.contract.consumers import CONSUMER_GROUPS
+
+    constants = {target.id: node.value.value for node in getattr(tree, "body", [])
+                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                 for target in node.targets if isinstance(target, ast.Name)}
+
+    def words(nodes) -> set:
+        found = set()
+        for node in nodes:
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.add(node.value)
+            elif isinstance(node, ast.Name) and isinstance(constants.get(node.id), str):
+                found.add(constants[node.id])
+            elif isinstance(node, (ast.Tuple, ast.List)):
+                found |= words(node.elts)
+        return found
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            parts = [*node.args, *(keyword.value for keyword in node.keywords)]
+        elif isinstance(node, (ast.Tuple, ast.List)):
+            parts = node.elts
+        elif isinstance(node, ast.Dict):
+            parts = [*(key for key in node.keys if key is not None), *node.values]
+        else:
+            continue
+        found = words(parts)
+        if found & set(STREAMS) and found & set(CONSUMER_GROUPS):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_the_consumer_map_is_the_only_place_where_stream_names_meet_service_names():
+    wrong = [f"{path.relative_to(REPO)}:{line}" for module, path in project_modules().items()
+             if module != "rollstream.shared.contract.consumers"
+             for line in stream_meets_service(ast.parse(path.read_text(), str(path)))]
+    assert wrong == []
+
+
+def test_the_consumer_map_check_finds_a_hand_written_consumer_list():
+    written = ('GROUP = "reward"\n'
+               'run_consumer(bus, ("grades", "dead"), GROUP, consumer)\n'
+               'CONSUMES = {"trainer": ("batches",)}\n'
+               'bus.publish("trajectories", event)\n')
+    assert stream_meets_service(ast.parse(written)) == [2, 3]
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 60
+
+
+def test_every_module_and_function_is_small_enough_to_read_whole():
+    """No module of the library, the services or the command line over MAX_MODULE_LINES lines, no function
+    (its def line through its last line) over MAX_FUNCTION_LINES (bench/ may keep its simulators)."""
+    too_long = []
+    for path in project_modules().values():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{path.relative_to(REPO)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
+    assert too_long == []

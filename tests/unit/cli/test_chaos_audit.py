@@ -2,7 +2,9 @@
 files: a segment in two rows is a duplicate, a row the trainer left out as invalid is never counted as
 trained, drops beyond what the faults explain fail the audit, and so does a process exit no fault
 brought about (the local run's supervisor records it, with the process's log tail); so do, in a run of
-black-box agents, an agent process left running and a gateway session open past its end.
+black-box agents, an agent process left running and a gateway session open past its end. Entries written
+into a run from outside (poison) are left out of it, and a poisoned run's checks of its samples and batches
+(cli/chaos/poison_report.py) are read from it.
 
 The audit of a whole run under fault injection is tests/integration/test_chaos.py.
 """
@@ -27,8 +29,8 @@ from rollstream.cli.chaos.audit import (
     drop_bound,
 )
 from rollstream.cli.chaos.harness import ChaosPlan, plan_faults
-from rollstream.cli.chaos.poison import audit as poison_audit
-from rollstream.cli.chaos.poison import checks
+from rollstream.cli.chaos.poison_report import admitted_check, batches_check, checks
+from rollstream.cli.chaos.poison_report import audit as poison_audit
 from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
 from rollstream.shared.contract.batches import BatchRow, write_batch
 from rollstream.shared.contract.bus import Bus
@@ -90,11 +92,11 @@ def train(bus: Bus, storage_uri: str, version: int, rows: list[BatchRow], traine
                                         dropped=dropped or {}))
 
 
-def audit(bus: Bus, storage_uri: str):
+def audit(bus: Bus, storage_uri: str, leave_out: set[tuple[str, str]] = frozenset()):
     """The audit once every consumer group has read everything (nothing is left pending)."""
     for stream, group in CONSUMER_GROUPS:
         bus.redis.xgroup_create(bus.keys.stream(stream), group, id="$", mkstream=True)
-    return audit_run(bus, storage_uri, MAX_STALENESS, limits=LIMITS)
+    return audit_run(bus, storage_uri, MAX_STALENESS, limits=LIMITS, leave_out=leave_out)
 
 
 def test_a_segment_in_two_rows_of_one_batch_or_of_two_batches_is_a_duplicate_and_fan_out_is_not(bus, tmp_path):
@@ -142,6 +144,47 @@ def test_a_trainer_that_counts_an_invalid_row_as_trained_fails_the_audit(bus, tm
     assert report.trainer_disagrees == ["b1 (rows: {'trained': 1, 'invalid': 1}, PolicyUpdated: "
                                         "{'trained': 2, 'stale': 0, 'invalid': 0})"]
     assert any(p.startswith("trainer disagrees") for p in report.problems())
+
+
+def test_entries_written_into_the_run_from_outside_are_left_out_of_what_became_of_its_own(bus, tmp_path):
+    """Poison: a prompt the dispatcher never admitted, a policy version far ahead of the run."""
+    runs = str(tmp_path)
+    admit(bus, "own")
+    train(bus, runs, 1, [row("own")], trained=1)
+    prompt = PromptIssued(sample_index=0, group_size=1, policy_version=0, label="2",
+                          messages=[{"role": "user", "content": "1+1"}])
+    forged = {("prompts", bus.publish("prompts", prompt, **ids("forged"))),
+              ("policy", bus.publish("policy", PolicyUpdated(version=10**6, checkpoint_uri="/ckpt/forged", batch_id="b?",
+                                                             servers=[], parity_max_abs_diff=0.0, loss=0.0,
+                                                             trained_samples=1)))}
+
+    report = audit(bus, runs, leave_out=forged)
+    assert (report.admitted, report.trained, report.problems()) == (1, 1, [])
+    assert report.events["prompts"] == 2  # still entries added, and in the archive's check
+    unfiltered = audit_run(bus, runs, MAX_STALENESS, limits=LIMITS)
+    assert unfiltered.lost == ["forged"] and unfiltered.versions_missing[:2] == [2, 3]
+
+
+def test_a_poisoned_runs_samples_are_checked_by_the_runs_audit_and_none_may_be_dropped_by_the_reward_service(
+        bus, tmp_path):
+    runs = str(tmp_path)
+    admit(bus, "fresh")
+    admit(bus, "stale")
+    train(bus, runs, 1, [row("fresh")], trained=1)
+    train(bus, runs, 3, [row("stale")], trained=0, dropped={"stale": 1})  # too old for version 3: left out
+    report = audit(bus, runs)
+    assert report.dropped == {"stale": 1}
+    assert admitted_check(report)[1:] == (True, "2/2 in one batch, 0 lost, 0 in several rows")
+    assert batches_check(report) == ("every batch of the run trained once", True, "2/2 trained")
+
+    admit(bus, "dropped")
+    bus.publish("rewards", RolloutDropped(reason="no grade", cause="grade_timeout"), **ids("dropped"))
+    bus.publish("batches", BatchReady(batch_id="b-untrained", uri=f"{runs}/b-untrained.parquet", sample_count=1,
+                                      min_policy_version=0, group_ids=["g"], mean_reward=1.0))
+    report = audit_run(bus, runs, MAX_STALENESS, limits=LIMITS)
+    assert admitted_check(report)[1:] == (
+        False, "2/3 in one batch, 0 lost, 1 dropped by the reward service (grade_timeout 1), 0 in several rows")
+    assert batches_check(report)[1:] == (False, "2/3 trained")
 
 
 def chaos_settings(**overrides) -> Settings:
@@ -269,7 +312,8 @@ def test_an_exit_the_harness_did_not_bring_about_fails_both_audits_with_the_log_
     assert "boom: poison entry" in problem
 
     poisoned = poison_audit(bus, str(tmp_path), [], seed=0, rate=1.0, target_version=0, health={},
-                            unhealthy_moments=[], dispatcher_version_seen=0)
+                            unhealthy_moments=[], dispatcher_version_seen=0, max_staleness=MAX_STALENESS,
+                            limits=LIMITS)
     poisoned.unexpected_exits = supervised.unexpected_exits()
     failed = [(name, figures) for name, passed, figures in checks(poisoned) if not passed]
     assert ("no process exited, not even one the supervisor restarted (the drain and the end included)",

@@ -24,7 +24,8 @@ from rollstream.cli.inspect.trajectory import (
     rollout_document,
     tokens_text,
 )
-from rollstream.shared.contract.archive import ArchiveWriter, trim_stream
+from rollstream.services.recorder.archive_writer import ArchiveWriter
+from rollstream.shared.contract.archive import trim_stream
 from rollstream.shared.contract.batches import BatchRow, write_batch
 from rollstream.shared.contract.bus import STREAMS, Bus
 from rollstream.shared.contract.events import (

@@ -1,6 +1,7 @@
-"""The poison generator (cli/chaos/poison.py): deterministic per seed, every kind on every stream it
+"""The poison generator (cli/chaos/poison_make.py): deterministic per seed, every kind on every stream it
 belongs to, bounded sizes, and entries that are what their kind says (undecodable kinds never decode;
-a consumer that reads them through the bus dead-letters them, on Redis and on Valkey).
+a consumer that reads them through the bus dead-letters them, on Redis and on Valkey); writing them
+(cli/chaos/poison_inject.py), and the report's count of what became of them (cli/chaos/poison_report.py).
 
 The fuzzing of a live run is tests/integration/test_poison.py.
 """
@@ -11,16 +12,17 @@ from collections import Counter
 
 import pytest
 
-from rollstream.cli.chaos.poison import (
+from rollstream.cli.chaos.audit import RowLimits
+from rollstream.cli.chaos.poison_inject import write_poison
+from rollstream.cli.chaos.poison_make import (
+    BUS_REJECTED_KINDS,
     KINDS,
     STALLING_KINDS,
     STREAM_KINDS,
-    BUS_REJECTED_KINDS,
     UNDECODABLE_KINDS,
-    audit,
     poison_plan,
-    write_poison,
 )
+from rollstream.cli.chaos.poison_report import audit
 from rollstream.shared.contract.bus import STREAMS
 from rollstream.shared.contract.events import (
     STREAM_EVENTS,
@@ -94,7 +96,8 @@ def test_a_consumer_dead_letters_every_undecodable_entry_and_the_audit_counts_it
     while bus.consume("prompts", "agent-runner", "c1", count=100, block_ms=10):
         pass  # decodable entries are handed out (and left pending); the rest is dead-lettered by the bus
     report = audit(bus, str(tmp_path), injected, seed=5, rate=1.0, target_version=0, health={},
-                   unhealthy_moments=[], dispatcher_version_seen=0)
+                   unhealthy_moments=[], dispatcher_version_seen=0, max_staleness=1,
+                   limits=RowLimits(vocab_size=32, max_positions=64))
     figures = report.streams["prompts"]
     assert figures.groups == ("agent-runner",) and figures.tried == len(plan)
     undecodable = [i for i in injected if i.poison.kind in BUS_REJECTED_KINDS]
@@ -103,6 +106,8 @@ def test_a_consumer_dead_letters_every_undecodable_entry_and_the_audit_counts_it
     assert figures.dead_lettered == len(undecodable)
     # what decodes is the consumer's to judge: the audit names each that it did not dead-letter
     assert len(figures.missed) == figures.must_dead_letter - len(undecodable) > 0
+    # the forged prompts are no admission of the run's: its own audit leaves every injected entry out
+    assert report.run.admitted == 0 and report.run.lost == []
 
 
 def test_a_replayed_batch_re_announces_a_real_batch_of_the_run_under_another_id(bus, tmp_path):

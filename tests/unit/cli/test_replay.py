@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 
 from rollstream.cli.main import app
 from rollstream.cli.replay.plan import Pace, ReplayError, ReplayPlan, check_fresh, publish
-from rollstream.shared.contract.archive import ArchiveWriter, StreamHistory, stream_history, trim_stream
+from rollstream.services.recorder.archive_writer import ArchiveWriter
+from rollstream.shared.contract.archive import StreamHistory, read_history, trim_stream
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import TrajectoryFinished, decode, encode
 from rollstream.shared.runtime.storage import Storage
@@ -79,13 +80,13 @@ def test_a_live_source_is_read_whole_though_the_recorder_trimmed_it(bus, target,
     bus.publish("trajectories", finished(2), rollout_id="r2", event_id="r2:finished")  # after the archive
     history = StreamHistory(bus, "trajectories", None)
     assert len(history.new_entries()) == 2  # Redis alone has lost the trimmed entries...
-    whole = stream_history(bus, "trajectories", str(tmp_path))
-    assert [decode(f).event_id for _, f in whole] == ["r0:turn", "r1:turn", "r2:turn", "r0:finished", "r1:finished",
-                                                       "r2:finished"]
+    whole = read_history(bus, "trajectories", str(tmp_path))
+    assert [d.envelope.event_id for d in whole] == ["r0:turn", "r1:turn", "r2:turn", "r0:finished", "r1:finished",
+                                                    "r2:finished"]
     plan = ReplayPlan(bus.keys.run_id, str(tmp_path), source_bus=bus, streams=("trajectories",))
     assert plan.validate() == {"trajectories": 6}
     publish(plan, target, Pace.parse("fast"))
-    assert [decode(f).event_id for f in raw(target, "trajectories")] == [decode(f).event_id for _, f in whole]
+    assert [decode(f).event_id for f in raw(target, "trajectories")] == [d.envelope.event_id for d in whole]
 
 
 def test_the_target_must_be_a_fresh_namespace(bus, target, tmp_path):

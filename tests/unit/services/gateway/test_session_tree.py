@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.services.gateway.apis.canonical import ChatRequest, RequestError, assistant_message, split_turn
+from rollstream.services.gateway.apis.canonical import ChatRequest, assistant_message, split_turn
+from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.prompts import ChatTemplate, answer_key, plan_turn
 from rollstream.services.gateway.samples import publish_samples
 from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode

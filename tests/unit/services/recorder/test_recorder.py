@@ -11,9 +11,10 @@ import urllib.request
 import pytest
 import redis
 
-import rollstream.shared.contract.archive
+from rollstream.services.recorder import archive_writer
+from rollstream.services.recorder.archive_writer import ArchiveWriter
 from rollstream.services.recorder.main import Recorder, main, record_once
-from rollstream.shared.contract.archive import ArchiveReader, ArchiveWriter, archived_id
+from rollstream.shared.contract.archive import ArchiveReader, archived_id
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import TrajectoryStarted
 from rollstream.shared.runtime.storage import Storage
@@ -78,7 +79,7 @@ def test_a_crash_between_part_and_position_loses_nothing_and_duplicates_nothing(
         raise Crash
 
     with monkeypatch.context() as patch:
-        patch.setattr(rollstream.shared.contract.archive, "advance_archived", crash)
+        patch.setattr(archive_writer, "advance_archived", crash)
         with pytest.raises(Crash):
             record_once(bus, writer)
     assert archived_id(bus, "prompts") is None

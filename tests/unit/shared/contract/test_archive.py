@@ -4,10 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from rollstream.services.recorder.archive_writer import ArchiveWriter
 from rollstream.shared.contract.archive import (
-    ArchiveError,
     ArchiveReader,
-    ArchiveWriter,
     archived_id,
     list_runs,
     UNCONSUMED_STREAMS,
@@ -16,6 +15,7 @@ from rollstream.shared.contract.archive import (
 )
 from rollstream.shared.contract.bus import STREAMS
 from rollstream.shared.contract.events import RewardAssigned, decode, encode
+from rollstream.shared.errors import ArchiveError
 from rollstream.shared.runtime.storage import Storage
 from tests.support import archive_all, prompt, turn
 

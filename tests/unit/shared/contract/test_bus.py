@@ -5,6 +5,7 @@ import time
 import pytest
 
 from rollstream.shared.contract.bus import LAST_PAGE, Keys, StopConsuming, run_consumer
+from rollstream.shared.contract.consumers import ConsumerGroup
 from rollstream.shared.contract.events import DeadLettered, encode, make_envelope
 from tests.support import prompt
 
@@ -106,7 +107,7 @@ def test_entry_failing_every_delivery_is_dead_lettered_with_the_error(bus):
         raise ValueError("handler is broken")
 
     deadline = time.monotonic() + 10
-    run_consumer(bus, ("prompts",), "g", "c", handle,
+    run_consumer(bus, ConsumerGroup("g", ("prompts",)), "c", handle,
                  should_stop=lambda: bool(bus.read_all("dead")) or time.monotonic() > deadline)
     dead = bus.read_all("dead")
     assert len(dead) == 1
@@ -126,7 +127,8 @@ def test_a_handler_that_fails_once_succeeds_on_redelivery(bus):
             raise RuntimeError("transient")
 
     deadline = time.monotonic() + 10
-    run_consumer(bus, ("prompts",), "g", "c", handle, should_stop=lambda: len(seen) >= 2 or time.monotonic() > deadline)
+    run_consumer(bus, ConsumerGroup("g", ("prompts",)), "c", handle,
+                 should_stop=lambda: len(seen) >= 2 or time.monotonic() > deadline)
     assert seen == [4, 4]
     assert bus.read_all("dead") == []
     assert bus.group_lag("prompts", "g") == (0, 0)
@@ -163,7 +165,7 @@ def test_stop_consuming_leaves_the_entry_and_the_rest_pending(bus):
             raise StopConsuming("must not skip ahead")
 
     with pytest.raises(StopConsuming):
-        run_consumer(bus, ("prompts",), "g", "c", handle, should_stop=lambda: False)
+        run_consumer(bus, ConsumerGroup("g", ("prompts",)), "c", handle, should_stop=lambda: False)
     assert handled == [0, 1]
     assert bus.group_lag("prompts", "g") == (0, 2)  # 1 and 2 wait for the next consumer
 
@@ -193,12 +195,12 @@ def test_a_restarted_lone_consumer_finishes_its_predecessors_entries_first_in_or
     bus.ensure_group("prompts", "g")
     bus.consume("prompts", "g", "old-process", count=1)  # delivered to a process that then vanished
     with pytest.raises(StopConsuming):
-        run_consumer(bus, ("prompts",), "g", "trainer", crash_at_1, should_stop=lambda: False,
+        run_consumer(bus, ConsumerGroup("g", ("prompts",)), "trainer", crash_at_1, should_stop=lambda: False,
                      take_over_pending=True)
     assert handled == [0, 1]
 
     handled.clear()
-    run_consumer(bus, ("prompts",), "g", "trainer", lambda d: handled.append(d.event.sample_index),
+    run_consumer(bus, ConsumerGroup("g", ("prompts",)), "trainer", lambda d: handled.append(d.event.sample_index),
                  should_stop=lambda: len(handled) >= 3, take_over_pending=True)
     # no reclaim timeout waited for, nothing skipped, nothing repeated that was acknowledged
     assert handled == [1, 2, 3]
@@ -235,14 +237,14 @@ def test_deleting_a_run_deletes_its_rq_queue_and_every_job_it_holds_and_no_other
     would be run, or reported as failed, into the next run under the same id."""
     from datetime import timedelta
 
-    from rq import Queue, SimpleWorker
+    from rq import SimpleWorker
     from rq.job import Job
 
     from rollstream.shared.contract.bus import Bus
 
     neighbour = Bus(bus.redis, bus.keys.run_id + "-2")  # its queue's name starts with this run's id
-    queue = Queue(bus.keys.job_queue("sandbox"), connection=bus.redis)
-    other_queue = Queue(neighbour.keys.job_queue("sandbox"), connection=bus.redis)
+    queue = bus.job_queue("sandbox")
+    other_queue = neighbour.job_queue("sandbox")
     try:
         finished = queue.enqueue(finish_the_job, job_id=f"{bus.keys.run_id}-finished")
         failed = queue.enqueue(fail_the_job, job_id=f"{bus.keys.run_id}-failed")

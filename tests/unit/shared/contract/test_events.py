@@ -172,3 +172,14 @@ def test_every_event_type_belongs_to_exactly_one_stream():
     assert set(STREAM_EVENTS) == set(STREAMS)
     placed = [cls.TYPE for types in STREAM_EVENTS.values() for cls in types]
     assert sorted(placed) == sorted(EVENT_TYPES)
+
+
+def test_a_policy_update_recorded_with_the_old_stale_count_still_decodes():
+    from rollstream.shared.contract.events import PolicyUpdated
+
+    update = PolicyUpdated(version=3, checkpoint_uri="/c", batch_id="b", servers=["http://s"], parity_max_abs_diff=0.0,
+                           loss=0.1, trained_samples=6, dropped={"stale": 2})
+    fields = encode(make_envelope(update, run_id="r"))
+    body = msgspec.msgpack.decode(fields["body"])
+    body["payload"]["dropped_stale"] = 2  # what runs recorded before the field was removed carry
+    assert decode({**fields, "body": msgspec.msgpack.encode(body)}).payload == update

@@ -170,6 +170,19 @@ def test_a_test_command_that_starts_no_pytest_is_an_infrastructure_error(backend
         assert "never loaded the grader's report plugin" in outcome.reason
 
 
+def test_a_test_patch_that_cannot_be_used_is_the_tasks_infrastructure_error_not_a_0(backend, swe):
+    """The task's own test_patch is put back over the diff's changes; when git cannot parse it, or it no
+    longer applies, the task is broken: retried, then GradingFailed, never a 0 to train on."""
+    stale = ("diff --git a/tests/test_core.py b/tests/test_core.py\n--- a/tests/test_core.py\n"
+             "+++ b/tests/test_core.py\n@@ -1 +1 @@\n-a line the file does not have\n+anything\n")
+    for test_patch, reason in (("not a patch at all\n", "the task's test_patch cannot be parsed"),
+                               (stale, "the task's test_patch did not apply after restoring the test files")):
+        outcome = grade_swebench(dataclasses.replace(swe, test_patch=test_patch), reference_diff(swe, backend),
+                                 backend)
+        assert outcome.infrastructure_error and outcome.score == 0, outcome
+        assert outcome.reason.startswith(reason), outcome
+
+
 def test_unappliable_patch_is_a_graded_failure_with_gits_reason(backend, fix_add):
     diff = ("diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n"
             "@@ -1,2 +1,2 @@\n-this line is not in calc.py\n+nor is this one\n context\n")
