@@ -1,5 +1,10 @@
 """Fixtures every test directory shares: real Redis servers (the machine's Redis and an embedded
-Valkey) and a fresh run namespace per test, deleted afterwards."""
+Valkey) and a fresh run namespace per test, deleted afterwards.
+
+With RS_TEST_REQUIRE_INFRA=1 (CI sets it) a test skipped for missing infrastructure (no Redis, no Docker
+engine, no bubblewrap, no vLLM, no tiny model, no agent CLI) fails instead: a machine whose Redis or engine
+broke must not pass with mass skips. Only a skip that says it does not apply (tests.support.skip_does_not_apply)
+stays a skip."""
 
 from __future__ import annotations
 
@@ -11,9 +16,33 @@ import redis
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.runtime.config import BusSettings
-from tests.support import docker_client
+from tests.support import DOES_NOT_APPLY, docker_client
 
 MACHINE_REDIS_URL = os.environ.get("RS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REQUIRE_INFRA = os.environ.get("RS_TEST_REQUIRE_INFRA") == "1"
+
+
+def _fail_a_skip_for_missing_infrastructure(report) -> None:
+    if not (REQUIRE_INFRA and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if DOES_NOT_APPLY in reason:
+        return
+    report.outcome = "failed"
+    report.longrepr = f"skipped for missing infrastructure, which RS_TEST_REQUIRE_INFRA=1 requires: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_a_skip_for_missing_infrastructure(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module skipped as a whole (pytest.importorskip at its top) is reported at collection."""
+    outcome = yield
+    _fail_a_skip_for_missing_infrastructure(outcome.get_result())
 
 
 @pytest.fixture(scope="session")

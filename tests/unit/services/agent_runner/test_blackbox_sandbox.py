@@ -31,7 +31,7 @@ from rollstream.shared.sandbox.docker import OWNER_LABEL, process_owner
 from rollstream.shared.sandbox.workspace import remove_orphaned_workspaces
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.prompts import task_prompt_row
-from tests.support import FIXTURES, REPO, host_listener, sandbox_uid_processes, wait_for
+from tests.support import FIXTURES, REPO, host_listener, sandbox_uid_processes, skip_does_not_apply, wait_for
 from tests.unit.services.agent_runner.test_blackbox import (
     IDS,
     FakeGateway,
@@ -258,7 +258,7 @@ def test_the_workspace_is_at_a_harbor_tasks_workdir(tmp_path, sandbox):
 
 def test_an_image_without_python3_is_a_clear_error_and_no_outcome(tmp_path, sandbox):
     if sandbox != "docker":
-        pytest.skip("bubblewrap's python3 is the host's")
+        skip_does_not_apply("bubblewrap's python3 is the host's")
     task = tmp_path / "no-python"
     shutil.copytree(FIXTURES / "harbor" / "fix-add", task)
     (task / "environment" / "Dockerfile").write_text("FROM local/debian-base:bookworm\nWORKDIR /app\n")

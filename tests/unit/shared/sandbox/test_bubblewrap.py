@@ -27,7 +27,7 @@ from rollstream.shared.errors import SandboxError, SandboxUnavailable, Workspace
 from rollstream.shared.sandbox import bubblewrap
 from rollstream.shared.sandbox.base import SandboxLimits
 from rollstream.shared.sandbox.bubblewrap import run_in_sandbox
-from tests.support import host_listener, sandbox_uid_processes
+from tests.support import DOES_NOT_APPLY, host_listener, sandbox_uid_processes, skip_does_not_apply
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
@@ -311,11 +311,11 @@ def test_file_size_limit(workspace):
     assert (workspace / "big").stat().st_size <= 1024 * 1024
 
 
-@pytest.mark.skipif(not AS_ROOT, reason="only root runs the sandbox as another host uid")
+@pytest.mark.skipif(not AS_ROOT, reason=DOES_NOT_APPLY + "only root runs the sandbox as another host uid")
 def test_workspace_out_of_reach_is_a_clear_error(tmp_path):
     hidden = tmp_path.parent.parent  # pytest's basetemp parent is 0700
     if hidden.stat().st_mode & stat.S_IXOTH:
-        pytest.skip(f"{hidden} is searchable by others here")
+        skip_does_not_apply(f"{hidden} is searchable by others here")
     with pytest.raises(WorkspaceError, match="not reachable"):
         run_in_sandbox("true", tmp_path)
 
