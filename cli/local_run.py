@@ -198,6 +198,8 @@ class LocalRun:
         self.log_dir = self.run_dir / "logs"
         self.processes: dict[str, subprocess.Popen] = {}
         """Process name (the service, with a replica number when it has several) -> process."""
+        self.exit_codes: dict[str, int | None] = {}
+        """Each process's exit code once a `with` block stopped the run."""
         self.service_of: dict[str, str] = {}
         self.killed: dict[str, subprocess.Popen] = {}
         """Processes stopped on purpose (kill): not restarted."""
@@ -438,6 +440,26 @@ class LocalRun:
     def log_tail(self, name: str, lines: int = 25) -> str:
         path = self.log_dir / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def log_tails(self, lines: int = 60) -> str:
+        """Every process's log tail (killed ones' too), each under its name: what to read when the run went wrong."""
+        names = dict.fromkeys([*self.processes, *self.killed])
+        return "\n".join(f"--- {name}\n{self.log_tail(name, lines)}" for name in names)
+
+    def __enter__(self) -> LocalRun:
+        """`with LocalRun(settings) as local:` starts the run and stops it at the end (its services' exit codes
+        then in `exit_codes`); when the block (or the start) fails, every process's log tail goes to stderr first."""
+        try:
+            self.start()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is not None:
+            print(self.log_tails(), file=sys.stderr)
+        self.exit_codes = self.stop()
 
     def progress(self) -> Progress:
         assert self.progress_reader is not None

@@ -65,10 +65,23 @@ def machine_redis_url():
     return MACHINE_REDIS_URL
 
 
-@pytest.fixture(params=["redis", "valkey"])
-def redis_url(request):
-    """Each test that takes this runs on the machine's Redis and on an embedded Valkey."""
-    return request.getfixturevalue("machine_redis_url" if request.param == "redis" else "valkey_url")
+@pytest.fixture
+def redis_url(machine_redis_url):
+    """The machine's Redis. The stream primitives' tests (tests/unit/shared/contract) run on an embedded Valkey
+    too, where the two could differ; every local run (integration tests) runs on Valkey (the embedded Redis)."""
+    return machine_redis_url
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The tiny Llama of seed 0 that `make setup` builds (models/tiny-llama): the same bytes build_tiny_model(seed=0)
+    writes, built once instead of in every test module. Read-only: a test that changes weights writes elsewhere."""
+    from tests.support import MODELS
+
+    model = MODELS / "tiny-llama"
+    if not (model / "config.json").exists():
+        pytest.skip("the tiny model is built by make setup")
+    return model
 
 
 @pytest.fixture

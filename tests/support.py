@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollstream.cli.vllm_server import free_port
+from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.services.recorder.archive_writer import ArchiveWriter
 from rollstream.shared.contract.bus import STREAMS, Bus
 from rollstream.shared.contract.events import PromptIssued, TrajectorySegment, TrajectoryTurn
@@ -246,16 +246,26 @@ def assert_turns_sampled_by_vllm(settings, segment: TrajectorySegment, turns: li
 
 def run_until_version(local, version: int, timeout_s: float, extra_log: Callable[[], str] | None = None):
     """Start the local run, wait until the trainer publishes `version`, stop it; its progress. On a failure,
-    every process's log tail (and `extra_log()`) is printed before the run is stopped."""
-    try:
-        local.start()
-        progress = local.wait_for_version(version, timeout_s=timeout_s)
-    except BaseException:
-        for name in local.processes:
-            print(f"--- {name}\n{local.log_tail(name, 80)}")
-        if extra_log is not None:
-            print(extra_log())
-        local.stop()
-        raise
-    local.stop()
-    return progress
+    every process's log tail (LocalRun's exit) and `extra_log()` are printed."""
+    with local:
+        try:
+            return local.wait_for_version(version, timeout_s=timeout_s)
+        except BaseException:
+            if extra_log is not None:
+                print(extra_log())
+            raise
+
+
+def revive(servers: list[VllmServer]) -> list[VllmServer]:
+    """The servers (tests/integration/conftest.py's vllm_pair), with any that exited started again on its port,
+    in its place."""
+    for index, server in enumerate(servers):
+        if server.exit_code() is None:
+            continue
+        server.stop()
+        log = server.log_path.with_name(f"{server.log_path.stem}.again.log") if server.log_path else None
+        again = VllmServer(server.model_dir, port=server.port, log_path=log)
+        servers[index] = again
+        again.start()
+        again.wait_healthy(timeout_s=600)
+    return servers

@@ -11,6 +11,10 @@ version, and a payload that does not validate: besides the field types, counts a
 cannot be negative (a group of 0 samples, a rollout of 0 segments), scores and rewards that are not
 finite, and token arrays longer than MAX_SEQUENCE_TOKENS, so that one entry cannot make a reader
 allocate without bound. `STREAM_EVENTS` says which event types belong on which stream.
+
+Each event class says who publishes it and who reads it: the consumer groups of its stream (consumers.py)
+and the readers outside them. Besides those, the recorder archives every stream, and `rollstream replay`
+re-publishes a recorded run.
 """
 
 from __future__ import annotations
@@ -94,15 +98,28 @@ class Envelope(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     type: str
+    """The payload's event type (its TYPE), as the entry's `type` field also says."""
     schema_version: int
+    """The payload's schema version (its VERSION), as the entry's `v` field also says."""
     event_id: str
+    """Unique per event: derived from what it is where a handler may publish it twice (e.g.
+    `{rollout}:{attempt}:finished`, `{rollout}:reward`, `policy:v{version}`), else a random hex uuid."""
     run_id: str
+    """The run it belongs to (its namespace in Redis and its folder in run storage)."""
     time: float
+    """When it was published: Unix time in seconds, on the publisher's clock."""
     trajectory_id: str | None = None
+    """The trajectory it records: the rollout id, unless a gateway session was created with another;
+    None, like the other ids, for an event of no rollout (BatchReady, PolicyUpdated)."""
     rollout_id: str | None = None
+    """The rollout (one admitted sample, `{run}-r{sample_index:07d}` from the dispatcher) it is about."""
     group_id: str | None = None
+    """Its prompt group (`{run}-g{group_index:06d}` from the dispatcher): rewards are relative within it."""
     session_id: str | None = None
+    """What its generations are routed by (one server keeps the prefix cache): the rollout id, or the gateway
+    session's id."""
     payload: SerializeAsAny[Event]
+    """The event itself, of the class `type` names."""
 
 
 # ----------------------------------------------------------------------------------------- samples
@@ -143,7 +160,8 @@ class SampleGrading(SampleSlot, Grading):
 
 # ----------------------------------------------------------------------------------------- prompts
 class PromptIssued(Event, SampleSlot, Grading):
-    """The dispatcher admitted one sample of a prompt group (stream `prompts`)."""
+    """The dispatcher admitted one sample of a prompt group (stream `prompts`). The `agent-runner` group reads it
+    and runs the sample's episode (a black-box one through a gateway session); `rollstream inspect` shows it."""
 
     TYPE = "PromptIssued"
     messages: list[dict[str, Any]]
@@ -155,6 +173,8 @@ class PromptIssued(Event, SampleSlot, Grading):
     policy_version: Index
     """The policy version the dispatcher saw when it admitted the sample."""
     metadata: dict[str, Any] = Field(default_factory=dict)
+    """The dataset row's map (e.g. `grader`, `repo`, `time_budget_s`), for the agent loop and its tools; every
+    segment's metadata starts from it."""
 
     @property
     def grader(self) -> dict[str, Any]:
@@ -164,9 +184,15 @@ class PromptIssued(Event, SampleSlot, Grading):
 
 # ------------------------------------------------------------------------------------ trajectories
 class TrajectoryStarted(Event):
+    """The first event of a rollout's attempt (stream `trajectories`), published with the rest of the rollout by
+    the agent-runner (an episode) or the gateway (a finished session), see rollouts.py. The `sandbox-grader` and
+    `reward` groups pass it over; `rollstream inspect` shows it."""
+
     TYPE = "TrajectoryStarted"
     sample_index: Index
+    """The sample's place in the run's admission order (SampleSlot.sample_index)."""
     server_url: str | None = None
+    """The vLLM server of the first turn (of the last segment, for an episode); None when there was no turn."""
 
 
 class TrajectoryTurn(Event):
@@ -174,35 +200,55 @@ class TrajectoryTurn(Event):
 
     A segment's tokens are the concatenation, over its turns, of `appended_ids` then
     `response_ids` (`offset` is where the response starts in the segment).
+
+    On stream `trajectories`, published by the agent-runner or the gateway (rollouts.py). The
+    `sandbox-grader` and `reward` groups pass it over; `rollstream inspect` shows it.
     """
 
     TYPE = "TrajectoryTurn"
     turn: Index
+    """Its number in its segment, from 0."""
     segment_index: Index = 0
+    """The segment it belongs to (TrajectorySegment.segment_index)."""
     offset: Index
+    """Index in the segment's `tokens` of the first of `response_ids`."""
     appended_ids: TokenIds
     """Tokens added since the previous turn: the prompt, or tool observations and template glue."""
     response_ids: TokenIds
+    """The ids the engine sampled, as sampled (loss_mask 1 in the segment)."""
     logprobs: Floats
+    """One per response id: its logprob as the server reported it (vLLM's logprobs_mode says before or after
+    temperature and other processing)."""
     policy_version: Index
     """Version the server reported before the turn."""
     policy_version_end: Index
     """Version it reported after; differs when a weight sync happened mid-turn."""
     finish_reason: str
+    """Why sampling stopped: `stop` (an end-of-sequence or stop token, kept in response_ids) or `length`."""
     server_url: str
+    """The vLLM server that sampled it (the last one, when a streamed turn failed over to another)."""
 
 
 class TrajectoryTool(Event):
-    """One tool call and what it returned to the model."""
+    """One tool call and what it returned to the model (stream `trajectories`). Published by the agent-runner
+    for its agent loops' calls (rollouts.py); the `sandbox-grader` and `reward` groups pass it over, `rollstream
+    inspect` shows it."""
 
     TYPE = "TrajectoryTool"
     turn: int
+    """The turn (in its segment) whose response made the call; the segment is in the event id."""
     call_id: str
+    """Ties the result to the call: `call_{turn}_{index}` (`call_{turn}_malformed_{index}`: one that did not parse)."""
     name: str
+    """The tool the model called (`invalid_tool_call` for a call that did not parse)."""
     arguments: dict[str, Any]
+    """The arguments the model gave, as parsed ({} for a call that did not parse)."""
     ok: bool
+    """Whether the tool ran and returned a result."""
     error_kind: str | None = None
+    """Why not, when not ok: `unknown_tool`, `bad_arguments`, `raised`, `timeout` or `malformed`."""
     content: str
+    """The text the model saw as the result (what went wrong, when not ok), cut to agent.max_tool_output_chars."""
 
 
 class TrajectorySegment(Event, SampleSlot):
@@ -210,20 +256,32 @@ class TrajectorySegment(Event, SampleSlot):
 
     `tokens` is the whole sequence; `loss_mask` and `rollout_logprobs` are aligned with it: 1 on
     sampled tokens, 0 on prompt, template and observation tokens (whose logprob is 0.0).
+
+    On stream `trajectories`, published by the agent-runner or the gateway (rollouts.py). The `reward`
+    group joins it with its rollout's reward into a batch row; the `sandbox-grader` group passes it over.
     """
 
     TYPE = "TrajectorySegment"
     segment_index: Index
+    """Its place in the rollout, from 0 (TrajectoryFinished.segment_count says how many)."""
     attempt: str = ""
     """Which execution of the rollout produced it (a reclaimed prompt can run twice)."""
     tokens: TokenIds
+    """The whole sequence: the prompt, then each turn's response and what was appended after it."""
     response_length: int
+    """How many of `tokens`, at the end, follow the prompt: responses, observations and template glue."""
     loss_mask: Mask
+    """1 on the tokens the model sampled, 0 on the others."""
     rollout_logprobs: Floats
+    """Each sampled token's logprob as the server reported it (TrajectoryTurn.logprobs); 0.0 on the others."""
     turn_policy_versions: list[Index]
+    """Each turn's policy_version, in order: the trainer drops the segment if the oldest is too stale."""
     status: Status
+    """How the segment ended; a rollout's last segment ended as the rollout did (TrajectoryFinished.status)."""
     response_text: str
+    """The text of the segment's final answer."""
     metadata: dict[str, Any] = Field(default_factory=dict)
+    """The prompt's metadata and what its producer adds (e.g. `turns`, `tool_calls`, `error`); kept in the batch."""
 
     @model_validator(mode="after")
     def _aligned(self) -> "TrajectorySegment":
@@ -239,10 +297,14 @@ class TrajectorySegment(Event, SampleSlot):
 
 
 class TrajectoryFinished(Event, SampleGrading):
-    """The rollout is over; `segment_count` segments were published for it."""
+    """The rollout is over; `segment_count` segments were published for it. The last of its events on stream
+    `trajectories`, published by the agent-runner or the gateway (rollouts.py). The `sandbox-grader` group
+    queues a grading job for it when it needs_grade; the `reward` group scores it (with that grade)."""
 
     TYPE = "TrajectoryFinished"
     status: Status
+    """completed (the model answered), truncated (a turn, token or time budget ran out), aborted (only a gateway
+    session's finish says so) or failed (an error: never graded, rewarded 0)."""
     attempt: str = ""
     """Which execution of the rollout this closes; its segments carry the same attempt."""
     segment_count: Count
@@ -255,6 +317,7 @@ class TrajectoryFinished(Event, SampleGrading):
     artifacts: dict[str, str] = Field(default_factory=dict)
     """What the episode left in storage, by name (e.g. "diff" of a coding episode)."""
     error: str | None = None
+    """Why it failed or was cut short, where known: the agent loop's error, a command's exit and output tail."""
 
     @property
     def needs_grade(self) -> bool:
@@ -264,14 +327,20 @@ class TrajectoryFinished(Event, SampleGrading):
 
 # ------------------------------------------------------------------------------- grades and rewards
 class GradeReported(Event):
-    """A sandbox ran the task's check on the rollout (stream `grades`)."""
+    """A sandbox ran the task's check on the rollout (stream `grades`). Published by the sandbox-grader's job;
+    the `reward` group makes its score the rollout's reward; `rollstream inspect` shows it."""
 
     TYPE = "GradeReported"
     score: Finite
+    """0 to 1: 1 when the check exited 0 or the task's tests passed (a task's verifier may give a fraction)."""
     passed: bool
+    """Whether score is 1."""
     reason: str
+    """The outcome in words: the check's exit (e.g. `exit 1`), the tests' verdict, or why it scored 0."""
     duration_s: Finite
+    """Wall-clock seconds the grading took, set-up included."""
     log_uri: str | None = None
+    """Path in run storage of what the check or the tests printed (`<run>/sandbox-logs/<rollout>.log`)."""
     tests: dict[str, str] = Field(default_factory=dict)
     """Per-test outcome (passed, failed, error, skipped) where the task's tests report them."""
 
@@ -279,31 +348,40 @@ class GradeReported(Event):
 class GradingFailed(Event):
     """The sandbox could not grade the rollout (stream `grades`): its backend cannot run here, the
     task's files or image could not be prepared, the worker died under the job, or every retry met
-    an infrastructure error. This is not a grade and never becomes a reward: the reward service
-    leaves the rollout out of its group's batch and counts it (its sample slot is given back to the
-    dispatcher). Whatever the rollout's own code did, time-outs and crashes included, is a
-    GradeReported instead, so a policy cannot turn bad attempts into unpunished failures."""
+    an infrastructure error. Published by the sandbox-grader (its job, or its sweep of jobs that died).
+    This is not a grade and never becomes a reward: the `reward` group leaves the rollout out of its
+    group's batch and counts it (its sample slot is given back to the dispatcher). Whatever the
+    rollout's own code did, time-outs and crashes included, is a GradeReported instead, so a policy
+    cannot turn bad attempts into unpunished failures."""
 
     TYPE = "GradingFailed"
     reason: str
+    """Why, with the error: `cannot be graded: ...` (no retry could help) or `grading failed and no retry
+    is left: ...`."""
     attempts: int
     """How many times the job ran before it was given up."""
 
 
 class RewardAssigned(Event):
-    """A rollout's reward and its group-relative advantage (stream `rewards`)."""
+    """A rollout's reward and its group-relative advantage (stream `rewards`), published by the reward service when
+    the rollout's group is complete. No consumer group reads `rewards` (the batch carries the same values):
+    `rollstream inspect` and the chaos audits do."""
 
     TYPE = "RewardAssigned"
     reward: Finite
+    """The rollout's reward, the same for all its segments: its grade's score, a reward function's, or a given one."""
     advantage: Finite
+    """Its reward relative to the rest of its group (train.advantage_estimator: grpo or dr_grpo)."""
     source: str
-    """Which reward produced it: a built-in function name, `sandbox`, or `given` (TrajectoryFinished.reward)."""
+    """Which reward produced it: a reward function's name (reward.function's or the prompt's), `sandbox`,
+    `given` (TrajectoryFinished.reward), or `failed` (a failed rollout's 0)."""
 
 
 class RolloutDropped(Event):
     """A rollout that will never be in a batch, and why (stream `rewards`): its grading failed, an event
     it needed was dead-lettered, its grade did not come within reward.grade_timeout_s, or its group
-    was filtered out (no reward variance). Its sample slot goes back to the dispatcher."""
+    was filtered out (no reward variance). Its sample slot goes back to the dispatcher. Published by the reward
+    service; no consumer group reads `rewards`: the chaos audits do."""
 
     TYPE = "RolloutDropped"
     reason: str
@@ -313,30 +391,48 @@ class RolloutDropped(Event):
 
 
 class BatchReady(Event):
-    """A reward-complete Parquet batch is in storage (stream `batches`); mean_reward is over its rollouts."""
+    """A reward-complete Parquet batch is in storage (stream `batches`); mean_reward is over its rollouts.
+    Published by the reward service; the `trainer` group trains on it, reading the file at `uri` (batches.py)."""
 
     TYPE = "BatchReady"
     batch_id: str
+    """`b-` and a digest of its group ids: the same groups make the same batch, which is trained once."""
     uri: str
+    """Path of the Parquet file in run storage (`<run>/batches/<batch_id>.parquet`)."""
     sample_count: Count
+    """Rows in the file: one per trainable segment of its rollouts."""
     group_ids: list[str]
+    """The prompt groups it holds, each whole, in batch order."""
     min_policy_version: Index
+    """The oldest policy version any of its turns was sampled with."""
     mean_reward: Finite
+    """Mean reward of its rollouts, each counted once whatever its segments."""
 
 
 class PolicyUpdated(Event):
-    """The fleet serves a new policy version, checked for logprob parity (stream `policy`)."""
+    """The fleet serves a new policy version, checked for logprob parity (stream `policy`). Published by the
+    trainer for each batch it trained. No consumer group reads `policy`: the dispatcher watches it for the
+    version that lets it admit more, a restarted trainer resumes from its own last one, `rollstream inspect`
+    shows it."""
 
     TYPE = "PolicyUpdated"
     version: Index
+    """The new version: one more than the last (0 is the starting model)."""
     checkpoint_uri: str
+    """Local directory of its training state (the weights the fleet loads, optimizer, RNG): `<run>/checkpoints/v<n>`."""
     batch_id: str
+    """The batch (BatchReady.batch_id) it was trained on."""
     servers: list[str]
+    """URLs of the vLLM servers that loaded it."""
     parity_max_abs_diff: float
+    """Largest absolute difference, over the servers, between their prompt logprobs of a probe and the trainer's."""
     loss: float
+    """The step's training loss (metrics["train/loss"]; 0.0 when no row had a sampled token)."""
     trained_samples: int
+    """Batch rows (segments) trained on, those dropped left out."""
     dropped: dict[str, int] = {}
-    """Samples of the batch left out of training, by reason (`stale`: older than train.max_staleness)."""
+    """Samples of the batch left out of training, by reason (`stale`: older than train.max_staleness; `invalid`:
+    rows no model can train on)."""
     metrics: dict[str, float] = {}
     """The step's training metrics (loss terms, importance weights, staleness, timings), as tracked."""
 
@@ -351,14 +447,21 @@ class PolicyUpdated(Event):
 
 
 class DeadLettered(Event):
-    """An entry that could not be handled (stream `dead`)."""
+    """An entry that could not be handled (stream `dead`). Published by the bus for the consumer group that gave
+    it up (Bus.dead_letter), with the entry's ids when it decoded. The `reward` group drops the rollout of a
+    dead-lettered prompt, trajectory or grade event; `rollstream run` and the chaos audits report it."""
 
     TYPE = "DeadLettered"
     stream: str
+    """The stream the entry was on."""
     entry_id: str
+    """Its Redis stream entry id there."""
     group: str
+    """The consumer group that gave it up."""
     deliveries: int
+    """How many times the group was handed it (1: refused at once, e.g. an entry that does not decode)."""
     error: str
+    """Why: the decode error, the handler's last error after bus.max_deliveries, or the service's own reason."""
     fields: dict[str, str]
     """The original entry's fields, bytes shown as repr where not UTF-8."""
 

@@ -18,6 +18,7 @@ import redis
 from rollstream.shared.contract.archive import read_history
 from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.consumers import consumer_group
 from rollstream.shared.contract.events import (
     BatchReady,
     GradeReported,
@@ -30,7 +31,7 @@ from rollstream.shared.contract.events import (
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 
-GROUP = "agent-runner"
+PROMPTS = consumer_group("agent-runner")
 
 
 def main() -> None:
@@ -65,14 +66,14 @@ def main() -> None:
     report["blackbox"] = blackbox_report(
         {d.envelope.rollout_id for d in prompts if d.event.agent == "command"},
         history("trajectories"), grades, set(report["batched_rollouts"]), storage)
-    key = bus.keys.stream("prompts")
+    key = bus.keys.stream(PROMPTS.streams[0])
     try:
-        consumers = bus.redis.xinfo_consumers(key, GROUP)
+        consumers = bus.redis.xinfo_consumers(key, PROMPTS.name)
     except redis.ResponseError:  # no group yet
         consumers = []
     report["consumers"] = {_text(c["name"]): int(c["pending"]) for c in consumers}
     if len(sys.argv) > 1:
-        pending = bus.redis.xpending_range(key, GROUP, "-", "+", 1000, consumername=sys.argv[1])
+        pending = bus.redis.xpending_range(key, PROMPTS.name, "-", "+", 1000, consumername=sys.argv[1])
         report["pending_on_consumer"] = [_text(row["message_id"]) for row in pending]
     print(json.dumps(report))
 

@@ -11,13 +11,12 @@ import asyncio
 
 import pytest
 
-from rollstream.cli.model.tiny_model import build_tiny_model
-from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.shared.agent.environments.calculator import calculator
 from rollstream.shared.agent.loop import AgentContext, Limits, Task, TokenTrajectory, tool_agent
 from rollstream.shared.agent.tool_calls import ParsedTurn
 from rollstream.shared.agent.tools import Episode, ToolCall, ToolSet, tool
 from rollstream.shared.inference.fleet import FleetClient
+from tests.support import revive
 
 pytestmark = pytest.mark.integration
 
@@ -47,11 +46,8 @@ class ScriptedFormat:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    model = build_tiny_model(tmp_path_factory.mktemp("agent") / "model")
-    with VllmServer(model, free_port()) as server:
-        server.wait_healthy()
-        yield model, server.url
+def served(tiny_model, vllm_pair):
+    return tiny_model, revive(vllm_pair)[0].url
 
 
 @pytest.fixture(scope="module")

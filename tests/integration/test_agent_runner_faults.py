@@ -27,11 +27,9 @@ PLUGINS = Path(__file__).parent / "plugins"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, machine_redis_url):
-    from rollstream.cli.model.tiny_model import build_tiny_model
-
+def run(tmp_path_factory, machine_redis_url, tiny_model):
     root = tmp_path_factory.mktemp("faults")
-    model = build_tiny_model(root / "model")
+    model = tiny_model
     settings = Settings(
         run_id=f"faults-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url, storage_uri=str(root / "runs"),
         model={"path": model}, data={"samples_per_prompt": GROUP, "synthetic_sandbox_every": 0},
@@ -42,21 +40,15 @@ def run(tmp_path_factory, machine_redis_url):
     )
     mp = pytest.MonkeyPatch()
     mp.setenv("PYTHONPATH", str(PLUGINS))
-    local = LocalRun(settings, replicas={"agent-runner": 2})
     try:
-        local.start()
-        victim, held = wait_for_a_replica_holding_episodes(local)
-        victim_pid = local.kill(victim)
-        progress = local.wait_for_version(VERSIONS, timeout_s=600)
-        exit_codes = local.stop()
-    except BaseException:
-        for name in [*local.processes, *local.killed]:
-            print(f"--- {name}\n{local.log_tail(name, 40)}")
-        local.stop()
-        raise
+        with LocalRun(settings, replicas={"agent-runner": 2}) as local:
+            victim, held = wait_for_a_replica_holding_episodes(local)
+            victim_pid = local.kill(victim)
+            progress = local.wait_for_version(VERSIONS, timeout_s=600)
     finally:
         mp.undo()
-    yield {"local": local, "progress": progress, "held": held, "victim_pid": victim_pid, "exit_codes": exit_codes}
+    yield {"local": local, "progress": progress, "held": held, "victim_pid": victim_pid,
+           "exit_codes": local.exit_codes}
     local.bus.delete_run()
 
 

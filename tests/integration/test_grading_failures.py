@@ -76,45 +76,42 @@ def test_rollouts_whose_grading_could_not_run_get_no_reward_and_no_batch(tmp_pat
                         grader={"retries": 1, "probe_interval_s": 1}, recorder={"enabled": False})
     local = LocalRun(settings, services=("sandbox-grader", "reward"))
     try:
-        local.start()  # its preflight made a real sandbox
-        bus = local.bus
-        grader_port = local.health_ports["sandbox-grader"]
-        wait_for(lambda: (health(grader_port) or (0,))[0] == 200, 60, "the grader to be ready")
-        break_bwrap(bwrap_on_path)
-        reason = wait_for(lambda: grader_unready_because_of_bwrap(grader_port), 30, "the grader to say why")
-        assert "kernel.apparmor_restrict_unprivileged_userns" in reason
+        with local:  # its preflight made a real sandbox
+            bus = local.bus
+            grader_port = local.health_ports["sandbox-grader"]
+            wait_for(lambda: (health(grader_port) or (0,))[0] == 200, 60, "the grader to be ready")
+            break_bwrap(bwrap_on_path)
+            reason = wait_for(lambda: grader_unready_because_of_bwrap(grader_port), 30, "the grader to say why")
+            assert "kernel.apparmor_restrict_unprivileged_userns" in reason
 
-        check = "grep -q 7 answer.txt"
-        publish_rollout(bus, "g1", "r1", 0, "7", check)   # both sandboxed: the whole group cannot be graded
-        publish_rollout(bus, "g1", "r2", 1, "", None, HARBOR_TASK)
-        publish_rollout(bus, "g2", "r3", 2, "7", check)   # one sandboxed, one by rule
-        publish_rollout(bus, "g2", "r4", 3, "7", None)
-        publish_rollout(bus, "g3", "r5", 4, "7", None)    # no sandbox at all
-        publish_rollout(bus, "g3", "r6", 5, "x", None)
-        # a retry waits out its back-off off the streams, so wait for the verdicts before waiting for quiet
-        wait_for(lambda: len(bus.read_all("grades")) == 3, 120, "the three sandboxed rollouts' verdicts")
-        local.wait_drained(timeout_s=180)
+            check = "grep -q 7 answer.txt"
+            publish_rollout(bus, "g1", "r1", 0, "7", check)   # both sandboxed: the whole group cannot be graded
+            publish_rollout(bus, "g1", "r2", 1, "", None, HARBOR_TASK)
+            publish_rollout(bus, "g2", "r3", 2, "7", check)   # one sandboxed, one by rule
+            publish_rollout(bus, "g2", "r4", 3, "7", None)
+            publish_rollout(bus, "g3", "r5", 4, "7", None)    # no sandbox at all
+            publish_rollout(bus, "g3", "r6", 5, "x", None)
+            # a retry waits out its back-off off the streams, so wait for the verdicts before waiting for quiet
+            wait_for(lambda: len(bus.read_all("grades")) == 3, 120, "the three sandboxed rollouts' verdicts")
+            local.wait_drained(timeout_s=180)
 
-        grades = {d.envelope.rollout_id: d.event for d in bus.read_all("grades")}
-        assert set(grades) == {"r1", "r2", "r3"}
-        assert all(isinstance(event, GradingFailed) for event in grades.values())
-        assert not any(isinstance(event, GradeReported) for event in grades.values())
-        assert all(BWRAP_NO_USERNS in event.reason and event.attempts == 2 for event in grades.values())
+            grades = {d.envelope.rollout_id: d.event for d in bus.read_all("grades")}
+            assert set(grades) == {"r1", "r2", "r3"}
+            assert all(isinstance(event, GradingFailed) for event in grades.values())
+            assert not any(isinstance(event, GradeReported) for event in grades.values())
+            assert all(BWRAP_NO_USERNS in event.reason and event.attempts == 2 for event in grades.values())
 
-        rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards") if isinstance(d.event, RewardAssigned)}
-        assert set(rewards) == {"r4", "r5", "r6"}  # nothing for r1..r3: not even a reward of 0
-        rows = [row for d in bus.read_all("batches") for row in read_batch(Storage(settings.storage_uri), d.event.uri)]
-        assert sorted(row.rollout_id for row in rows) == ["r4", "r5", "r6"]
+            rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards")
+                       if isinstance(d.event, RewardAssigned)}
+            assert set(rewards) == {"r4", "r5", "r6"}  # nothing for r1..r3: not even a reward of 0
+            rows = [row for d in bus.read_all("batches")
+                    for row in read_batch(Storage(settings.storage_uri), d.event.uri)]
+            assert sorted(row.rollout_id for row in rows) == ["r4", "r5", "r6"]
 
-        reward_health = httpx.get(f"http://127.0.0.1:{local.health_ports['reward']}/healthz", timeout=5).json()
-        assert reward_health["rollouts_dropped"] == {"grading_failed": 3}
-        # Their 3 slots go back to the dispatcher, and so does the one sample the batch of 3 holds beyond B = 2.
-        assert int(bus.redis.get(bus.keys.filtered)) == 3 + 1
-        assert local.progress_reader.update().grading_failed == 3
-    except BaseException:
-        for name in local.processes:
-            print(f"--- {name}\n{local.log_tail(name, 40)}")
-        raise
+            reward_health = httpx.get(f"http://127.0.0.1:{local.health_ports['reward']}/healthz", timeout=5).json()
+            assert reward_health["rollouts_dropped"] == {"grading_failed": 3}
+            # Their 3 slots go back to the dispatcher, and so does the one sample the batch of 3 holds beyond B = 2.
+            assert int(bus.redis.get(bus.keys.filtered)) == 3 + 1
+            assert local.progress_reader.update().grading_failed == 3
     finally:
-        local.stop()
         local.bus.delete_run()

@@ -55,16 +55,8 @@ def learning_run(tmp_path_factory, machine_redis_url, warm_model):
         # collapsed mid-way to one wrong answer per prompt, which no advantage can leave (all rewards equal).
         train={"total_versions": VERSIONS, "trackers": ["tensorboard"], "learning_rate": 1.5e-4, "kl_coef": 0.05},
     )
-    local = LocalRun(settings)
-    try:
-        local.start()
+    with LocalRun(settings) as local:
         local.wait_for_version(VERSIONS, timeout_s=900)
-        local.stop()
-    except BaseException:
-        for name in local.processes:
-            print(f"--- {name}\n{local.log_tail(name, 40)}")
-        local.stop()
-        raise
     yield local
     local.bus.delete_run()
 

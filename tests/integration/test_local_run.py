@@ -40,11 +40,10 @@ ETA = 1
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, machine_redis_url):
-    from rollstream.cli.model.tiny_model import build_tiny_model
+def run(tmp_path_factory, machine_redis_url, tiny_model):
 
     root = tmp_path_factory.mktemp("e2e")
-    model = build_tiny_model(root / "model")
+    model = tiny_model
     run_id = f"e2e-{uuid.uuid4().hex[:8]}"
     settings = Settings(
         run_id=run_id, redis_url=machine_redis_url, storage_uri=str(root / "runs"),
@@ -53,22 +52,14 @@ def run(tmp_path_factory, machine_redis_url):
         train={"batch_size": BATCH, "total_versions": VERSIONS, "max_staleness": ETA, "learning_rate": 3e-3},
         bus={"reclaim_idle_ms": 5000},
     )
-    local = LocalRun(settings)
-    try:
-        local.start()
+    with LocalRun(settings) as local:
         bus = local.bus
         # Malformed entries on two streams: they must be dead-lettered while the services keep going.
         bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "1", "body": b"\x00garbage"})
         bus.redis.xadd(bus.keys.stream("batches"), {"type": "BatchReady", "v": "99", "body": b""})
         progress = local.wait_for_version(VERSIONS, timeout_s=600)
         served = asyncio.run(probe_served_logprobs(local, model))
-        exit_codes = local.stop()
-    except BaseException:
-        for name in local.processes:
-            print(f"--- {name}\n{local.log_tail(name, 60)}")
-        local.stop()
-        raise
-    yield {"local": local, "progress": progress, "served": served, "exit_codes": exit_codes, "model": model}
+    yield {"local": local, "progress": progress, "served": served, "exit_codes": local.exit_codes, "model": model}
     local.bus.delete_run()
 
 

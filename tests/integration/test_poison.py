@@ -36,11 +36,9 @@ services/sandbox_grader/main.py): asserted apart, as a known defect, below."""
 
 
 @pytest.fixture(scope="module")
-def poisoned(tmp_path_factory, machine_redis_url):
-    from rollstream.cli.model.tiny_model import build_tiny_model
-
+def poisoned(tmp_path_factory, machine_redis_url, tiny_model):
     root = tmp_path_factory.mktemp("poison")
-    model = build_tiny_model(root / "model")
+    model = tiny_model
     settings = Settings(
         run_id=f"poison-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url, storage_uri=str(root / "runs"),
         model={"path": model}, data={"samples_per_prompt": GROUP, "synthetic_sandbox_every": 2},
@@ -52,18 +50,10 @@ def poisoned(tmp_path_factory, machine_redis_url):
         bus={"reclaim_idle_ms": 2000, "max_deliveries": 2},
         recorder={"flush_s": 1.0},
     )
-    local = LocalRun(settings)
-    try:
-        local.start()
+    with LocalRun(settings) as local:
         plan = poison_plan(SEED, settings.run_id, settings.storage_uri)
         report = fuzz(local, plan, seed=SEED, rate=8.0, target_version=VERSIONS, timeout_s=600)
-        exit_codes = local.stop()
-    except BaseException:
-        for name in local.processes:
-            print(f"--- {name}\n{local.log_tail(name, 60)}")
-        local.stop()
-        raise
-    yield {"local": local, "report": report, "plan": plan, "exit_codes": exit_codes}
+    yield {"local": local, "report": report, "plan": plan, "exit_codes": local.exit_codes}
     local.bus.delete_run()
 
 

@@ -63,11 +63,9 @@ def sandbox_jobs(client: redis.Redis, run_id: str) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def acl_run(tmp_path_factory, machine_redis_url):
-    from rollstream.cli.model.tiny_model import build_tiny_model
-
+def acl_run(tmp_path_factory, machine_redis_url, tiny_model):
     root = tmp_path_factory.mktemp("security")
-    model = build_tiny_model(root / "model")
+    model = tiny_model
     admin = redis.Redis.from_url(machine_redis_url, decode_responses=True)
     prefix = f"sectest-{uuid.uuid4().hex[:8]}-"
     passwords = {name: uuid.uuid4().hex for name in service_users()}
@@ -87,7 +85,7 @@ def acl_run(tmp_path_factory, machine_redis_url):
     local = LocalRun(settings, service_env=service_env)
     result = {"local": local, "prefix": prefix, "printed": printed}
     try:
-        local.start(on_step=printed.append)
+        local.start(on_step=printed.append)  # not `with`: a failure also removes the run's Redis users
         result["connected_users"] = {c["user"] for c in admin.client_list() if c["user"].startswith(prefix)}
         result["metrics"] = {
             name: [httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers, timeout=5).status_code
@@ -100,8 +98,7 @@ def acl_run(tmp_path_factory, machine_redis_url):
         result["rq_jobs"] = sandbox_jobs(redis.Redis.from_url(machine_redis_url), run_id)
         result["exit_codes"] = local.stop()
     except BaseException:
-        for name in local.processes:
-            print(f"--- {name}\n{local.log_tail(name, 60)}")
+        print(local.log_tails())
         local.stop()
         for name in service_users():
             admin.execute_command("ACL", "DELUSER", prefix + name)
@@ -155,7 +152,7 @@ def test_the_local_run_works_with_a_password_on_its_embedded_redis(tmp_path):
     printed: list[str] = []
     local = LocalRun(settings, services=("dispatcher", "sandbox-grader", "reward", "recorder"))
     try:
-        local.start(on_step=printed.append)
+        local.start(on_step=printed.append)  # not `with`: a failure also removes the run's Redis users
         client = redis.Redis.from_url(local.settings.redis)
         deadline = time.monotonic() + 60
         while not client.xlen(local.bus.keys.stream("prompts")):  # the dispatcher admits samples

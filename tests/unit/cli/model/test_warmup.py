@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from rollstream.cli.model.tiny_model import build_tiny_model
 from rollstream.cli.model.warmup import (
     ANSWER_STYLES,
     LocalFleet,
@@ -39,8 +38,8 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("warmup") / "tiny", seed=0)
+def tiny_dir(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")

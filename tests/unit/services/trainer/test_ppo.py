@@ -197,10 +197,8 @@ def test_token_logprobs_restart_at_each_packed_sample():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from rollstream.cli.model.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+def tiny_dir(tiny_model):
+    return tiny_model
 
 
 def random_rows(lengths: list[int], seed: int) -> list[BatchRow]:

@@ -77,13 +77,6 @@ def max_difference(first: Path, second: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from rollstream.cli.model.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
 def torch_run(tiny_model, tmp_path_factory):
     """The torch backend's two steps (batch 0, then batch 1), saved after each."""
     root = tmp_path_factory.mktemp("torch")

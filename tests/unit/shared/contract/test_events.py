@@ -1,10 +1,15 @@
+import ast
 import random
 
 import msgspec
 import pytest
+from pydantic import BaseModel
 
+from rollstream.shared.contract import events
+from rollstream.shared.contract.consumers import groups_reading
 from rollstream.shared.contract.events import (
     EVENT_TYPES,
+    STREAM_EVENTS,
     EventDecodeError,
     PromptIssued,
     TrajectorySegment,
@@ -12,6 +17,9 @@ from rollstream.shared.contract.events import (
     encode,
     make_envelope,
 )
+from tests.support import REPO
+
+EVENTS_SOURCE = (REPO / "shared" / "contract" / "events.py").read_text()
 
 
 def segment(**overrides):
@@ -183,3 +191,50 @@ def test_a_policy_update_recorded_with_the_old_stale_count_still_decodes():
     body = msgspec.msgpack.decode(fields["body"])
     body["payload"]["dropped_stale"] = 2  # what runs recorded before the field was removed carry
     assert decode({**fields, "body": msgspec.msgpack.encode(body)}).payload == update
+
+
+def declared_fields(source: str) -> dict[str, dict[str, str | None]]:
+    """Class name -> {each field it declares: the docstring right after it, None without one}, as the source
+    says (a ClassVar is no field)."""
+    out: dict[str, dict[str, str | None]] = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        out[node.name] = {}
+        for statement, following in zip(node.body, [*node.body[1:], None]):
+            if not isinstance(statement, ast.AnnAssign) or not isinstance(statement.target, ast.Name) \
+                    or "ClassVar" in ast.unparse(statement.annotation):
+                continue
+            documented = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) \
+                and isinstance(following.value.value, str) and following.value.value.strip()
+            out[node.name][statement.target.id] = following.value.value if documented else None
+    return out
+
+
+def test_the_field_docstring_check_finds_an_undocumented_field():
+    source = ('class Thing(BaseModel):\n    TYPE: ClassVar[str] = "Thing"\n    model_config = ConfigDict()\n'
+              '    kept: int\n    """What it means."""\n    bare: str = ""\n    blank: int = 0\n    """ """\n')
+    assert declared_fields(source) == {"Thing": {"kept": "What it means.", "bare": None, "blank": None}}
+
+
+def test_every_field_of_every_model_of_the_contract_has_a_docstring():
+    """The schema is the contract between the services, and its source is its documentation: every field says
+    what it means (and its unit or convention) right where it is declared."""
+    declared = declared_fields(EVENTS_SOURCE)
+    models = {name: getattr(events, name) for name in declared
+              if isinstance(getattr(events, name), type) and issubclass(getattr(events, name), BaseModel)}
+    unseen = [f"{name}.{field}" for name, model in models.items() for field in model.model_fields
+              if not any(field in declared.get(base.__name__, {}) for base in model.__mro__)]
+    assert unseen == [], "fields the source read does not find declared"
+    undocumented = [f"{name}.{field}" for name in models for field, doc in declared[name].items() if doc is None]
+    assert undocumented == []
+
+
+def test_every_event_class_names_each_consumer_group_that_reads_its_stream():
+    """Who reads an event is part of what it means: its class docstring names, as `group`, every consumer group
+    of its stream (consumers.py), so that a group added to a stream is added to the documentation too."""
+    docs = {node.name: ast.get_docstring(node) or "" for node in ast.parse(EVENTS_SOURCE).body
+            if isinstance(node, ast.ClassDef)}
+    unnamed = [f"{event.__name__} ({stream}) does not name `{group}`" for stream, types in STREAM_EVENTS.items()
+               for event in types for group in groups_reading(stream) if f"`{group}`" not in docs[event.__name__]]
+    assert unnamed == []
