@@ -69,8 +69,12 @@ $(AGENTS): agents/package.json agents/package-lock.json
 run: setup
 	$(VENV)/bin/rollstream run
 
+# Two pytest workers: most of the suite waits (on servers, sandboxes, a run's next version), so two share the
+# machine's cores better than one; a module's tests stay on one worker (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

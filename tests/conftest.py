@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
@@ -30,6 +31,21 @@ def _fail_a_skip_for_missing_infrastructure(report) -> None:
         return
     report.outcome = "failed"
     report.longrepr = f"skipped for missing infrastructure, which RS_TEST_REQUIRE_INFRA=1 requires: {reason}"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`make test` runs two workers) a module's tests stay on one worker, so that its module
+    fixtures (a local run, a vLLM server) run once; the modules that use the shared vLLM pair
+    (tests/integration/conftest.py) stay on one worker together, so that the pair starts once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            path = Path(config.rootpath, module)
+            return "vllm_pair" if path.is_file() and "vllm_pair" in path.read_text() else module
+
+    return ByModule(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -51,7 +51,8 @@ TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "40+2
 ANSWER = "The answer is 42."
 ANSWER_LOGPROBS = [-0.1, -0.3, -1.0, -1.5, -3.0, -0.2, -5.0]  # The, ' answer', ' is', ' ', '4', '2', '.'
 ANSWER_STYLES = ["green", "green", "yellow", "yellow", "red", "green", "red"]
-runner = CliRunner()
+runner = CliRunner(env={"COLUMNS": None})
+"""As piped output, whatever width the test runner sets (pytest-xdist's workers say 80 columns)."""
 
 
 @pytest.fixture(scope="module")
