@@ -1,9 +1,9 @@
 """What the integration tests share: one pair of vLLM servers of the tiny model, started once for
-every test that needs a fleet but no run of its own (the agent loop, the fleet client, streaming and its faults).
+the tests that need a fleet but no run of their own and kill no server (the agent loop, the fleet client).
 
 Each test leaves the pair as it found it, serving the tiny model's weights (a test that reloads other weights
-puts them back); a test that kills a server, or one that needs both answering, first calls
-`tests.support.revive` on the pair.
+puts them back); one that needs both answering first calls `tests.support.revive` on the pair. The streaming
+fault tests, which kill servers mid-answer, keep a pair of their own (test_fleet_streaming.py).
 """
 
 from __future__ import annotations

