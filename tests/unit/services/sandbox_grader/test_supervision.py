@@ -30,16 +30,24 @@ def grader_settings(monkeypatch, redis_url: str, run_id: str, storage: Path) -> 
         monkeypatch.setenv(name, value)
 
 
+GRADER_WITH_A_BROKEN_ENQUEUER = (
+    "from rollstream.services.sandbox_grader import main as grader\n"
+    "def broken_consumer(*_args, **_kwargs):\n"
+    "    raise RuntimeError('enqueuer broke')\n"
+    "grader.run_consumer = broken_consumer\n"
+    "grader.main()\n"
+)
+"""The grader as its own process (as it runs): its RQ worker forks a scheduler, which a test runner's threads
+must not be part of."""
+
+
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 def test_the_grader_exits_non_zero_when_its_enqueuer_dies(monkeypatch, redis_url, run_id, tmp_path):
-    def broken_consumer(*_args, **_kwargs):
-        raise RuntimeError("enqueuer broke")
-
-    monkeypatch.setattr(grader, "run_consumer", broken_consumer)
     grader_settings(monkeypatch, redis_url, run_id, tmp_path)
-    with pytest.raises(SystemExit) as exit_info:
-        grader.main()
-    assert exit_info.value.code == 1
+    result = subprocess.run([sys.executable, "-c", GRADER_WITH_A_BROKEN_ENQUEUER], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "enqueuer died" in result.stdout + result.stderr
 
 
 def test_a_starting_grader_removes_the_workspaces_of_dead_work_horses_and_keeps_those_of_live_ones(
