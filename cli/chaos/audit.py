@@ -65,6 +65,8 @@ DROP_CAUSES: tuple[tuple[str, ...], ...] = (
 BATCHED_DROP_CAUSES = ("stale", "batch_dead_lettered")
 """Drop causes of rollouts whose rows are in a batch: the trainer left them out as too old, or dead-lettered
 the batch. The others are the reward service's (RolloutDropped): never batched."""
+DROP_REASONS_KEPT = 5
+"""Reasons kept per cause of the reward service's drops (AuditReport.drop_reasons)."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,8 @@ class AuditReport:
     """Admitted rollouts every segment of which is in a batch a PolicyUpdated trained, as a trained row."""
     dropped: dict[str, int]
     """Admitted rollouts accounted for as left out, by cause (`stale`: a row of it was too old to train)."""
+    drop_reasons: dict[str, list[str]] = field(default_factory=dict)
+    """The reward service's reasons for the drops it announced, by cause: '<rollout>: <reason>', the first few."""
     left_out_invalid: int = 0
     """Admitted rollouts with a row the trainer left out as invalid (row_problem): never trained."""
     rows: dict[str, int] = field(default_factory=dict)
@@ -238,10 +242,15 @@ class AuditReport:
         """Keep the bound, and note every cause whose drops exceed it, or that it does not allow at all."""
         self.drop_bound = dict(bound)
         bounded = {cause for causes in bound for cause in causes.split(" + ")}
-        self.drops_over_bound = [f"{causes}: {self.drops_of(causes)} dropped, the faults explain at most {most}"
-                                 for causes, most in bound.items() if most is not None and self.drops_of(causes) > most]
-        self.drops_over_bound += [f"{cause}: {n} dropped, a cause no fault explains"
-                                  for cause, n in sorted(self.dropped.items()) if cause not in bounded and n]
+        over = [(causes, f"{self.drops_of(causes)} dropped, the faults explain at most {most}")
+                for causes, most in bound.items() if most is not None and self.drops_of(causes) > most]
+        over += [(cause, f"{n} dropped, a cause no fault explains")
+                 for cause, n in sorted(self.dropped.items()) if cause not in bounded and n]
+        self.drops_over_bound = [f"{causes}: {why}{self._reasons_shown(causes)}" for causes, why in over]
+
+    def _reasons_shown(self, causes: str) -> str:
+        reasons = [reason for cause in causes.split(" + ") for reason in self.drop_reasons.get(cause, [])]
+        return f" ({'; '.join(reasons)})" if reasons else ""
 
     def problems(self) -> list[str]:
         out = []
@@ -356,12 +365,12 @@ def _trained_row_fates(rows: list[BatchRow], update: PolicyUpdated, max_stalenes
     return fates
 
 
-def _drop_causes(history: dict[StreamName, list[Delivery]]) -> dict[str, list[str]]:
-    """rollout -> the cause of each RolloutDropped of it."""
-    drops: dict[str, list[str]] = defaultdict(list)
+def _drop_causes(history: dict[StreamName, list[Delivery]]) -> dict[str, list[RolloutDropped]]:
+    """rollout -> each RolloutDropped of it."""
+    drops: dict[str, list[RolloutDropped]] = defaultdict(list)
     for delivery in history["rewards"]:
         if isinstance(delivery.event, RolloutDropped):
-            drops[delivery.envelope.rollout_id].append(delivery.event.cause)
+            drops[delivery.envelope.rollout_id].append(delivery.event)
     return drops
 
 
@@ -378,7 +387,7 @@ def _finished_attempts(history: dict[StreamName, list[Delivery]]) -> tuple[dict[
 
 
 def _account_admitted(report: AuditReport, admitted: Iterable[str], row_fates: RowFates,
-                      drops: dict[str, list[str]], segment_counts: dict[str, set[int]]) -> None:
+                      drops: dict[str, list[RolloutDropped]], segment_counts: dict[str, set[int]]) -> None:
     """Each admitted rollout, once: duplicated, dropped (with its cause), lost, left out as invalid or trained."""
     dropped: Counter[str] = Counter()
     for rollout in admitted:
@@ -388,7 +397,10 @@ def _account_admitted(report: AuditReport, admitted: Iterable[str], row_fates: R
             report.duplicated.extend(twice or [rollout])
             continue
         if causes:
-            dropped[causes[0]] += 1
+            dropped[causes[0].cause] += 1
+            reasons = report.drop_reasons.setdefault(causes[0].cause, [])
+            if len(reasons) < DROP_REASONS_KEPT:
+                reasons.append(f"{rollout}: {causes[0].reason}")
             continue
         if not segments:
             report.lost.append(rollout)

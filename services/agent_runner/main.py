@@ -157,7 +157,9 @@ class Replica:
             if free <= 0:
                 await asyncio.wait(self.in_flight, return_when=asyncio.FIRST_COMPLETED)
                 continue
-            for delivery in await asyncio.to_thread(self.bus.consume, PROMPTS, GROUP.name, self.consumer, free):
+            deliveries = await asyncio.to_thread(self.bus.consume, PROMPTS, GROUP.name, self.consumer, free,
+                                                 held=set(self.in_flight.values()))
+            for delivery in deliveries:
                 await self.start(delivery)
             self.runtime.status["in_flight"] = len(self.in_flight)
 

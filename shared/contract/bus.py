@@ -21,7 +21,7 @@ import os
 import re
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -253,17 +253,20 @@ class Bus:
                 raise
 
     def consume(self, stream: StreamName, group: str, consumer: str, count: int | None = None,
-                block_ms: int | None = None) -> list[Delivery]:
+                block_ms: int | None = None, held: Collection[str] = ()) -> list[Delivery]:
         """Entries to handle: first any reclaimed from dead consumers, else new ones.
 
         Entries that do not decode, or were delivered too often, are dead-lettered here and not
-        returned.
+        returned. held: entry ids this consumer is still working on (see keep_alive). Should its keep-alive
+        have come late, the reclaim hands such an entry back to this very consumer: it is not returned a
+        second time, and the delivery the reclaim counted is taken back, so a late keep-alive never
+        spends an entry's deliveries towards its dead letter.
         """
         count = count or self.settings.read_count
         key = self.keys.stream(stream)
         try:
             reclaimed = self.redis.xautoclaim(key, group, consumer, self.settings.reclaim_idle_ms, "0-0", count=count)
-            raw = [entry for entry in reclaimed[1] if entry[1]]
+            raw = self._without_held(key, group, consumer, [entry for entry in reclaimed[1] if entry[1]], held)
             if not raw:
                 response = self.redis.xreadgroup(group, consumer, {key: ">"}, count=count,
                                                  block=self.settings.block_ms if block_ms is None else block_ms)
@@ -318,6 +321,16 @@ class Bus:
             except EventDecodeError as exc:
                 self.dead_letter(stream, group, entry_id, fields, 1, str(exc))
         return out
+
+    def _without_held(self, key: str, group: str, consumer: str, raw: list, held: Collection[str]) -> list:
+        """The reclaimed entries but those the consumer holds, whose delivery count is set back (XCLAIM
+        RETRYCOUNT; JUSTID counts no delivery)."""
+        mine = [entry for entry in raw if entry[0].decode() in held]
+        if not mine:
+            return raw
+        for entry_id, deliveries in self._delivery_counts(key, group, mine).items():
+            self.redis.xclaim(key, group, consumer, 0, [entry_id], retrycount=max(deliveries - 1, 1), justid=True)
+        return [entry for entry in raw if entry[0].decode() not in held]
 
     def _delivery_counts(self, key: str, group: str, raw: list) -> dict[str, int]:
         ids = [entry_id for entry_id, _ in raw]

@@ -114,7 +114,7 @@ def test_the_run_reached_its_target_version_and_every_admitted_sample_is_in_exac
     assert report.version >= VERSIONS
     assert run.admitted >= VERSIONS * GROUP
     assert run.lost == [] and run.duplicated == [] and run.admitted_twice == []
-    assert set(run.dropped) <= set(BATCHED_DROP_CAUSES)  # none dropped by the reward service
+    assert set(run.dropped) <= set(BATCHED_DROP_CAUSES), run.drop_reasons  # none dropped by the reward service
     assert run.trained + run.left_out_invalid + sum(run.dropped.values()) == run.admitted
     assert run.trainer_disagrees == []
     assert run.batches_not_trained == [] and run.batches_dead_lettered == [] and run.batches_trained_twice == []

@@ -282,10 +282,11 @@ def test_drops_beyond_what_the_faults_explain_fail_the_audit(bus, tmp_path):
         bus.publish("rewards", RolloutDropped(reason="no grade", cause="grade_timeout"), **ids(rollout))
     report = audit(bus, str(tmp_path))
     assert report.dropped == {"grade_timeout": 3} and report.problems() == []
+    assert report.drop_reasons == {"grade_timeout": ["r1: no grade", "r2: no grade", "r3: no grade"]}
 
     report.check_drops(drop_bound([("horse", "sandbox work-horse")], chaos_settings(), {}))
     assert report.problems() == ["more drops than the faults explain: grading_failed + grade_timeout: 3 dropped, "
-                                 "the faults explain at most 1"]
+                                 "the faults explain at most 1 (r1: no grade; r2: no grade; r3: no grade)"]
     report.check_drops(drop_bound([("horse", "sandbox work-horse")] * 3, chaos_settings(), {}))
     assert report.problems() == []
 

@@ -182,6 +182,20 @@ def test_keep_alive_stops_a_live_consumers_entry_from_being_reclaimed(bus):
     assert [d.entry_id for d in bus.consume("prompts", "g", "other")] == [working.entry_id]
 
 
+def test_an_entry_its_own_consumer_still_holds_is_neither_handed_back_nor_counted_again_when_its_keep_alive_is_late(bus):
+    bus.ensure_group("prompts", "g")
+    bus.publish("prompts", prompt(5))
+    (working,) = bus.consume("prompts", "g", "busy")
+    for _ in range(bus.settings.max_deliveries + 1):  # a keep-alive late each time (the event loop was busy)
+        time.sleep(bus.settings.reclaim_idle_ms / 1000 + 0.1)
+        assert bus.consume("prompts", "g", "busy", block_ms=10, held={working.entry_id}) == []
+    (pending,) = bus.redis.xpending_range(bus.keys.stream("prompts"), "g", "-", "+", 10)
+    assert pending["times_delivered"] == 1 and pending["consumer"] == b"busy"
+    assert bus.read_all("dead") == []
+    time.sleep(bus.settings.reclaim_idle_ms / 1000 + 0.1)  # then the busy consumer died: another takes it over
+    assert [d.entry_id for d in bus.consume("prompts", "g", "other")] == [working.entry_id]
+
+
 def test_a_restarted_lone_consumer_finishes_its_predecessors_entries_first_in_order(bus):
     for i in range(4):
         bus.publish("prompts", prompt(i))
