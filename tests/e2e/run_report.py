@@ -1,20 +1,21 @@
-"""What a compose run did, as one JSON object on stdout: run inside a service container of the stack
-(`docker compose exec -T reward python - [consumer] < tests/e2e/run_report.py`), where the run's
-settings (RS_* from the compose file), its Redis and its `runs` volume are what the services see.
+"""What a compose run did, as one JSON object on stdout: run in the stack's `ops` container
+(`docker compose run --rm -T ops python - < tests/e2e/run_report.py`), as Redis's admin user, where the
+run's settings (RS_* from the compose file), its Redis, its `runs` volume and its model are what the
+services see.
 
-It reads each stream's whole history (archive + what Redis still holds: the recorder trims Redis behind
-the archive) and the batch Parquet files, and says what became of the black-box episodes (rows whose agent
-is `command`): their finish, the turns their gateway sessions recorded, their grades, batches and diffs.
-With an argument, also the prompt entries pending on that agent-runner consumer. Standard library and the
-installed project only: it runs in the slim image.
+The accounting of every admitted rollout is the chaos audit's (cli/chaos/audit.py audit_run: each stream's
+whole history, archive included, and the batch Parquet files): trained, dropped with its cause, lost,
+duplicated, work left pending, the archive checked against Redis. Beside it: what became of the black-box
+episodes (rows whose agent is `command`): their finish, the turns their gateway sessions recorded, their
+grades, batches and diffs; and the prompts still pending per agent-runner consumer.
 """
 
 import json
-import sys
-from collections import Counter
+from dataclasses import asdict
 
 import redis
 
+from rollstream.cli.chaos.audit import RowLimits, audit_run
 from rollstream.shared.contract.archive import read_history
 from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import Bus
@@ -42,9 +43,10 @@ def main() -> None:
     def history(stream):
         return read_history(bus, stream, storage_uri)
 
-    report: dict = {"run_id": settings.run_id}
+    audit = audit_run(bus, storage_uri, settings.train.max_staleness, settings.grader.queue,
+                      limits=RowLimits.of_model(settings.model.path))
+    report: dict = {"run_id": settings.run_id, "audit": asdict(audit), "problems": audit.problems()}
     prompts = [d for d in history("prompts") if isinstance(d.event, PromptIssued)]
-    report["dispatched"] = sorted(d.envelope.rollout_id for d in prompts)
     report["rollout_of_entry"] = {d.entry_id: d.envelope.rollout_id for d in prompts}
     updates = [d for d in history("policy") if isinstance(d.event, PolicyUpdated)]
     report["versions"] = sorted(d.event.version for d in updates)
@@ -52,30 +54,20 @@ def main() -> None:
     report["version_times"] = {d.event.version: d.envelope.time for d in updates}
     storage = Storage(storage_uri)
     batches = [d.event for d in history("batches") if isinstance(d.event, BatchReady)]
-    rows = [(b.batch_id, row.rollout_id, row.segment_index)
-            for b in batches for row in read_batch(storage, b.uri)]
-    report["batches"] = len(batches)
-    report["batched_rollouts"] = sorted({rollout for _, rollout, _ in rows})
-    report["segments_batched_more_than_once"] = sorted(
-        f"{rollout}:{segment}"
-        for (rollout, segment), n in Counter((r, s) for _, r, s in rows).items() if n > 1)
+    batched = {row.rollout_id for b in batches for row in read_batch(storage, b.uri)}
     grades = history("grades")
     report["graded_in_sandbox"] = sum(isinstance(d.event, GradeReported) for d in grades)
     report["grading_failed"] = sum(isinstance(d.event, GradingFailed) for d in grades)
     report["dead_lettered"] = len(history("dead"))
     report["blackbox"] = blackbox_report(
         {d.envelope.rollout_id for d in prompts if d.event.agent == "command"},
-        history("trajectories"), grades, set(report["batched_rollouts"]), storage)
-    key = bus.keys.stream(PROMPTS.streams[0])
+        history("trajectories"), grades, batched, storage)
     try:
-        consumers = bus.redis.xinfo_consumers(key, PROMPTS.name)
+        consumers = bus.redis.xinfo_consumers(bus.keys.stream(PROMPTS.streams[0]), PROMPTS.name)
     except redis.ResponseError:  # no group yet
         consumers = []
     report["consumers"] = {_text(c["name"]): int(c["pending"]) for c in consumers}
-    if len(sys.argv) > 1:
-        pending = bus.redis.xpending_range(key, PROMPTS.name, "-", "+", 1000, consumername=sys.argv[1])
-        report["pending_on_consumer"] = [_text(row["message_id"]) for row in pending]
-    print(json.dumps(report))
+    print(json.dumps(report, default=str))
 
 
 def blackbox_report(rollouts, trajectories, grades, batched, storage) -> dict:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tests.support import REPO, free_port
 
@@ -151,8 +153,8 @@ def test_the_start_script_gives_each_user_its_password_and_keeps_the_passwords_o
             anonymous.get("rs:x:admitted")
         for user in users():
             assert redis.Redis(port=port, username=user, password=passwords[password_variable(user)]).ping()
-            with pytest.raises(redis.exceptions.AuthenticationError):
-                redis.Redis(port=port, username=user, password="wrong").ping()
+            with pytest.raises(redis.exceptions.AuthenticationError):  # at once: redis-py retries it otherwise
+                redis.Redis(port=port, username=user, password="wrong", retry=Retry(NoBackoff(), 0)).ping()
         admin = redis.Redis(port=port, username="admin", password=passwords[password_variable("admin")])
         environ = (Path("/proc") / str(admin.info("server")["process_id"]) / "environ").read_bytes()
         acl_text = b"".join(p.read_bytes() for p in tmp_path.glob("redis-users.*"))
