@@ -22,6 +22,8 @@ from tests.support import DOES_NOT_APPLY, docker_client
 
 MACHINE_REDIS_URL = os.environ.get("RS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 REQUIRE_INFRA = os.environ.get("RS_TEST_REQUIRE_INFRA") == "1"
+SHARED_FIXTURES = ("vllm_pair", "deployed_run")
+"""The integration tests' package-scoped fixtures (tests/integration/conftest.py): started once per worker."""
 
 
 def _fail_a_skip_for_missing_infrastructure(report) -> None:
@@ -36,14 +38,15 @@ def _fail_a_skip_for_missing_infrastructure(report) -> None:
 
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (`make test` runs two workers) a module's tests stay on one worker, so that its module
-    fixtures (a local run, a vLLM server) run once; the modules that use the shared vLLM pair
-    (tests/integration/conftest.py) stay on one worker together, so that the pair starts once."""
+    fixtures (a local run, a vLLM server) run once; the modules that use one of the integration tests' shared
+    fixtures (tests/integration/conftest.py) stay on one worker together, so that it starts once."""
     from xdist.scheduler import LoadScopeScheduling
 
     @functools.cache
     def scope_of_module(module: str) -> str:  # asked for every test: each module's file is read once
         path = Path(config.rootpath, module)
-        return "vllm_pair" if path.is_file() and "vllm_pair" in path.read_text() else module
+        text = path.read_text() if path.is_file() else ""
+        return next((shared for shared in SHARED_FIXTURES if shared in text), module)
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -1,10 +1,17 @@
-"""What the integration tests share: one pair of vLLM servers of the tiny model, started once for
-the tests that need a fleet but no run of their own and kill no server (the agent loop, the fleet client, the
-gateway).
+"""What the integration tests share.
+
+`vllm_pair`: one pair of vLLM servers of the tiny model, started once for the tests that need a fleet but no
+run of their own and kill no server (the agent loop, the fleet client, the gateway).
 
 Each test leaves the pair as it found it, serving the tiny model's weights (a test that reloads other weights
 puts them back); one that needs both answering first calls `tests.support.revive` on the pair. The streaming
 fault tests, which kill servers mid-answer, keep a pair of their own (test_fleet_streaming.py).
+
+`deployed_run`: one whole run as it is deployed (every service its own Redis ACL user, HTTP and metrics
+tokens; tests/integration/deployed.py), read by the pipeline's tests (test_local_run.py) and the security
+tests (test_security.py).
+
+Under pytest-xdist the modules that use one of these stay on one worker (tests/conftest.py), so each starts once.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import os
 import pytest
 
 from rollstream.cli.vllm_server import VllmServer
+from tests.integration.deployed import run_as_deployed
 from tests.support import vllm_servers
 
 
@@ -28,3 +36,10 @@ def vllm_pair(tiny_model, tmp_path_factory) -> list[VllmServer]:
         with pytest.raises(ProcessLookupError):
             os.killpg(group, 0)
 
+
+
+
+@pytest.fixture(scope="package")
+def deployed_run(tmp_path_factory, machine_redis_url, tiny_model) -> dict:
+    with run_as_deployed(tmp_path_factory.mktemp("deployed"), machine_redis_url, tiny_model) as run:
+        yield run

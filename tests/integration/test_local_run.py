@@ -1,18 +1,16 @@
 """The whole pipeline for real: Redis 7.0, vLLM on the CPU, the five services as processes.
 
-One run of 3 policy versions; the tests below read what it left in Redis and in storage.
+One run of 3 policy versions, as it is deployed (tests/integration/conftest.py deployed_run: each service its
+own Redis user); the tests below read what it left in Redis and in storage.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
-import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
-import torch
 
 from rollstream.cli.local_run import LocalRun
 from rollstream.shared.contract.archive import ArchiveReader, read_history
@@ -30,62 +28,19 @@ from rollstream.shared.contract.events import (
 )
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
+from tests.integration.deployed import DEPLOYED_BATCH, DEPLOYED_GROUP, DEPLOYED_STALENESS, DEPLOYED_VERSIONS
 
 pytestmark = pytest.mark.integration
 
-VERSIONS = 3
-BATCH = 8
-GROUP = 4
-ETA = 1
+VERSIONS = DEPLOYED_VERSIONS
+BATCH = DEPLOYED_BATCH
+GROUP = DEPLOYED_GROUP
+ETA = DEPLOYED_STALENESS
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, machine_redis_url, tiny_model):
-
-    root = tmp_path_factory.mktemp("e2e")
-    model = tiny_model
-    run_id = f"e2e-{uuid.uuid4().hex[:8]}"
-    settings = Settings(
-        run_id=run_id, redis_url=machine_redis_url, storage_uri=str(root / "runs"),
-        model={"path": model}, data={"samples_per_prompt": GROUP, "synthetic_sandbox_every": 2},
-        rollout={"max_tokens": 12, "concurrency": 8},
-        train={"batch_size": BATCH, "total_versions": VERSIONS, "max_staleness": ETA, "learning_rate": 3e-3},
-        bus={"reclaim_idle_ms": 5000},
-    )
-    with LocalRun(settings) as local:
-        bus = local.bus
-        # Malformed entries on two streams: they must be dead-lettered while the services keep going.
-        bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "1", "body": b"\x00garbage"})
-        bus.redis.xadd(bus.keys.stream("batches"), {"type": "BatchReady", "v": "99", "body": b""})
-        progress = local.wait_for_version(VERSIONS, timeout_s=600)
-        served = asyncio.run(probe_served_logprobs(local, model))
-    yield {"local": local, "progress": progress, "served": served, "exit_codes": local.exit_codes, "model": model}
-    local.bus.delete_run()
-
-
-async def probe_served_logprobs(local: LocalRun, model: Path) -> dict:
-    """vLLM's prompt logprobs on a probe, and the trainer's final checkpoint's own, computed here."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rollstream.shared.inference.fleet import FleetClient
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}],
-                                        add_generation_prompt=True, tokenize=True, return_dict=False)
-    ids = list(ids) + tokenizer.encode("42", add_special_tokens=False)
-    url = local.settings.fleet.urls[0]
-    fleet = FleetClient(local.settings.fleet.urls, model=local.settings.model.served_name)
-    served = await fleet.prompt_logprobs(url, ids)
-    await fleet.aclose()
-    checkpoint = local.progress().updates[-1].checkpoint_uri
-
-    def expected(path) -> list[float]:
-        net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        with torch.no_grad():
-            logp = torch.log_softmax(net(torch.tensor([ids])).logits[0, :-1].float(), -1)
-        return logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()
-
-    return {"served": served, "final": expected(checkpoint), "initial": expected(model)}
+def run(deployed_run):
+    return deployed_run
 
 
 def events(local: LocalRun, stream, kind, run_id: str | None = None):

@@ -2,7 +2,8 @@
 
 A whole run (vLLM on the CPU, every service as a process) on the machine's Redis 7, each service connecting
 as its own ACL user made from infra/redis-users.acl (the compose deployment's rules) with its own password,
-the run itself as an admin user, and HTTP tokens on the services' routes. Afterwards: no service was denied
+the run itself as an admin user, and HTTP tokens on the services' routes: the integration tests' deployed run
+(tests/integration/deployed.py), which test_local_run.py reads too. Afterwards: no service was denied
 a command or crashed, each connected as its own user, /metrics asked for its token, and no configured secret
 appears in any file of the run (logs of every service and of vLLM, config.json, archive, batches,
 checkpoints, sandbox logs) or in what the run printed. A smaller run does the same on the local run's
@@ -14,7 +15,6 @@ from __future__ import annotations
 import shutil
 import time
 import uuid
-import zlib
 from pathlib import Path
 
 import httpx
@@ -23,23 +23,9 @@ import redis
 
 from rollstream.cli.local_run import LocalRun
 from rollstream.shared.runtime.config import Settings
-from tests.support import REPO
+from tests.integration.deployed import DEPLOYED_VERSIONS, HTTP_TOKEN
 
 pytestmark = pytest.mark.integration
-
-VERSIONS = 2
-HTTP_TOKEN = f"http-token-{uuid.uuid4().hex}"
-METRICS_TOKEN = f"metrics-token-{uuid.uuid4().hex}"
-
-
-def service_users() -> dict[str, list[str]]:
-    """infra/redis-users.acl: user -> its rules."""
-    out = {}
-    for line in (REPO / "infra" / "redis-users.acl").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, *rules = line.split()
-            out[name] = rules
-    return out
 
 
 def leaks(run_dir: Path, printed: str, secrets: list[str]) -> list[str]:
@@ -52,69 +38,14 @@ def leaks(run_dir: Path, printed: str, secrets: list[str]) -> list[str]:
     return found
 
 
-def sandbox_jobs(client: redis.Redis, run_id: str) -> list[bytes]:
-    """What Redis keeps of the run's sandbox jobs: each job's fields, its arguments decompressed."""
-    out = []
-    for key in client.scan_iter(match=f"rq:job:grade-{run_id}-*", count=1000):
-        job = client.hgetall(key)
-        data = job.get(b"data", b"")
-        out.append(b" ".join(job.values()) + (zlib.decompress(data) if data else b""))
-    return out
-
-
 @pytest.fixture(scope="module")
-def acl_run(tmp_path_factory, machine_redis_url, tiny_model):
-    root = tmp_path_factory.mktemp("security")
-    model = tiny_model
-    admin = redis.Redis.from_url(machine_redis_url, decode_responses=True)
-    prefix = f"sectest-{uuid.uuid4().hex[:8]}-"
-    passwords = {name: uuid.uuid4().hex for name in service_users()}
-    for name, rules in service_users().items():
-        admin.execute_command("ACL", "SETUSER", prefix + name, "on", f">{passwords[name]}", *rules)
-    run_id = f"sec-{uuid.uuid4().hex[:8]}"
-    settings = Settings(
-        run_id=run_id, redis_url=machine_redis_url, redis_username=prefix + "admin",
-        redis_password=passwords["admin"], storage_uri=str(root / "runs"),
-        model={"path": model}, data={"samples_per_prompt": 2, "synthetic_sandbox_every": 2},
-        rollout={"max_tokens": 8, "concurrency": 4}, train={"batch_size": 4, "total_versions": VERSIONS},
-        security={"http_token": HTTP_TOKEN, "metrics_token": METRICS_TOKEN},
-    )
-    service_env = {name: {"RS_REDIS_USERNAME": prefix + name, "RS_REDIS_PASSWORD": passwords[name]}
-                   for name in service_users() if name != "admin"}
-    printed: list[str] = []
-    local = LocalRun(settings, service_env=service_env)
-    result = {"local": local, "prefix": prefix, "printed": printed}
-    try:
-        local.start(on_step=printed.append)  # not `with`: a failure also removes the run's Redis users
-        result["connected_users"] = {c["user"] for c in admin.client_list() if c["user"].startswith(prefix)}
-        result["metrics"] = {
-            name: [httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers, timeout=5).status_code
-                   for headers in ({}, {"Authorization": f"Bearer {HTTP_TOKEN}"},
-                                   {"Authorization": f"Bearer {METRICS_TOKEN}"})]
-            for name, port in local.health_ports.items()}
-        result["healthz"] = {name: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code
-                             for name, port in local.health_ports.items()}
-        result["progress"] = local.wait_for_version(VERSIONS, timeout_s=600)
-        result["rq_jobs"] = sandbox_jobs(redis.Redis.from_url(machine_redis_url), run_id)
-        result["exit_codes"] = local.stop()
-    except BaseException:
-        print(local.log_tails())
-        local.stop()
-        for name in service_users():
-            admin.execute_command("ACL", "DELUSER", prefix + name)
-        raise
-    result["denied"] = [entry for entry in admin.acl_log(count=10_000)
-                        if str(entry.get("username", "")).startswith(prefix)]
-    result["secrets"] = [*passwords.values(), HTTP_TOKEN, METRICS_TOKEN]
-    yield result
-    local.bus.delete_run()  # as the run's own user: deleting it first would leave its client retrying
-    for name in service_users():
-        admin.execute_command("ACL", "DELUSER", prefix + name)
+def acl_run(deployed_run):
+    return deployed_run
 
 
 def test_every_service_worked_as_its_own_redis_user_and_was_denied_nothing(acl_run):
     local = acl_run["local"]
-    assert acl_run["progress"].version >= VERSIONS
+    assert acl_run["progress"].version >= DEPLOYED_VERSIONS
     assert acl_run["denied"] == []
     assert local.unexpected_exits() == [], "\n".join(e.describe() for e in local.unexpected_exits())
     assert set(acl_run["exit_codes"].values()) == {0}, acl_run["exit_codes"]
