@@ -1,7 +1,8 @@
 """`docker compose --profile cpu up` on a real Docker engine, the way users run it: images built offline
 (compose/build-offline-base.sh, then `docker compose build`), Redis, vLLM on the CPU, the one-shot model
-builder and every service as containers, three agent-runner replicas. Skipped, with the reason, when no
-engine answers (DOCKER_HOST is honoured; CI starts one with infra/docker-engine.sh).
+service and every service as containers, three agent-runner replicas. Skipped, with the reason, when no
+engine answers (DOCKER_HOST is honoured; CI starts one with infra/docker-engine.sh). The `models` volume
+holds the models `make setup` built, as on a deployment's second `up`: the model service builds nothing.
 
 One run of a unique compose project: the test waits until every replica has finished episodes, then
 takes down two replicas while they hold prompts: one with `docker kill` (Docker counts that as a manual
@@ -38,7 +39,7 @@ from rollstream.cli.chaos.audit import BATCHED_DROP_CAUSES
 from rollstream.shared.tasks.datasets import arithmetic_dataset
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.prompts import task_prompt_row
-from tests.support import FIXTURES, REPO, docker_client
+from tests.support import FIXTURES, MODELS, REPO, docker_client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -108,12 +109,16 @@ class Stack:
         data = write_mounted_data(tmp_path / "e2e")
         harbor = FIXTURES / "harbor"
         override = tmp_path / "override.yml"
-        override.write_text(json.dumps({"services": {  # YAML is a superset of JSON
-            "redis": {"ports": ["127.0.0.1::6379"]},
-            "dispatcher": {"volumes": [f"{data}:/e2e:ro"]},
-            "agent-runner": {"volumes": [f"{data}:/e2e:ro", f"{harbor}:/tasks/harbor:ro"]},
-            "sandbox-grader": {"volumes": [f"{harbor}:/tasks/harbor:ro"]},
-        }}))
+        override.write_text(json.dumps({  # YAML is a superset of JSON
+            "services": {
+                "redis": {"ports": ["127.0.0.1::6379"]},
+                "dispatcher": {"volumes": [f"{data}:/e2e:ro"]},
+                "agent-runner": {"volumes": [f"{data}:/e2e:ro", f"{harbor}:/tasks/harbor:ro"]},
+                "sandbox-grader": {"volumes": [f"{harbor}:/tasks/harbor:ro"]},
+            },
+            "volumes": {"models": {"driver": "local", "driver_opts": {
+                "type": "none", "o": "bind", "device": str(copy_built_models(tmp_path / "models"))}}},
+        }))
         users = subprocess.run(["sh", str(REPO / "infra" / "redis-passwords.sh")], capture_output=True, text=True,
                                check=True).stdout
         self.passwords = dict(line.split("=", 1) for line in users.split())
@@ -150,6 +155,18 @@ class Stack:
 
     def logs(self) -> str:
         return self.compose("logs", "--no-color", "--tail", "40", check=False, timeout=120).stdout
+
+
+def copy_built_models(folder):
+    """The models `make setup` built (tiny-llama, its warm-up), copied for the stack's `models` volume: the `model`
+    service finds them there and builds nothing, as on a deployment's second `up` (the build and the warm-up are
+    the same code, tested on their own in tests/unit/cli/model). A copy: nothing in the stack writes the
+    repository's."""
+    for name in ("tiny-llama", "tiny-llama-warm"):
+        shutil.copytree(MODELS / name, folder / name)
+    for path in (folder, *folder.rglob("*")):  # the containers' user reads them, whatever the umask
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return folder
 
 
 def write_mounted_data(folder):
