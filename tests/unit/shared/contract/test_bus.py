@@ -182,7 +182,7 @@ def test_keep_alive_stops_a_live_consumers_entry_from_being_reclaimed(bus):
     assert [d.entry_id for d in bus.consume("prompts", "g", "other")] == [working.entry_id]
 
 
-def test_an_entry_its_own_consumer_still_holds_is_neither_handed_back_nor_counted_again_when_its_keep_alive_is_late(bus):
+def test_a_late_keep_alive_neither_hands_an_entry_back_to_its_consumer_nor_counts_a_delivery(bus):
     bus.ensure_group("prompts", "g")
     bus.publish("prompts", prompt(5))
     (working,) = bus.consume("prompts", "g", "busy")
