@@ -37,8 +37,6 @@ def vllm_pair(tiny_model, tmp_path_factory) -> list[VllmServer]:
             os.killpg(group, 0)
 
 
-
-
 @pytest.fixture(scope="package")
 def deployed_run(tmp_path_factory, machine_redis_url, tiny_model) -> dict:
     with run_as_deployed(tmp_path_factory.mktemp("deployed"), machine_redis_url, tiny_model) as run:

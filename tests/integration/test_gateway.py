@@ -24,8 +24,8 @@ import pytest
 from rollstream.cli.local_run import LocalRun
 import rollstream.shared.agent.environments.calculator  # noqa: F401  (registers the calculator)
 from rollstream.shared.agent.tools import ToolSet, resolve_tools
-from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.contract.events import TrajectoryFinished, TrajectorySegment, TrajectoryTurn
+from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.runtime.config import Settings
 from tests.support import MODELS, assert_turns_sampled_by_vllm, revive
 
