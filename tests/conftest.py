@@ -39,8 +39,14 @@ def _fail_a_skip_for_missing_infrastructure(report) -> None:
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (`make test` runs two workers) a module's tests stay on one worker, so that its module
     fixtures (a local run, a vLLM server) run once; the modules that use one of the integration tests' shared
-    fixtures (tests/integration/conftest.py) stay on one worker together, so that it starts once."""
+    fixtures (tests/integration/conftest.py) stay on one worker together, so that it starts once.
+
+    Modules are handed out in collection order (e2e, integration, unit), not xdist's default of most tests
+    first: that would start the long runs, whose modules hold few tests, last, and leave one worker running
+    them alone at the end while the short unit modules could have filled in beside them."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     @functools.cache
     def scope_of_module(module: str) -> str:  # asked for every test: each module's file is read once
