@@ -351,19 +351,19 @@ class Trainer:
             return sequence_logprobs(self.backend.model, ids)
 
     async def sync_fleet(self, checkpoint: Path, probe: list[int]) -> float:
-        """Reload every server and check its probe logprobs; returns the worst difference."""
+        """Reload every server, train.sync_concurrency at a time, and check its probe logprobs; returns the
+        worst difference. Servers off parity fail the sync with a ParityError naming each."""
+        from rollstream.shared.inference.weight_sync import sync_weights
+
         assert self.fleet is not None
-        expected = self.trainer_logprobs(probe)
-        worst = 0.0
-        for url in self.fleet.urls:
-            await self.fleet.reload_weights(url, str(checkpoint))
-            served = await self.fleet.prompt_logprobs(url, probe)
-            diff = max(abs(a - b) for a, b in zip(served, expected, strict=True))
-            if diff > self.settings.train.parity_tolerance:
-                raise ParityError(f"{url}: prompt logprobs differ from the trainer's by {diff:.2e} after "
-                                  f"loading {checkpoint} (tolerance {self.settings.train.parity_tolerance:g})")
-            worst = max(worst, diff)
-        return worst
+        diffs = await sync_weights(self.fleet, str(checkpoint), probe, self.trainer_logprobs(probe),
+                                   self.settings.train.sync_concurrency)
+        tolerance = self.settings.train.parity_tolerance
+        off = [f"{url}: {diff:.2e}" for url, diff in diffs.items() if diff > tolerance]
+        if off:
+            raise ParityError(f"prompt logprobs differ from the trainer's after loading {checkpoint} "
+                              f"(tolerance {tolerance:g}): {'; '.join(off)}")
+        return max(diffs.values(), default=0.0)
 
     # ---------------------------------------------------------------------------------- publish
     def train_step(self, batch: BatchReady, trained_key: str) -> PolicyUpdated:

@@ -161,6 +161,8 @@ class TrainSettings(Section):
     package installed and are configured by their own environment variables (WANDB_*, MLFLOW_*)."""
     parity_tolerance: float = Field(1e-3, gt=0)
     """Max |vLLM - trainer| prompt logprob on the probe after a weight sync."""
+    sync_concurrency: int = Field(16, ge=1)
+    """Servers a weight sync reloads and probes at once (each paused only while it loads); 1: one at a time."""
     seed: int = 0
     """Seed of the trainer."""
 
