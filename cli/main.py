@@ -90,16 +90,18 @@ def warmup_model(
         raise typer.Exit(1)
 
 
-@app.command("serve-vllm")
+@app.command("serve-vllm", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve_vllm(
+    ctx: typer.Context,
     model: Annotated[Path, typer.Option(help="HF model directory.")] = Path("models/tiny-llama"),
     port: Annotated[int, typer.Option(help="Port to serve on.")] = 8000,
     served_name: Annotated[str, typer.Option(help="Model name in the API.")] = "tiny",
 ) -> None:
-    """Serve a model with vLLM on the CPU until Ctrl-C (dev endpoints on, for weight sync)."""
+    """Serve a model with vLLM on the CPU until Ctrl-C (dev endpoints on, for weight sync). Further arguments go
+    to vLLM."""
     from rollstream.cli.vllm_server import VllmServer
 
-    with VllmServer(model, port, served_model_name=served_name) as server:
+    with VllmServer(model, port, served_model_name=served_name, extra_args=ctx.args) as server:
         started = time.monotonic()
         server.wait_healthy()
         console.print(f"vLLM healthy at {server.url} after {time.monotonic() - started:.0f}s; Ctrl-C stops it")

@@ -97,9 +97,11 @@ class VllmServer:
 
     @classmethod
     def for_run(cls, settings: Settings, model_dir: Path | str, port: int, **options) -> VllmServer:
-        """A server of `model_dir` as the run's settings serve its model: its served name and context length."""
+        """A server of `model_dir` as the run's settings serve its model: its served name, context length and
+        further vLLM arguments (model.vllm_args, then `extra_args`)."""
+        extra_args = (*settings.model.vllm_args, *options.pop("extra_args", ()))
         return cls(model_dir, port, served_model_name=settings.model.served_name,
-                   max_model_len=settings.model.max_model_len, **options)
+                   max_model_len=settings.model.max_model_len, extra_args=extra_args, **options)
 
     @property
     def url(self) -> str:

@@ -47,6 +47,23 @@ class ModelSettings(Section):
     max_model_len: int = Field(1024, ge=16)
     """The served context length, as vLLM's --max-model-len (the local run starts vLLM with it); the gateway
     asks for no more tokens than the prompt leaves of it."""
+    vllm_args: list[str] = []
+    """Further command-line arguments of every vLLM server rollstream starts (the local run, `rollstream
+    serve-policy`, Compose's CPU server), as vLLM spells them: ["--max-num-seqs", "64", "--enable-prefix-caching"].
+    A compilation argument (-O, -cc, --compilation-config) replaces the CPU build's --enforce-eager. What rollstream
+    sets itself (the model, its name, host, port, context length, dtype) comes from its own settings instead."""
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _not_what_rollstream_sets(cls, args: list[str]) -> list[str]:
+        owned = {"--model": "model.path", "--served-model-name": "model.served_name", "--host": "listen_host",
+                 "--port": "the server's port", "--max-model-len": "model.max_model_len",
+                 "--dtype": "float32, which the trainer's parity probe needs"}
+        for arg in args:
+            name = arg.split("=", 1)[0]
+            if name in owned:
+                raise ValueError(f"{name} is set by rollstream ({owned[name]}), not in model.vllm_args")
+        return args
 
 
 class FleetSettings(Section):
