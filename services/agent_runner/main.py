@@ -242,8 +242,7 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
     # a container of an agent-runner that was killed (this one, restarted) may still hold a black-box agent
     await asyncio.to_thread(remove_orphaned_containers, settings)
     tokenizer = AutoTokenizer.from_pretrained(settings.model.path)
-    fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
-                        timeout_s=settings.fleet.request_timeout_s)
+    fleet = FleetClient.for_run(settings)
     replica = Replica(settings, runtime, bus, fleet, EpisodeRunner(settings, bus, fleet, tokenizer))
     heartbeat = asyncio.create_task(replica.keep_claims_fresh())
     await replica.take_prompts()

@@ -100,8 +100,7 @@ def load_gateway(settings: Settings) -> Gateway:
 
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     tokenizer = AutoTokenizer.from_pretrained(settings.model.path)
-    fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
-                        timeout_s=settings.fleet.request_timeout_s)
+    fleet = FleetClient.for_run(settings)
     fleet.start_load_refresh(LOAD_REFRESH_S)
 
     async def versions() -> dict[str, int]:

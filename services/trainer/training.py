@@ -176,8 +176,7 @@ class Trainer:
         if settings.fleet.urls:
             from rollstream.shared.inference.fleet import FleetClient
 
-            self.fleet = FleetClient(settings.fleet.urls, model=settings.model.served_name,
-                                     timeout_s=settings.fleet.request_timeout_s)
+            self.fleet = FleetClient.for_run(settings)
             for url in self.fleet.urls:
                 bus.redis.hsetnx(bus.keys.fleet_versions, url, self.version)
 

@@ -11,8 +11,9 @@ average load is passed over for the session's next-ranked server, and so is one 
 full. A server's load is this client's requests open on it plus the other clients' requests vLLM reports
 on /metrics (`refresh_load()`, or a background `start_load_refresh()`); without metrics, only ours. A
 connection error or a 5xx marks a server unhealthy for a cool-down and the call is retried on the next
-server; when no server can serve, FleetUnavailable. Every request carries `X-Session-ID` and
-`X-SMG-Routing-Key` so that an external router (vllm-router, SGLang model gateway) in front of the fleet
+server; when no server can serve, FleetUnavailable. Every request carries `X-Session-ID` and a routing header
+(`X-SMG-Routing-Key` unless fleet.routing_header names another) so that an external router (vllm-router, SGLang
+model gateway) in front of the fleet
 keeps the same stickiness.
 
 The trainer / fleet controller uses the per-server helpers: `reload_weights()` (pause, reload from an HF
@@ -48,7 +49,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -60,7 +61,11 @@ from rollstream.shared.errors import (
     WeightSyncError,
 )
 
-SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key")
+if TYPE_CHECKING:
+    from rollstream.shared.runtime.config import Settings
+
+SESSION_HEADER = "X-Session-ID"
+ROUTING_HEADER = "X-SMG-Routing-Key"
 KEEPALIVE_EXPIRY_S = 2.0
 POOLS = 8
 """Connection pools the generation requests are spread over, by session. httpcore's pool does work linear in
@@ -129,6 +134,7 @@ class FleetClient:
         kv_cache_full: float = 0.95,
         metrics_timeout_s: float = 2.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        routing_header: str = ROUTING_HEADER,
     ) -> None:
         if not urls:
             raise ValueError("FleetClient needs at least one server URL")
@@ -136,6 +142,7 @@ class FleetClient:
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate server URLs: {self.urls}")
         self.model = model  # None: vLLM uses the one model it serves
+        self.session_headers = (SESSION_HEADER, routing_header)
         self.epsilon = epsilon
         self.cooldown_s = cooldown_s
         self.kv_cache_full = kv_cache_full
@@ -157,6 +164,12 @@ class FleetClient:
         ]
         self._http = self._pools[0]
         """For what is not a session's generation: /metrics, /health, scoring, weight syncs."""
+
+    @classmethod
+    def for_run(cls, settings: Settings, **options: Any) -> FleetClient:
+        """The client of a run's fleet, as its settings say: servers, served name, timeout, routing header."""
+        return cls(settings.fleet.urls, model=settings.model.served_name, timeout_s=settings.fleet.request_timeout_s,
+                   routing_header=settings.fleet.routing_header, **options)
 
     async def aclose(self) -> None:
         if self._load_refresher is not None:
@@ -263,7 +276,7 @@ class FleetClient:
     ) -> Completion:
         """Sample up to max_tokens after prompt_ids on the session's server; ids and logprobs as vLLM gave them."""
         body = self._completion_body(prompt_ids, max_tokens, temperature, stop_token_ids, seed, extra)
-        headers = {name: session_id for name in SESSION_HEADERS}
+        headers = {name: session_id for name in self.session_headers}
 
         candidates = self.route(session_id)
         if not candidates:
@@ -311,7 +324,7 @@ class FleetClient:
         """
         body = self._completion_body(prompt_ids, max_tokens, temperature, stop_token_ids, seed, extra)
         body["stream"] = True
-        headers = {name: session_id for name in SESSION_HEADERS}
+        headers = {name: session_id for name in self.session_headers}
         yielded: list[int] = []
         tried: list[str] = []
         failures: list[str] = []

@@ -71,6 +71,9 @@ class FleetSettings(Section):
     """vLLM servers (OpenAI-compatible, started with VLLM_SERVER_DEV_MODE=1 for weight sync)."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Timeout of one completion request."""
+    routing_header: str = Field("X-SMG-Routing-Key", pattern=r"^[A-Za-z0-9-]+$")
+    """Header that carries a session's id on every request (besides X-Session-ID), for a router in front of the
+    fleet (vLLM's production-stack router, llm-d, SGLang's model gateway) to keep each session on one server."""
 
 
 class DataSettings(Section):

@@ -93,6 +93,32 @@ def test_completion_fields_and_session_headers():
     assert body["seed"] == 7
 
 
+def test_a_runs_routing_header_carries_the_session():
+    from rollstream.shared.runtime.config import Settings
+
+    settings = Settings(fleet={"urls": URLS, "routing_header": "X-Session-Affinity"})
+    fake = FakeFleet()
+
+    async def go():
+        async with FleetClient.for_run(settings, transport=httpx.MockTransport(fake.handler)) as fleet:
+            await fleet.complete([1, 2, 3], max_tokens=4, session_id="sess-7")
+
+    run(go())
+    (request,) = fake.requests
+    assert request.headers["X-Session-Affinity"] == request.headers["X-Session-ID"] == "sess-7"
+    assert "X-SMG-Routing-Key" not in request.headers
+
+
+@pytest.mark.parametrize("name", ["", "X Routing", "X-Key:1"])
+def test_a_routing_header_that_is_no_header_name_is_refused(name):
+    from pydantic import ValidationError
+
+    from rollstream.shared.runtime.config import Settings
+
+    with pytest.raises(ValidationError, match="routing_header"):
+        Settings(fleet={"routing_header": name})
+
+
 def test_same_session_same_server_and_sessions_spread():
     fake = FakeFleet()
 
