@@ -14,7 +14,6 @@ is services/dispatcher/gate.py.
 from __future__ import annotations
 
 import time
-import uuid
 
 from rollstream.services.dispatcher.gate import (
     StalenessGate,
@@ -24,6 +23,7 @@ from rollstream.services.dispatcher.gate import (
     next_step,
 )
 from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.run_lock import RunLock
 from rollstream.shared.errors import DatasetError
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
@@ -57,24 +57,12 @@ def main() -> None:
     gate = StalenessGate(settings.train.max_staleness, settings.train.batch_size)
     log.info("dataset loaded", extra={"rows": len(rows), "samples_to_admit": total})
 
-    token = uuid.uuid4().hex
-    lock = bus.keys.lock("dispatcher")
-    while not runtime.stopping and not bus.redis.set(lock, token, nx=True, px=LOCK_TTL_MS):
-        runtime.status["state"] = "standby: another dispatcher is active"
-        time.sleep(1)
+    lock = RunLock(bus, "dispatcher", LOCK_TTL_MS)
+    lock.acquire(runtime.should_stop, lambda: runtime.status.update(state="standby: another dispatcher is active"))
 
-    lock_renewed = time.monotonic()
     admitted = int(bus.redis.get(bus.keys.admitted) or 0)
     while not runtime.stopping:
-        if time.monotonic() - lock_renewed > LOCK_TTL_MS / 3000:
-            # An outage longer than the lock's TTL lets it expire: take it again unless another took it.
-            holder = bus.redis.get(lock)
-            if holder is None and bus.redis.set(lock, token, nx=True, px=LOCK_TTL_MS):
-                holder = token.encode()
-            if holder != token.encode():
-                raise RuntimeError("lost the dispatcher lock to another dispatcher")
-            bus.redis.pexpire(lock, LOCK_TTL_MS)
-            lock_renewed = time.monotonic()
+        lock.renew_when_due()
         version = current_policy_version(bus)
         filtered = filtered_samples(bus)
         runtime.status.update(admitted=admitted, filtered=filtered, policy_version=version,
@@ -95,8 +83,7 @@ def main() -> None:
         admitted += n
         log.debug("admitted group", extra={"group_index": group_index, "policy_version": version})
 
-    if bus.redis.get(lock) == token.encode():
-        bus.redis.delete(lock)
+    lock.release()
     runtime.close()
 
 

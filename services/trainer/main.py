@@ -8,12 +8,14 @@ exists. For each batch (services/trainer/training.py):
      on the configured backend (torch or DeepSpeed ZeRO, services/trainer/backends/);
   3. save the training state (HF safetensors weights the fleet can load, optimizer, RNG) as the
      checkpoint of the new version;
-  4. per vLLM server: pause (in-flight requests keep going), reload, reset the prefix cache, resume,
-     then compare the server's prompt logprobs on a probe with the trainer's own;
+  4. per vLLM server, train.sync_concurrency at once: pause (in-flight requests keep going), reload, reset the
+     prefix cache, resume, then compare the server's prompt logprobs on a probe with the trainer's own;
   5. only when every server is within train.parity_tolerance: publish PolicyUpdated (with the step's
      metrics) and mark the batch trained, in one transaction; metrics go to the trackers.
 
-Restarts are exact: a trainer starts from the checkpoint of its own last PolicyUpdated (weights,
+One trainer trains a run: a second one started for it stands by (`/healthz` status `state`) until the first's
+lock lapses (shared/contract/run_lock.py; TRAINER_LOCK_TTL_MS after a kill), and a trainer that lost the lock
+stops before it publishes another version. Restarts are exact: a trainer starts from the checkpoint of its own last PolicyUpdated (weights,
 optimizer and RNG state; one whose batch it never trained was not written by it and is passed over)
 and first finishes the batches its predecessor left pending, in order. A batch is part of the model
 once its PolicyUpdated exists, and never again.
@@ -34,18 +36,28 @@ from rollstream.services.trainer.training import BatchRejected, Trainer
 from rollstream.shared.contract.bus import Bus, Delivery, StopConsuming, run_consumer
 from rollstream.shared.contract.consumers import consumer_group
 from rollstream.shared.contract.events import BatchReady, encode
+from rollstream.shared.contract.run_lock import LockLost, RunLock
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.runtime.storage import Storage
 
 GROUP = consumer_group("trainer")
 CONSUMER = "trainer"  # one trainer per run: a restarted one takes over its predecessor's pending batches
+TRAINER_LOCK_TTL_MS = 10_000
 
 
 def main() -> None:
     settings = Settings()
     runtime = ServiceRuntime("trainer", settings)
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
+    lock = RunLock(bus, "trainer", TRAINER_LOCK_TTL_MS)
+    standby = "standby: another trainer of this run is training"
+    if not lock.acquire(runtime.should_stop, lambda: runtime.status.update(state=standby)):
+        runtime.close()
+        return
+    runtime.status["state"] = "training"
+    lost: list[LockLost] = []
+    lock.keep_renewed(lost.append)
     trained_key = bus.keys.trained_batches
     trainer = Trainer(settings, bus, Storage(settings.storage_uri), trained_key)
     runtime.status["policy_version"] = trainer.version
@@ -62,7 +74,7 @@ def main() -> None:
         if bus.redis.sismember(trained_key, batch.batch_id):
             return
         try:
-            update = trainer.train_step(batch, trained_key)
+            update = trainer.train_step(batch, trained_key, still_held=lambda: not lost)
         except BatchRejected as exc:
             if exc.retryable:
                 raise
@@ -81,6 +93,7 @@ def main() -> None:
         raise SystemExit(1) from exc
     finally:
         trainer.close()
+        lock.release()
         runtime.close()
 
 

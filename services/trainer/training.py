@@ -26,6 +26,7 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -365,7 +366,10 @@ class Trainer:
         return max(diffs.values(), default=0.0)
 
     # ---------------------------------------------------------------------------------- publish
-    def train_step(self, batch: BatchReady, trained_key: str) -> PolicyUpdated:
+    def train_step(self, batch: BatchReady, trained_key: str,
+                   still_held: Callable[[], bool] = lambda: True) -> PolicyUpdated:
+        """Train on one batch, sync the fleet and publish the version, unless `still_held()` says this trainer lost
+        the run to another one meanwhile (StopConsuming: the batch stays pending for the holder)."""
         rows = self.load_batch(batch)
         try:
             step = self.train(batch, rows)
@@ -376,10 +380,14 @@ class Trainer:
                         extra={"batch_id": batch.batch_id, "version": self.version}, exc_info=True)
             self.load_state()
             raise
+        if not still_held():
+            raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not synced or published")
         sync_started = time.monotonic()
         parity = self.sync_with_retries(step)
         step.metrics["sync/seconds"] = time.monotonic() - sync_started
         step.metrics["sync/parity_max_abs_diff"] = parity
+        if not still_held():
+            raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not published")
         update = PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint), batch_id=batch.batch_id,
                                servers=list(self.fleet.urls) if self.fleet else [], parity_max_abs_diff=parity,
                                loss=step.metrics.get("train/loss", 0.0), trained_samples=step.trained,
