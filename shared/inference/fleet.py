@@ -13,8 +13,7 @@ on /metrics (`refresh_load()`, or a background `start_load_refresh()`); without 
 connection error or a 5xx marks a server unhealthy for a cool-down and the call is retried on the next
 server; when no server can serve, FleetUnavailable. Every request carries `X-Session-ID` and a routing header
 (`X-SMG-Routing-Key` unless fleet.routing_header names another) so that an external router (vllm-router, SGLang
-model gateway) in front of the fleet
-keeps the same stickiness.
+model gateway) in front of the fleet keeps the same stickiness.
 
 The trainer / fleet controller uses the per-server helpers: `reload_weights()` (pause, reload from an HF
 safetensors directory on the server's filesystem, reset the prefix cache, resume), `prompt_logprobs()`
