@@ -34,14 +34,9 @@ def two_trainers(machine_redis_url, tmp_path, tiny_model):
     settings = Settings(run_id=f"lock-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url,
                         storage_uri=str(tmp_path / "runs"), model={"path": tiny_model},
                         train={"trackers": []}, recorder={"enabled": False})
-    local = LocalRun(settings, services=("trainer",), replicas={"trainer": 2}, fleet_urls=["http://127.0.0.1:9"])
-    try:
-        local.start()
+    with LocalRun(settings, services=("trainer",), replicas={"trainer": 2}, fleet_urls=["http://127.0.0.1:9"]) as local:
         yield local
-    finally:
-        local.stop()
-        if local.bus is not None:
-            local.bus.delete_run()
+    local.bus.delete_run()
 
 
 def test_the_second_trainer_stands_by_and_takes_over_once_the_first_is_killed(two_trainers):
