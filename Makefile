@@ -88,6 +88,8 @@ bench: setup
 	$(PY) bench/bench_agent_runner.py
 	$(PY) bench/bench_grading.py
 	$(PY) bench/bench_async.py
+	$(PY) bench/bench_weight_sync.py
+	$(PY) bench/bench_vllm_start.py
 
 clean:
 	rm -rf runs models
