@@ -97,8 +97,8 @@ def serve_vllm(
     port: Annotated[int, typer.Option(help="Port to serve on.")] = 8000,
     served_name: Annotated[str, typer.Option(help="Model name in the API.")] = "tiny",
 ) -> None:
-    """Serve a model with vLLM on the CPU until Ctrl-C (dev endpoints on, for weight sync). Further arguments go
-    to vLLM."""
+    """Serve a model with vLLM on the CPU until Ctrl-C (dev endpoints on, for weight sync). Further
+    arguments go to vLLM."""
     from rollstream.cli.vllm_server import VllmServer
 
     with VllmServer(model, port, served_model_name=served_name, extra_args=ctx.args) as server:

@@ -129,7 +129,7 @@ class VllmServer:
         ]  # fmt: skip
 
     def eager(self) -> bool:
-        """Whether the server skips vLLM's compilation: on the CPU build, unless the extra arguments choose."""
+        """Whether the server skips vLLM's compilation: on the CPU build, unless extra arguments choose."""
         chosen = any(arg.startswith(COMPILATION_ARGS) for arg in self.extra_args)
         return cpu_build() and not chosen
 

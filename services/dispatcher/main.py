@@ -58,7 +58,8 @@ def main() -> None:
     log.info("dataset loaded", extra={"rows": len(rows), "samples_to_admit": total})
 
     lock = RunLock(bus, "dispatcher", LOCK_TTL_MS)
-    lock.acquire(runtime.should_stop, lambda: runtime.status.update(state="standby: another dispatcher is active"))
+    standby = "standby: another dispatcher is active"
+    lock.acquire(runtime.should_stop, lambda: runtime.status.update(state=standby))
 
     admitted = int(bus.redis.get(bus.keys.admitted) or 0)
     while not runtime.stopping:

@@ -15,10 +15,10 @@ exists. For each batch (services/trainer/training.py):
 
 One trainer trains a run: a second one started for it stands by (`/healthz` status `state`) until the first's
 lock lapses (shared/contract/run_lock.py; TRAINER_LOCK_TTL_MS after a kill), and a trainer that lost the lock
-stops before it publishes another version. Restarts are exact: a trainer starts from the checkpoint of its own last PolicyUpdated (weights,
-optimizer and RNG state; one whose batch it never trained was not written by it and is passed over)
-and first finishes the batches its predecessor left pending, in order. A batch is part of the model
-once its PolicyUpdated exists, and never again.
+stops at its next batch without syncing or publishing it. Restarts are exact: a trainer starts from the
+checkpoint of its own last PolicyUpdated (weights, optimizer and RNG state; one whose batch it never trained
+was not written by it and is passed over) and first finishes the batches its predecessor left pending, in
+order. A batch is part of the model once its PolicyUpdated exists, and never again.
 
 One entry's failure is that entry's: an entry of another type than BatchReady (by the bus's
 decode_on), or a BatchReady whose file is not the batch it announces, is dead-lettered at once; one

@@ -368,8 +368,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------- publish
     def train_step(self, batch: BatchReady, trained_key: str,
                    still_held: Callable[[], bool] = lambda: True) -> PolicyUpdated:
-        """Train on one batch, sync the fleet and publish the version, unless `still_held()` says this trainer lost
-        the run to another one meanwhile (StopConsuming: the batch stays pending for the holder)."""
+        """Train on one batch, sync the fleet and publish the version, unless `still_held()` says this trainer
+        lost the run to another one meanwhile (StopConsuming: the batch stays pending for the holder)."""
         rows = self.load_batch(batch)
         try:
             step = self.train(batch, rows)
@@ -381,7 +381,7 @@ class Trainer:
             self.load_state()
             raise
         if not still_held():
-            raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not synced or published")
+            raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not synced")
         sync_started = time.monotonic()
         parity = self.sync_with_retries(step)
         step.metrics["sync/seconds"] = time.monotonic() - sync_started

@@ -1,5 +1,5 @@
-"""The one active instance of a service in a run (the dispatcher, the trainer): a second one started for the same
-run stands by until the first's lease ends, instead of admitting or training twice.
+"""The one active instance of a service in a run (the dispatcher, the trainer): a second one started for the
+same run stands by until the first's lease ends, instead of admitting or training twice.
 
 The lease is a Redis key (Keys.lock) holding the holder's random token, set with NX and an expiry and renewed
 every third of it; a holder killed without a goodbye frees it when the lease expires. A holder cut off from
@@ -59,8 +59,9 @@ class RunLock:
             self.renew()
 
     def keep_renewed(self, on_lost: Callable[[LockLost], None]) -> threading.Thread:
-        """Renew from a daemon thread, for a holder whose work outlasts the lease (a training step); on_lost is
-        called once, from that thread, when the lock is lost. A Redis outage is retried until the lease ends."""
+        """Renew from a daemon thread, for a holder whose work outlasts the lease (a training step);
+        on_lost is called once, from that thread, when the lock is lost. A Redis outage is retried until
+        the lease ends."""
         def renew_forever() -> None:
             while True:
                 time.sleep(self.ttl_ms / 3000)

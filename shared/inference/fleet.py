@@ -11,9 +11,9 @@ average load is passed over for the session's next-ranked server, and so is one 
 full. A server's load is this client's requests open on it plus the other clients' requests vLLM reports
 on /metrics (`refresh_load()`, or a background `start_load_refresh()`); without metrics, only ours. A
 connection error or a 5xx marks a server unhealthy for a cool-down and the call is retried on the next
-server; when no server can serve, FleetUnavailable. Every request carries `X-Session-ID` and a routing header
-(`X-SMG-Routing-Key` unless fleet.routing_header names another) so that an external router (vllm-router, SGLang
-model gateway) in front of the fleet keeps the same stickiness.
+server; when no server can serve, FleetUnavailable. Every request carries `X-Session-ID` and a routing
+header (`X-SMG-Routing-Key` unless fleet.routing_header names another) so that an external router
+(vllm-router, SGLang model gateway) in front of the fleet keeps the same stickiness.
 
 The trainer / fleet controller uses the per-server helpers: `reload_weights()` (pause, reload from an HF
 safetensors directory on the server's filesystem, reset the prefix cache, resume), `prompt_logprobs()`
@@ -167,8 +167,9 @@ class FleetClient:
     @classmethod
     def for_run(cls, settings: Settings, **options: Any) -> FleetClient:
         """The client of a run's fleet, as its settings say: servers, served name, timeout, routing header."""
-        return cls(settings.fleet.urls, model=settings.model.served_name, timeout_s=settings.fleet.request_timeout_s,
-                   routing_header=settings.fleet.routing_header, **options)
+        return cls(settings.fleet.urls, model=settings.model.served_name,
+                   timeout_s=settings.fleet.request_timeout_s, routing_header=settings.fleet.routing_header,
+                   **options)
 
     async def aclose(self) -> None:
         if self._load_refresher is not None:

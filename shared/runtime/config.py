@@ -49,9 +49,9 @@ class ModelSettings(Section):
     asks for no more tokens than the prompt leaves of it."""
     vllm_args: list[str] = []
     """Further command-line arguments of every vLLM server rollstream starts (the local run, `rollstream
-    serve-policy`, Compose's CPU server), as vLLM spells them: ["--max-num-seqs", "64", "--enable-prefix-caching"].
-    A compilation argument (-O, -cc, --compilation-config) replaces the CPU build's --enforce-eager. What rollstream
-    sets itself (the model, its name, host, port, context length, dtype) comes from its own settings instead."""
+    serve-policy`, Compose's CPU server), as vLLM spells them: ["--max-num-seqs", "64"]. A compilation
+    argument (-O, -cc, --compilation-config) replaces the CPU build's --enforce-eager. What rollstream sets
+    itself (the model, its name, host, port, context length, dtype) comes from its own settings instead."""
 
     @field_validator("vllm_args")
     @classmethod
@@ -72,8 +72,9 @@ class FleetSettings(Section):
     request_timeout_s: float = Field(300.0, gt=0)
     """Timeout of one completion request."""
     routing_header: str = Field("X-SMG-Routing-Key", pattern=r"^[A-Za-z0-9-]+$")
-    """Header that carries a session's id on every request (besides X-Session-ID), for a router in front of the
-    fleet (vLLM's production-stack router, llm-d, SGLang's model gateway) to keep each session on one server."""
+    """Header that carries a session's id on every request (besides X-Session-ID), for a router in front of
+    the fleet (vLLM's production-stack router, llm-d, SGLang's model gateway) to keep each session on one
+    server."""
 
 
 class DataSettings(Section):
@@ -182,7 +183,7 @@ class TrainSettings(Section):
     parity_tolerance: float = Field(1e-3, gt=0)
     """Max |vLLM - trainer| prompt logprob on the probe after a weight sync."""
     sync_concurrency: int = Field(16, ge=1)
-    """Servers a weight sync reloads and probes at once (each paused only while it loads); 1: one at a time."""
+    """Servers a weight sync reloads and probes at once (each paused only while it loads); 1: one by one."""
     seed: int = 0
     """Seed of the trainer."""
 

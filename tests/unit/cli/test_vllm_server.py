@@ -1,5 +1,5 @@
-"""The vLLM server's command line: the CPU build starts without vLLM's compilation unless it is asked for, and a
-run's own vLLM arguments (model.vllm_args) reach every server it starts."""
+"""The vLLM server's command line: the CPU build starts without vLLM's compilation unless it is asked for,
+and a run's own vLLM arguments (model.vllm_args) reach every server it starts."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_a_runs_vllm_args_reach_every_server_it_starts_before_the_callers_own():
     assert "--enforce-eager" not in server.command()  # the run chose its compilation
 
 
-@pytest.mark.parametrize("owned", ["--port", "--max-model-len=4096", "--dtype", "--model", "--served-model-name"])
+@pytest.mark.parametrize("owned", ["--port", "--max-model-len=4096", "--dtype", "--model",
+                                   "--served-model-name"])
 def test_vllm_args_may_not_set_what_rollstream_sets_itself(owned):
     with pytest.raises(ValidationError, match=f"{owned.split('=')[0]} is set by rollstream"):
         Settings(model={"vllm_args": [owned, "1"]})

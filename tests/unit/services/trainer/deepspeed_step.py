@@ -5,7 +5,8 @@ test_trainer_backends.py imports it for the torch backend and runs it as a scrip
 backend: DeepSpeed sets up process-global state (torch.distributed), so each DeepSpeed run gets
 processes of its own.
 
-    python tests/unit/services/trainer/deepspeed_step.py '{"task": "train" | "resume" | "ranks" | "torch", ...}'   (see main())
+    python tests/unit/services/trainer/deepspeed_step.py '{"task": "train" | "resume" | "ranks" | "torch", ...}'
+    (see main())
 
 writes its results as JSON to the path given as "result" ("{rank}" in it becomes the process's rank).
 """
@@ -106,7 +107,8 @@ def train(backend, cfg: TrainSettings, saves: list[str]) -> dict:
 def main(spec: dict) -> dict:
     from rollstream.services.trainer.backends.deepspeed_backend import DeepSpeedBackend
 
-    if spec["task"] == "torch":  # the torch backend's steps in a process of their own (CUDA_VISIBLE_DEVICES='': the CPU)
+    # The torch backend's steps in a process of their own (with CUDA_VISIBLE_DEVICES='': on the CPU).
+    if spec["task"] == "torch":
         from rollstream.services.trainer.backends.torch_backend import TorchBackend
 
         cfg = settings("torch")

@@ -38,7 +38,8 @@ def _load_helper():
 steps = _load_helper()
 
 
-def run_deepspeed(spec: dict, workdir: Path, world_size: int = 1, env: dict[str, str] | None = None) -> list[dict]:
+def run_deepspeed(spec: dict, workdir: Path, world_size: int = 1,
+                  env: dict[str, str] | None = None) -> list[dict]:
     """Run the helper in `world_size` processes (ranks of one gloo group); their results, by rank."""
     base = {key: value for key, value in os.environ.items() if key not in DIST_ENV} | (env or {})
     spec = {**spec, "result": str(workdir / "result-{rank}.json")}
@@ -156,14 +157,14 @@ def test_two_ranks_sharing_the_micro_batches_take_the_one_process_step(stage, ti
 
 
 def test_on_a_gpu_the_torch_backend_takes_the_cpus_steps(request, tiny_model, tmp_path):
-    """Where a CUDA GPU is present the torch backend trains on it (torch_run): the same losses, gradient norms and
-    saved weights as the same steps on the CPU, in a process that sees no GPU."""
+    """Where a CUDA GPU is present the torch backend trains on it (torch_run): the same losses, gradient norms
+    and saved weights as the same steps on the CPU, in a process that sees no GPU."""
     if not torch.cuda.is_available():
-        skip_does_not_apply("no CUDA GPU on this machine: the torch backend trains on the CPU, as the other tests do")
+        skip_does_not_apply("no CUDA GPU on this machine: the torch backend trains on the CPU, as elsewhere")
     on_gpu, gpu_saves = request.getfixturevalue("torch_run")
     saves = [tmp_path / "step0", tmp_path / "step1"]
-    [on_cpu] = run_deepspeed({"task": "torch", "model": str(tiny_model), "saves": [str(path) for path in saves]},
-                             tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    spec = {"task": "torch", "model": str(tiny_model), "saves": [str(path) for path in saves]}
+    [on_cpu] = run_deepspeed(spec, tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     assert on_cpu["device"] == "cpu"
     for step in ("step0", "step1"):
         for key in ("loss_before", "grad_norm", "loss_after"):

@@ -34,7 +34,8 @@ def two_trainers(machine_redis_url, tmp_path, tiny_model):
     settings = Settings(run_id=f"lock-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url,
                         storage_uri=str(tmp_path / "runs"), model={"path": tiny_model},
                         train={"trackers": []}, recorder={"enabled": False})
-    with LocalRun(settings, services=("trainer",), replicas={"trainer": 2}, fleet_urls=["http://127.0.0.1:9"]) as local:
+    fleet = ["http://127.0.0.1:9"]  # never asked: no batch comes
+    with LocalRun(settings, services=("trainer",), replicas={"trainer": 2}, fleet_urls=fleet) as local:
         yield local
     local.bus.delete_run()
 

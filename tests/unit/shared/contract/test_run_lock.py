@@ -16,7 +16,11 @@ def test_a_second_instance_stands_by_until_the_first_releases(bus):
     first, second = RunLock(bus, "trainer", TTL_MS), RunLock(bus, "trainer", TTL_MS)
     assert first.acquire(lambda: False, lambda: None)
     standby, held = [], threading.Event()
-    waiter = threading.Thread(target=lambda: second.acquire(lambda: False, lambda: standby.append(1)) and held.set())
+    def wait_for_the_lock():
+        if second.acquire(lambda: False, lambda: standby.append(1)):
+            held.set()
+
+    waiter = threading.Thread(target=wait_for_the_lock)
     waiter.start()
     for _ in range(3):  # past the lease: the first keeps it by renewing
         time.sleep(TTL_MS / 3000)
