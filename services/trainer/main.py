@@ -36,7 +36,7 @@ from rollstream.services.trainer.training import BatchRejected, Trainer
 from rollstream.shared.contract.bus import Bus, Delivery, StopConsuming, run_consumer
 from rollstream.shared.contract.consumers import consumer_group
 from rollstream.shared.contract.events import BatchReady, encode
-from rollstream.shared.contract.run_lock import LockLost, RunLock
+from rollstream.shared.contract.run_lock import RunLock
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.runtime.storage import Storage
@@ -56,8 +56,7 @@ def main() -> None:
         runtime.close()
         return
     runtime.status["state"] = "training"
-    lost: list[LockLost] = []
-    lock.keep_renewed(lost.append)
+    lock.keep_renewed()
     trained_key = bus.keys.trained_batches
     trainer = Trainer(settings, bus, Storage(settings.storage_uri), trained_key)
     runtime.status["policy_version"] = trainer.version
@@ -74,7 +73,7 @@ def main() -> None:
         if bus.redis.sismember(trained_key, batch.batch_id):
             return
         try:
-            update = trainer.train_step(batch, trained_key, still_held=lambda: not lost)
+            update = trainer.train_step(batch, trained_key, still_held=lambda: lock.lost is None)
         except BatchRejected as exc:
             if exc.retryable:
                 raise

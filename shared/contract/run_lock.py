@@ -31,6 +31,9 @@ class RunLock:
         self.ttl_ms = ttl_ms
         self.token = uuid.uuid4().hex
         self.renewed = 0.0
+        self.lost: LockLost | None = None
+        """Set by keep_renewed's thread when another instance took the lock."""
+        self._released = threading.Event()
 
     def acquire(self, stopping: Callable[[], bool], on_standby: Callable[[], None]) -> bool:
         """Wait until this instance holds the lock (True), calling on_standby each second it waits; False when
@@ -58,25 +61,26 @@ class RunLock:
         if time.monotonic() - self.renewed > self.ttl_ms / 3000:
             self.renew()
 
-    def keep_renewed(self, on_lost: Callable[[LockLost], None]) -> threading.Thread:
-        """Renew from a daemon thread, for a holder whose work outlasts the lease (a training step);
-        on_lost is called once, from that thread, when the lock is lost. A Redis outage is retried until
-        the lease ends."""
-        def renew_forever() -> None:
-            while True:
-                time.sleep(self.ttl_ms / 3000)
+    def keep_renewed(self) -> threading.Thread:
+        """Renew from a daemon thread until release(), for a holder whose work outlasts the lease (a training
+        step); when another instance takes the lock, the thread sets `lost` and ends. A Redis outage is
+        retried until the lease ends."""
+        def renew_until_released() -> None:
+            while not self._released.wait(self.ttl_ms / 3000):
                 try:
                     self.renew()
                 except LockLost as lost:
-                    on_lost(lost)
+                    self.lost = lost
                     return
                 except redis.RedisError:
                     continue
 
-        thread = threading.Thread(target=renew_forever, name=f"renew {self.key}", daemon=True)
+        thread = threading.Thread(target=renew_until_released, name=f"renew {self.key}", daemon=True)
         thread.start()
         return thread
 
     def release(self) -> None:
+        """Give the lock up (a renewing thread stops first, so that it cannot take the lock again)."""
+        self._released.set()
         if self.redis.get(self.key) == self.token.encode():
             self.redis.delete(self.key)

@@ -58,13 +58,23 @@ def test_a_holder_whose_lease_lapsed_with_nobody_waiting_takes_it_again(bus):
 
 
 def test_keep_renewed_holds_the_lock_past_its_lease_and_says_when_it_is_lost(bus):
-    lock, lost = RunLock(bus, "trainer", TTL_MS), []
+    lock = RunLock(bus, "trainer", TTL_MS)
     lock.acquire(lambda: False, lambda: None)
-    lock.keep_renewed(lost.append)
+    lock.keep_renewed()
     stop_at = time.monotonic() + 3 * TTL_MS / 1000
     assert not RunLock(bus, "trainer", TTL_MS).acquire(lambda: time.monotonic() > stop_at, lambda: None)
     bus.redis.set(lock.key, "someone else")
     deadline = time.monotonic() + 5
-    while not lost and time.monotonic() < deadline:
+    while lock.lost is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(lost) == 1 and isinstance(lost[0], LockLost)
+    assert isinstance(lock.lost, LockLost)
+
+
+def test_a_released_lock_is_not_taken_again_by_its_renewing_thread(bus):
+    lock = RunLock(bus, "trainer", TTL_MS)
+    lock.acquire(lambda: False, lambda: None)
+    renewing = lock.keep_renewed()
+    lock.release()
+    renewing.join(timeout=5)
+    assert not renewing.is_alive()
+    assert bus.redis.get(lock.key) is None
