@@ -68,6 +68,7 @@ class KillingProxy:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cut: Cut | None = None
+        self.killed_its_server = False
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
         self._listener: asyncio.Server | None = None
@@ -142,8 +143,18 @@ class KillingProxy:
                 return False
             cut.killed_url = self.url
         os.killpg(self.server.pid, signal.SIGKILL)
+        self.killed_its_server = True
         self._listener.close()
         return True
+
+    def await_the_kill(self, timeout_s: float = 60.0) -> None:
+        """Return once the server this proxy killed has exited: a SIGKILLed vLLM can take a moment to go, and
+        until it has, it does not look like a server to start again."""
+        deadline = time.monotonic() + timeout_s
+        while self.killed_its_server and self.server.exit_code() is None:
+            assert time.monotonic() < deadline, f"the server behind {self.url} outlived its SIGKILL"
+            time.sleep(0.1)
+        self.killed_its_server = False
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +179,8 @@ def arm(proxies: list[KillingProxy], events: int) -> Cut:
 def both_serving(served, proxies):
     """The proxies, with any server an earlier test killed started again behind its proxy."""
     servers, _ = served
+    for proxy in proxies:
+        proxy.await_the_kill()
     revive(servers)
     for proxy, server in zip(proxies, servers):  # the proxies stand in front of the servers in their order
         proxy.cut = None
