@@ -13,7 +13,9 @@ exists. For each batch (services/trainer/training.py):
   5. only when every server is within train.parity_tolerance: publish PolicyUpdated (with the step's
      metrics) and mark the batch trained, in one transaction; metrics go to the trackers.
 
-One trainer trains a run: a second one started for it stands by (`/healthz` status `state`) until the first's
+The trainer trains on train.ranks data-parallel processes (DeepSpeed), or on the WORLD_SIZE of a launcher of
+the user's own: rank 0 leads, the others train their share of each batch in step with it
+(services/trainer/ranks.py). One trainer trains a run: a second one started for it stands by (`/healthz` status `state`) until the first's
 lock lapses (shared/contract/run_lock.py; TRAINER_LOCK_TTL_MS after a kill), and a trainer that lost the lock
 stops at its next batch without syncing or publishing it. Restarts are exact: a trainer starts from the
 checkpoint of its own last PolicyUpdated (weights, optimizer and RNG state; one whose batch it never trained
@@ -28,17 +30,23 @@ batch left pending) only when the fleet cannot be made to serve a new version: a
 keeps failing, or logprobs that differ from the trainer's.
 
     rollstream-trainer           # configured by RS_* variables or RS_CONFIG_FILE
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m rollstream.services.trainer.main   # ranks over several nodes
 """
 
 from __future__ import annotations
 
-from rollstream.services.trainer.training import BatchRejected, Trainer
+import logging
+import os
+import signal
+
+from rollstream.services.trainer.ranks import Command, Ranks, launch_ranks
+from rollstream.services.trainer.training import BatchRejected, Trainer, last_own_update
 from rollstream.shared.contract.bus import Bus, Delivery, StopConsuming, run_consumer
 from rollstream.shared.contract.consumers import consumer_group
 from rollstream.shared.contract.events import BatchReady, encode
 from rollstream.shared.contract.run_lock import RunLock
 from rollstream.shared.runtime.config import Settings
-from rollstream.shared.runtime.service import ServiceRuntime
+from rollstream.shared.runtime.service import ServiceRuntime, configure_logging
 from rollstream.shared.runtime.storage import Storage
 
 GROUP = consumer_group("trainer")
@@ -48,17 +56,42 @@ TRAINER_LOCK_TTL_MS = 10_000
 
 def main() -> None:
     settings = Settings()
+    if settings.train.ranks > 1 and "WORLD_SIZE" not in os.environ:
+        launch_ranks(settings.train.ranks)
+    ranks = Ranks.from_environment()
+    if ranks.world_size > 1:
+        if settings.train.backend != "deepspeed":
+            raise SystemExit(f"{ranks.world_size} trainer ranks need train.backend='deepspeed'")
+        from rollstream.services.trainer.backends.deepspeed_backend import ensure_distributed
+
+        ensure_distributed()
+    if ranks.leader:
+        lead(settings, ranks)
+    else:
+        follow(settings, ranks)
+
+
+def lead(settings: Settings, ranks: Ranks) -> None:
+    """Rank 0: the run's lock, the `batches` stream, the fleet and the published versions."""
     runtime = ServiceRuntime("trainer", settings)
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     lock = RunLock(bus, "trainer", TRAINER_LOCK_TTL_MS)
     standby = "standby: another trainer of this run is training"
-    if not lock.acquire(runtime.should_stop, lambda: runtime.status.update(state=standby)):
+
+    def stand_by() -> None:
+        runtime.status["state"] = standby
+        ranks.share(Command("standby"))
+
+    if not lock.acquire(runtime.should_stop, stand_by):
+        ranks.share(Command("stop", "stopped before holding the run's lock"))
         runtime.close()
         return
-    runtime.status["state"] = "training"
+    runtime.status.update(state="training", ranks=ranks.world_size)
     lock.keep_renewed()
     trained_key = bus.keys.trained_batches
-    trainer = Trainer(settings, bus, Storage(settings.storage_uri), trained_key)
+    start = last_own_update(bus, trained_key, settings.storage_uri)
+    ranks.share(Command("start", start))
+    trainer = Trainer(settings, Storage(settings.storage_uri), start, bus, ranks)
     runtime.status["policy_version"] = trainer.version
     rejected = 0
 
@@ -85,7 +118,9 @@ def main() -> None:
                                                   "trained": update.trained_samples, "dropped": update.dropped})
 
     try:
-        run_consumer(bus, GROUP, CONSUMER, handle, runtime.should_stop, take_over_pending=True)
+        run_consumer(bus, GROUP, CONSUMER, handle, runtime.should_stop, take_over_pending=True,
+                     between_reads=lambda: ranks.share(Command("idle")))
+        ranks.share(Command("stop", "the trainer stops"))
     except StopConsuming as exc:
         # The batch stays pending; a restarted trainer resumes from the last published checkpoint.
         runtime.log.critical("trainer stopped", extra={"error": str(exc)})
@@ -94,6 +129,25 @@ def main() -> None:
         trainer.close()
         lock.release()
         runtime.close()
+
+
+def follow(settings: Settings, ranks: Ranks) -> None:
+    """Another rank: no Redis, no fleet; it trains what the leader hands out, and stops when the leader says so
+    (a SIGTERM from the launcher reaches the leader too, which then says so)."""
+    configure_logging("trainer", settings.log_level)
+    log = logging.getLogger("trainer")
+    signal.signal(signal.SIGTERM, lambda *_: log.info("stop requested; waiting for rank 0", extra={"rank": ranks.rank}))
+    command = ranks.share()
+    while command.kind == "standby":
+        command = ranks.share()
+    if command.kind == "stop":
+        return
+    trainer = Trainer(settings, Storage(settings.storage_uri), command.payload, ranks=ranks)
+    try:
+        why = trainer.follow()
+    finally:
+        trainer.close()
+    log.info("rank stopped", extra={"rank": ranks.rank, "why": why})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,12 @@ tries a failed sync again for SYNC_RETRY_S (a server shutting down refuses /paus
 answering), reloads every server and raises ParityError (a StopConsuming for main.py) when one
 serves other logprobs, and PolicyUpdated goes out with the batch marked trained, in one transaction.
 A step that fails after it may have changed the model puts back the state of the last published
-version before the error goes on, so that a retry, or the next batch, starts from it.
+version before the error goes on, so that a retry, or the next batch, starts from it; with several ranks the
+whole group stops instead, and its launcher starts it again from that version.
+
+With several ranks (services/trainer/ranks.py) the leader runs train_step and every other rank follow():
+each trains its share of the micro-batches and writes its part of the checkpoint, and the leader alone syncs
+and publishes.
 
 Tests: tests/integration/test_trainer_restart.py runs the trainer service (a few minutes).
 """
@@ -30,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollstream.services.trainer.ranks import Command, Ranks
 from rollstream.shared.contract.batches import BatchRow, read_batch
 from rollstream.shared.contract.bus import Bus, StopConsuming
 from rollstream.shared.contract.events import BatchReady, PolicyUpdated, decode
@@ -62,6 +68,8 @@ class TrainedStep:
     probe: list[int]
     trained: int
     dropped: dict[str, int]
+    expected: list[float]
+    """The trainer's own logprobs of the probe, which every server must serve after the sync."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -144,7 +152,11 @@ def select_fresh(rows: list[BatchRow], version: int, max_staleness: int) -> tupl
 
 
 class Trainer:
-    def __init__(self, settings: Settings, bus: Bus, storage: Storage, trained_key: str) -> None:
+    """One rank of the trainer. `start` is the PolicyUpdated to resume from (None: the starting model); the leader
+    (ranks.leader) alone has the bus and the fleet, syncs and publishes (services/trainer/ranks.py)."""
+
+    def __init__(self, settings: Settings, storage: Storage, start: PolicyUpdated | None, bus: Bus | None = None,
+                 ranks: Ranks = Ranks()) -> None:
         import torch
 
         from rollstream.services.trainer.backends.base import load_model
@@ -153,9 +165,9 @@ class Trainer:
         self.settings = settings
         self.bus = bus
         self.storage = storage
-        last = last_own_update(bus, trained_key, settings.storage_uri)
-        self.version = last.version if last else 0
-        self.checkpoint = Path(last.checkpoint_uri) if last else None
+        self.ranks = ranks
+        self.version = start.version if start else 0
+        self.checkpoint = Path(start.checkpoint_uri) if start else None
         """The training state of self.version; None: the starting model."""
         self.load_state()
         config = self.backend.model.config
@@ -169,12 +181,13 @@ class Trainer:
         if settings.train.kl_coef > 0:
             self.reference = load_model(Path(settings.model.path), self.backend.device).eval()
             self.reference.requires_grad_(False)
-        self.tracker = Tracker(settings.train.trackers, settings.run_id, settings.run_dir(),
-                               settings.model_dump(mode="json"))
+        self.tracker = (Tracker(settings.train.trackers, settings.run_id, settings.run_dir(),
+                                settings.model_dump(mode="json")) if ranks.leader else None)
         # One event loop for the trainer's life: the fleet client's connections belong to it.
         self.loop = asyncio.Runner()
         self.fleet = None
-        if settings.fleet.urls:
+        if settings.fleet.urls and ranks.leader:
+            assert bus is not None, "the leading rank publishes: it needs the bus"
             from rollstream.shared.inference.fleet import FleetClient
 
             self.fleet = FleetClient.for_run(settings)
@@ -244,9 +257,10 @@ class Trainer:
         })
         if fresh or usable:
             self.probe = (fresh or usable)[0].tokens[:PROBE_TOKENS]
-        probe = self.probe
-        return TrainedStep(version=version, checkpoint=checkpoint, probe=probe, trained=len(fresh), dropped=dropped,
-                           metrics=metrics)
+        # a forward every rank takes part in (ZeRO-3 gathers the weights for it), for the leader's parity check
+        expected = self.trainer_logprobs(self.probe) if self.settings.fleet.urls else []
+        return TrainedStep(version=version, checkpoint=checkpoint, probe=self.probe, trained=len(fresh),
+                           dropped=dropped, expected=expected, metrics=metrics)
 
     def optimize(self, rows: list[BatchRow]) -> dict[str, float]:
         """train.minibatches optimizer steps over the rows; returns the averaged step metrics."""
@@ -259,10 +273,12 @@ class Trainer:
         )
 
         torch, cfg, backend = self.torch, self.settings.train, self.backend
-        plan = [make_micro_batches(part, cfg.loss_aggregation, cfg.micro_batch_tokens, self.pad_id, backend.device)
+        # each rank runs its share of every minibatch's micro-batches, and only the real ones count in the stats
+        plan = [self.ranks.own_share(make_micro_batches(part, cfg.loss_aggregation, cfg.micro_batch_tokens,
+                                                        self.pad_id, backend.device))
                 for part in split_minibatches(rows, cfg.minibatches)]
         with torch.no_grad():  # every minibatch is clipped against the policy before the first update
-            for index, micros in enumerate(plan):
+            for index, (micros, _) in enumerate(plan):
                 for micro in micros:
                     # the first minibatch's own forward runs before any update: its detached logprobs are it
                     if cfg.decoupled and index > 0:
@@ -270,7 +286,7 @@ class Trainer:
                     if self.reference is not None:
                         micro.ref_logprobs = token_logprobs(self.reference, micro)
         per_step: list[dict[str, float]] = []
-        for micros in plan:
+        for micros, real in plan:
             stats = []
             for micro in micros:
                 logprobs = token_logprobs(backend.model, micro)
@@ -281,21 +297,28 @@ class Trainer:
                                                 kl_coef=cfg.kl_coef)
                 backend.backward(loss)
                 stats.append(micro_stats)
-            merged = merge_stats(stats)
-            merged["grad_norm"] = backend.step()
-            merged["micro_batches"] = len(micros)
-            per_step.append(merged)
+            every_rank = [s for rank_stats in self.ranks.gather(stats[:real]) for s in rank_stats]
+            grad_norm = backend.step()
+            if self.ranks.leader:
+                per_step.append({**merge_stats(every_rank), "grad_norm": grad_norm,
+                                 "micro_batches": len(every_rank)})
+        if not per_step:  # a rank that leads nothing reports nothing
+            return {}
         return {f"train/{key}": sum(step[key] for step in per_step) / len(per_step) for key in per_step[0]
                 if key != "weight"}
 
     def save_checkpoint(self, version: int) -> Path:
+        """Write the training state of `version` (every rank its part; the leader the files the fleet loads)."""
         final = self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
         temp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir(parents=True)
+        if self.ranks.leader:
+            shutil.rmtree(temp, ignore_errors=True)
+            temp.mkdir(parents=True)
+        self.ranks.barrier()
         self.backend.save(temp)
-        copy_tokenizer_files(Path(self.settings.model.path), temp)
-        replace_dir(temp, final)
+        if self.ranks.leader:
+            copy_tokenizer_files(Path(self.settings.model.path), temp)
+            replace_dir(temp, final)
         return final
 
     # ------------------------------------------------------------------------------------- sync
@@ -311,7 +334,7 @@ class Trainer:
             attempt += 1
             self.wait_for_fleet()
             try:
-                return self.loop.run(self.sync_fleet(step.checkpoint, step.probe))
+                return self.loop.run(self.sync_fleet(step))
             except (WeightSyncError, FleetRequestError, OSError) as exc:
                 if time.monotonic() >= deadline:
                     raise StopConsuming(f"weight sync of v{step.version} failed {attempt} times in "
@@ -350,36 +373,55 @@ class Trainer:
         with self.torch.no_grad():
             return sequence_logprobs(self.backend.model, ids)
 
-    async def sync_fleet(self, checkpoint: Path, probe: list[int]) -> float:
+    async def sync_fleet(self, step: TrainedStep) -> float:
         """Reload every server, train.sync_concurrency at a time, and check its probe logprobs; returns the
         worst difference. Servers off parity fail the sync with a ParityError naming each."""
         from rollstream.shared.inference.weight_sync import sync_weights
 
         assert self.fleet is not None
-        diffs = await sync_weights(self.fleet, str(checkpoint), probe, self.trainer_logprobs(probe),
+        diffs = await sync_weights(self.fleet, str(step.checkpoint), step.probe, step.expected,
                                    self.settings.train.sync_concurrency)
         tolerance = self.settings.train.parity_tolerance
         off = [f"{url}: {diff:.2e}" for url, diff in diffs.items() if diff > tolerance]
         if off:
-            raise ParityError(f"prompt logprobs differ from the trainer's after loading {checkpoint} "
+            raise ParityError(f"prompt logprobs differ from the trainer's after loading {step.checkpoint} "
                               f"(tolerance {tolerance:g}): {'; '.join(off)}")
         return max(diffs.values(), default=0.0)
 
     # ---------------------------------------------------------------------------------- publish
     def train_step(self, batch: BatchReady, trained_key: str,
                    still_held: Callable[[], bool] = lambda: True) -> PolicyUpdated:
-        """Train on one batch, sync the fleet and publish the version, unless `still_held()` says this trainer
-        lost the run to another one meanwhile (StopConsuming: the batch stays pending for the holder)."""
+        """Train on one batch (with every rank), sync the fleet and publish the version, unless `still_held()`
+        says this trainer lost the run to another one meanwhile (StopConsuming: the batch stays pending for the
+        holder). The leader's work: the other ranks follow() it."""
         rows = self.load_batch(batch)
+        self.ranks.share(Command("train", (batch, rows)))
         try:
             step = self.train(batch, rows)
-        except Exception:
+        except Exception as exc:
+            if self.ranks.world_size > 1:
+                # the other ranks are somewhere in the same step: the launcher starts the group again, from the
+                # published version
+                raise StopConsuming(f"rank 0 failed training on batch {batch.batch_id}: {exc}") from exc
             # The optimizer may have stepped already: a retry of this batch (or the next batch) must
             # start from the published version, not from a half-trained model.
             log.warning("training step failed; back to the state of the published version",
                         extra={"batch_id": batch.batch_id, "version": self.version}, exc_info=True)
             self.load_state()
             raise
+        try:
+            update = self.sync_and_publish(batch, step, trained_key, still_held)
+        except Exception as exc:
+            self.ranks.share(Command("stop", f"v{step.version} was not published: {exc}"))
+            if self.ranks.world_size > 1 and not isinstance(exc, StopConsuming):
+                # the other ranks have stopped: a retry needs the whole group again
+                raise StopConsuming(f"v{step.version} was not published: {exc}") from exc
+            raise
+        self.ranks.share(Command("published", update))
+        return update
+
+    def sync_and_publish(self, batch: BatchReady, step: TrainedStep, trained_key: str,
+                         still_held: Callable[[], bool]) -> PolicyUpdated:
         if not still_held():
             raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not synced")
         sync_started = time.monotonic()
@@ -388,6 +430,7 @@ class Trainer:
         step.metrics["sync/parity_max_abs_diff"] = parity
         if not still_held():
             raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not published")
+        assert self.bus is not None and self.tracker is not None
         update = PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint), batch_id=batch.batch_id,
                                servers=list(self.fleet.urls) if self.fleet else [], parity_max_abs_diff=parity,
                                loss=step.metrics.get("train/loss", 0.0), trained_samples=step.trained,
@@ -402,8 +445,23 @@ class Trainer:
         self.tracker.log(step.metrics, update.version)
         return update
 
+    def follow(self) -> str:
+        """A rank other than the leader: train on the batches the leader hands out, in step with it, until it says
+        stop; returns why it did."""
+        while True:
+            command = self.ranks.share()
+            if command.kind == "train":
+                batch, rows = command.payload
+                self.train(batch, rows)
+                command = self.ranks.share()
+                if command.kind == "published":
+                    self.version, self.checkpoint = command.payload.version, Path(command.payload.checkpoint_uri)
+            if command.kind == "stop":
+                return command.payload
+
     def close(self) -> None:
         if self.fleet is not None:
             self.loop.run(self.fleet.aclose())
         self.loop.close()
-        self.tracker.close()
+        if self.tracker is not None:
+            self.tracker.close()

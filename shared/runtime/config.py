@@ -177,6 +177,10 @@ class TrainSettings(Section):
     """Trainer backend: plain torch (CPU or one GPU) or DeepSpeed ZeRO."""
     zero_stage: Literal[2, 3] = 2
     """DeepSpeed ZeRO stage when backend is deepspeed."""
+    ranks: int = Field(1, ge=1)
+    """Data-parallel trainer processes on this node (one per GPU): rollstream-trainer starts them under torchrun,
+    which starts them all again when one fails. Several need backend deepspeed. Under a launcher of your own
+    (torchrun or deepspeed over several nodes) its WORLD_SIZE counts instead."""
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
     """Where training metrics go; TensorBoard logs to <storage>/<run>/tensorboard. wandb and mlflow need their
     package installed and are configured by their own environment variables (WANDB_*, MLFLOW_*)."""
@@ -186,6 +190,13 @@ class TrainSettings(Section):
     """Servers a weight sync reloads and probes at once (each paused only while it loads); 1: one by one."""
     seed: int = 0
     """Seed of the trainer."""
+
+    @model_validator(mode="after")
+    def _several_ranks_need_deepspeed(self) -> TrainSettings:
+        if self.ranks > 1 and self.backend != "deepspeed":
+            raise ValueError(f"train.ranks={self.ranks} needs train.backend='deepspeed': the torch backend trains "
+                             "on one process")
+        return self
 
 
 class GraderSettings(Section):

@@ -61,7 +61,16 @@ def ensure_distributed() -> None:
     on_cpu = get_accelerator().device_name() == "cpu"
     # gloo on the CPU whatever is installed: DeepSpeed would switch to oneCCL wherever its bindings happen
     # to be importable.
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else None, auto_mpi_discovery=False)
+    backend = "gloo" if on_cpu else get_accelerator().communication_backend_name()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and int(os.environ["WORLD_SIZE"]) > 1:
+        # torchrun's store still holds the addresses the ranks of its last attempt published: a group started
+        # again would read them and fail to connect to processes that are gone. Each attempt reads its own.
+        store = dist.PrefixStore(f"rollstream/attempt-{attempt}", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False))
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
 def _free_port() -> int:
