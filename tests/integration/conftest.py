@@ -1,11 +1,11 @@
 """What the integration tests share.
 
 `vllm_pair`: one pair of vLLM servers of the tiny model, started once for the tests that need a fleet but no
-run of their own and kill no server (the agent loop, the fleet client, the gateway).
+run of their own (the agent loop, the fleet client and its streaming faults, the gateway).
 
 Each test leaves the pair as it found it, serving the tiny model's weights (a test that reloads other weights
 puts them back); one that needs both answering first calls `tests.support.revive` on the pair. The streaming
-fault tests, which kill servers mid-answer, keep a pair of their own (test_fleet_streaming.py).
+fault tests cut a server off behind a proxy instead of killing it (test_fleet_streaming.py).
 
 `deployed_run`: one whole run as it is deployed (every service its own Redis ACL user, HTTP and metrics
 tokens; tests/integration/deployed.py), read by the pipeline's tests (test_local_run.py) and the security

