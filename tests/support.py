@@ -237,9 +237,16 @@ def assert_turns_sampled_by_vllm(settings, segment: TrajectorySegment, turns: li
                 again = await fleet.complete(prompt, max_tokens=len(turn.response_ids), temperature=1.0,
                                              session_id="check", seed=seed)
                 assert again.token_ids == turn.response_ids
-                scored = await fleet.prompt_logprobs(fleet.urls[0], prompt + turn.response_ids)
-                tail = scored[len(prompt) - 1:]
-                assert max(abs(a - b) for a, b in zip(tail, turn.logprobs)) < logprob_tol
+            if not turns:
+                return
+            # every turn's response sits in the segment at its offset: one scoring of the segment up to the last
+            # response gives each of them the logprobs vLLM computes for it after its own prompt
+            end = max(turn.offset + len(turn.response_ids) for turn in turns)
+            scored = await fleet.prompt_logprobs(fleet.urls[0], segment.tokens[:end])
+            for turn in turns:
+                assert segment.tokens[turn.offset:turn.offset + len(turn.response_ids)] == turn.response_ids
+                mine = scored[turn.offset - 1:turn.offset - 1 + len(turn.response_ids)]
+                assert max(abs(a - b) for a, b in zip(mine, turn.logprobs)) < logprob_tol
 
     asyncio.run(check())
 
