@@ -128,7 +128,7 @@ class CuttingProxy:
             scanned, at = carry + data, -1
             while (at := scanned.find(SSE_EVENT, at + 1)) != -1:
                 seen += 1
-                if seen > cut.events and self._fire(cut):
+                if seen > cut.events and self._fire(cut, answering=writer):
                     # the bytes before the next event's start; what of them `carry` held was forwarded already
                     writer.write(data[:max(0, at - len(carry))])
                     await writer.drain()
@@ -137,13 +137,15 @@ class CuttingProxy:
             writer.write(data)
             await writer.drain()
 
-    def _fire(self, cut: Cut) -> bool:
+    def _fire(self, cut: Cut, answering: asyncio.StreamWriter) -> bool:
+        """Cut the server off: no new connection, and every one open now dropped (pooled keep-alive connections
+        die with a server too), except the answer being cut, which gets the rest of its last event first."""
         with cut.lock:
             if cut.cut_url is not None:
                 return False
             cut.cut_url = self.url
         self._listener.close()
-        for writer in list(self._writers):  # pooled keep-alive connections die with a server too
+        for writer in list(self._writers - {answering}):
             writer.close()
         return True
 
@@ -158,11 +160,18 @@ def proxies(served):
         proxy.close()
 
 
-def arm(proxies: list[CuttingProxy], events: int) -> Cut:
-    """The first of the proxies to forward `events` streamed events cuts its server off there."""
+def arm(proxies: list[CuttingProxy], events: int, session_id: str) -> Cut:
+    """The proxy of the server the session starts on (the fleet's first choice for it, every server healthy and
+    idle) cuts its server off after forwarding `events` streamed events of an answer. Only that one: the other
+    may still be forwarding the tail of an earlier test's answer."""
+
+    async def first_choice(fleet: FleetClient) -> str:
+        return fleet.route(session_id)[0]
+
+    url = with_fleet(proxies, first_choice)
     cut = Cut(events=events)
-    for proxy in proxies:
-        proxy.cut = cut
+    (proxy,) = [p for p in proxies if p.url == url]
+    proxy.cut = cut
     return cut
 
 
@@ -315,7 +324,7 @@ def test_a_server_lost_in_the_middle_of_a_streamed_answer_the_stream_completes_o
     gateway_url = gateways.gateway_urls["gateway-2"]  # the other replica was killed by the test before
     session = open_session(gateway_url, max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
     client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
-    cut = arm(proxies, events=5)
+    cut = arm(proxies, events=5, session_id=session["session_id"])
     stream = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Tell a story."}],
                                             stream=True, stream_options={"include_usage": True})
     usage = [chunk.usage for chunk in stream if chunk.usage]
@@ -334,7 +343,7 @@ def test_a_server_lost_in_the_middle_of_a_streamed_answer_the_stream_completes_o
 def test_a_server_lost_mid_stream_hands_the_rest_to_the_other(both_serving, prompt_ids):
     proxies, max_tokens, cut_after = both_serving, 300, 3
     transport = RecordingTransport()
-    cut = arm(proxies, events=cut_after)
+    cut = arm(proxies, events=cut_after, session_id="doomed")
 
     async def go(fleet):
         stream = fleet.stream(prompt_ids, max_tokens=max_tokens, temperature=1.0, session_id="doomed",
