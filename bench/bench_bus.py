@@ -94,11 +94,9 @@ def main() -> None:
         fields = [encode(make_envelope(e, run_id=run)) for e in events]
         try:
             bus_pub, bus_con = bench_bus(bus, events, args.batch)
-            raw_pub, raw_con = bench_raw(client, f"rs:{run}:raw", fields, args.batch)
+            raw_pub, raw_con = bench_raw(client, f"{bus.keys.prefix}:raw", fields, args.batch)
         finally:
-            keys = list(client.scan_iter(match=f"rs:{run}:*"))
-            if keys:
-                client.delete(*keys)
+            bus.delete_run()
         print(f"{label + ' (bus)':<28}{bus_pub:>14,.0f}{bus_con:>14,.0f}")
         print(f"{label + ' (raw redis-py)':<28}{raw_pub:>14,.0f}{raw_con:>14,.0f}")
         print(f"{label + ' bus/raw':<28}{bus_pub / raw_pub:>14.2f}{bus_con / raw_con:>14.2f}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.bus import Bus, connect_redis
 from rollstream.shared.runtime.config import BusSettings
 from tests.support import DOES_NOT_APPLY, docker_client
 
@@ -85,6 +85,19 @@ def valkey_url():
 
 
 @pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory):
+    """A local Redis Cluster of three masters (redis-server in cluster mode on loopback ports)."""
+    import shutil
+
+    from tests.support import local_redis_cluster
+
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server and redis-cli make the local Redis Cluster (apt-get install redis-server)")
+    with local_redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def machine_redis_url():
     client = redis.Redis.from_url(MACHINE_REDIS_URL)
     try:
@@ -119,9 +132,12 @@ def run_id():
 
 
 @pytest.fixture
-def bus(redis_url, run_id):
-    client = redis.Redis.from_url(redis_url)
-    bus = Bus(client, run_id, BusSettings(block_ms=50, reclaim_idle_ms=200, max_deliveries=3))
+def bus(redis_url, run_id, request):
+    """A bus of its own run; on a Redis Cluster where the test's redis_url is its `cluster` parameter."""
+    cluster = getattr(request.node, "callspec", None) and request.node.callspec.params.get("redis_url") == "cluster"
+    settings = BusSettings(block_ms=50, reclaim_idle_ms=200, max_deliveries=3, cluster=bool(cluster))
+    client = connect_redis(redis_url, ride_out_outages=False, cluster=settings.cluster)
+    bus = Bus(client, run_id, settings)
     yield bus
     bus.delete_run()
     client.close()

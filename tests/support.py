@@ -297,3 +297,35 @@ def revive(servers: list[VllmServer]) -> list[VllmServer]:
         again.start()
         again.wait_healthy(timeout_s=600)
     return servers
+
+
+@contextmanager
+def local_redis_cluster(directory: Path, masters: int = 3):
+    """A Redis Cluster of `masters` redis-server processes on loopback ports (no replicas), made with
+    `redis-cli --cluster create`; yields the URL of its first node. Every process is stopped at the end."""
+    free: set[int] = set()
+    while len(free) < 2 * masters:  # a client port and a cluster bus port per node (not port + 10000: > 65535)
+        free.add(free_port())
+    ports, bus_ports = sorted(free)[:masters], sorted(free)[masters:]
+    nodes = []
+    try:
+        for port, bus_port in zip(ports, bus_ports):
+            nodes.append(subprocess.Popen(
+                ["redis-server", "--port", str(port), "--cluster-port", str(bus_port), "--bind", "127.0.0.1",
+                 "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf", "--dir", str(directory),
+                 "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for port in ports:
+            wait_for(lambda port=port: subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True,
+                                                      text=True).stdout.strip() == "PONG", 30, f"redis on {port}")
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        for port in ports:
+            wait_for(lambda port=port: "cluster_state:ok" in subprocess.run(
+                ["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True).stdout,
+                30, f"cluster state on {port}")
+        yield f"redis://127.0.0.1:{min(ports)}/0"
+    finally:
+        for node in nodes:
+            node.terminate()
+        for node in nodes:
+            node.wait(timeout=30)

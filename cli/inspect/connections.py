@@ -139,18 +139,11 @@ def list_run_names(client: redis.Redis | None, storage_uri: str) -> list[str]:
 
 
 def redis_runs(client: redis.Redis | None) -> list[str]:
-    """Run namespaces with at least one key in Redis (rs:<run>:...)."""
+    """Run namespaces with at least one key in Redis (rs:{<run>}:...)."""
     if client is None:
         return []
-    runs = set()
-    for key in client.scan_iter(match="rs:*:*", count=1000):
-        run = _text(key).split(":", 2)[1]
-        try:
-            Keys(run)
-        except ValueError:
-            continue
-        runs.add(run)
-    return sorted(runs)
+    runs = {Keys.run_of(_text(key)) for key in client.scan_iter(match="rs:*:*", count=1000)}
+    return sorted(runs - {None})
 
 
 def _archive_runs(storage_uri: str) -> list[str]:

@@ -1,7 +1,7 @@
 """Gateway sessions in Redis: what a session is, and the tree of its turns.
 
 Every gateway replica is stateless: a session's settings and every turn it sampled live under
-`rs:{run}:state:gateway:session:{id}` (a hash), `...:nodes` (turn nodes by key) and `...:parents` (the
+`rs:{<run>}:state:gateway:session:<id>` (a hash), `...:nodes` (turn nodes by key) and `...:parents` (the
 keys of nodes that have a child), so any replica serves any turn and a killed replica loses nothing.
 Every key expires session_ttl_s after the session's last request, and a session with a time budget ends for
 good at its deadline plus finish_grace_s (`ends_at`, fixed when it is created): the grace leaves room for the

@@ -83,10 +83,16 @@ class _OutageRetry(Retry):
         return super().call_with_retry(do, fail, retryable, with_failure_count)
 
 
-def connect_redis(url: str, *, ride_out_outages: bool = True) -> redis.Redis:
+def connect_redis(url: str, *, ride_out_outages: bool = True, cluster: bool = False) -> redis.Redis:
     """A client for a service: every command is retried on a lost connection (ConnectionError,
     TimeoutError, and LOADING while a restarted Redis reads its append-only file) until Redis answers
-    again. ride_out_outages=False: fail at once (commands a person waits on, such as `inspect`)."""
+    again. ride_out_outages=False: fail at once (commands a person waits on, such as `inspect`).
+    cluster: `url` is a node of a Redis Cluster (a RedisCluster client, which retries on the cluster's own
+    terms: a moved slot, a failed-over node)."""
+    if cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, socket_connect_timeout=5, socket_keepalive=True)
     if not ride_out_outages:
         return redis.Redis.from_url(url, socket_connect_timeout=5)
     retry = _OutageRetry(_LoggedBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), retries=-1)
@@ -96,7 +102,7 @@ def connect_redis(url: str, *, ride_out_outages: bool = True) -> redis.Redis:
 
 @dataclass(frozen=True)
 class Keys:
-    """Every Redis key of one run, under the `rs:{run_id}:` namespace."""
+    """Every Redis key of one run, under the `rs:{<run_id>}:` namespace."""
 
     run_id: str
 
@@ -106,7 +112,15 @@ class Keys:
 
     @property
     def prefix(self) -> str:
-        return f"rs:{self.run_id}"
+        # the run id in braces is the keys' hash tag: on a Redis Cluster every key of a run lands in one slot, so
+        # the bus's transactions, scripts and multi-stream reads, which span several keys, run there too
+        return f"rs:{{{self.run_id}}}"
+
+    @staticmethod
+    def run_of(key: str) -> str | None:
+        """The run id of a key in a run's namespace; None for any other key."""
+        found = re.fullmatch(r"rs:\{([^:{} \n]+)\}:.+", key, flags=re.DOTALL)
+        return found.group(1) if found else None
 
     @property
     def pattern(self) -> str:
@@ -207,7 +221,8 @@ class Bus:
     @classmethod
     def connect(cls, url: str, run_id: str, settings: BusSettings | None = None, *,
                 ride_out_outages: bool = True) -> "Bus":
-        return cls(connect_redis(url, ride_out_outages=ride_out_outages), run_id, settings)
+        settings = settings or BusSettings()
+        return cls(connect_redis(url, ride_out_outages=ride_out_outages, cluster=settings.cluster), run_id, settings)
 
     # ---------------------------------------------------------------------------------- publish
     def envelope(self, payload: Event, **ids: str | None) -> Envelope:

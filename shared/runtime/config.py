@@ -36,6 +36,9 @@ class BusSettings(Section):
     """How long one read waits for new entries."""
     read_count: int = Field(64, ge=1)
     """Entries fetched per read."""
+    cluster: bool = False
+    """The Redis URL names a node of a Redis Cluster: the client finds the others and routes each command to the
+    node holding its key (every key of a run is in one hash slot: `rs:{<run_id>}:...`)."""
 
 
 class ModelSettings(Section):
@@ -321,7 +324,7 @@ class Settings(BaseSettings):
     )
 
     run_id: str = "local"
-    """Run namespace: streams are rs:{run_id}:*."""
+    """Run namespace: streams are rs:{<run_id>}:* (the braces make every key of a run one Redis Cluster hash slot)."""
     redis_url: str | None = None
     """Redis to use, without credentials (a user and password written in it move to the two fields below);
     unset: the local run starts an embedded one."""

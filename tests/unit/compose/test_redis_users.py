@@ -104,7 +104,9 @@ def test_service_users_are_refused_every_dangerous_command(acl_users, machine_re
 
 
 def test_service_users_write_only_what_they_own(acl_users, run_id, machine_redis_url):
-    keys = {stream: f"rs:{run_id}:{stream}" for stream in
+    from rollstream.shared.contract.bus import Keys
+
+    keys = {stream: Keys(run_id).stream(stream) for stream in
             ("prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead")}
     writes = {"dispatcher": {"prompts"}, "gateway": {"trajectories"}, "agent-runner": {"prompts", "trajectories", "dead"},
               "sandbox-grader": {"trajectories", "grades", "dead"},
@@ -183,7 +185,7 @@ def test_the_gateway_user_can_keep_sessions_and_publish_their_samples(acl_users,
             bus, pipe, session, samples, status="completed", reward=1.0, response_text=None, artifacts={}, error=None))
         assert len(bus.read_all("trajectories")) == 4  # started, turn, segment, finished
     finally:
-        redis.Redis.from_url(machine_redis_url).delete(*redis.Redis.from_url(machine_redis_url).keys(f"rs:{run_id}:*"))
+        Bus(redis.Redis.from_url(machine_redis_url), run_id).delete_run()
 
 
 def test_the_vllm_user_finds_the_newest_policy_and_writes_nothing(acl_users, run_id, machine_redis_url, tmp_path):
