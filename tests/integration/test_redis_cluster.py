@@ -1,7 +1,8 @@
-"""A short run of the pipeline on a real Redis Cluster of three masters (local redis-server processes): every
-service connects with a cluster client (bus.cluster), and every key of the run sits in one hash slot, so the
-bus's transactions, scripts and consumer groups work as on one server. The audit of the run finds every admitted
-rollout trained once.
+"""A short scaled-out run: the pipeline on a real Redis Cluster of three masters (local redis-server processes)
+and a trainer of two DeepSpeed ranks (gloo) syncing the vLLM fleet. Every service connects with a cluster client
+(bus.cluster), and every key of the run sits in one hash slot, so the bus's transactions, scripts and consumer
+groups work as on one server. The audit of the run finds every admitted rollout trained once, and every version
+was served by vLLM with the trainer's logprobs.
 
 The sandbox-grader is left out, and the run grades nothing in a sandbox: RQ, which queues the grader's jobs,
 takes no cluster client; a deployment on a cluster gives the job queue a Redis of its own.
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import uuid
 
+import httpx
 import pytest
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from rollstream.cli.chaos.audit import RowLimits, audit_run
 from rollstream.cli.local_run import LocalRun
+from rollstream.shared.contract.archive import read_history
 from rollstream.shared.runtime.config import Settings
 
 pytestmark = pytest.mark.integration
@@ -32,17 +35,19 @@ def cluster_run(tmp_path_factory, redis_cluster_url, tiny_model):
         run_id=f"cluster-{uuid.uuid4().hex[:8]}", redis_url=redis_cluster_url, bus={"cluster": True},
         storage_uri=str(root / "runs"), model={"path": tiny_model},
         data={"samples_per_prompt": 4, "synthetic_sandbox_every": 0}, rollout={"max_tokens": 12},
-        train={"batch_size": 8, "total_versions": VERSIONS, "trackers": []},
+        train={"batch_size": 8, "total_versions": VERSIONS, "trackers": [], "backend": "deepspeed", "ranks": 2},
     )
     local = LocalRun(settings, services=("dispatcher", "agent-runner", "reward", "trainer", "recorder"))
     with local:
         local.wait_for_version(VERSIONS, timeout_s=600)
-    yield local
+        trainer = httpx.get(f"http://127.0.0.1:{local.health_ports['trainer']}/healthz", timeout=10).json()
+    yield local, trainer
     local.bus.delete_run()
 
 
 def test_a_run_on_a_redis_cluster_trains_every_admitted_rollout_once(cluster_run):
-    bus, settings = cluster_run.bus, cluster_run.settings
+    local, trainer = cluster_run
+    bus, settings = local.bus, local.settings
     assert isinstance(bus.redis, RedisCluster)
     report = audit_run(bus, settings.storage_uri, settings.train.max_staleness,
                        limits=RowLimits.of_model(settings.model.path))
@@ -54,3 +59,7 @@ def test_a_run_on_a_redis_cluster_trains_every_admitted_rollout_once(cluster_run
     assert len(keys) > 10 and {key_slot(key.encode()) for key in keys} == {key_slot(bus.keys.prefix.encode())}
     # the run's keys are spread over the cluster with other runs': its slot is on one of the three masters
     assert len(bus.redis.get_primaries()) == 3
+    updates = [d.event for d in read_history(bus, "policy", settings.storage_uri)]  # the recorder trims `policy`
+    assert [u.version for u in updates] == list(range(1, VERSIONS + 1))
+    assert all(u.servers and u.parity_max_abs_diff <= settings.train.parity_tolerance for u in updates)
+    assert trainer["ranks"] == 2
