@@ -4,30 +4,74 @@ after the previous policy update: generation waits for the slowest episode and f
 sync) and with max_staleness = eta > 0 (generation keeps going).
 
 The workload has heavy-tailed episode lengths (bench/heavy_tail_agent.py: most episodes ~2 turns, ~5%
-10-50x longer), keyed on the sample index with one seed, so both modes run the same prompts and the same
-episode lengths. Every mode is the real pipeline: dispatcher, agent-runner, sandbox-grader, reward and
-trainer as processes (cli/local_run.py) on the machine's Redis, against
-    real   one real vLLM CPU server with the tiny model, started once and shared by both modes, after an
+10-50x longer by default), keyed on the sample index with one seed, so every mode runs the same prompts
+with the same episode lengths in the same order. Every mode is the real pipeline: dispatcher, agent-runner,
+sandbox-grader, reward and recorder as processes (cli/local_run.py) on the machine's Redis, against
+    real   one real vLLM CPU server with the tiny model, started once and shared by every mode, after an
            untimed warm-up (vLLM on the CPU speeds up over its first few hundred requests);
-    sim    `--servers` simulated vLLM servers (bench/sim_fleet.py, one process, a latency model).
-Before each mode every server reloads the starting weights, so both modes start from the same policy.
+    sim    `--servers` simulated vLLM servers (bench/sim_fleet.py, one process, a latency model),
+and trained by
+    --trainer real      the trainer service, on this machine's CPU (its steps take seconds for the tiny model:
+                        against 64 simulated servers the fleet then waits for it, as no cluster's would);
+    --trainer sim-gpu   bench/sim_trainer.py in its place: the trainer's contract on the bus (BatchReady in,
+                        staleness drops, a fleet weight sync, PolicyUpdated out) with the step time of a GPU
+                        profile (--gpu-profile h100x8-7b: 40,000 trained tokens/s and 1 s per step, 1 s per
+                        weight sync; its docstring says where the numbers come from), or numbers given with
+                        --train-tokens-per-s, --step-overhead-s and --sync-s. The simulated servers stay
+                        paused for the sync time (their reload), every server at once.
+Before each mode every server reloads the starting weights, so every mode starts from the same policy. The
+dispatcher goes on admitting past the measured versions, as in a long run (--final-drain: it admits exactly
+versions x batch-size samples, and the last version waits for the slowest of them).
 
-Measured, per mode, over the window from the first admitted prompt to the last PolicyUpdated (event
+Measured, per mode, over the window from the first admitted prompt to PolicyUpdated v`--versions` (event
 envelope times):
-    samples/min   sum of PolicyUpdated.trained_samples / window (samples dropped as too stale do not count)
+    samples/min   sum of PolicyUpdated.trained_samples (batch rows: one per segment of an episode) / window;
+                  samples dropped as too stale do not count
     steady/min    trained samples of updates 2..V / (time of update V - time of update 1): no start-up ramp
     busy          fraction of the window a server had a request running, averaged over servers, from
-                  busy-time counters: the simulator's own (sim:busy_seconds_total); for vLLM those of a
-                  metering proxy in front of it (bench/sim_fleet.py --proxy-to: a completion in flight)
+                  busy-time counters: the simulator's own (sim:busy_seconds_total; a paused server is not
+                  busy); for vLLM those of a metering proxy in front of it (bench/sim_fleet.py --proxy-to: a
+                  completion in flight)
+    st.busy       busy from update 1 to update V (the window of steady/min)
     run/server    mean number of requests running per server (sim:running_seconds_total, same sources)
     gauge busy    the busy fraction polling vllm:num_requests_running > 0 gives (4 Hz for vLLM, 1 Hz for
                   the simulator); it misses short requests on a CPU vLLM server, whose /metrics is
                   answered between engine outputs
-    turns, tokens model turns and tokens sampled in the episodes (TrajectoryTurn events): the same work in
-                  both modes
+    step s, sync s  mean training step and weight sync of the trainer (PolicyUpdated.metrics)
+    trainer       fraction of the window the trainer stepped or synced
+    turns, tokens model turns and tokens sampled in the episodes published in the window
+    cores         CPU seconds the pipeline's processes (services, fleet, simulated trainer) used per second
+                  of the mode: this machine's share of the work, against its cores
 
-    python bench/bench_async.py [--mode real|sim|both] [--eta 4] [--batch-size 32] [--group 4] [--versions 8]
-                                [--servers 64] [--sim-decode-ms 25] [--sim-batch 8] [--keep]
+    python bench/bench_async.py [--mode real|sim|both] [--etas 0 4] [--batch-size 32] [--group 4]
+                                [--versions 8] [--servers 64] [--sim-decode-ms 25] [--sim-batch 8]
+                                [--trainer real|sim-gpu] [--gpu-profile h100x8-7b] [--keep]
+
+A cluster's proportions: 64 simulated servers, the simulated GPU trainer, eta 0, 1, 2 and 4 in one run
+(about 15 minutes on this 2-core machine, 7 of them the synchronous mode):
+    python bench/bench_async.py --mode sim --servers 64 --trainer sim-gpu --gpu-profile h100x8-7b \
+        --etas 0 1 2 4 --batch-size 256 --group 4 --versions 5 --concurrency 256 \
+        --max-tokens 256 --tail-min 3 --tail-max 6
+Why these settings: a turn of 256 tokens takes 6.4 s on a simulated server (25 ms a token), so 256 episodes
+at once (the agent-runner's concurrency: 4 requests per server) take ~40 turns a second, which the pipeline
+serves with about a third of one core; a batch of 256 then makes a version every ~18 s, against which a
+weight sync (every server paused for the profile's 1 s, 1.3-2 s here with the HTTP calls) costs under 10%
+of the fleet's time; a tail of 3-6x the median (at most 12 turns, ~78 s) keeps the synchronous mode, which
+waits for the slowest episode at every version, to ~87 s a version.
+
+Measured with that command (and again with --versions 6 while other jobs kept this machine's load at 4-7):
+    eta   samples/min      x sync        steady x      busy, steady busy       stale rows dropped
+    0     207.9 | 205.8    1    | 1      1    | 1      0.32 0.32 | 0.31 0.32   0 | 0
+    1     525.9 | 470.8    2.53 | 2.29   2.68 | 2.43   0.85 0.85 | 0.79 0.80   207 | 285
+    2     691.9 | 675.2    3.33 | 3.28   4.00 | 4.07   0.91 0.93 | 0.86 0.91   145 | 190
+    4     775.1 | 760.8    3.73 | 3.70   4.65 | 4.64   0.90 0.92 | 0.88 0.92   0 | 12
+What limits it: the agent-runner's concurrency (256: run/server 3.4-3.6 of 4) bounds the generation rate; the
+weight sync pauses the whole fleet once a version (~8% of its time at eta 4, more when the machine is loaded);
+the start-up (the first batch of 64 complete groups, then a step and a sync: the first update at 39-46 s)
+weighs on 5-6 versions (steady x is without it); with eta 1 and 2 the tail's episodes outlive their versions
+and are dropped. The CPU is not the bound: the pipeline used 0.24-0.36 of the 2 cores (`cores`; 0.55 below).
+With --concurrency 512 at eta 4 (run 1's settings): 983.6 samples/min (4.7x the synchronous 207.9), busy 0.86:
+versions every ~11 s, each with its pause.
 """
 
 from __future__ import annotations
@@ -35,6 +79,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import functools
 import json
 import os
 import shutil
@@ -49,15 +94,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 # run as a script, so bench/ is first on sys.path
 from heavy_tail_agent import ENV as AGENT_ENV
 from heavy_tail_agent import TailParams, banned_tokens, episode_turns
 from sim_fleet import parse_metrics
+from sim_trainer import PROFILES, SIM_TRAINER_READY, profile_from, starting_model_logprobs
 
-from rollstream.cli.local_run import LocalRun, ServiceDied
-from rollstream.shared.contract.archive import read_history
-from rollstream.shared.contract.bus import Bus
+from rollstream.cli.local_run import OPT_IN_SERVICES, SERVICES, LocalRun, ServiceDied
+from rollstream.shared.contract.archive import ArchiveReader, StreamHistory, read_history
+from rollstream.shared.contract.bus import Bus, StreamName
 from rollstream.shared.contract.events import PolicyUpdated, TrajectoryTurn, decode
 from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.runtime.config import Settings
@@ -74,22 +121,36 @@ class BenchFailed(RuntimeError):
 
 # ------------------------------------------------------------------------------------------ fleets
 class SimProcess:
-    """bench/sim_fleet.py in a process of its own (its event loop must not share a GIL with the bench)."""
+    """A bench simulator (bench/sim_fleet.py, bench/sim_trainer.py) in a process of its own (its event loop
+    must not share a GIL with the bench); started once it printed its ready line."""
 
-    def __init__(self, arguments: list[str], log_path: Path) -> None:
-        self.command = [sys.executable, str(BENCH / "sim_fleet.py"), *arguments]
+    def __init__(self, arguments: list[str], log_path: Path, script: str = "sim_fleet.py",
+                 ready_line: str = "SIM_FLEET_READY", env: dict[str, str] | None = None) -> None:
+        self.command = [sys.executable, str(BENCH / script), *arguments]
         self.log_path = log_path
+        self.ready_line = ready_line
+        self.env = env
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> list[str]:
+    def start_and_read(self) -> str:
+        """Start it; returns what follows its ready line."""
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=log, text=True,
-                                            start_new_session=True)
+                                            start_new_session=True, env=self.env)
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            if line.startswith("SIM_FLEET_READY "):
-                return json.loads(line.split(" ", 1)[1])["urls"]
-        raise RuntimeError(f"{self.command[2:]} exited with {self.process.wait()}; see {self.log_path}")
+            if line.startswith(self.ready_line + " "):
+                return line.split(" ", 1)[1].strip()
+        raise RuntimeError(f"{self.command[1:]} exited with {self.process.wait()}; see {self.log_path}")
+
+    def start(self) -> list[str]:
+        return json.loads(self.start_and_read())["urls"]
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -121,6 +182,9 @@ class RealFleet:
     def metric_urls(self, url: str) -> list[str]:
         return [f"{url}/meter/metrics", f"{url}/metrics"]
 
+    def pids(self) -> list[int]:
+        return [pid for pid in (self.server.pid, self.proxy and self.proxy.pid()) if pid]
+
     def stop(self) -> None:
         if self.proxy is not None:
             self.proxy.stop()
@@ -131,7 +195,8 @@ class SimulatedFleet:
     def __init__(self, model: Path, workdir: Path, args: argparse.Namespace) -> None:
         self.servers = args.servers
         self.process = SimProcess(["--servers", str(args.servers), "--model", str(model),
-                                   "--decode-ms", str(args.sim_decode_ms), "--prefill-ms", str(args.sim_prefill_ms),
+                                   "--decode-ms", str(args.sim_decode_ms),
+                                   "--prefill-ms", str(args.sim_prefill_ms),
                                    "--overhead-ms", str(args.sim_overhead_ms), "--batch", str(args.sim_batch),
                                    "--reload-s", str(args.sim_reload_s), "--seed", str(args.seed)],
                                   workdir / "sim-fleet.log")
@@ -141,6 +206,9 @@ class SimulatedFleet:
 
     def metric_urls(self, url: str) -> list[str]:
         return [f"{url}/metrics"]
+
+    def pids(self) -> list[int]:
+        return [pid for pid in (self.process.pid(),) if pid]
 
     def stop(self) -> None:
         self.process.stop()
@@ -163,7 +231,8 @@ async def warm_up(url: str, model: Path, requests: int, concurrency: int, max_to
             async with limit:
                 length = 20 + (index * 37) % (1000 - max_tokens - 20)
                 prompt = [3 + (index + i) % 300 for i in range(length)]
-                await fleet.complete(prompt, max_tokens=max_tokens, session_id=f"warm-{index % 64}", extra=extra)
+                await fleet.complete(prompt, max_tokens=max_tokens, session_id=f"warm-{index % 64}",
+                                     extra=extra)
 
         await asyncio.gather(*(one(i) for i in range(requests)))
 
@@ -260,68 +329,160 @@ class Result:
     per_min: float = float("nan")
     steady_per_min: float = float("nan")
     busy: float = float("nan")
+    steady_busy: float = float("nan")
+    """busy from update 1 to update V (the window of steady/min: no start-up)."""
     running: float = float("nan")
     gauge_busy: float = float("nan")
     turns: int = 0
     generated_tokens: int = 0
+    step_s: float = float("nan")
+    """Mean training step (PolicyUpdated.metrics train/step_seconds: simulated, or the real trainer's)."""
+    sync_s: float = float("nan")
+    """Mean weight sync (sync/seconds)."""
+    trainer_busy: float = float("nan")
+    """Fraction of the window the trainer stepped or synced."""
     update_times: list[float] = field(default_factory=list)
     run_dir: str = ""
+
+    cores: float = float("nan")
+    """CPU time of the pipeline's processes (services, fleet, simulated trainer) per second of the mode."""
 
     @property
     def mode(self) -> str:
         return "sync" if self.eta == 0 else "async"
 
 
-def run_mode(kind: str, fleet, urls: list[str], eta: int, args: argparse.Namespace, model: Path,
-             workdir: Path) -> Result:
-    asyncio.run(reload_all(urls, model))
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU time of these processes and their children so far (what exited is lost)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            for each in (process, *process.children(recursive=True)):
+                times = each.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:  # gone meanwhile
+            continue
+    return total
+
+
+def mode_settings(kind: str, eta: int, servers: int, args: argparse.Namespace, model: Path,
+                  workdir: Path) -> Settings:
     run_id = f"bench-async-{kind}-eta{eta}-{uuid.uuid4().hex[:8]}"
-    settings = Settings(
-        run_id=run_id, redis_url=args.redis_url, storage_uri=str(workdir / "runs"), log_level="WARNING",
+    # Admission goes on past the measured versions, as in a long run, unless --final-drain: the last
+    # measured version then waits for the slowest sample admitted, which no long run does at every step.
+    admitted_versions = args.versions if args.final_drain else args.versions + eta + 1
+    train = {"batch_size": args.batch_size, "max_staleness": eta, "total_versions": admitted_versions,
+             "seed": args.seed}
+    sync_concurrency = args.sync_concurrency or (servers if args.trainer == "sim-gpu" else None)
+    if sync_concurrency:
+        train["sync_concurrency"] = sync_concurrency
+    # INFO, not less: the local run finds each service's health port in its "service started" line
+    return Settings(
+        run_id=run_id, redis_url=args.redis_url, storage_uri=str(workdir / "runs"), log_level="INFO",
         model={"path": model},
         data={"samples_per_prompt": args.group, "synthetic_sandbox_every": 0, "seed": args.seed},
         rollout={"max_tokens": args.max_tokens, "concurrency": args.concurrency},
         agent={"default": AGENT, "max_turns": 100_000, "max_total_tokens": args.max_total_tokens},
-        train={"batch_size": args.batch_size, "max_staleness": eta, "total_versions": args.versions, "seed": args.seed},
+        train=train,
     )
+
+
+def pipeline_services(settings: Settings, args: argparse.Namespace) -> tuple[str, ...]:
+    """What LocalRun starts by default, less the trainer when the simulated one stands in for it."""
+    return tuple(name for name in SERVICES if name not in OPT_IN_SERVICES
+                 and (name != "recorder" or settings.recorder.enabled)
+                 and (name != "trainer" or args.trainer == "real"))
+
+
+@functools.cache
+def probe_logprobs_json(model_path: str) -> str:
+    """Computed once here, so that the simulated trainer needs no torch and is ready within a second."""
+    return json.dumps(starting_model_logprobs(model_path))
+
+
+def start_sim_trainer(local: LocalRun, args: argparse.Namespace) -> SimProcess:
+    """bench/sim_trainer.py on the run's configuration (RS_CONFIG_FILE, written by local.start())."""
+    arguments = ["--gpu-profile", args.gpu_profile,
+                 "--expected-logprobs", probe_logprobs_json(str(local.settings.model.path))]
+    if args.train_tokens_per_s is not None:
+        arguments += ["--train-tokens-per-s", str(args.train_tokens_per_s)]
+    if args.step_overhead_s is not None:
+        arguments += ["--step-overhead-s", str(args.step_overhead_s)]
+    trainer = SimProcess(arguments, local.log_dir / "sim-trainer.log", script="sim_trainer.py",
+                         ready_line=SIM_TRAINER_READY, env=local.env)
+    trainer.start_and_read()
+    return trainer
+
+
+def run_mode(kind: str, fleet, urls: list[str], eta: int, args: argparse.Namespace, model: Path,
+             workdir: Path) -> Result:
+    asyncio.run(reload_all(urls, model))
+    settings = mode_settings(kind, eta, len(urls), args, model, workdir)
     result = Result(fleet=kind, servers=fleet.servers, eta=eta, versions=args.versions)
     poller = MetricsPoller({url: fleet.metric_urls(url) for url in urls},
                            interval_s=0.25 if len(urls) == 1 else 1.0).start()
-    local = LocalRun(settings, fleet_urls=urls)
+    local = LocalRun(settings, fleet_urls=urls, services=pipeline_services(settings, args))
+    trainer: SimProcess | None = None
     result.run_dir = str(local.run_dir)
     started = time.time()
-    print(f"  {kind} eta={eta}: run {run_id}, logs in {local.log_dir}", flush=True)
+    print(f"  {kind} eta={eta}: run {settings.run_id}, logs in {local.log_dir}", flush=True)
+
+    def check_trainer(_progress) -> None:
+        if trainer is not None and trainer.exit_code() is not None:
+            raise ServiceDied(f"sim-trainer exited with {trainer.exit_code()}:\n"
+                              + tail(trainer.log_path, 30))
+
     try:
         local.start()
-        progress = local.wait_for_version(args.versions, timeout_s=args.timeout)
+        if args.trainer == "sim-gpu":
+            trainer = start_sim_trainer(local, args)
+        pids = [p.pid for p in local.processes.values()] + fleet.pids() + ([trainer.pid()] if trainer else [])
+        cpu_started, measuring_since = cpu_seconds(pids), time.time()
+        progress = local.wait_for_version(args.versions, timeout_s=args.timeout, on_progress=check_trainer)
+        result.cores = (cpu_seconds(pids) - cpu_started) / (time.time() - measuring_since)
         result.total_s = time.time() - started
         result.finished = progress.finished
     except BaseException as exc:
         if isinstance(exc, (ServiceDied, TimeoutError)):
             for name in local.processes:
                 print(f"--- {name} (last lines)\n{local.log_tail(name, 30)}", file=sys.stderr)
+        if trainer is not None:
+            trainer.stop()
         local.stop()
         poller.stop()
         if local.bus is not None:
             local.bus.delete_run()
-        if isinstance(exc, (ServiceDied, TimeoutError)):
+        if isinstance(exc, (ServiceDied, TimeoutError, RuntimeError)):
             raise BenchFailed(f"{kind} eta={eta} failed: {exc}; logs in {local.log_dir}") from exc
         raise
     time.sleep(2 * poller.interval_s + 0.5)  # a scrape past the last update: the counters cover the window
     poller.stop()
-    bus = local.bus
-    assert bus is not None
-    first_prompt = bus.redis.xrange(bus.keys.stream("prompts"), count=1)
-    t0 = decode(first_prompt[0][1]).time
-    updates = [(d.envelope.time, d.event) for d in read_history(bus, "policy", local.settings.storage_uri)
-               if isinstance(d.event, PolicyUpdated)]
-    result.turns, result.generated_tokens = episode_work(bus)
+    if trainer is not None:
+        trainer.stop()
+    measure(result, local, poller)
     local.stop()
     if not args.keep:
-        bus.delete_run()
+        local.bus.delete_run()
+    print(f"    window {result.window_s:.1f}s, trained {result.trained}, dropped {result.dropped}, "
+          f"{result.per_min:.1f} samples/min, busy {result.busy:.2f}, step {result.step_s:.2f}s, "
+          f"sync {result.sync_s:.2f}s; updates at " + ", ".join(f"{t:.0f}" for t in result.update_times)
+          + " s", flush=True)
+    return result
 
+
+def measure(result: Result, local: LocalRun, poller: MetricsPoller) -> None:
+    """The mode's numbers, from its streams (event envelope times) and the fleet's counters."""
+    bus = local.bus
+    assert bus is not None
+    storage_uri = local.settings.storage_uri
+    t0 = decode(history(bus, "prompts", storage_uri, count=1)[0][1]).time
+    # the trainer goes on past the measured versions while admission does: those updates are not measured
+    updates = [(d.envelope.time, d.event) for d in read_history(bus, "policy", storage_uri)
+               if isinstance(d.event, PolicyUpdated) and d.event.version <= result.versions]
     times = [t for t, _ in updates]
     t1 = times[-1]
+    result.turns, result.generated_tokens = episode_work(bus, storage_uri, until=t1)
     result.update_times = [t - t0 for t in times]
     result.trained = sum(u.trained_samples for _, u in updates)
     result.dropped = sum(u.dropped.get("stale", 0) for _, u in updates)
@@ -329,35 +490,48 @@ def run_mode(kind: str, fleet, urls: list[str], eta: int, args: argparse.Namespa
     result.per_min = 60 * result.trained / result.window_s
     if len(updates) >= 2 and t1 > times[0]:
         result.steady_per_min = 60 * sum(u.trained_samples for _, u in updates[1:]) / (t1 - times[0])
+        result.steady_busy = poller.utilisation(times[0], t1)[0]
     result.busy, result.running, result.gauge_busy = poller.utilisation(t0, t1)
-    print(f"    window {result.window_s:.1f}s, trained {result.trained}, dropped {result.dropped}, "
-          f"{result.per_min:.1f} samples/min, busy {result.busy:.2f}; updates at "
-          + ", ".join(f"{t:.0f}" for t in result.update_times) + " s", flush=True)
-    return result
+    steps = [u.metrics.get("train/step_seconds", float("nan")) for _, u in updates]
+    syncs = [u.metrics.get("sync/seconds", float("nan")) for _, u in updates]
+    result.step_s = sum(steps) / len(steps)
+    result.sync_s = sum(syncs) / len(syncs)
+    result.trainer_busy = (sum(steps) + sum(syncs)) / result.window_s
 
 
-def episode_work(bus: Bus) -> tuple[int, int]:
-    """Turns and sampled tokens of every published episode (the fleet's own counters also count the
-    trainer's parity probes)."""
+def tail(path: Path, lines: int) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def history(bus: Bus, stream: StreamName, storage_uri: str, count: int | None = None) -> list:
+    """A stream's raw entries from its start: the recorder trims the live streams behind its archive."""
+    return StreamHistory(bus, stream, ArchiveReader(storage_uri, bus.keys.run_id)).new_entries(count)
+
+
+def episode_work(bus: Bus, storage_uri: str, until: float) -> tuple[int, int]:
+    """Turns and sampled tokens of the episodes published up to `until` (the fleet's own counters also
+    count the trainer's parity probes, and admission goes on after the window)."""
     turns = tokens = 0
-    for _, fields in bus.redis.xrange(bus.keys.stream("trajectories")):
+    for _, fields in history(bus, "trajectories", storage_uri):
         if fields.get(b"type") == TrajectoryTurn.TYPE.encode():
-            turns += 1
-            tokens += len(decode(fields).payload.response_ids)
+            envelope = decode(fields)
+            if envelope.time <= until:
+                turns += 1
+                tokens += len(envelope.payload.response_ids)
     return turns, tokens
 
 
 def run_fleet(kind: str, args: argparse.Namespace, model: Path, workdir: Path) -> list[Result]:
     fleet = RealFleet(model, workdir) if kind == "real" else SimulatedFleet(model, workdir, args)
-    print(f"{kind}: starting {'vLLM (CPU)' if kind == 'real' else f'{args.servers} simulated servers'}", flush=True)
+    what = "vLLM (CPU)" if kind == "real" else f"{args.servers} simulated servers"
+    print(f"{kind}: starting {what}", flush=True)
     results = []
     try:
         urls = fleet.start()
         if kind == "real" and args.warmup:
             print(f"  warm-up: {args.warmup} untimed requests", flush=True)
             asyncio.run(warm_up(urls[0], model, args.warmup, args.concurrency, args.max_tokens))
-        etas = [0, args.eta] if args.order == "sync-first" else [args.eta, 0]
-        for eta in etas:
+        for eta in args.etas:
             results.append(run_mode(kind, fleet, urls, eta, args, model, workdir))
     finally:
         fleet.stop()
@@ -369,70 +543,121 @@ def report(results: list[Result], args: argparse.Namespace, params: TailParams) 
     turns = [episode_turns(i, params) for i in range(args.batch_size * args.versions)]
     long = sum(t >= params.median_turns * params.tail_min for t in turns)
     print()
-    print(f"workload: B={args.batch_size} (n={args.group}), {args.versions} versions = {len(turns)} episodes, "
-          f"{args.max_tokens} tokens/turn, turns median {sorted(turns)[len(turns) // 2]}, max {max(turns)}, "
-          f"{long} episodes >= {params.tail_min:g}x median, {sum(turns)} turns in all; agent-runner concurrency "
-          f"{args.concurrency}; seed {args.seed}")
+    print(f"workload: B={args.batch_size} (n={args.group}), {args.versions} versions = {len(turns)} "
+          f"episodes, {args.max_tokens} tokens/turn, turns median {sorted(turns)[len(turns) // 2]}, "
+          f"max {max(turns)}, "
+          f"{long} episodes >= {params.tail_min:g}x median, {sum(turns)} turns in all; "
+          f"agent-runner concurrency {args.concurrency}; seed {args.seed}; "
+          + ("admitting only these" if args.final_drain else "admission going on past them"))
     if any(r.fleet == "sim" for r in results):
-        print(f"simulated servers: decode {args.sim_decode_ms} ms/token, prefill {args.sim_prefill_ms} ms/token, "
-              f"overhead {args.sim_overhead_ms} ms/request, full speed up to {args.sim_batch} requests, "
-              f"reload {args.sim_reload_s} s")
-    header = (f"{'fleet':<6}{'servers':>8}{'mode':>7}{'eta':>5}{'versions':>9}{'trained':>9}{'dropped':>9}"
-              f"{'window s':>10}{'samples/min':>13}{'steady/min':>12}{'busy':>7}{'run/server':>12}"
-              f"{'gauge busy':>12}{'turns':>7}{'tokens':>8}{'wall s':>8}")
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        print(f"{r.fleet:<6}{r.servers:>8}{r.mode:>7}{r.eta:>5}{r.versions:>9}{r.trained:>9}{r.dropped:>9}"
-              f"{r.window_s:>10.1f}{r.per_min:>13.1f}{r.steady_per_min:>12.1f}{r.busy:>7.2f}{r.running:>12.2f}"
-              f"{r.gauge_busy:>12.2f}{r.turns:>7}{r.generated_tokens:>8}{r.total_s:>8.1f}")
+        print(f"simulated servers: decode {args.sim_decode_ms} ms/token, prefill {args.sim_prefill_ms} "
+              f"ms/token, overhead {args.sim_overhead_ms} ms/request, full speed up to {args.sim_batch} "
+              f"requests, reload {args.sim_reload_s} s")
+    if args.trainer == "sim-gpu":
+        profile = profile_from(args.gpu_profile, args.train_tokens_per_s, args.step_overhead_s, args.sync_s)
+        print(f"trainer: simulated GPUs (bench/sim_trainer.py), {profile.describe_step()}, sync "
+              f"{profile.sync_s:g} s per server, {args.sync_concurrency or 'every server'} at once")
+    else:
+        print("trainer: the trainer service (services/trainer) on this machine's CPU")
+    print_table(results)
     for kind in ("real", "sim"):
         sync = next((r for r in results if r.fleet == kind and r.eta == 0), None)
-        asyn = next((r for r in results if r.fleet == kind and r.eta != 0), None)
-        if sync and asyn:
-            print(f"async/sync {kind} ({sync.servers} server{'s' if sync.servers > 1 else ''}, eta={asyn.eta}): "
+        for asyn in (r for r in results if sync is not None and r.fleet == kind and r.eta != 0):
+            servers = f"{sync.servers} server{'s' if sync.servers > 1 else ''}"
+            print(f"async/sync {kind} ({servers}, eta={asyn.eta}): "
                   f"samples/min x{asyn.per_min / sync.per_min:.2f}, "
                   f"steady x{asyn.steady_per_min / sync.steady_per_min:.2f}, "
-                  f"busy {sync.busy:.2f} -> {asyn.busy:.2f}, run/server {sync.running:.2f} -> {asyn.running:.2f}, "
+                  f"busy {sync.busy:.2f} -> {asyn.busy:.2f} (steady {sync.steady_busy:.2f} -> "
+                  f"{asyn.steady_busy:.2f}), run/server {sync.running:.2f} -> {asyn.running:.2f}, "
                   f"window {sync.window_s:.0f}s -> {asyn.window_s:.0f}s")
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in results], indent=2, default=str))
 
 
-def main() -> None:
+COLUMNS = (  # title, width, Result attribute, format
+    ("fleet", 6, "fleet", "<"), ("servers", 8, "servers", ""), ("mode", 7, "mode", ""), ("eta", 5, "eta", ""),
+    ("versions", 9, "versions", ""), ("trained", 9, "trained", ""), ("dropped", 9, "dropped", ""),
+    ("window s", 10, "window_s", ".1f"), ("samples/min", 13, "per_min", ".1f"),
+    ("steady/min", 12, "steady_per_min", ".1f"), ("busy", 7, "busy", ".2f"),
+    ("st.busy", 9, "steady_busy", ".2f"), ("run/server", 12, "running", ".2f"),
+    ("gauge busy", 12, "gauge_busy", ".2f"), ("step s", 8, "step_s", ".2f"), ("sync s", 8, "sync_s", ".2f"),
+    ("trainer", 9, "trainer_busy", ".2f"), ("turns", 7, "turns", ""), ("tokens", 9, "generated_tokens", ""),
+    ("cores", 7, "cores", ".2f"), ("wall s", 8, "total_s", ".1f"),
+)
+
+
+def print_table(results: list[Result]) -> None:
+    header = "".join(f"{title:{'<' if align == '<' else '>'}{width}}" for title, width, _, align in COLUMNS)
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print("".join(f"{getattr(r, name):{'<' if spec == '<' else '>'}{width}{'' if spec == '<' else spec}}"
+                      for _, width, name, spec in COLUMNS))
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("real", "sim", "both"), default="both")
-    parser.add_argument("--eta", type=int, default=4, help="max staleness of the async mode (> 0)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--group", type=int, default=4, help="samples per prompt (n)")
-    parser.add_argument("--versions", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per turn")
-    parser.add_argument("--max-total-tokens", type=int, default=1024, help="context of one segment")
-    parser.add_argument("--concurrency", type=int, default=256, help="episodes the agent-runner runs at once")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--median-turns", type=int, default=2)
-    parser.add_argument("--tail-fraction", type=float, default=0.05)
-    parser.add_argument("--tail-min", type=float, default=10.0)
-    parser.add_argument("--tail-max", type=float, default=50.0)
-    parser.add_argument("--servers", type=int, default=64, help="simulated servers")
-    parser.add_argument("--sim-decode-ms", type=float, default=25.0)
-    parser.add_argument("--sim-prefill-ms", type=float, default=0.1)
-    parser.add_argument("--sim-overhead-ms", type=float, default=2.0)
-    parser.add_argument("--sim-batch", type=int, default=8)
-    parser.add_argument("--sim-reload-s", type=float, default=0.05)
-    parser.add_argument("--warmup", type=int, default=400, help="untimed requests to vLLM before the real modes")
-    parser.add_argument("--order", choices=("sync-first", "async-first"), default="sync-first")
-    parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-llama")
-    parser.add_argument("--redis-url", default=os.environ.get("RS_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds one mode may take")
-    parser.add_argument("--workdir", type=Path, default=None, help="default: a new directory under /tmp")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the work directory (logs, checkpoints) and the runs' Redis streams")
-    parser.add_argument("--json", default=None, help="also write the results here")
+    add = parser.add_argument
+    add("--mode", choices=("real", "sim", "both"), default="both")
+    add("--eta", type=int, default=4, help="max staleness of the async mode (> 0)")
+    add("--etas", type=int, nargs="+", default=None,
+        help="max staleness of each mode, run in this order (0: synchronous); default: 0 and --eta")
+    add("--batch-size", type=int, default=32)
+    add("--group", type=int, default=4, help="samples per prompt (n)")
+    add("--versions", type=int, default=8, help="policy versions measured")
+    add("--final-drain", action="store_true",
+        help="admit only versions x batch-size samples (the last version waits for every one of them); "
+             "default: admission goes on past the measured versions")
+    add("--max-tokens", type=int, default=16, help="tokens per turn")
+    add("--max-total-tokens", type=int, default=1024, help="context of one segment")
+    add("--concurrency", type=int, default=256, help="episodes the agent-runner runs at once")
+    add("--seed", type=int, default=0)
+    add("--median-turns", type=int, default=2)
+    add("--tail-fraction", type=float, default=0.05)
+    add("--tail-min", type=float, default=10.0)
+    add("--tail-max", type=float, default=50.0)
+    add("--servers", type=int, default=64, help="simulated servers")
+    add("--sim-decode-ms", type=float, default=25.0)
+    add("--sim-prefill-ms", type=float, default=0.1)
+    add("--sim-overhead-ms", type=float, default=2.0)
+    add("--sim-batch", type=int, default=8)
+    add("--sim-reload-s", type=float, default=None,
+        help="a server's weight reload; default: the sync time of the GPU profile with --trainer sim-gpu, "
+             "else 0.05")
+    add("--trainer", choices=("real", "sim-gpu"), default="real",
+        help="the trainer service on this CPU, or bench/sim_trainer.py with a GPU profile's step time")
+    add("--gpu-profile", choices=sorted(PROFILES), default="h100x8-7b")
+    add("--train-tokens-per-s", type=float, default=None, help="overrides the GPU profile's")
+    add("--step-overhead-s", type=float, default=None, help="overrides the GPU profile's")
+    add("--sync-s", type=float, default=None,
+        help="overrides the GPU profile's sync time (the simulated servers' reload)")
+    add("--sync-concurrency", type=int, default=None,
+        help="train.sync_concurrency; default: every server at once with --trainer sim-gpu (as a broadcast "
+             "would), else the trainer's default")
+    add("--warmup", type=int, default=400, help="untimed requests to vLLM before the real modes")
+    add("--order", choices=("sync-first", "async-first"), default="sync-first", help="without --etas")
+    add("--model", type=Path, default=ROOT / "models" / "tiny-llama")
+    add("--redis-url", default=os.environ.get("RS_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    add("--timeout", type=float, default=1500.0, help="seconds one mode may take")
+    add("--workdir", type=Path, default=None, help="default: a new directory under /tmp")
+    add("--keep", action="store_true",
+        help="keep the work directory (logs, checkpoints) and the runs' Redis streams")
+    add("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     if args.eta < 1:
         parser.error("--eta is the async mode's staleness and must be at least 1")
+    if args.etas is None:
+        args.etas = [0, args.eta] if args.order == "sync-first" else [args.eta, 0]
+    if min(args.etas) < 0:
+        parser.error("--etas must be 0 (synchronous) or more")
+    if args.sim_reload_s is None:
+        profile = profile_from(args.gpu_profile, sync_s=args.sync_s)
+        args.sim_reload_s = profile.sync_s if args.trainer == "sim-gpu" else 0.05
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     model = args.model.resolve()
     if not (model / "config.json").exists():
         from rollstream.cli.model.tiny_model import build_tiny_model
