@@ -284,6 +284,17 @@ def vllm_servers(model: Path, log_dir: Path, count: int = 2):
             server.stop()
 
 
+def reload_weights(urls: list[str], weights: Path) -> None:
+    """Make the servers serve `weights` (a test that trains into the shared pair puts the tiny model back)."""
+
+    async def reload() -> None:
+        async with FleetClient(urls) as fleet:
+            for url in urls:
+                await fleet.reload_weights(url, str(weights))
+
+    asyncio.run(reload())
+
+
 def revive(servers: list[VllmServer]) -> list[VllmServer]:
     """The servers (tests/integration/conftest.py's vllm_pair), with any that exited started again on its port,
     in its place."""

