@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.shared.contract.bus import Bus, connect_redis
+from rollstream.shared.contract.bus import Bus
 from rollstream.shared.runtime.config import BusSettings
 from tests.support import DOES_NOT_APPLY, docker_client
 
@@ -134,13 +134,13 @@ def run_id():
 @pytest.fixture
 def bus(redis_url, run_id, request):
     """A bus of its own run; on a Redis Cluster where the test's redis_url is its `cluster` parameter."""
-    cluster = getattr(request.node, "callspec", None) and request.node.callspec.params.get("redis_url") == "cluster"
-    settings = BusSettings(block_ms=50, reclaim_idle_ms=200, max_deliveries=3, cluster=bool(cluster))
-    client = connect_redis(redis_url, ride_out_outages=False, cluster=settings.cluster)
-    bus = Bus(client, run_id, settings)
+    callspec = getattr(request.node, "callspec", None)
+    cluster = callspec is not None and callspec.params.get("redis_url") == "cluster"
+    settings = BusSettings(block_ms=50, reclaim_idle_ms=200, max_deliveries=3, cluster=cluster)
+    bus = Bus.connect(redis_url, run_id, settings, ride_out_outages=False)
     yield bus
     bus.delete_run()
-    client.close()
+    bus.redis.close()
 
 
 @pytest.fixture(scope="session")

@@ -239,8 +239,8 @@ def assert_turns_sampled_by_vllm(settings, segment: TrajectorySegment, turns: li
                 assert again.token_ids == turn.response_ids
             if not turns:
                 return
-            # every turn's response sits in the segment at its offset: one scoring of the segment up to the last
-            # response gives each of them the logprobs vLLM computes for it after its own prompt
+            # every turn's response sits in the segment at its offset: one scoring of the segment up to the
+            # last response gives each of them the logprobs vLLM computes for it after its own prompt
             end = max(turn.offset + len(turn.response_ids) for turn in turns)
             scored = await fleet.prompt_logprobs(fleet.urls[0], segment.tokens[:end])
             for turn in turns:
@@ -284,6 +284,13 @@ def vllm_servers(model: Path, log_dir: Path, count: int = 2):
             server.stop()
 
 
+def redis_passwords() -> dict[str, str]:
+    """A fresh password per Redis user, as infra/redis-passwords.sh writes them for compose's .env."""
+    made = subprocess.run(["sh", str(REPO / "infra" / "redis-passwords.sh")], capture_output=True, text=True,
+                          check=True).stdout
+    return dict(line.split("=", 1) for line in made.split())
+
+
 def reload_weights(urls: list[str], weights: Path) -> None:
     """Make the servers serve `weights` (a test that trains into the shared pair puts the tiny model back)."""
 
@@ -314,8 +321,12 @@ def revive(servers: list[VllmServer]) -> list[VllmServer]:
 def local_redis_cluster(directory: Path, masters: int = 3):
     """A Redis Cluster of `masters` redis-server processes on loopback ports (no replicas), made with
     `redis-cli --cluster create`; yields the URL of its first node. Every process is stopped at the end."""
+
+    def cli(port: int, *args: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True).stdout
+
     free: set[int] = set()
-    while len(free) < 2 * masters:  # a client port and a cluster bus port per node (not port + 10000: > 65535)
+    while len(free) < 2 * masters:  # a client and a cluster bus port per node (port + 10000 may pass 65535)
         free.add(free_port())
     ports, bus_ports = sorted(free)[:masters], sorted(free)[masters:]
     nodes = []
@@ -323,17 +334,17 @@ def local_redis_cluster(directory: Path, masters: int = 3):
         for port, bus_port in zip(ports, bus_ports):
             nodes.append(subprocess.Popen(
                 ["redis-server", "--port", str(port), "--cluster-port", str(bus_port), "--bind", "127.0.0.1",
-                 "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf", "--dir", str(directory),
-                 "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                 "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                 "--dir", str(directory), "--save", "", "--appendonly", "no"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port in ports:
-            wait_for(lambda port=port: subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True,
-                                                      text=True).stdout.strip() == "PONG", 30, f"redis on {port}")
+            wait_for(lambda port=port: cli(port, "ping").strip() == "PONG", 30, f"redis on {port}")
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
         for port in ports:
-            wait_for(lambda port=port: "cluster_state:ok" in subprocess.run(
-                ["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True).stdout,
-                30, f"cluster state on {port}")
+            wait_for(lambda port=port: "cluster_state:ok" in cli(port, "cluster", "info"), 30,
+                     f"cluster state on {port}")
         yield f"redis://127.0.0.1:{min(ports)}/0"
     finally:
         for node in nodes:

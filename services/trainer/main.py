@@ -15,12 +15,13 @@ exists. For each batch (services/trainer/training.py):
 
 The trainer trains on train.ranks data-parallel processes (DeepSpeed), or on the WORLD_SIZE of a launcher of
 the user's own: rank 0 leads, the others train their share of each batch in step with it
-(services/trainer/ranks.py). One trainer trains a run: a second one started for it stands by (`/healthz` status `state`) until the first's
-lock lapses (shared/contract/run_lock.py; TRAINER_LOCK_TTL_MS after a kill), and a trainer that lost the lock
-stops at its next batch without syncing or publishing it. Restarts are exact: a trainer starts from the
-checkpoint of its own last PolicyUpdated (weights, optimizer and RNG state; one whose batch it never trained
-was not written by it and is passed over) and first finishes the batches its predecessor left pending, in
-order. A batch is part of the model once its PolicyUpdated exists, and never again.
+(services/trainer/ranks.py). One trainer trains a run: a second one started for it stands by (`/healthz`
+status `state`) until the first's lock lapses (shared/contract/run_lock.py; TRAINER_LOCK_TTL_MS after a kill),
+and a trainer that lost the lock stops at its next batch without syncing or publishing it. Restarts are exact:
+a trainer starts from the checkpoint of its own last PolicyUpdated (weights, optimizer and RNG state; one
+whose batch it never trained was not written by it and is passed over) and first finishes the batches its
+predecessor left pending, in order. A batch is part of the model once its PolicyUpdated exists, and never
+again.
 
 One entry's failure is that entry's: an entry of another type than BatchReady (by the bus's
 decode_on), or a BatchReady whose file is not the batch it announces, is dead-lettered at once; one
@@ -30,7 +31,7 @@ batch left pending) only when the fleet cannot be made to serve a new version: a
 keeps failing, or logprobs that differ from the trainer's.
 
     rollstream-trainer           # configured by RS_* variables or RS_CONFIG_FILE
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m rollstream.services.trainer.main   # ranks over several nodes
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m rollstream.services.trainer.main   # over several nodes
 """
 
 from __future__ import annotations
@@ -132,11 +133,12 @@ def lead(settings: Settings, ranks: Ranks) -> None:
 
 
 def follow(settings: Settings, ranks: Ranks) -> None:
-    """Another rank: no Redis, no fleet; it trains what the leader hands out, and stops when the leader says so
-    (a SIGTERM from the launcher reaches the leader too, which then says so)."""
+    """Another rank: no Redis, no fleet; it trains what the leader hands out, and stops when the leader says
+    so (a SIGTERM from the launcher reaches the leader too, which then says so)."""
     configure_logging("trainer", settings.log_level)
     log = logging.getLogger("trainer")
-    signal.signal(signal.SIGTERM, lambda *_: log.info("stop requested; waiting for rank 0", extra={"rank": ranks.rank}))
+    signal.signal(signal.SIGTERM,
+                  lambda *_: log.info("stop requested; waiting for rank 0", extra={"rank": ranks.rank}))
     command = ranks.share()
     while command.kind == "standby":
         command = ranks.share()

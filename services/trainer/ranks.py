@@ -75,9 +75,9 @@ class Ranks:
             dist.barrier()
 
     def own_share(self, micros: list) -> tuple[list, int]:
-        """This rank's micro-batches of a minibatch (every world_size-th), then zero-weight copies until every rank
-        has as many: each backward is a gradient reduction and, under ZeRO-3, each forward a gather, which every
-        rank must take part in. Returns them and how many are real (the copies come last)."""
+        """This rank's micro-batches of a minibatch (every world_size-th), then zero-weight copies until every
+        rank has as many: each backward is a gradient reduction and, under ZeRO-3, each forward a gather,
+        which every rank must take part in. Returns them and how many are real (the copies come last)."""
         mine = micros[self.rank::self.world_size]
         each = math.ceil(len(micros) / self.world_size)
         padding = [replace(micros[0], weights=micros[0].weights.new_zeros(micros[0].weights.shape))

@@ -152,11 +152,11 @@ def select_fresh(rows: list[BatchRow], version: int, max_staleness: int) -> tupl
 
 
 class Trainer:
-    """One rank of the trainer. `start` is the PolicyUpdated to resume from (None: the starting model); the leader
-    (ranks.leader) alone has the bus and the fleet, syncs and publishes (services/trainer/ranks.py)."""
+    """One rank of the trainer. `start` is the PolicyUpdated to resume from (None: the starting model); the
+    leader (ranks.leader) alone has the bus and the fleet, syncs and publishes (services/trainer/ranks.py)."""
 
-    def __init__(self, settings: Settings, storage: Storage, start: PolicyUpdated | None, bus: Bus | None = None,
-                 ranks: Ranks = Ranks()) -> None:
+    def __init__(self, settings: Settings, storage: Storage, start: PolicyUpdated | None,
+                 bus: Bus | None = None, ranks: Ranks = Ranks()) -> None:
         import torch
 
         from rollstream.services.trainer.backends.base import load_model
@@ -257,7 +257,7 @@ class Trainer:
         })
         if fresh or usable:
             self.probe = (fresh or usable)[0].tokens[:PROBE_TOKENS]
-        # a forward every rank takes part in (ZeRO-3 gathers the weights for it), for the leader's parity check
+        # the leader's parity check: a forward every rank takes part in (ZeRO-3 gathers the weights for it)
         expected = self.trainer_logprobs(self.probe) if self.settings.fleet.urls else []
         return TrainedStep(version=version, checkpoint=checkpoint, probe=self.probe, trained=len(fresh),
                            dropped=dropped, expected=expected, metrics=metrics)
@@ -273,7 +273,7 @@ class Trainer:
         )
 
         torch, cfg, backend = self.torch, self.settings.train, self.backend
-        # each rank runs its share of every minibatch's micro-batches, and only the real ones count in the stats
+        # each rank runs its share of every minibatch's micro-batches; only the real ones count in the stats
         plan = [self.ranks.own_share(make_micro_batches(part, cfg.loss_aggregation, cfg.micro_batch_tokens,
                                                         self.pad_id, backend.device))
                 for part in split_minibatches(rows, cfg.minibatches)]
@@ -308,7 +308,7 @@ class Trainer:
                 if key != "weight"}
 
     def save_checkpoint(self, version: int) -> Path:
-        """Write the training state of `version` (every rank its part; the leader the files the fleet loads)."""
+        """Write the training state of `version`: every rank its part, the leader the files the fleet loads."""
         final = self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
         temp = final.with_name(final.name + ".tmp")
         if self.ranks.leader:
@@ -392,16 +392,16 @@ class Trainer:
     def train_step(self, batch: BatchReady, trained_key: str,
                    still_held: Callable[[], bool] = lambda: True) -> PolicyUpdated:
         """Train on one batch (with every rank), sync the fleet and publish the version, unless `still_held()`
-        says this trainer lost the run to another one meanwhile (StopConsuming: the batch stays pending for the
-        holder). The leader's work: the other ranks follow() it."""
+        says this trainer lost the run to another one meanwhile (StopConsuming: the batch stays pending for
+        the holder). The leader's work: the other ranks follow() it."""
         rows = self.load_batch(batch)
         self.ranks.share(Command("train", (batch, rows)))
         try:
             step = self.train(batch, rows)
         except Exception as exc:
             if self.ranks.world_size > 1:
-                # the other ranks are somewhere in the same step: the launcher starts the group again, from the
-                # published version
+                # the other ranks are somewhere in the same step: the launcher starts the group again, from
+                # the published version
                 raise StopConsuming(f"rank 0 failed training on batch {batch.batch_id}: {exc}") from exc
             # The optimizer may have stepped already: a retry of this batch (or the next batch) must
             # start from the published version, not from a half-trained model.
@@ -446,8 +446,8 @@ class Trainer:
         return update
 
     def follow(self) -> str:
-        """A rank other than the leader: train on the batches the leader hands out, in step with it, until it says
-        stop; returns why it did."""
+        """A rank other than the leader: train on the batches the leader hands out, in step with it, until it
+        says stop; returns why it did."""
         while True:
             command = self.ranks.share()
             if command.kind == "train":
@@ -455,7 +455,8 @@ class Trainer:
                 self.train(batch, rows)
                 command = self.ranks.share()
                 if command.kind == "published":
-                    self.version, self.checkpoint = command.payload.version, Path(command.payload.checkpoint_uri)
+                    update = command.payload
+                    self.version, self.checkpoint = update.version, Path(update.checkpoint_uri)
             if command.kind == "stop":
                 return command.payload
 

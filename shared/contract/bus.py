@@ -100,6 +100,10 @@ def connect_redis(url: str, *, ride_out_outages: bool = True, cluster: bool = Fa
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError, BusyLoadingError])
 
 
+NOT_IN_RUN_IDS = ":{} \n"
+"""What a run id may not hold: the key separator, the braces of the keys' hash tag, whitespace."""
+
+
 @dataclass(frozen=True)
 class Keys:
     """Every Redis key of one run, under the `rs:{<run_id>}:` namespace."""
@@ -107,19 +111,19 @@ class Keys:
     run_id: str
 
     def __post_init__(self) -> None:
-        if not self.run_id or any(c in self.run_id for c in ":{} \n"):
+        if not self.run_id or any(c in self.run_id for c in NOT_IN_RUN_IDS):
             raise ValueError(f"run id {self.run_id!r} must be non-empty without ':', braces or spaces")
 
     @property
     def prefix(self) -> str:
-        # the run id in braces is the keys' hash tag: on a Redis Cluster every key of a run lands in one slot, so
-        # the bus's transactions, scripts and multi-stream reads, which span several keys, run there too
+        # the run id in braces is the keys' hash tag: on a Redis Cluster every key of a run lands in one slot,
+        # so the bus's transactions, scripts and multi-stream reads, which span several keys, run there too
         return f"rs:{{{self.run_id}}}"
 
     @staticmethod
     def run_of(key: str) -> str | None:
         """The run id of a key in a run's namespace; None for any other key."""
-        found = re.fullmatch(r"rs:\{([^:{} \n]+)\}:.+", key, flags=re.DOTALL)
+        found = re.fullmatch(rf"rs:\{{([^{re.escape(NOT_IN_RUN_IDS)}]+)\}}:.+", key, flags=re.DOTALL)
         return found.group(1) if found else None
 
     @property
@@ -222,7 +226,8 @@ class Bus:
     def connect(cls, url: str, run_id: str, settings: BusSettings | None = None, *,
                 ride_out_outages: bool = True) -> "Bus":
         settings = settings or BusSettings()
-        return cls(connect_redis(url, ride_out_outages=ride_out_outages, cluster=settings.cluster), run_id, settings)
+        client = connect_redis(url, ride_out_outages=ride_out_outages, cluster=settings.cluster)
+        return cls(client, run_id, settings)
 
     # ---------------------------------------------------------------------------------- publish
     def envelope(self, payload: Event, **ids: str | None) -> Envelope:

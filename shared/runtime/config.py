@@ -37,8 +37,8 @@ class BusSettings(Section):
     read_count: int = Field(64, ge=1)
     """Entries fetched per read."""
     cluster: bool = False
-    """The Redis URL names a node of a Redis Cluster: the client finds the others and routes each command to the
-    node holding its key (every key of a run is in one hash slot: `rs:{<run_id>}:...`)."""
+    """The Redis URL names a node of a Redis Cluster: the client finds the others and routes each command to
+    the node holding its key (every key of a run is in one hash slot: `rs:{<run_id>}:...`)."""
 
 
 class ModelSettings(Section):
@@ -181,9 +181,9 @@ class TrainSettings(Section):
     zero_stage: Literal[2, 3] = 2
     """DeepSpeed ZeRO stage when backend is deepspeed."""
     ranks: int = Field(1, ge=1)
-    """Data-parallel trainer processes on this node (one per GPU): rollstream-trainer starts them under torchrun,
-    which starts them all again when one fails. Several need backend deepspeed. Under a launcher of your own
-    (torchrun or deepspeed over several nodes) its WORLD_SIZE counts instead."""
+    """Data-parallel trainer processes on this node (one per GPU): rollstream-trainer starts them under
+    torchrun, which starts them all again when one fails. Several need backend deepspeed. Under a launcher of
+    your own (torchrun or deepspeed over several nodes) its WORLD_SIZE counts instead."""
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
     """Where training metrics go; TensorBoard logs to <storage>/<run>/tensorboard. wandb and mlflow need their
     package installed and are configured by their own environment variables (WANDB_*, MLFLOW_*)."""
@@ -197,8 +197,8 @@ class TrainSettings(Section):
     @model_validator(mode="after")
     def _several_ranks_need_deepspeed(self) -> TrainSettings:
         if self.ranks > 1 and self.backend != "deepspeed":
-            raise ValueError(f"train.ranks={self.ranks} needs train.backend='deepspeed': the torch backend trains "
-                             "on one process")
+            raise ValueError(f"train.ranks={self.ranks} needs train.backend='deepspeed': the torch backend "
+                             "trains on one process")
         return self
 
 
@@ -324,7 +324,8 @@ class Settings(BaseSettings):
     )
 
     run_id: str = "local"
-    """Run namespace: streams are rs:{<run_id>}:* (the braces make every key of a run one Redis Cluster hash slot)."""
+    """Run namespace: streams are rs:{<run_id>}:* (the braces make every key of a run one Redis Cluster hash
+    slot)."""
     redis_url: str | None = None
     """Redis to use, without credentials (a user and password written in it move to the two fields below);
     unset: the local run starts an embedded one."""

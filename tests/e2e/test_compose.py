@@ -39,7 +39,7 @@ from rollstream.cli.chaos.audit import BATCHED_DROP_CAUSES
 from rollstream.shared.tasks.datasets import arithmetic_dataset
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.prompts import task_prompt_row
-from tests.support import FIXTURES, MODELS, REPO, docker_client
+from tests.support import FIXTURES, MODELS, REPO, docker_client, redis_passwords
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -119,9 +119,7 @@ class Stack:
             "volumes": {"models": {"driver": "local", "driver_opts": {
                 "type": "none", "o": "bind", "device": str(copy_built_models(tmp_path / "models"))}}},
         }))
-        users = subprocess.run(["sh", str(REPO / "infra" / "redis-passwords.sh")], capture_output=True, text=True,
-                               check=True).stdout
-        self.passwords = dict(line.split("=", 1) for line in users.split())
+        self.passwords = redis_passwords()
         self.env = {**os.environ, "COMPOSE_BAKE": "false", "RS_ENV_FILE": str(env_file),
                     "RS_RUN_ID": self.run_id, **self.passwords}
         self.base = ["docker", "compose", "-p", self.project, "-f", str(REPO / "docker-compose.yml"),

@@ -21,7 +21,7 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -45,10 +45,9 @@ def served(vllm_pair, tiny_model):
 
 @dataclass
 class Cut:
-    """One loss, shared by the proxies it is armed on: the first to forward `events` streamed events fires it."""
+    """One loss, armed on a proxy: after forwarding `events` streamed events of an answer, it fires."""
 
     events: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
     cut_url: str | None = None
 
 
@@ -138,12 +137,12 @@ class CuttingProxy:
             await writer.drain()
 
     def _fire(self, cut: Cut, answering: asyncio.StreamWriter) -> bool:
-        """Cut the server off: no new connection, and every one open now dropped (pooled keep-alive connections
-        die with a server too), except the answer being cut, which gets the rest of its last event first."""
-        with cut.lock:
-            if cut.cut_url is not None:
-                return False
-            cut.cut_url = self.url
+        """Cut the server off: no new connection, and every one open now dropped (pooled keep-alive
+        connections die with a server too), except the answer being cut, which gets the rest of its last event
+        first."""
+        if cut.cut_url is not None:  # fired on another connection of this proxy
+            return False
+        cut.cut_url = self.url
         self._listener.close()
         for writer in list(self._writers - {answering}):
             writer.close()
@@ -161,9 +160,9 @@ def proxies(served):
 
 
 def arm(proxies: list[CuttingProxy], events: int, session_id: str) -> Cut:
-    """The proxy of the server the session starts on (the fleet's first choice for it, every server healthy and
-    idle) cuts its server off after forwarding `events` streamed events of an answer. Only that one: the other
-    may still be forwarding the tail of an earlier test's answer."""
+    """The proxy of the server the session starts on (the fleet's first choice for it, every server healthy
+    and idle) cuts its server off after forwarding `events` streamed events of an answer. Only that one: the
+    other may still be forwarding the tail of an earlier test's answer."""
 
     async def first_choice(fleet: FleetClient) -> str:
         return fleet.route(session_id)[0]
@@ -317,7 +316,8 @@ def test_a_session_sticks_to_one_server_and_survives_the_gateway_replica_serving
     assert trainable == [t for turn_event in turns for t in turn_event.response_ids]
 
 
-def test_a_server_lost_in_the_middle_of_a_streamed_answer_the_stream_completes_on_the_other(both_serving, gateways):
+def test_a_server_lost_in_the_middle_of_a_streamed_answer_the_stream_completes_on_the_other(both_serving,
+                                                                                          gateways):
     import openai
 
     proxies, max_tokens = both_serving, 200

@@ -1,8 +1,8 @@
-"""A short scaled-out run: the pipeline on a real Redis Cluster of three masters (local redis-server processes)
-and a trainer of two DeepSpeed ranks (gloo) syncing the vLLM fleet. Every service connects with a cluster client
-(bus.cluster), and every key of the run sits in one hash slot, so the bus's transactions, scripts and consumer
-groups work as on one server. The audit of the run finds every admitted rollout trained once, and every version
-was served by vLLM with the trainer's logprobs.
+"""A short scaled-out run: the pipeline on a real Redis Cluster of three masters (local redis-server
+processes) and a trainer of two DeepSpeed ranks (gloo) syncing the vLLM fleet. Every service connects with a
+cluster client (bus.cluster), and every key of the run sits in one hash slot, so the bus's transactions,
+scripts and consumer groups work as on one server. The audit of the run finds every admitted rollout trained
+once, and every version was served by vLLM with the trainer's logprobs.
 
 The sandbox-grader is left out, and the run grades nothing in a sandbox: RQ, which queues the grader's jobs,
 takes no cluster client; a deployment on a cluster gives the job queue a Redis of its own.
@@ -31,22 +31,24 @@ VERSIONS = 3
 
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory, redis_cluster_url, tiny_model, vllm_pair):
-    """The run, on the shared vLLM pair: its trainer syncs its versions into the pair, which serves the tiny model's
-    weights again afterwards."""
+    """The run, on the shared vLLM pair: its trainer syncs its versions into the pair, which serves the tiny
+    model's weights again afterwards."""
     root = tmp_path_factory.mktemp("cluster-run")
     urls = [server.url for server in revive(vllm_pair)]
     settings = Settings(
         run_id=f"cluster-{uuid.uuid4().hex[:8]}", redis_url=redis_cluster_url, bus={"cluster": True},
         storage_uri=str(root / "runs"), model={"path": tiny_model},
         data={"samples_per_prompt": 4, "synthetic_sandbox_every": 0}, rollout={"max_tokens": 12},
-        train={"batch_size": 8, "total_versions": VERSIONS, "trackers": [], "backend": "deepspeed", "ranks": 2},
+        train={"batch_size": 8, "total_versions": VERSIONS, "trackers": [], "backend": "deepspeed",
+               "ranks": 2},
     )
     local = LocalRun(settings, services=("dispatcher", "agent-runner", "reward", "trainer", "recorder"),
                      fleet_urls=urls)
     try:
         with local:
             local.wait_for_version(VERSIONS, timeout_s=600)
-            trainer = httpx.get(f"http://127.0.0.1:{local.health_ports['trainer']}/healthz", timeout=10).json()
+            health = f"http://127.0.0.1:{local.health_ports['trainer']}/healthz"
+            trainer = httpx.get(health, timeout=10).json()
         yield local, trainer
         local.bus.delete_run()
     finally:
@@ -63,11 +65,12 @@ def test_a_run_on_a_redis_cluster_trains_every_admitted_rollout_once(cluster_run
     report.pending.pop("trajectories/sandbox-grader", None)
     assert report.problems() == [], report.problems()
     assert report.admitted >= 8 * VERSIONS and report.trained >= 8 * VERSIONS - 8
-    keys = [key.decode() for key in bus.redis.scan_iter(match=bus.keys.pattern, count=1000)]
-    assert len(keys) > 10 and {key_slot(key.encode()) for key in keys} == {key_slot(bus.keys.prefix.encode())}
+    keys = list(bus.redis.scan_iter(match=bus.keys.pattern, count=1000))
+    assert len(keys) > 10 and {key_slot(key) for key in keys} == {key_slot(bus.keys.prefix.encode())}
     # the run's keys are spread over the cluster with other runs': its slot is on one of the three masters
     assert len(bus.redis.get_primaries()) == 3
-    updates = [d.event for d in read_history(bus, "policy", settings.storage_uri)]  # the recorder trims `policy`
+    # the recorder trims `policy` in Redis: the archive holds the rest
+    updates = [d.event for d in read_history(bus, "policy", settings.storage_uri)]
     assert [u.version for u in updates] == list(range(1, VERSIONS + 1))
     assert all(u.servers and u.parity_max_abs_diff <= settings.train.parity_tolerance for u in updates)
     assert trainer["ranks"] == 2

