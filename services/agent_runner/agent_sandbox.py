@@ -30,8 +30,8 @@ it, it needs no build per architecture, and it is a file anyone can read.
 The command runs as `/bin/sh -c COMMAND` after the forwarder listens, with stdin closed and stdout and stderr
 appended to the log (not held in memory). Limits: the grader's for test runs (processes and threads, file
 size, open files, /tmp size; shared/grading/runs.py DEFAULT_GRADE_LIMITS), agent.command_memory_mb for memory
-(RLIMIT_AS per process under bubblewrap, the container's limit under docker: agent runtimes reserve far more
-address space than 512 MiB), and the episode's time budget as the wall clock, which kills the whole sandbox
+(RLIMIT_DATA per process under bubblewrap, the container's limit under docker: agent runtimes need more than
+the grader's 512 MiB), and the episode's time budget as the wall clock, which kills the whole sandbox
 (its pid namespace: nothing the command started, in the background, in a new session or double-forked, lives
 on). CPU time per process is bounded only by the wall clock on every core.
 

@@ -61,7 +61,7 @@ deletes (its agent-runner was killed) ends gateway.finish_grace_s after its dead
 What the agent needs in its sandbox: its runtime (agent.command_runtime_dir, e.g. a node_modules holding
 Claude Code or codex, read-only at /opt/agent; node itself is the host's /usr/bin/node under bubblewrap and
 must be in the image, or in the runtime dir's bin/, under docker), python3 for the forwarder (docker: in the
-image), and an address space of agent.command_memory_mb.
+image), and agent.command_memory_mb of memory.
 
     python -m pytest tests/unit/services/agent_runner/test_blackbox.py -q
 """

@@ -29,7 +29,7 @@ import time
 
 CHUNK = 65536
 THREAD_STACK = 256 * 1024
-"""Per thread: the sandbox's address-space limit counts every thread's reserved stack."""
+"""Per thread: the sandbox's memory limit (RLIMIT_DATA) counts every thread's stack mapping."""
 READY = "rs-agent: gateway forwarder listening"
 """Printed on stdout once it listens: the sandbox, not the agent's command, failed when it is missing."""
 UNREACHABLE = (b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nConnection: close\r\n"

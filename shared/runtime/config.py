@@ -135,10 +135,9 @@ class AgentSettings(Section):
     task's WORKDIR; see services/agent_runner/agent_sandbox.py): bubblewrap or docker (the task's image); None: the
     grader's, grader.backend."""
     command_memory_mb: int = Field(8192, ge=256)
-    """Memory of a black-box episode's sandbox: under bubblewrap the address space of each process (RLIMIT_AS),
-    under docker the container's memory limit. Agent runtimes reserve far more address space than they use
-    (measured under bubblewrap): Claude Code 2.1 (Bun) needs 2.1 GiB to start a session (`claude -p`; 740 MiB for
-    --version), codex 0.169 and node 20 750 MiB to start; the grader's 512 MiB kills all three."""
+    """Memory of a black-box episode's sandbox: under bubblewrap what each process may map writable
+    (RLIMIT_DATA), under docker the container's memory limit. Claude Code 2.1 (Bun) needs more than 512 MiB to
+    start (`claude --version`), the grader's default."""
     command_runtime_dir: Path | None = None
     """Host directory holding the black-box agent's own runtime (a node_modules with its CLI, a virtualenv made with
     the sandbox's python3, static binaries in bin/), mounted read-only at /opt/agent in the sandbox, with
@@ -212,7 +211,7 @@ class GraderSettings(Section):
     wall_time_s: float = Field(10.0, gt=0)
     """Wall-clock limit of one check."""
     memory_mb: int = Field(512, ge=16)
-    """Address-space limit of one check."""
+    """Memory limit of one check (per process under bubblewrap: RLIMIT_DATA)."""
     job_timeout_s: int = Field(60, ge=1)
     """RQ job timeout."""
     probe_interval_s: float = Field(30.0, gt=0)

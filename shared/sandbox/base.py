@@ -28,7 +28,8 @@ class SandboxLimits:
     cpu_time_s: float = 10
     """CPU seconds per process (RLIMIT_CPU: SIGXCPU, then SIGKILL a second later)."""
     memory_mb: int = 512
-    """Address space per process (RLIMIT_AS), in MiB."""
+    """Memory per process, in MiB: what it may map writable (RLIMIT_DATA) under bubblewrap, the container's
+    memory under docker."""
     max_processes: int = 64
     """Processes and threads the sandbox may have at once (RLIMIT_NPROC on a per-run uid)."""
     max_file_size_mb: int = 64

@@ -31,17 +31,22 @@ Limits. The wall clock kills the whole sandbox: SIGKILL to the sandbox's pid 1 (
 kills every process in its pid namespace) and to bwrap's process group (bwrap runs with
 --die-with-parent, so that alone would do too); a last sweep kills anything still running as the
 sandbox's host uid, so nothing outlives the call. rlimits are set on bwrap in
-`preexec_fn` and inherited by the command: CPU time, address space, file size, open files and
-processes. stdout and stderr are read concurrently; each keeps at most `max_output_bytes` and the
-rest is read and thrown away, so the child never blocks and the host never buffers it. When we are
+`preexec_fn` and inherited by the command: CPU time, memory, file size, open files and
+processes. Memory is RLIMIT_DATA, what a process may map writable (heap, anonymous and private
+mappings), not RLIMIT_AS: runtimes reserve far more address space than they use (node reserves
+10 GiB for each WebAssembly memory, its fetch's HTTP parser among them, so under an 8 GiB RLIMIT_AS
+every fetch of a node agent failed), and a reservation is no memory. stdout and stderr are read
+concurrently; each keeps at most `max_output_bytes` and the rest is read and thrown away, so the
+child never blocks and the host never buffers it. When we are
 root, bwrap runs as a fresh unprivileged host uid, so RLIMIT_NPROC holds (see host_uids.py). When
 not, RLIMIT_NPROC counts the caller's processes too, and in a container, whose uid other containers'
 processes share unseen, none is set (they would use it up: "Creating new namespace failed: Resource
 temporarily unavailable"): the container's pids limit bounds the sandbox there (docker-compose.yml).
 
-Not bounded here: total memory across processes (RLIMIT_AS is per process; memfd/SysV shm pages
-are not in it), disk use in the workspace (RLIMIT_FSIZE is per file) and the number of files. A
-memory and pids cgroup around bwrap is the next layer where the host lets us create one.
+Not bounded here: total memory across processes (RLIMIT_DATA is per process; shared mappings,
+memfd and SysV shm pages are not in it), disk use in the workspace (RLIMIT_FSIZE is per file) and
+the number of files. A memory and pids cgroup around bwrap is the next layer where the host lets us
+create one.
 
 `BubblewrapBackend` adapts it to the backend protocol (shared/sandbox/base.py): mounts become
 binds, `image` is ignored (the host's /usr is the environment), and with python_tools (the default)
@@ -252,7 +257,7 @@ def _limit_child(limits: SandboxLimits, nproc: int | None) -> Callable[[], None]
     mib = 1024 * 1024
     rlimits = [
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-        (resource.RLIMIT_AS, (limits.memory_mb * mib, limits.memory_mb * mib)),
+        (resource.RLIMIT_DATA, (limits.memory_mb * mib, limits.memory_mb * mib)),
         (resource.RLIMIT_FSIZE, (limits.max_file_size_mb * mib, limits.max_file_size_mb * mib)),
         (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
         (resource.RLIMIT_CORE, (0, 0)),

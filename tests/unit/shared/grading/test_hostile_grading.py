@@ -95,7 +95,7 @@ def test_memory_bomb_is_stopped(backend, make_task):
     task = make_task(f"python3 -c 'x = bytearray(8 * 1024 ** 3)' && echo 1 > {REWARD} "
                      f"|| echo 0 > {REWARD}\n")
     outcome = grade_harbor(task, "", backend, LIMITS)
-    # stopped by the address-space rlimit (bubblewrap: MemoryError) or the memory cgroup (docker: SIGKILL);
+    # stopped by the memory rlimit (bubblewrap: MemoryError) or the memory cgroup (docker: SIGKILL);
     # either way the code under test's own outcome, never an infrastructure error
     assert outcome.score == 0 and not outcome.infrastructure_error, outcome
     assert ("MemoryError" if backend.name == "bubblewrap" else "Killed") in outcome.log, outcome

@@ -210,6 +210,21 @@ def test_memory_bomb_fails_and_the_host_is_fine(workspace):
     assert subprocess.run(["true"]).returncode == 0
 
 
+def test_address_space_reserved_beyond_the_memory_limit_is_no_memory(workspace):
+    # Runtimes reserve far more than they write: node reserves 10 GiB for each WebAssembly memory (its
+    # fetch's HTTP parser has one), which an address-space limit refused, so no node agent could reach
+    # its gateway session. The limit is on memory a process may write.
+    reserve = _python("import mmap\n"
+                      "reserved = mmap.mmap(-1, 16 * 1024**3, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=0)\n"
+                      "print('reserved')")
+    result = run_in_sandbox(reserve, workspace, SandboxLimits(memory_mb=256))
+    assert (result.exit_code, result.stdout) == (0, "reserved\n"), result.stderr
+    writable = run_in_sandbox(_python("import mmap\n"
+                                      "mmap.mmap(-1, 1024**3, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)"),
+                              workspace, SandboxLimits(memory_mb=256))
+    assert writable.exit_code not in (0, None) and "Cannot allocate memory" in writable.stderr
+
+
 def test_fork_bomb_is_contained(workspace):
     started = time.monotonic()
     result = run_in_sandbox("bomb() { bomb | bomb & }; bomb; sleep 1; echo still-here", workspace,
