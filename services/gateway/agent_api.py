@@ -120,9 +120,10 @@ async def chat_completions(session_id: str, body: dict[str, Any] = example_body(
     return await answer(
         state, session, chat, "chat",
         lambda g: openai_chat.chat_completion_response(g, model=chat.model, response_id=response_id,
-                                                       created=created),
+                                                       created=created, freeform_tools=chat.freeform_tools),
         lambda turn: openai_chat.chat_completion_sse(turn.events, model=chat.model, response_id=response_id,
-                                                     created=created, include_usage=chat.include_usage))
+                                                     created=created, include_usage=chat.include_usage,
+                                                     freeform_tools=chat.freeform_tools))
 
 
 @router.post("/s/{session_id}/v1/responses")

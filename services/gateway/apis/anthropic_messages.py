@@ -9,8 +9,9 @@ the only way the template can tell the model). An assistant turn's `tool_use` bl
 calls, its text blocks its content, joined with nothing between (the gateway splits one sampled text
 into blocks around the calls), and its `thinking` blocks its `reasoning_content` (`redacted_thinking`
 holds nothing the gateway can read: skipped). Tools are custom tools `{name, description,
-input_schema}`; a tool with another `type` (server tools such as web_search_20250305, and the
-Anthropic-defined bash, text editor and computer tools) is left out of what the model sees.
+input_schema}` and Anthropic's client tools bash and text editor (`bash_20250124`, `text_editor_20250728`,
+...), shown with the schemas Anthropic defines for them (client_tools.py); a tool with another `type`
+(server tools such as web_search_20250305, the computer-use tool) is left out of what the model sees.
 `tool_choice` auto, any (as "required"), tool, none (tools dropped). `thinking` type "disabled" asks
 the model not to reason, any other type to reason; its budget, `output_config.effort`, `metadata`,
 `context_management`, `cache_control` and the like are accepted and ignored.
@@ -42,6 +43,7 @@ from rollstream.services.gateway.apis.canonical import (
     canonical_tool_call,
     name_tool_messages,
 )
+from rollstream.services.gateway.apis.client_tools import anthropic_client_tool
 from rollstream.services.gateway.apis.errors import RequestError, anthropic_error
 from rollstream.services.gateway.apis.sse import render_sse, sse
 from rollstream.services.gateway.apis.validation import (
@@ -202,7 +204,7 @@ def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]
 
 
 def _tools(tools: Any) -> tuple[Tools, list[str]]:
-    """The custom tools as the request's tools, and the types of the others (left out)."""
+    """The custom and client tools as the request's tools, and the types of the others (left out)."""
     if tools is None:
         return None, []
     canonical: list[dict[str, Any]] = []
@@ -210,7 +212,11 @@ def _tools(tools: Any) -> tuple[Tools, list[str]]:
     for i, tool in enumerate(require_list(tools, "tools")):
         tool = require_object(tool, f"tools[{i}]")
         if tool.get("type") not in CUSTOM_TOOL_TYPES:
-            leave_out_tool(ignored, tool.get("type"), f"tools[{i}].type")
+            client_tool = anthropic_client_tool(tool, f"tools[{i}]")
+            if client_tool is None:
+                leave_out_tool(ignored, tool.get("type"), f"tools[{i}].type")
+            else:
+                canonical.append(client_tool)
             continue
         if tool.get("input_schema") is None:
             raise RequestError(400, f"tools[{i}].input_schema is required", f"tools[{i}].input_schema")

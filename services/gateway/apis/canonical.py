@@ -29,9 +29,11 @@ What a request may carry beyond that, the same rule in every API:
   the output must follow (`response_format`, `text.format`, `output_config.format`), sampling the
   gateway does not do (`logit_bias`, penalties, `top_k`), state kept on the server
   (`previous_response_id`, `conversation`, stored prompts), background mode, audio output.
-- Tools the model cannot be shown as functions (those the API provider runs itself: web search,
-  code execution, file search, computer use, MCP, ...; and any other kind but a function) are left
-  out and listed in `ChatRequest.ignored_tools`, never a 400 (unless the gateway's strict_tools).
+- Tools the client runs are functions: JSON-schema functions as they are, OpenAI's custom (freeform)
+  tools and Anthropic's bash and text editor tools as the functions client_tools.py makes of them.
+  Tools the model cannot be shown as functions (those the API provider runs itself: web search,
+  code execution, file search, computer use, MCP, ...; and any other kind) are left out and listed
+  in `ChatRequest.ignored_tools`, never a 400 (unless the gateway's strict_tools).
 - Reasoning switches (Anthropic `thinking`, Responses `reasoning`, Chat `reasoning_effort`) set
   `ChatRequest.thinking`; a model that reasons writes `<think>...</think>` first (streaming.py), and
   that reasoning goes back to the client in the API's own shape.
@@ -94,6 +96,9 @@ class ChatRequest:
     tool_namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
     """OpenAI Responses' namespace tools: the name the model is shown for each member ->
     (namespace, name), how a call of it goes back to the client."""
+    freeform_tools: set[str] = field(default_factory=set)
+    """The names of OpenAI's custom (freeform) tools, shown to the model as functions of one string
+    (client_tools.py): a call of one goes back to the client as a custom tool call."""
 
 
 @dataclass(frozen=True)

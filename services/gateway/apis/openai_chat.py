@@ -6,9 +6,12 @@ content as a string or a list of text parts; `tool_calls` with `arguments` as a 
 assistant message's `reasoning_content` (vLLM's and DeepSeek's field for the reasoning);
 `max_completion_tokens` or the older `max_tokens`; `stop`, `seed`, `temperature`, `top_p`,
 `tool_choice`, `stream_options.include_usage`; `reasoning_effort` ("none" asks the model not to
-reason, another effort to reason). Tools of a type other than function are left out of what the
-model sees. Reasoning the model wrote comes back as the message's `reasoning_content` (streamed as
-`delta.reasoning_content`), as vLLM serves reasoning models.
+reason, another effort to reason). Custom (freeform) tools `{"type": "custom", "custom": {"name",
+"description", "format"}}` are functions of one string to the model (client_tools.py), and their calls
+go back as `{"type": "custom", "custom": {"name", "input"}}` tool calls, as the client sends them
+back. Tools of any other type are left out of what the model sees. Reasoning the model wrote comes
+back as the message's `reasoning_content` (streamed as `delta.reasoning_content`), as vLLM serves
+reasoning models.
 
 Refused with a 400 that says so: images, audio and files, and audio output (`modalities`); more than
 one choice (`n`); the legacy `functions` / `function_call` / `function` role; structured output
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from rollstream.services.gateway.apis.canonical import (
@@ -36,6 +40,7 @@ from rollstream.services.gateway.apis.canonical import (
     final_finish_reason,
     name_tool_messages,
 )
+from rollstream.services.gateway.apis.client_tools import freeform_arguments, freeform_input, freeform_tool
 from rollstream.services.gateway.apis.errors import RequestError, openai_error
 from rollstream.services.gateway.apis.sse import render_sse, sse
 from rollstream.services.gateway.apis.validation import (
@@ -66,7 +71,7 @@ def parse_chat_completions(body: Any) -> ChatRequest:
     _refuse_unsupported(body)
     messages = [_message(message, f"messages[{i}]")
                 for i, message in enumerate(require_list(body.get("messages"), "messages", non_empty=True))]
-    tools, ignored_tools = _tools(body.get("tools"))
+    tools, freeform_tools, ignored_tools = _tools(body.get("tools"))
     tool_choice, tools = _tool_choice(body.get("tool_choice"), tools)
     stream_options = require_object(body.get("stream_options") or {}, "stream_options")
     max_completion_tokens = int_field(body, "max_completion_tokens", minimum=1)
@@ -85,6 +90,7 @@ def parse_chat_completions(body: Any) -> ChatRequest:
         include_usage=bool_field(stream_options, "include_usage"),
         thinking=thinking_of_effort(body.get("reasoning_effort"), "reasoning_effort"),
         ignored_tools=ignored_tools,
+        freeform_tools=freeform_tools,
     )
 
 
@@ -161,30 +167,40 @@ def _message(message: Any, param: str) -> dict[str, Any]:
 
 def _tool_call(call: Any, param: str) -> dict[str, Any]:
     call = require_object(call, param)
-    if call.get("type", "function") != "function":
-        raise unsupported(f"tool call type {call.get('type')!r}", f"{param}.type", "only function calls are")
-    function = require_object(call.get("function"), f"{param}.function")
-    arguments = arguments_from_json(function.get("arguments", ""), f"{param}.function.arguments")
+    kind = call.get("type", "function")
+    if kind not in ("function", "custom"):
+        raise unsupported(f"tool call type {kind!r}", f"{param}.type", "only function and custom calls are")
+    function = require_object(call.get(kind), f"{param}.{kind}")
+    if kind == "function":
+        arguments = arguments_from_json(function.get("arguments", ""), f"{param}.function.arguments")
+    else:
+        arguments = freeform_arguments(function.get("input"), f"{param}.custom.input")
     return canonical_tool_call(require_str(call.get("id"), f"{param}.id", non_empty=True),
-                               require_str(function.get("name"), f"{param}.function.name", non_empty=True),
+                               require_str(function.get("name"), f"{param}.{kind}.name", non_empty=True),
                                arguments)
 
 
-def _tools(tools: Any) -> tuple[Tools, list[str]]:
-    """The function tools as the request's tools, and the types of the others (left out)."""
-    if tools is None:
-        return None, []
+def _tools(tools: Any) -> tuple[Tools, set[str], list[str]]:
+    """The function and custom tools as the request's tools, the custom tools' names, and the types of the
+    others (left out)."""
     canonical: list[dict[str, Any]] = []
+    freeform: set[str] = set()
     ignored: list[str] = []
-    for i, tool in enumerate(require_list(tools, "tools")):
+    for i, tool in enumerate(require_list(tools if tools is not None else [], "tools")):
         tool = require_object(tool, f"tools[{i}]")
-        if tool.get("type") != "function":
-            leave_out_tool(ignored, tool.get("type"), f"tools[{i}].type")
+        kind = tool.get("type")
+        if kind not in ("function", "custom"):
+            leave_out_tool(ignored, kind, f"tools[{i}].type")
             continue
-        function = require_object(tool.get("function"), f"tools[{i}].function")
-        canonical.append(function_tool(function.get("name"), function.get("description"),
-                                       function.get("parameters"), f"tools[{i}].function"))
-    return tool_list(canonical, "tools"), ignored
+        spec = require_object(tool.get(kind), f"tools[{i}].{kind}")
+        if kind == "function":
+            canonical.append(function_tool(spec.get("name"), spec.get("description"), spec.get("parameters"),
+                                           f"tools[{i}].function"))
+        else:
+            canonical.append(freeform_tool(spec.get("name"), spec.get("description"), spec.get("format"),
+                                           f"tools[{i}].custom"))
+            freeform.add(canonical[-1]["function"]["name"])
+    return tool_list(canonical, "tools"), freeform, ignored
 
 
 def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
@@ -192,9 +208,10 @@ def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
         return "auto", tools
     if choice in ("auto", "none", "required"):
         return choose_tools(choice, tools, "tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        function = require_object(choice.get("function"), "tool_choice.function")
-        return named_tool_choice(function.get("name"), tools, "tool_choice.function.name"), tools
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
+        kind = choice["type"]
+        function = require_object(choice.get(kind), f"tool_choice.{kind}")
+        return named_tool_choice(function.get("name"), tools, f"tool_choice.{kind}.name"), tools
     raise RequestError(400, "tool_choice must be 'auto', 'none', 'required' or "
                             f"{{'type': 'function', 'function': {{'name': ...}}}}, not {choice!r}",
                        "tool_choice")
@@ -203,11 +220,14 @@ def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
 # --- responses ------------------------------------------------------------------------------------
 
 
-def _wire_tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+def _wire_tool_call(call: ToolCall, freeform_tools: AbstractSet[str],
+                    index: int | None = None) -> dict[str, Any]:
     wire: dict[str, Any] = {} if index is None else {"index": index}
-    wire |= {"id": call.id, "type": "function",
-             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-    return wire
+    if call.name in freeform_tools:
+        return wire | {"id": call.id, "type": "custom",
+                       "custom": {"name": call.name, "input": freeform_input(call.arguments)}}
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return wire | {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -215,15 +235,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_completion_response(gen: Generation, *, model: str, response_id: str,
-                             created: int) -> dict[str, Any]:
+def chat_completion_response(gen: Generation, *, model: str, response_id: str, created: int,
+                             freeform_tools: AbstractSet[str] = frozenset()) -> dict[str, Any]:
     # OpenAI sends null content for a turn of tool calls only; clients such as LangChain expect it.
     message: dict[str, Any] = {"role": "assistant", "content": gen.text or (None if gen.tool_calls else ""),
                                "refusal": None}
     if gen.reasoning:
         message["reasoning_content"] = gen.reasoning
     if gen.tool_calls:
-        message["tool_calls"] = [_wire_tool_call(call) for call in gen.tool_calls]
+        message["tool_calls"] = [_wire_tool_call(call, freeform_tools) for call in gen.tool_calls]
     return {
         "id": response_id,
         "object": "chat.completion",
@@ -239,9 +259,11 @@ def chat_completion_response(gen: Generation, *, model: str, response_id: str,
 class _Chunks:
     """`chat.completion.chunk` events (sse.EventRenderer)."""
 
-    def __init__(self, model: str, response_id: str, created: int, include_usage: bool) -> None:
+    def __init__(self, model: str, response_id: str, created: int, include_usage: bool,
+                 freeform_tools: AbstractSet[str]) -> None:
         self.model, self.response_id, self.created = model, response_id, created
         self.include_usage = include_usage
+        self.freeform_tools = freeform_tools
         self.called_tools = False
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> str:
@@ -265,7 +287,7 @@ class _Chunks:
 
     def tool_call(self, delta: ToolCallDelta) -> list[str]:
         self.called_tools = True
-        return [self._chunk({"tool_calls": [_wire_tool_call(delta.call, delta.index)]})]
+        return [self._chunk({"tool_calls": [_wire_tool_call(delta.call, self.freeform_tools, delta.index)]})]
 
     def end(self, end: StreamEnd) -> list[str]:
         lines = [self._chunk({}, final_finish_reason(end.finish_reason, self.called_tools))]
@@ -279,9 +301,10 @@ class _Chunks:
         return [sse(openai_error(error.status, error.message, error.param, error.kind))]
 
 
-def chat_completion_sse(events: AsyncIterator[StreamEvent], *, model: str, response_id: str,
-                        created: int, include_usage: bool = False) -> AsyncIterator[str]:
+def chat_completion_sse(events: AsyncIterator[StreamEvent], *, model: str, response_id: str, created: int,
+                        include_usage: bool = False,
+                        freeform_tools: AbstractSet[str] = frozenset()) -> AsyncIterator[str]:
     """The stream of a generation: a chunk with the role, one per reasoning delta, text delta and tool
     call, one with the finish reason, the usage chunk when asked for, then `data: [DONE]`. A failure of the
     generation ends the stream with an OpenAI error object (the SDK raises it as an APIError)."""
-    return render_sse(events, _Chunks(model, response_id, created, include_usage))
+    return render_sse(events, _Chunks(model, response_id, created, include_usage, freeform_tools))

@@ -6,7 +6,8 @@ The gateway keeps no responses, so every request carries the whole conversation 
 
 `input` is a string (one user message) or a list of items: messages (`input_text` / `output_text`
 parts or a plain string; system and developer messages, wherever they are, as system messages),
-`function_call` items (`arguments` a JSON string) and `function_call_output` items. Calls and
+`function_call` items (`arguments` a JSON string), `custom_tool_call` items (`input` a string) and their
+`function_call_output` and `custom_tool_call_output` items. Calls and
 assistant text in a row form one assistant turn, as the gateway produced them: a turn's text, its
 calls, and any text the model wrote after a call (streamed as a message item of its own). A
 `reasoning` item opens the turn it belongs to and becomes its `reasoning_content`: read from the
@@ -18,8 +19,10 @@ Tools are function tools in the flat Responses shape `{"type": "function", "name
 "parameters"}`, and namespaces of them (`{"type": "namespace", "name", "tools": [...]}`), whose
 members the model sees as `namespace.name` (a dot is never in an OpenAI function name, so it cannot
 collide) and whose calls go back as OpenAI returns them, `{"type": "function_call", "name",
-"namespace", ...}`. Any other tool (hosted ones such as web_search, file_search, code_interpreter,
-image_generation, mcp; custom tools) is left out of what the model sees. `reasoning.effort` "none"
+"namespace", ...}`. Custom (freeform) tools `{"type": "custom", "name", "description", "format"}` are
+functions of one string to the model (client_tools.py), and their calls go back as `custom_tool_call`
+items with that string as `input`. Any other tool (hosted ones such as web_search, file_search,
+code_interpreter, image_generation, mcp) is left out of what the model sees. `reasoning.effort` "none"
 asks the model not to reason, another effort or a `reasoning.summary` to reason.
 
 Reasoning the model wrote comes back as a `reasoning` item before the message: its text as
@@ -56,6 +59,7 @@ from rollstream.services.gateway.apis.canonical import (
     canonical_tool_call,
     name_tool_messages,
 )
+from rollstream.services.gateway.apis.client_tools import freeform_arguments, freeform_input, freeform_tool
 from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.apis.sse import render_sse, sse
 from rollstream.services.gateway.apis.validation import (
@@ -112,7 +116,7 @@ def parse_responses(body: Any) -> ChatRequest:
     else:
         for i, item in enumerate(require_list(body["input"], "input", non_empty=True)):
             _add_item(messages, require_object(item, f"input[{i}]"), f"input[{i}]")
-    tools, tool_namespaces, ignored_tools = _tools(body.get("tools"))
+    tools, tool_namespaces, freeform_tools, ignored_tools = _tools(body.get("tools"))
     tool_choice, tools = _tool_choice(body.get("tool_choice"), tools)
     reasoning = require_object(body.get("reasoning") or {}, "reasoning")
     summary = reasoning.get("summary", reasoning.get("generate_summary"))
@@ -134,6 +138,7 @@ def parse_responses(body: Any) -> ChatRequest:
         reasoning_summary=summary is not None,
         encrypted_reasoning=ENCRYPTED_REASONING_INCLUDE in include,
         tool_namespaces=tool_namespaces,
+        freeform_tools=freeform_tools,
     )
 
 
@@ -181,14 +186,17 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) 
             turn["content"] += content
         else:
             messages.append({"role": role, "content": content})
-    elif kind == "function_call":
+    elif kind in ("function_call", "custom_tool_call"):
         turn = _open_assistant_turn(messages)
         name = require_str(item.get("name"), f"{param}.name", non_empty=True)
         if item.get("namespace") is not None:
             name = _namespaced(require_str(item["namespace"], f"{param}.namespace", non_empty=True), name)
+        if kind == "function_call":
+            arguments = arguments_from_json(item.get("arguments", ""), f"{param}.arguments")
+        else:
+            arguments = freeform_arguments(item.get("input"), f"{param}.input")
         turn.setdefault("tool_calls", []).append(canonical_tool_call(
-            require_str(item.get("call_id"), f"{param}.call_id", non_empty=True), name,
-            arguments_from_json(item.get("arguments", ""), f"{param}.arguments")))
+            require_str(item.get("call_id"), f"{param}.call_id", non_empty=True), name, arguments))
     elif kind == "reasoning":
         reasoning = _reasoning_of(item, param)
         if reasoning:
@@ -198,7 +206,7 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) 
                 turn = {"role": "assistant", "content": ""}
                 messages.append(turn)
             turn["reasoning_content"] = turn.get("reasoning_content", "") + reasoning
-    elif kind == "function_call_output":
+    elif kind in ("function_call_output", "custom_tool_call_output"):
         call_id = require_str(item.get("call_id"), f"{param}.call_id", non_empty=True)
         output = _content(item.get("output"), f"{param}.output", role="tool")
         messages.append({"role": "tool", "content": output, "tool_call_id": call_id})
@@ -206,7 +214,8 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) 
         raise RequestError(400, f"item_reference is not supported: {STATELESS}", f"{param}.type")
     else:
         raise unsupported(f"input item type {kind!r}", f"{param}.type",
-                          "only message, function_call, function_call_output and reasoning items are")
+                          "only message, function_call, custom_tool_call, their outputs and reasoning "
+                          "items are")
 
 
 def _reasoning_of(item: dict[str, Any], param: str) -> str:
@@ -244,36 +253,45 @@ def _namespaced(namespace: str, name: str) -> str:
     return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
 
 
-def _function(tool: dict[str, Any], param: str, namespace: str | None = None) -> dict[str, Any]:
-    name = require_str(tool.get("name"), f"{param}.name", non_empty=True)
-    return function_tool(name if namespace is None else _namespaced(namespace, name), tool.get("description"),
-                         tool.get("parameters"), param)
+class _ToolList:
+    """The functions the model is shown for a request's tools, and how their calls go back."""
+
+    def __init__(self) -> None:
+        self.functions: list[dict[str, Any]] = []
+        self.namespaced: dict[str, tuple[str, str]] = {}
+        self.freeform: set[str] = set()
+        self.ignored: list[str] = []
+
+    def add(self, tool: dict[str, Any], param: str, namespace: str | None = None) -> None:
+        """A function or custom tool (a member of `namespace` when given); any other is left out."""
+        if tool.get("type") not in ("function", "custom"):
+            leave_out_tool(self.ignored, tool.get("type"), f"{param}.type")
+            return
+        member = require_str(tool.get("name"), f"{param}.name", non_empty=True)
+        name = member if namespace is None else _namespaced(namespace, member)
+        if tool["type"] == "function":
+            self.functions.append(function_tool(name, tool.get("description"), tool.get("parameters"), param))
+        else:
+            self.functions.append(freeform_tool(name, tool.get("description"), tool.get("format"), param))
+            self.freeform.add(name)
+        if namespace is not None:
+            self.namespaced[name] = (namespace, member)
 
 
-def _tools(tools: Any) -> tuple[Tools, dict[str, tuple[str, str]], list[str]]:
-    """The function tools (namespaces' members flattened) as the request's tools, the namespaced
-    names, and the types of the tools left out."""
-    if tools is None:
-        return None, {}, []
-    canonical: list[dict[str, Any]] = []
-    namespaced: dict[str, tuple[str, str]] = {}
-    ignored: list[str] = []
-    for i, tool in enumerate(require_list(tools, "tools")):
+def _tools(tools: Any) -> tuple[Tools, dict[str, tuple[str, str]], set[str], list[str]]:
+    """The function and custom tools (namespaces' members flattened) as the request's tools, the namespaced
+    names, the custom tools' names, and the types of the tools left out."""
+    found = _ToolList()
+    for i, tool in enumerate(require_list(tools if tools is not None else [], "tools")):
         tool = require_object(tool, f"tools[{i}]")
-        if tool.get("type") == "function":
-            canonical.append(_function(tool, f"tools[{i}]"))
-        elif tool.get("type") == "namespace":
+        if tool.get("type") == "namespace":
             namespace = require_str(tool.get("name"), f"tools[{i}].name", non_empty=True)
             for j, member in enumerate(require_list(tool.get("tools"), f"tools[{i}].tools")):
-                member = require_object(member, f"tools[{i}].tools[{j}]")
-                if member.get("type") != "function":
-                    leave_out_tool(ignored, member.get("type"), f"tools[{i}].tools[{j}].type")
-                    continue
-                canonical.append(_function(member, f"tools[{i}].tools[{j}]", namespace))
-                namespaced[canonical[-1]["function"]["name"]] = (namespace, member["name"])
+                member_param = f"tools[{i}].tools[{j}]"
+                found.add(require_object(member, member_param), member_param, namespace)
         else:
-            leave_out_tool(ignored, tool.get("type"), f"tools[{i}].type")
-    return tool_list(canonical, "tools"), namespaced, ignored
+            found.add(tool, f"tools[{i}]")
+    return tool_list(found.functions, "tools"), found.namespaced, found.freeform, found.ignored
 
 
 def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
@@ -281,10 +299,10 @@ def _tool_choice(choice: Any, tools: Tools) -> tuple[ToolChoice, Tools]:
         return "auto", tools
     if choice in ("auto", "none", "required"):
         return choose_tools(choice, tools, "tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         return named_tool_choice(choice.get("name"), tools, "tool_choice.name"), tools
     raise RequestError(400, "tool_choice must be 'auto', 'none', 'required' or "
-                            f"{{'type': 'function', 'name': ...}}, not {choice!r}", "tool_choice")
+                            f"{{'type': 'function' or 'custom', 'name': ...}}, not {choice!r}", "tool_choice")
 
 
 # --- responses ------------------------------------------------------------------------------------
@@ -358,11 +376,20 @@ def _reasoning_item(item_id: str, reasoning: str | None, request: ChatRequest) -
     return item
 
 
-def _call_item(item_id: str, call: ToolCall, arguments: str, status: str,
+def _call_payload(call: ToolCall, request: ChatRequest) -> tuple[str, str]:
+    """A call's item type and what it carries: a function call's arguments as JSON, a custom call's input."""
+    if call.name in request.freeform_tools:
+        return "custom_tool_call", freeform_input(call.arguments)
+    return "function_call", json.dumps(call.arguments, ensure_ascii=False)
+
+
+def _call_item(item_id: str, call: ToolCall, payload: str, status: str,
                request: ChatRequest) -> dict[str, Any]:
-    """A function_call item; a call of a namespace's member names the namespace and the member apart."""
-    item = {"id": item_id, "type": "function_call", "status": status, "call_id": call.id, "name": call.name,
-            "arguments": arguments}
+    """A function_call item (`payload` its arguments) or custom_tool_call item (`payload` its input); a
+    call of a namespace's member names the namespace and the member apart."""
+    kind, _ = _call_payload(call, request)
+    item = {"id": item_id, "type": kind, "status": status, "call_id": call.id, "name": call.name,
+            "arguments" if kind == "function_call" else "input": payload}
     if call.name in request.tool_namespaces:
         item["namespace"], item["name"] = request.tool_namespaces[call.name]
     return item
@@ -381,7 +408,7 @@ def responses_response(gen: Generation, request: ChatRequest, *, response_id: st
         output.append(_message_item(_item_id("msg", response_id, len(output)), gen.text, status))
     for call in gen.tool_calls:
         output.append(_call_item(_item_id("fc", response_id, len(output)), call,
-                                 json.dumps(call.arguments, ensure_ascii=False), "completed", request))
+                                 _call_payload(call, request)[1], "completed", request))
     return _response(request, response_id, created, status=status, output=output,
                      usage=_usage(gen.prompt_tokens, gen.completion_tokens))
 
@@ -484,17 +511,19 @@ class _ResponseStream:
         events = self._close("completed")
         output_index = len(self.output)
         item_id = _item_id("fc", self.response_id, output_index)
-        arguments = json.dumps(call.arguments, ensure_ascii=False)
-        item = _call_item(item_id, call, arguments, "completed", self.request)
+        kind, payload = _call_payload(call, self.request)
+        item = _call_item(item_id, call, payload, "completed", self.request)
         self.output.append(item)
+        events_of = "function_call_arguments" if kind == "function_call" else "custom_tool_call_input"
+        field = "arguments" if kind == "function_call" else "input"
         return [
             *events,
             self.event("response.output_item.added", output_index=output_index,
                        item=_call_item(item_id, call, "", "in_progress", self.request)),
-            self.event("response.function_call_arguments.delta", item_id=item_id, output_index=output_index,
-                       delta=arguments),
-            self.event("response.function_call_arguments.done", item_id=item_id, output_index=output_index,
-                       arguments=arguments),
+            self.event(f"response.{events_of}.delta", item_id=item_id, output_index=output_index,
+                       delta=payload),
+            self.event(f"response.{events_of}.done", item_id=item_id, output_index=output_index,
+                       **{field: payload}),
             self.event("response.output_item.done", output_index=output_index, item=item),
         ]
 
@@ -519,6 +548,7 @@ def responses_sse(events: AsyncIterator[StreamEvent], request: ChatRequest, *, r
     `output_item.done`), a message item for the text (`output_item.added`, `content_part.added`,
     `output_text.delta`..., `output_text.done`, `content_part.done`, `output_item.done`), a
     function_call item per call (`output_item.added`, `function_call_arguments.delta` / `.done`,
-    `output_item.done`), then `response.completed` (or `response.incomplete`). A failure of the
-    generation ends it with `response.failed`."""
+    `output_item.done`; a custom_tool_call item's `custom_tool_call_input.delta` / `.done`), then
+    `response.completed` (or `response.incomplete`). A failure of the generation ends it with
+    `response.failed`."""
     return render_sse(events, _ResponseStream(request, response_id, created))

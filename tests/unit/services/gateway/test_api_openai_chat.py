@@ -81,13 +81,15 @@ def test_system_and_developer_messages_anywhere_and_reasoning_sent_back():
                   {"role": "tool", "tool_call_id": "call_0_0", "content": "18C"},
                   {"role": "developer", "content": [{"type": "text", "text": "Answer in Celsius."},
                                                     {"type": "text", "text": "One line."}]}],
-        tools=TOOLS + [{"type": "custom", "custom": {"name": "apply_patch"}}], reasoning_effort="high"))
+        tools=TOOLS + [{"type": "custom", "custom": {"name": "apply_patch"}}, {"type": "web_search_preview"}],
+        reasoning_effort="high"))
     assert [(m["role"], m["content"]) for m in request.messages] == [
         ("system", "Be brief."), ("user", "Weather in Paris?"), ("assistant", "Checking."), ("tool", "18C"),
         ("system", "Answer in Celsius.\nOne line.")]
     assert request.messages[2]["reasoning_content"] == "Paris means France."
-    assert [tool["function"]["name"] for tool in request.tools] == ["get_weather"]
-    assert (request.ignored_tools, request.thinking) == (["custom"], True)
+    assert [tool["function"]["name"] for tool in request.tools] == ["get_weather", "apply_patch"]
+    assert request.freeform_tools == {"apply_patch"}
+    assert (request.ignored_tools, request.thinking) == (["web_search_preview"], True)
 
 
 @pytest.mark.parametrize("effort, thinking", [

@@ -155,9 +155,11 @@ def chat_gateway(text: str, finish: FinishReason = "stop") -> Gateway:
         if request.stream:
             return sse_text(chat_completion_sse(stream_events(text, finish), model=request.model,
                                                 response_id="chatcmpl-1", created=1700000000,
-                                                include_usage=request.include_usage))
+                                                include_usage=request.include_usage,
+                                                freeform_tools=request.freeform_tools))
         return chat_completion_response(generation(text, finish), model=request.model,
-                                        response_id="chatcmpl-1", created=1700000000)
+                                        response_id="chatcmpl-1", created=1700000000,
+                                        freeform_tools=request.freeform_tools)
     return Gateway(answer)
 
 
@@ -432,6 +434,57 @@ def test_openai_responses_reasoning_and_a_namespaced_call_round_trip_as_codex_se
     assert (echoed[3]["role"], echoed[3]["name"]) == ("tool", "multi_agent_v1.spawn_agent")
 
 
+PATCH = "*** Begin Patch\n*** Update File: calc.py\n-    return a - b\n+    return a + b\n*** End Patch"
+PATCHED = f'Patching.\n<tool_call>{json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}})}</tool_call>'
+PATCH_GRAMMAR = {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)+/'}
+
+
+def test_openai_responses_custom_tool_is_a_function_of_its_input_and_its_call_round_trips():
+    gateway = responses_gateway(PATCHED)
+    client = gateway.openai()
+    request = dict(model="policy", input="Fix add.", tools=[
+        {"type": "custom", "name": "apply_patch", "description": "Edit files.", "format": PATCH_GRAMMAR}])
+    with client.responses.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    (shown,) = gateway.requests[0].tools
+    assert shown["function"]["name"] == "apply_patch"
+    assert shown["function"]["parameters"]["required"] == ["input"]
+    assert PATCH_GRAMMAR["definition"] in shown["function"]["parameters"]["properties"]["input"]["description"]
+    message, call = final.output
+    assert (call.type, call.name, call.input) == ("custom_tool_call", "apply_patch", PATCH)
+    assert "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta") == PATCH
+    assert client.responses.create(**request).output[1] == call
+
+    # Codex sends the call back as it got it, then the patch tool's output
+    client.responses.create(**{**request, "input": [
+        {"role": "user", "content": "Fix add."}, message, call,
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Success."}]})
+    echoed = gateway.requests[-1].messages
+    assert message_key(echoed[1]) == recorded_key(PATCHED)
+    assert (echoed[2]["role"], echoed[2]["name"], echoed[2]["content"]) == ("tool", "apply_patch", "Success.")
+
+
+def test_openai_chat_custom_tool_call_comes_back_as_a_custom_call_and_round_trips():
+    gateway = chat_gateway(PATCHED)
+    client = gateway.openai()
+    tools = [{"type": "custom", "custom": {"name": "apply_patch", "description": "Edit files.",
+                                           "format": {"type": "text"}}}]
+    messages = [{"role": "user", "content": "Fix add."}]
+    message = client.chat.completions.create(model="policy", messages=messages, tools=tools).choices[0].message
+    (call,) = message.tool_calls
+    assert (call.type, call.custom.name, call.custom.input) == ("custom", "apply_patch", PATCH)
+    chunks = list(client.chat.completions.create(model="policy", messages=messages, tools=tools, stream=True))
+    (streamed,) = [delta for chunk in chunks for delta in chunk.choices[0].delta.tool_calls or ()]
+    assert (streamed.type, streamed.custom) == ("custom", {"name": "apply_patch", "input": PATCH})
+
+    client.chat.completions.create(model="policy", tools=tools, messages=[
+        *messages, message, {"role": "tool", "tool_call_id": call.id, "content": "Success."}])
+    echoed = gateway.requests[-1].messages
+    assert message_key(echoed[1]) == recorded_key(PATCHED)
+    assert echoed[2]["name"] == "apply_patch"
+
+
 # --- Anthropic Messages ---------------------------------------------------------------------------
 
 ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Current weather.", "input_schema": WEATHER_SCHEMA}]
@@ -579,3 +632,24 @@ def test_anthropic_failure_inside_the_stream_raises_in_the_sdk():
         stream.get_final_message()
     assert caught.value.body == {"type": "error", "error": {
         "type": "api_error", "message": "generation failed: ConnectionError: vLLM server went away"}}
+
+
+def test_anthropic_client_tools_are_shown_with_the_schemas_anthropic_defines():
+    gateway = anthropic_gateway('<tool_call>{"name": "bash", "arguments": {"command": "pytest -q"}}</tool_call>')
+    message = gateway.anthropic().messages.create(
+        model="policy", max_tokens=300, messages=[{"role": "user", "content": "Run the tests."}],
+        tools=[{"type": "bash_20250124", "name": "bash"},
+               {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
+               {"type": "web_search_20250305", "name": "web_search"}])
+    request = gateway.requests[0]
+    bash, editor = (tool["function"] for tool in request.tools)
+    assert (bash["name"], list(bash["parameters"]["properties"])) == ("bash", ["command", "restart"])
+    assert editor["name"] == "str_replace_based_edit_tool"
+    assert editor["parameters"]["properties"]["command"]["enum"] == ["view", "create", "str_replace", "insert"]
+    assert editor["parameters"]["required"] == ["command", "path"]
+    assert request.ignored_tools == ["web_search_20250305"]
+    assert tool_uses(message.content) == [("call_3_0", "bash", {"command": "pytest -q"})]
+
+    older = parse_messages({"model": "policy", "max_tokens": 10, "messages": [{"role": "user", "content": "Hi"}],
+                            "tools": [{"type": "text_editor_20250124", "name": "str_replace_editor"}]})
+    assert "undo_edit" in older.tools[0]["function"]["parameters"]["properties"]["command"]["enum"]
