@@ -1,16 +1,19 @@
-"""Claude Code and Codex CLI, unmodified from npm (pinned in agents/package-lock.json), as black-box agents on
-the Harbor task fix-add: the pipeline for real (Redis, vLLM on the CPU, the gateway and every other service
-as processes). Each episode runs the agent's CLI inside the task's sandbox (bubblewrap: no network but its
-gateway session, the workspace at the task's WORKDIR, the CLIs mounted read-only) with the settings the README
-gives, pointed at its gateway session; the CLI sends its real requests (Claude Code: streamed Messages with its system blocks, 24 tools and
-thinking parameters; Codex: streamed Responses with developer messages, a namespace tool and a hosted web
-search), runs the tool call in the workspace, and sends the result back.
+"""Claude Code, Codex CLI and Qwen Code, unmodified from npm (pinned in agents/package-lock.json), as
+black-box agents on the Harbor task fix-add: the pipeline for real (Redis, vLLM on the CPU, the gateway and
+every other service as processes). Each episode runs the agent's CLI inside the task's sandbox (bubblewrap: no
+network but its gateway session, the workspace at the task's WORKDIR, the CLIs mounted read-only) with the
+settings the README gives, pointed at its gateway session; the CLI sends its real requests (Claude Code:
+streamed Messages with its system blocks, 24 tools and thinking parameters; Codex: streamed Responses with
+developer messages, a namespace tool and a hosted web search; Qwen Code: streamed Chat Completions from node's
+fetch, which reserves 10 GiB of address space for its WebAssembly HTTP parser), runs the tool calls in the
+workspace, and sends the results back.
 
 The model is the tiny Llama with its RoPE positions raised to 131072 (models/tiny-llama-long): these agents'
-first prompts are 30k (Codex) to 60k (Claude Code) tokens. Its answers are noise, so a vLLM logits processor
-(tests/integration/plugins/scripted_policy.py) answers from a script: call the shell tool with the fix, then
-say it is fixed. vLLM samples every id all the same, and the test asks vLLM again for each recorded turn with
-the same prompt and the session's seed (rollout.seed).
+first prompts are 30k (Codex) to 60k (Claude Code, Qwen Code) tokens. Its answers are noise, so a vLLM logits
+processor (tests/integration/plugins/scripted_policy.py) answers from a script: call the shell tool with the
+fix (Qwen Code reads the file first: it refuses to let a command edit a file it has not read), then say it is
+fixed. vLLM samples every id all the same, and the test asks vLLM again for each recorded turn with the same
+prompt and the session's seed (rollout.seed).
 
     make setup    # builds models/tiny-llama-long and installs the CLIs (npm ci in agents/)
     python -m pytest tests/integration/test_coding_agents.py -q
@@ -47,8 +50,11 @@ TASK = FIXTURES / "harbor" / "fix-add"
 FIX = "sed -i 's/a - b/a + b/' calc.py"
 SEED = 7
 SCRIPT = [
-    {"tool": "Bash", "call": {"command": FIX, "description": "Fix add in calc.py"}, "final": "Fixed add."},
-    {"tool": "exec_command", "call": {"cmd": FIX}, "final": "Fixed add."},
+    {"tool": "Bash", "calls": [{"command": FIX, "description": "Fix add in calc.py"}], "final": "Fixed add."},
+    {"tool": "exec_command", "calls": [{"cmd": FIX}], "final": "Fixed add."},
+    {"tool": "run_shell_command", "calls": [{"tool": "read_file", "arguments": {"file_path": "/app/calc.py"}},
+                                            {"command": FIX, "description": "Fix add in calc.py"}],
+     "final": "Fixed add."},
 ]
 AGENTS = {
     # as the README gives them: Claude Code reads ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY from the session
@@ -65,12 +71,14 @@ AGENTS = {
         'env_key=\\"OPENAI_API_KEY\\", wire_api=\\"responses\\", supports_websockets=false}"',
         '"$(cat {task_file})"',
     ]),
+    # Qwen Code reads OPENAI_BASE_URL and OPENAI_API_KEY (the session's) with its openai auth type
+    "qwen-code": 'OPENAI_MODEL={model} qwen --auth-type openai --yolo -p "$(cat {task_file})"',
 }
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, machine_redis_url):
-    if not (AGENTS_BIN / "claude").exists() or not (AGENTS_BIN / "codex").exists():
+    if not all((AGENTS_BIN / cli).exists() for cli in ("claude", "codex", "qwen")):
         pytest.skip("the coding-agent CLIs are installed by make setup (npm ci in agents/)")
     if not (LONG_MODEL / "tokenizer.json").exists():
         pytest.skip("the long-context tiny model is built by make setup")

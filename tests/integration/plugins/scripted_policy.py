@@ -4,16 +4,20 @@ The coding-agent tests run Claude Code and Codex CLI, unmodified, against a mode
 what they test is the protocol (the clients' real requests, tool calls carried out inside the sandbox, token-
 exact samples), and noise never calls a tool. This processor, loaded into a real vLLM server with
 `--logits-processors tests.integration.plugins.scripted_policy:ScriptedPolicy`, forces the sampled ids of
-turns whose prompt offers a scripted tool: the first such turn calls the tool with the script's arguments, a
-turn whose prompt holds a tool result answers with the script's final text. vLLM still samples every id (a
+turns whose prompt offers a scripted tool: the turn after k tool results makes the script's k-th call, and
+the turn after the last call's result answers with the script's final text. vLLM still samples every id (a
 forced id is the only one left with a finite logit), so the same prompt and seed give the same ids, and the
 logprobs it returns are the model's own (vLLM computes them before logits processors run).
 
 The script is a JSON file named by RS_SCRIPTED_POLICY, a list of rules tried in order:
 
-    [{"tool": "Bash", "call": {"command": "sed -i ..."}, "final": "Fixed."}, ...]
+    [{"tool": "Bash", "calls": [{"command": "sed -i ..."}], "final": "Fixed."},
+     {"tool": "run_shell_command", "calls": [{"tool": "read_file", "arguments": {...}}, {"command": ...}],
+      "final": "Fixed."}]
 
-A prompt that offers none of the rules' tools is left to the model.
+`tool` is the tool whose offer selects the rule, and the tool a call names unless it names its own (a call
+is its arguments, or `{"tool", "arguments"}`). A prompt that offers none of the rules' tools is left to the
+model.
 """
 
 from __future__ import annotations
@@ -46,10 +50,15 @@ class ScriptedPolicy(LogitsProcessor):
         for rule in self.rules:
             if f'"name": "{rule["tool"]}"' not in prompt:
                 continue
-            if self.tool_result in prompt_ids:
+            made = prompt_ids.count(self.tool_result)
+            if made >= len(rule["calls"]):
                 text = rule["final"]
             else:
-                call = {"name": rule["tool"], "arguments": rule["call"]}
+                call = rule["calls"][made]
+                if "arguments" in call:
+                    call = {"name": call.get("tool", rule["tool"]), "arguments": call["arguments"]}
+                else:
+                    call = {"name": rule["tool"], "arguments": call}
                 text = f"<tool_call>{json.dumps(call)}</tool_call>"
             return [*self.tokenizer.encode(text, add_special_tokens=False), self.end_of_turn]
         return None
