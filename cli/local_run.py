@@ -35,7 +35,7 @@ import httpx
 import redis
 
 from rollstream.cli.embedded_redis import EmbeddedRedis
-from rollstream.cli.vllm_server import free_port
+from rollstream.cli.vllm_server import VllmServer, free_port, newest_policy
 from rollstream.shared.contract.archive import ArchiveReader, StreamHistory
 from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
 from rollstream.shared.contract.consumers import stream_groups
@@ -226,6 +226,8 @@ class LocalRun:
         self.redis_server = None
         self.vllm = None
         self.vllm_startup_s: float | None = None
+        self.group_servers: dict[str, VllmServer] = {}
+        """Model group name -> the vLLM server the run started for it (fleet.groups with no urls)."""
         self.bus: Bus | None = None
         self.progress_reader: ProgressReader | None = None
 
@@ -253,8 +255,6 @@ class LocalRun:
             # Nothing generates: no vLLM; a trainer then only writes checkpoints (fleet-less).
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": []})})
         else:
-            from rollstream.cli.vllm_server import VllmServer
-
             port = free_port()
             on_step(f"starting vLLM (CPU) with {settings.model.path} on port {port}; this takes about a minute")
             self.vllm = VllmServer.for_run(settings, settings.model.path, port, log_path=self.log_dir / "vllm.log")
@@ -263,6 +263,7 @@ class LocalRun:
             self.vllm.wait_healthy()
             self.vllm_startup_s = time.monotonic() - started
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": [self.vllm.url]})})
+        settings = self.start_model_groups(settings, on_step)
         if "gateway" in self.services:
             self.gateway_urls = {name: f"http://{settings.url_host}:{free_port()}"
                                  for name in self.process_names("gateway")}
@@ -290,6 +291,21 @@ class LocalRun:
                 self.spawn(name)
         self.wait_healthy()
         self.starting = False
+
+    def start_model_groups(self, settings: Settings, on_step) -> Settings:
+        """Starts a vLLM server for each model group that names a model and no servers (fleet.groups); the
+        settings with their URLs."""
+        groups = dict(settings.fleet.groups)
+        for name, group in groups.items():
+            if group.urls:
+                continue
+            port = free_port()
+            on_step(f"starting vLLM (CPU) for model group {name} with {group.path} on port {port}")
+            server = VllmServer.for_group(name, group, port, log_path=self.log_dir / f"vllm-{name}.log")
+            self.group_servers[name] = server.start()
+            server.wait_healthy()
+            groups[name] = group.model_copy(update={"urls": [server.url]})
+        return settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"groups": groups})})
 
     def process_names(self, service: str) -> list[str]:
         """The service's process names: the service's own, or with a replica number when it has several."""
@@ -422,8 +438,6 @@ class LocalRun:
         """Stop the vLLM server (if it runs) and start it again on the same port from the newest published
         policy, recording that version as the one it serves. wait: until it answers."""
         assert self.vllm is not None and self.bus is not None
-        from rollstream.cli.vllm_server import VllmServer, newest_policy
-
         if self.vllm.exit_code() is None:  # running: this restart is on purpose (an exit was recorded by check_alive)
             self.vllm.stop()
             self.record_exit("vllm", None, injected=True)
@@ -525,8 +539,9 @@ class LocalRun:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 codes[name] = process.wait()
-        if self.vllm is not None:
-            self.vllm.stop()
+        for server in [self.vllm, *self.group_servers.values()]:
+            if server is not None:
+                server.stop()
         if self.redis_server is not None:
             self.redis_server.stop()
         return codes

@@ -96,12 +96,30 @@ def serve_vllm(
     model: Annotated[Path, typer.Option(help="HF model directory.")] = Path("models/tiny-llama"),
     port: Annotated[int, typer.Option(help="Port to serve on.")] = 8000,
     served_name: Annotated[str, typer.Option(help="Model name in the API.")] = "tiny",
+    group: Annotated[str | None, typer.Option(
+        help="Serve this model group of the run's settings (fleet.groups: its model, name, context length "
+             "and vLLM arguments) instead of --model and --served-name.")] = None,
 ) -> None:
     """Serve a model with vLLM on the CPU until Ctrl-C (dev endpoints on, for weight sync). Further
     arguments go to vLLM."""
     from rollstream.cli.vllm_server import VllmServer
 
-    with VllmServer(model, port, served_model_name=served_name, extra_args=ctx.args) as server:
+    if group is None:
+        server = VllmServer(model, port, served_model_name=served_name, extra_args=ctx.args)
+    else:
+        from rollstream.shared.runtime.config import Settings
+
+        groups = Settings().fleet.groups
+        if group not in groups:
+            console.print(f"[bold red]no model group {escape(group)!r} in fleet.groups[/] "
+                          f"(the groups: {escape(', '.join(sorted(groups)) or 'none')})", markup=True)
+            raise typer.Exit(2)
+        try:
+            server = VllmServer.for_group(group, groups[group], port, extra_args=ctx.args)
+        except ValueError as exc:
+            console.print(f"[bold red]{escape(str(exc))}[/]", markup=True)
+            raise typer.Exit(2) from None
+    with server:
         started = time.monotonic()
         server.wait_healthy()
         console.print(f"vLLM healthy at {server.url} after {time.monotonic() - started:.0f}s; Ctrl-C stops it")

@@ -41,7 +41,7 @@ import httpx
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.errors import RollstreamError
-from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.config import ModelGroupSettings, Settings
 
 
 COMPILATION_ARGS = ("--enforce-eager", "--compilation-config", "-cc", "--optimization-level", "-O")
@@ -102,6 +102,16 @@ class VllmServer:
         extra_args = (*settings.model.vllm_args, *options.pop("extra_args", ()))
         return cls(model_dir, port, served_model_name=settings.model.served_name,
                    max_model_len=settings.model.max_model_len, extra_args=extra_args, **options)
+
+    @classmethod
+    def for_group(cls, name: str, group: ModelGroupSettings, port: int, **options) -> VllmServer:
+        """A server of the model group `name` (fleet.groups): its model, served name, context length and vLLM
+        arguments."""
+        if group.path is None:
+            raise ValueError(f"model group {name!r} names no model to serve: set fleet.groups.{name}.path")
+        return cls(group.path, port, served_model_name=group.served_name or name,
+                   max_model_len=group.max_model_len,
+                   extra_args=(*group.vllm_args, *options.pop("extra_args", ())), **options)
 
     @property
     def url(self) -> str:

@@ -59,14 +59,46 @@ class ModelSettings(Section):
     @field_validator("vllm_args")
     @classmethod
     def _not_what_rollstream_sets(cls, args: list[str]) -> list[str]:
-        owned = {"--model": "model.path", "--served-model-name": "model.served_name", "--host": "listen_host",
-                 "--port": "the server's port", "--max-model-len": "model.max_model_len",
-                 "--dtype": "float32, which the trainer's parity probe needs"}
-        for arg in args:
-            name = arg.split("=", 1)[0]
-            if name in owned:
-                raise ValueError(f"{name} is set by rollstream ({owned[name]}), not in model.vllm_args")
-        return args
+        return vllm_args_rollstream_does_not_set(args, "model")
+
+
+def vllm_args_rollstream_does_not_set(args: list[str], section: str) -> list[str]:
+    """`args`, unless one is a vLLM argument rollstream sets from its own settings (those of `section`)."""
+    owned = {"--model": f"{section}.path", "--served-model-name": f"{section}.served_name",
+             "--host": "listen_host", "--port": "the server's port",
+             "--max-model-len": f"{section}.max_model_len",
+             "--dtype": "float32, which the trainer's parity probe needs"}
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name in owned:
+            raise ValueError(f"{name} is set by rollstream ({owned[name]}), not in {section}.vllm_args")
+    return args
+
+
+class ModelGroupSettings(Section):
+    urls: list[str] = []
+    """The group's servers (OpenAI-compatible, e.g. vLLM). Empty: `rollstream run` starts one of `path`."""
+    path: Path | None = None
+    """The model its servers serve: what `rollstream serve-vllm --group NAME` and a local run start."""
+    served_name: str | None = None
+    """The model name its servers serve it under; None: the group's name."""
+    max_model_len: int = Field(1024, ge=16)
+    """Its servers' context length (vLLM's --max-model-len)."""
+    vllm_args: list[str] = []
+    """Further vLLM arguments of its servers (model.vllm_args are the policy's, not a group's)."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    """Timeout of one request to it."""
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _not_what_rollstream_sets(cls, args: list[str]) -> list[str]:
+        return vllm_args_rollstream_does_not_set(args, "fleet.groups.<name>")
+
+    @model_validator(mode="after")
+    def _servers_or_a_model(self) -> ModelGroupSettings:
+        if not self.urls and self.path is None:
+            raise ValueError("a model group needs its servers' urls, or the path of a model to serve")
+        return self
 
 
 class FleetSettings(Section):
@@ -78,6 +110,18 @@ class FleetSettings(Section):
     """Header that carries a session's id on every request (besides X-Session-ID), for a router in front of
     the fleet (vLLM's production-stack router, llm-d, SGLang's model gateway) to keep each session on one
     server."""
+    groups: dict[str, ModelGroupSettings] = {}
+    """Models served beside the policy, by name (a judge, a reward model): never weight-synced, asked by
+    reward functions through rollstream.shared.inference.model_groups.model_group(name). JSON in the
+    environment: RS_FLEET__GROUPS='{"judge": {"urls": ["http://judge:8000"]}}'."""
+
+    @field_validator("groups")
+    @classmethod
+    def _group_names(cls, groups: dict[str, ModelGroupSettings]) -> dict[str, ModelGroupSettings]:
+        for name in groups:
+            if not name or not name.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"model group name {name!r}: use letters, digits, - and _")
+        return groups
 
 
 class DataSettings(Section):

@@ -8,6 +8,8 @@ and a weight reload that vLLM's logprobs follow exactly. One server for the whol
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 
 import pytest
@@ -225,3 +227,91 @@ def test_server_that_dies_during_startup_reports_its_log(tmp_path):
         assert "no-such-model" in str(info.value)  # the log tail names the cause
     finally:
         server.stop()
+
+
+JUDGE_REWARD = '''
+from rollstream.shared.inference.model_groups import model_group
+
+
+def score(response, label):
+    verdict = model_group("judge").chat([{"role": "user", "content": f"Is {response} equal to {label}?"}],
+                                        max_tokens=6, temperature=0.0)
+    return float(len(verdict) % 4) / 3
+'''
+
+
+@pytest.fixture
+def judge_group(served, tmp_path, monkeypatch):
+    """A reward function module asking the model group "judge": a server that refuses connections, then the
+    session's tiny-model server (never weight-synced by anything here)."""
+    from rollstream.shared.inference import model_groups
+
+    (tmp_path / "judge_reward.py").write_text(JUDGE_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RS_FLEET__GROUPS", f'{{"judge": {{"urls": ["{dead}", "{served[0].url}"], '
+                                           f'"served_name": "tiny"}}}}')
+    model_groups._settings.cache_clear()
+    model_groups._groups.clear()
+    yield served[0], dead
+    model_groups._settings.cache_clear()
+    model_groups._groups.clear()
+
+
+def test_a_reward_function_scores_with_a_model_group_and_an_unreachable_group_scores_nothing(
+        judge_group, bus, tmp_path, monkeypatch):
+    import httpx
+
+    from rollstream.services.reward.book import RewardBook
+    from rollstream.shared.inference import model_groups
+    from rollstream.shared.runtime.storage import Storage
+    from tests.unit.services.reward.test_reward_book import assigned, deliveries_for, feed
+
+    server, dead = judge_group
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2, reward_function="judge_reward:score")
+    answers = {"r1": "7", "r2": "nine"}
+    assert feed(book, [d for i, (rollout, answer) in enumerate(answers.items())
+                       for d in deliveries_for(run, "g", rollout, i, answer)]) == ["g"]
+
+    def judged(answer: str) -> float:  # the judge asked directly, with the same request
+        verdict = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": f"Is {answer} equal to 7?"}],
+            "max_tokens": 6, "temperature": 0.0}).json()["choices"][0]["message"]["content"]
+        return float(len(verdict) % 4) / 3
+
+    rewards = {rollout: reward for rollout, (reward, _, _) in assigned(bus).items()}
+    # the dead server passed over
+    assert rewards == {rollout: judged(answer) for rollout, answer in answers.items()}
+
+    # the judge's only server gone: the group is not scored (no reward of 0); the service retries the event
+    monkeypatch.setenv("RS_FLEET__GROUPS", f'{{"judge": {{"urls": ["{dead}"]}}}}')
+    model_groups._settings.cache_clear()
+    model_groups._groups.clear()
+    with pytest.raises(model_groups.ModelGroupUnavailable, match="no server of model group 'judge' answered"):
+        feed(book, deliveries_for(run, "g2", "r3", 2, "7", group_size=1))
+    assert "r3" not in assigned(bus)
+
+
+def test_a_local_run_serves_a_model_group_that_names_only_a_model(tiny_model, machine_redis_url, tmp_path):
+    import httpx
+
+    from rollstream.cli.local_run import LocalRun
+    from rollstream.shared.runtime.config import Settings
+
+    settings = Settings(run_id=f"groups-{time.time_ns()}", redis_url=machine_redis_url,
+                        storage_uri=str(tmp_path),
+                        fleet={"groups": {"judge": {"path": tiny_model, "max_model_len": 512,
+                                                    "vllm_args": ["--max-num-seqs", "4"]}}})
+    with LocalRun(settings, services=("reward",)) as local:
+        (url,) = local.settings.fleet.groups["judge"].urls
+        assert [model["id"] for model in httpx.get(f"{url}/v1/models").json()["data"]] == ["judge"]
+        assert local.settings.fleet.urls == []  # no policy server: nothing generates in this run
+        config = json.loads((local.run_dir / "config.json").read_text())
+        assert config["fleet"]["groups"]["judge"]["urls"] == [url]  # what the services read
+        server = local.group_servers["judge"]
+        assert "--max-num-seqs" in server.command() and server.max_model_len == 512
+        group = server.pid
+    with pytest.raises(ProcessLookupError):  # the run stopped it, and all its processes
+        os.killpg(group, 0)
+    local.bus.delete_run()

@@ -138,3 +138,17 @@ def test_services_listen_on_loopback_unless_told_otherwise_and_only_on_an_ip_add
     for wrong in ("localhost", "", "0.0.0.0:80", "*"):
         with pytest.raises(ValidationError, match="is not an IP address"):
             Settings(listen_host=wrong)
+
+
+def test_model_groups_come_from_json_in_the_environment_and_bad_ones_are_clear_errors(monkeypatch):
+    monkeypatch.setenv("RS_FLEET__GROUPS",
+                       '{"judge": {"urls": ["http://judge:8000"], "served_name": "qwen-judge"}}')
+    (judge,) = Settings().fleet.groups.items()
+    assert (judge[0], judge[1].urls, judge[1].served_name) == ("judge", ["http://judge:8000"], "qwen-judge")
+    monkeypatch.delenv("RS_FLEET__GROUPS")
+    for groups, error in [({"judge": {}}, "needs its servers' urls, or the path of a model"),
+                          ({"judge": {"path": "m", "vllm_args": ["--port=9"]}},
+                           "--port is set by rollstream"),
+                          ({"a judge": {"urls": ["http://j"]}}, "use letters, digits")]:
+        with pytest.raises(ValidationError, match=error):
+            Settings(fleet={"groups": groups})

@@ -1,0 +1,111 @@
+"""Model groups: models served beside the policy (a judge, a reward model), addressed by name, never
+weight-synced (fleet.groups in the settings).
+
+A reward function (reward.function, `module:function`) asks one like this:
+
+    from rollstream.shared.inference.model_groups import model_group
+
+    def judged(response: str, label: str | None) -> float:
+        question = f"Is {response!r} the answer to {label!r}? yes or no"
+        verdict = model_group("judge").chat([{"role": "user", "content": question}], max_tokens=4)
+        return 1.0 if verdict.strip().lower().startswith("yes") else 0.0
+
+The group's servers are asked through their OpenAI-compatible Chat Completions, each call starting at the
+next server in turn; one that does not answer, or answers 5xx, is passed over for the next. When none
+answers, ModelGroupUnavailable: a reward function lets it through, and the reward service then leaves the
+event pending and tries again (bus.max_deliveries times, then the rollout is dropped with the error as its
+cause). A judge that cannot be reached never scores a rollout 0. An answer the group refused (4xx: a bad
+request) is ModelGroupRequestError.
+
+    python -m pytest tests/integration/test_vllm_fleet.py -q -k model_group
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from typing import Any
+
+import httpx
+
+from rollstream.shared.errors import RollstreamError
+from rollstream.shared.runtime.config import ModelGroupSettings, Settings
+
+
+class ModelGroupUnavailable(RollstreamError, RuntimeError):
+    """No server of the model group answered."""
+
+
+class ModelGroupRequestError(RollstreamError, RuntimeError):
+    """A server of the model group refused the request (4xx), or its answer has no text."""
+
+
+class ModelGroup:
+    """A client of one model group's servers; safe to share between threads."""
+
+    def __init__(self, name: str, group: ModelGroupSettings) -> None:
+        if not group.urls:
+            raise ValueError(f"model group {name!r} has no servers: set fleet.groups.{name}.urls "
+                             "(a local run starts them)")
+        self.name = name
+        self.served_name = group.served_name or name
+        self.urls = [url.rstrip("/") for url in group.urls]
+        self.client = httpx.Client(timeout=group.request_timeout_s)
+        self._next_first = itertools.count()
+        self._lock = threading.Lock()
+
+    def chat(self, messages: list[dict[str, Any]], *, max_tokens: int = 256, temperature: float = 0.0,
+             **sampling: Any) -> str:
+        """The text of the model's answer to `messages` (Chat Completions; `sampling`: further fields such as
+        seed, top_p, stop)."""
+        body = {"model": self.served_name, "messages": messages, "max_tokens": max_tokens,
+                "temperature": temperature, **sampling}
+        answer = self._post("/v1/chat/completions", body)
+        try:
+            return answer["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise ModelGroupRequestError(f"model group {self.name!r} answered without a message: "
+                                         f"{str(answer)[:300]}") from None
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            first = next(self._next_first) % len(self.urls)
+        failures = []
+        for url in self.urls[first:] + self.urls[:first]:
+            try:
+                response = self.client.post(url + path, json=body)
+            except httpx.HTTPError as exc:
+                failures.append(f"{url}: {type(exc).__name__}: {exc}")
+                continue
+            if response.status_code >= 500:
+                failures.append(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
+                continue
+            if response.status_code >= 400:
+                raise ModelGroupRequestError(f"model group {self.name!r} refused the request at {url} "
+                                             f"(HTTP {response.status_code}): {response.text[:500]}")
+            return response.json()
+        raise ModelGroupUnavailable(f"no server of model group {self.name!r} answered: "
+                                    + "; ".join(failures))
+
+
+_groups: dict[str, ModelGroup] = {}
+_groups_lock = threading.Lock()
+
+
+@functools.cache
+def _settings() -> Settings:
+    return Settings()
+
+
+def model_group(name: str, settings: Settings | None = None) -> ModelGroup:
+    """The client of the model group `name` of the run's settings (the service's own, read once, unless
+    `settings` is given); one per name and process."""
+    with _groups_lock:
+        if name not in _groups:
+            groups = (settings or _settings()).fleet.groups
+            if name not in groups:
+                known = ", ".join(sorted(groups)) or "none"
+                raise ValueError(f"no model group {name!r} in fleet.groups (the groups: {known})")
+            _groups[name] = ModelGroup(name, groups[name])
+        return _groups[name]
