@@ -293,15 +293,15 @@ class LocalRun:
         self.starting = False
 
     def start_model_groups(self, settings: Settings, on_step) -> Settings:
-        """Starts a vLLM server for each model group that names a model and no servers (fleet.groups); the
-        settings with their URLs."""
+        """Starts a vLLM server for each group that has no servers (fleet.groups): a model group's model, a
+        policy group's policy (when the run generates); the settings with their URLs."""
         groups = dict(settings.fleet.groups)
         for name, group in groups.items():
-            if group.urls:
+            if group.urls or (group.policy and not settings.fleet.urls):
                 continue
             port = free_port()
-            on_step(f"starting vLLM (CPU) for model group {name} with {group.path} on port {port}")
-            server = VllmServer.for_group(name, group, port, log_path=self.log_dir / f"vllm-{name}.log")
+            on_step(f"starting vLLM (CPU) for server group {name} on port {port}")
+            server = VllmServer.for_group(settings, name, port, log_path=self.log_dir / f"vllm-{name}.log")
             self.group_servers[name] = server.start()
             server.wait_healthy()
             groups[name] = group.model_copy(update={"urls": [server.url]})

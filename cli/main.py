@@ -97,8 +97,9 @@ def serve_vllm(
     port: Annotated[int, typer.Option(help="Port to serve on.")] = 8000,
     served_name: Annotated[str, typer.Option(help="Model name in the API.")] = "tiny",
     group: Annotated[str | None, typer.Option(
-        help="Serve this model group of the run's settings (fleet.groups: its model, name, context length "
-             "and vLLM arguments) instead of --model and --served-name.")] = None,
+        help="Serve this server group of the run's settings (fleet.groups: its model, name, context length "
+             "and vLLM arguments; a policy group's serves the starting model) instead of --model and "
+             "--served-name.")] = None,
 ) -> None:
     """Serve a model with vLLM on the CPU until Ctrl-C (dev endpoints on, for weight sync). Further
     arguments go to vLLM."""
@@ -109,13 +110,14 @@ def serve_vllm(
     else:
         from rollstream.shared.runtime.config import Settings
 
-        groups = Settings().fleet.groups
-        if group not in groups:
-            console.print(f"[bold red]no model group {escape(group)!r} in fleet.groups[/] "
-                          f"(the groups: {escape(', '.join(sorted(groups)) or 'none')})", markup=True)
+        settings = Settings()
+        if group not in settings.fleet.groups:
+            known = ", ".join(sorted(settings.fleet.groups)) or "none"
+            console.print(f"[bold red]no server group {escape(group)!r} in fleet.groups[/] "
+                          f"(the groups: {escape(known)})", markup=True)
             raise typer.Exit(2)
         try:
-            server = VllmServer.for_group(group, groups[group], port, extra_args=ctx.args)
+            server = VllmServer.for_group(settings, group, port, extra_args=ctx.args)
         except ValueError as exc:
             console.print(f"[bold red]{escape(str(exc))}[/]", markup=True)
             raise typer.Exit(2) from None
@@ -134,6 +136,8 @@ def serve_vllm(
 def serve_policy(
     ctx: typer.Context,
     port: Annotated[int, typer.Option(help="Port to serve on (the host is RS_LISTEN_HOST).")] = 8000,
+    group: Annotated[str | None, typer.Option(
+        help="A server of this policy group (fleet.groups: its context length and vLLM arguments).")] = None,
 ) -> None:
     """Become a vLLM server of the run's newest published policy (RS_RUN_ID; the starting model RS_MODEL__PATH
     before the first version): what a supervisor that restarts servers runs (Compose), so that a restarted
@@ -142,8 +146,12 @@ def serve_policy(
     from rollstream.cli.vllm_server import VllmStartError, exec_newest_policy
     from rollstream.shared.runtime.config import Settings
 
+    settings = Settings()
+    if group is not None and not (group in settings.fleet.groups and settings.fleet.groups[group].policy):
+        console.print(f"[bold red]no policy group {escape(group)!r} in fleet.groups[/]", markup=True)
+        raise typer.Exit(2)
     try:
-        exec_newest_policy(Settings(), port, ctx.args)
+        exec_newest_policy(settings, port, ctx.args, group)
     except VllmStartError as exc:
         console.print(f"[bold red]serve-policy failed:[/] {escape(str(exc))}", markup=True, soft_wrap=True)
         raise typer.Exit(1) from None

@@ -41,7 +41,7 @@ import httpx
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.errors import RollstreamError
-from rollstream.shared.runtime.config import ModelGroupSettings, Settings
+from rollstream.shared.runtime.config import Settings
 
 
 COMPILATION_ARGS = ("--enforce-eager", "--compilation-config", "-cc", "--optimization-level", "-O")
@@ -104,14 +104,21 @@ class VllmServer:
                    max_model_len=settings.model.max_model_len, extra_args=extra_args, **options)
 
     @classmethod
-    def for_group(cls, name: str, group: ModelGroupSettings, port: int, **options) -> VllmServer:
-        """A server of the model group `name` (fleet.groups): its model, served name, context length and vLLM
-        arguments."""
+    def for_group(cls, settings: Settings, name: str, port: int, model_dir: Path | str | None = None,
+                  **options) -> VllmServer:
+        """A server of the group `name` (fleet.groups): a model group's model, served name, context length and
+        vLLM arguments; a policy group's context length and vLLM arguments (after model.vllm_args) for the
+        policy, `model_dir` (default: model.path) served as model.served_name."""
+        group = settings.fleet.groups[name]
+        extra_args = options.pop("extra_args", ())
+        if group.policy:
+            return cls(model_dir or settings.model.path, port, served_model_name=settings.model.served_name,
+                       max_model_len=group.max_model_len,
+                       extra_args=(*settings.model.vllm_args, *group.vllm_args, *extra_args), **options)
         if group.path is None:
             raise ValueError(f"model group {name!r} names no model to serve: set fleet.groups.{name}.path")
         return cls(group.path, port, served_model_name=group.served_name or name,
-                   max_model_len=group.max_model_len,
-                   extra_args=(*group.vllm_args, *options.pop("extra_args", ())), **options)
+                   max_model_len=group.max_model_len, extra_args=(*group.vllm_args, *extra_args), **options)
 
     @property
     def url(self) -> str:
@@ -242,16 +249,22 @@ def newest_policy(bus: Bus, settings: Settings) -> tuple[Path, int]:
     return Path(update.checkpoint_uri), update.version
 
 
-def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] = ()) -> NoReturn:
-    """Become (exec) a vLLM server of the run's newest published policy on listen_host:port; VllmStartError
-    when its checkpoint is not there. Waits for Redis as long as it takes: starting on an older policy
+def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] = (),
+                       group: str | None = None) -> NoReturn:
+    """Become (exec) a vLLM server of the run's newest published policy on listen_host:port (with the context
+    length and vLLM arguments of the policy group `group`, when given); VllmStartError when its checkpoint is
+    not there. Waits for Redis as long as it takes: starting on an older policy
     because Redis is away would be the mistake this avoids."""
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     model, version = newest_policy(bus, settings)
     if not (model / "config.json").is_file():
         raise VllmStartError(f"policy version {version} of run {settings.run_id!r} is {model}, which holds no model "
                              f"here: mount the run's storage at the trainer's path ({settings.storage_uri})")
-    server = VllmServer.for_run(settings, model, port, extra_args=extra_args, host=settings.listen_host)
+    if group is None:
+        server = VllmServer.for_run(settings, model, port, extra_args=extra_args, host=settings.listen_host)
+    else:
+        server = VllmServer.for_group(settings, group, port, model, extra_args=extra_args,
+                                      host=settings.listen_host)
     print(json.dumps({"message": "serving the newest policy", "run_id": settings.run_id, "version": version,
                       "model": str(model)}), file=sys.stderr, flush=True)
     command = server.command()

@@ -12,8 +12,9 @@ the agent never saw that answer.
 The policy versions are read from the fleet version record before and after the generation, as the
 agent-runner does for its own turns, so a turn sampled across a weight sync says so.
 
-A request asks for at most what is left of the model's context (`model.max_model_len`) after its prompt:
-agents ask for a fixed 32000 whatever the model, which vLLM would refuse.
+A request asks for at most what is left of the model's context after its prompt (`model.max_model_len`, or
+the longest a policy group's servers hold): agents ask for a fixed 32000 whatever the model, which vLLM would
+refuse.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def sampling_for(session: Session, request: ChatRequest, settings: Settings,
     defaults = session.spec.sampling
     temperature = request.temperature if request.temperature is not None else defaults.get(
         "temperature", settings.rollout.temperature)
-    context = settings.model.max_model_len
+    context = settings.longest_policy_context()
     if prompt_tokens >= context:
         raise RequestError(400, f"the prompt is {prompt_tokens} tokens; the model's context is {context}, "
                                 "which leaves no room for an answer", param="messages")

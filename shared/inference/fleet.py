@@ -134,6 +134,7 @@ class FleetClient:
         metrics_timeout_s: float = 2.0,
         transport: httpx.AsyncBaseTransport | None = None,
         routing_header: str = ROUTING_HEADER,
+        contexts: Mapping[str, int] | None = None,
     ) -> None:
         if not urls:
             raise ValueError("FleetClient needs at least one server URL")
@@ -141,6 +142,9 @@ class FleetClient:
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate server URLs: {self.urls}")
         self.model = model  # None: vLLM uses the one model it serves
+        self.contexts = {url.rstrip("/"): length for url, length in (contexts or {}).items()}
+        """Server -> its context length (vLLM's --max-model-len), where known: a session goes to a server
+        whose context holds its turn when one does (a long-context group beside the rest)."""
         self.session_headers = (SESSION_HEADER, routing_header)
         self.epsilon = epsilon
         self.cooldown_s = cooldown_s
@@ -166,8 +170,10 @@ class FleetClient:
 
     @classmethod
     def for_run(cls, settings: Settings, **options: Any) -> FleetClient:
-        """The client of a run's fleet, as its settings say: servers, served name, timeout, routing header."""
-        return cls(settings.fleet.urls, model=settings.model.served_name,
+        """The client of a run's fleet, as its settings say: servers (fleet.urls and the policy groups') with
+        their context lengths, served name, timeout, routing header."""
+        servers = settings.policy_servers()
+        return cls(list(servers), model=settings.model.served_name, contexts=servers,
                    timeout_s=settings.fleet.request_timeout_s, routing_header=settings.fleet.routing_header,
                    **options)
 
@@ -248,9 +254,12 @@ class FleetClient:
         )
 
     # -- routing ------------------------------------------------------------------------------------
-    def route(self, session_id: str) -> list[str]:
-        """Healthy servers in the order this session should try them (first: the one to use now)."""
+    def route(self, session_id: str, tokens: int = 0) -> list[str]:
+        """Healthy servers in the order this session should try them (first: the one to use now); when some
+        servers' context holds `tokens` (prompt and answer) and others' does not, only those that hold it."""
         healthy = [u for u in self.urls if self.is_healthy(u)]
+        holding = [u for u in healthy if self.contexts.get(u, tokens) >= tokens]
+        healthy = holding or healthy
         if not healthy:
             return []
         ranked = sorted(healthy, key=lambda u: _rank(session_id, u), reverse=True)
@@ -278,7 +287,7 @@ class FleetClient:
         body = self._completion_body(prompt_ids, max_tokens, temperature, stop_token_ids, seed, extra)
         headers = {name: session_id for name in self.session_headers}
 
-        candidates = self.route(session_id)
+        candidates = self.route(session_id, len(prompt_ids) + max_tokens)
         if not candidates:
             raise FleetUnavailable(f"all {len(self.urls)} servers are in their unhealthy cool-down")
         failures: list[str] = []
@@ -333,7 +342,7 @@ class FleetClient:
             if tried and remaining <= 0:  # the failed server had sent every allowed token, not the last chunk
                 yield StreamDelta(token_ids=[], logprobs=[], server_url=tried[-1], finish_reason="length")
                 return
-            candidates = [u for u in self.route(session_id) if u not in tried]
+            candidates = [u for u in self.route(session_id, len(prompt_ids) + max_tokens) if u not in tried]
             if not candidates:
                 why = "; ".join(failures) or f"all {len(self.urls)} servers are in their unhealthy cool-down"
                 done = f"{len(yielded)} of {max_tokens} tokens"

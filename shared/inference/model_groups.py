@@ -104,8 +104,9 @@ def model_group(name: str, settings: Settings | None = None) -> ModelGroup:
     with _groups_lock:
         if name not in _groups:
             groups = (settings or _settings()).fleet.groups
-            if name not in groups:
-                known = ", ".join(sorted(groups)) or "none"
-                raise ValueError(f"no model group {name!r} in fleet.groups (the groups: {known})")
+            if name not in groups or groups[name].policy:
+                known = ", ".join(sorted(key for key, group in groups.items() if not group.policy))
+                raise ValueError(f"no model group {name!r} in fleet.groups (its model groups, not the "
+                                 f"policy's: {known or 'none'})")
             _groups[name] = ModelGroup(name, groups[name])
         return _groups[name]

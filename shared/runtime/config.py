@@ -76,10 +76,15 @@ def vllm_args_rollstream_does_not_set(args: list[str], section: str) -> list[str
 
 
 class ModelGroupSettings(Section):
+    policy: bool = False
+    """True: the group's servers serve the policy beside fleet.urls (weight-synced with them), with the
+    group's own context length and vLLM arguments, e.g. a long-context group: a session goes to a server whose
+    context holds its turn. False: a model of its own (`path`), asked by name."""
     urls: list[str] = []
-    """The group's servers (OpenAI-compatible, e.g. vLLM). Empty: `rollstream run` starts one of `path`."""
+    """The group's servers (OpenAI-compatible, e.g. vLLM). Empty: `rollstream run` starts one."""
     path: Path | None = None
-    """The model its servers serve: what `rollstream serve-vllm --group NAME` and a local run start."""
+    """The model its servers serve (not for a policy group): what `rollstream serve-vllm --group NAME` and a
+    local run start."""
     served_name: str | None = None
     """The model name its servers serve it under; None: the group's name."""
     max_model_len: int = Field(1024, ge=16)
@@ -96,7 +101,10 @@ class ModelGroupSettings(Section):
 
     @model_validator(mode="after")
     def _servers_or_a_model(self) -> ModelGroupSettings:
-        if not self.urls and self.path is None:
+        if self.policy and (self.path is not None or self.served_name is not None):
+            raise ValueError("a policy group serves the run's model (model.path, model.served_name): "
+                             "it takes no path or served_name of its own")
+        if not self.policy and not self.urls and self.path is None:
             raise ValueError("a model group needs its servers' urls, or the path of a model to serve")
         return self
 
@@ -111,9 +119,11 @@ class FleetSettings(Section):
     the fleet (vLLM's production-stack router, llm-d, SGLang's model gateway) to keep each session on one
     server."""
     groups: dict[str, ModelGroupSettings] = {}
-    """Models served beside the policy, by name (a judge, a reward model): never weight-synced, asked by
-    reward functions through rollstream.shared.inference.model_groups.model_group(name). JSON in the
-    environment: RS_FLEET__GROUPS='{"judge": {"urls": ["http://judge:8000"]}}'."""
+    """Server groups by name: models served beside the policy (a judge, a reward model), never weight-synced,
+    asked by reward functions through rollstream.shared.inference.model_groups.model_group(name); and, with
+    `policy`, more policy servers with their own context length and vLLM arguments. JSON in the environment:
+    RS_FLEET__GROUPS='{"judge": {"urls": ["http://judge:8000"]}, "long": {"policy": true, "max_model_len":
+    32768}}'."""
 
     @field_validator("groups")
     @classmethod
@@ -466,6 +476,19 @@ class Settings(BaseSettings):
 
     def run_dir(self) -> Path:
         return Path(self.storage_uri) / self.run_id
+
+    def policy_servers(self) -> dict[str, int]:
+        """The policy's servers, fleet.urls and the policy groups', each with its context length."""
+        servers = dict.fromkeys(self.fleet.urls, self.model.max_model_len)
+        for group in self.fleet.groups.values():
+            if group.policy:
+                servers.update(dict.fromkeys(group.urls, group.max_model_len))
+        return servers
+
+    def longest_policy_context(self) -> int:
+        """The longest context a policy server holds (model.max_model_len, or a policy group's)."""
+        return max([self.model.max_model_len,
+                    *(group.max_model_len for group in self.fleet.groups.values() if group.policy)])
 
     @property
     def url_host(self) -> str:

@@ -293,25 +293,37 @@ def test_a_reward_function_scores_with_a_model_group_and_an_unreachable_group_sc
     assert "r3" not in assigned(bus)
 
 
-def test_a_local_run_serves_a_model_group_that_names_only_a_model(tiny_model, machine_redis_url, tmp_path):
+def test_a_local_run_serves_its_server_groups_and_a_long_turn_goes_to_the_long_context_group(
+        served, tiny_model, machine_redis_url, tmp_path):
     import httpx
 
     from rollstream.cli.local_run import LocalRun
     from rollstream.shared.runtime.config import Settings
 
     settings = Settings(run_id=f"groups-{time.time_ns()}", redis_url=machine_redis_url,
-                        storage_uri=str(tmp_path),
+                        storage_uri=str(tmp_path), model={"path": tiny_model, "max_model_len": 512},
                         fleet={"groups": {"judge": {"path": tiny_model, "max_model_len": 512,
-                                                    "vllm_args": ["--max-num-seqs", "4"]}}})
-    with LocalRun(settings, services=("reward",)) as local:
-        (url,) = local.settings.fleet.groups["judge"].urls
-        assert [model["id"] for model in httpx.get(f"{url}/v1/models").json()["data"]] == ["judge"]
-        assert local.settings.fleet.urls == []  # no policy server: nothing generates in this run
+                                                    "vllm_args": ["--max-num-seqs", "4"]},
+                                          "long": {"policy": True, "max_model_len": 1024}}})
+    # the session's server is said to hold 512 tokens, the long-context group's 1024
+    with LocalRun(settings, fleet_urls=[served[0].url], services=("reward",)) as local:
+        groups = local.settings.fleet.groups
+        (judge,), (long,) = groups["judge"].urls, groups["long"].urls
+        models = {url: httpx.get(f"{url}/v1/models").json()["data"][0] for url in (judge, long)}
+        assert (models[judge]["id"], models[judge]["max_model_len"]) == ("judge", 512)
+        assert (models[long]["id"], models[long]["max_model_len"]) == ("tiny", 1024)  # the policy, longer
+        assert "--max-num-seqs" in local.group_servers["judge"].command()
         config = json.loads((local.run_dir / "config.json").read_text())
-        assert config["fleet"]["groups"]["judge"]["urls"] == [url]  # what the services read
-        server = local.group_servers["judge"]
-        assert "--max-num-seqs" in server.command() and server.max_model_len == 512
-        group = server.pid
-    with pytest.raises(ProcessLookupError):  # the run stopped it, and all its processes
-        os.killpg(group, 0)
+        assert config["fleet"]["groups"]["judge"]["urls"] == [judge]  # what the services read
+        assert local.settings.policy_servers() == {served[0].url: 512, long: 1024}
+
+        async def turns():
+            async with FleetClient.for_run(local.settings) as fleet:  # what the agent-runner and gateway use
+                prompt = [10 + j % 200 for j in range(700)]
+                return [await fleet.complete(prompt, max_tokens=8, session_id=f"s{i}") for i in range(3)]
+        assert {turn.server_url for turn in asyncio.run(turns())} == {long}
+        groups = [server.pid for server in local.group_servers.values()]
+    for group in groups:  # the run stopped them, and all their processes
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
     local.bus.delete_run()

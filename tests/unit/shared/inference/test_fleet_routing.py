@@ -312,3 +312,29 @@ def test_cooldown_expires_by_time():
     time.sleep(0.06)
     assert URLS[0] in fleet.route("x")
     run(fleet.aclose())
+
+
+def test_a_turn_longer_than_a_servers_context_goes_to_a_server_of_a_longer_context_group():
+    fake = FakeFleet()
+    # vllm-0 and vllm-1 hold 1024 tokens, vllm-2 and vllm-3 (a long-context group) 8192
+    contexts = {url: 1024 if i < 2 else 8192 for i, url in enumerate(URLS)}
+
+    async def go():
+        async with make_client(fake, contexts=contexts) as fleet:
+            sessions = [f"s{i}" for i in range(40)]
+            assert {fleet.route(s)[0] for s in sessions} == set(URLS)  # short turns: every server
+            for session in sessions:
+                long_turn = await fleet.complete(list(range(1000)), max_tokens=100, session_id=session)
+                assert long_turn.server_url in URLS[2:]
+                again = await fleet.complete(list(range(1500)), max_tokens=100, session_id=session)
+                assert again.server_url == long_turn.server_url  # the session stays there
+            for url in URLS[2:]:  # the long-context group gone: a long turn is not sent where it cannot fit
+                fake.down.add(url)
+            fake.requests.clear()
+            with pytest.raises(FleetUnavailable):
+                await fleet.complete(list(range(1000)), max_tokens=100, session_id="s0")
+            assert set(fake.served()) == set(URLS[2:])
+            short = await fleet.complete(list(range(100)), max_tokens=100, session_id="s0")
+            assert short.server_url in URLS[:2]
+
+    asyncio.run(go())
