@@ -186,7 +186,7 @@ class Trainer:
         # One event loop for the trainer's life: the fleet client's connections belong to it.
         self.loop = asyncio.Runner()
         self.fleet = None
-        if settings.fleet.urls and ranks.leader:
+        if settings.policy_servers() and ranks.leader:
             assert bus is not None, "the leading rank publishes: it needs the bus"
             from rollstream.shared.inference.fleet import FleetClient
 
@@ -258,7 +258,7 @@ class Trainer:
         if fresh or usable:
             self.probe = (fresh or usable)[0].tokens[:PROBE_TOKENS]
         # the leader's parity check: a forward every rank takes part in (ZeRO-3 gathers the weights for it)
-        expected = self.trainer_logprobs(self.probe) if self.settings.fleet.urls else []
+        expected = self.trainer_logprobs(self.probe) if self.settings.policy_servers() else []
         return TrainedStep(version=version, checkpoint=checkpoint, probe=self.probe, trained=len(fresh),
                            dropped=dropped, expected=expected, metrics=metrics)
 
