@@ -12,8 +12,9 @@ Each job that published a verdict says so in its meta (VERDICT_META).
 A request no retry can grade (its diff artifact or its task does not exist, an unknown grader kind)
 gets its GradingFailed at once, without the retries and their back-off.
 
-A job publishes through the worker's own Redis connection: its arguments carry no Redis URL, because RQ
-logs a job's description (its call with arguments) and the URL would carry the service's password.
+A job publishes through the grader's own connection to the bus (publish_grades_through; the job's RQ
+connection where none is set, the bus's Redis then): its arguments carry no Redis URL, because RQ logs a
+job's description (its call with arguments) and the URL would carry the service's password.
 """
 
 from __future__ import annotations
@@ -148,11 +149,23 @@ def grade_answer(req: GradeRequest, backend, limits: SandboxLimits) -> GradeOutc
                         started=started)
 
 
+_bus_client = None
+"""The bus's Redis client, where the grader set it (its job queue may be on another Redis)."""
+
+
+def publish_grades_through(client) -> None:
+    """Jobs of this process (and of the work-horses it forks) publish their verdicts through `client`, the
+    bus's Redis (a cluster client too), not through RQ's connection."""
+    global _bus_client
+    _bus_client = client
+
+
 def publish(req: GradeRequest, grade: GradeReported | GradingFailed, job: Job) -> None:
     """On `grades`, under one event id per rollout whichever it is: a rollout has one verdict. Through the
-    job's own connection; the job's meta then records that its verdict is out. Nothing is published for a
-    run deleted since the job was queued (its incarnation is gone or another)."""
-    bus = Bus(job.connection, req.run_id)
+    bus's connection (publish_grades_through, else the job's own); the job's meta then records that its
+    verdict is out. Nothing is published for a run deleted since the job was queued (its incarnation is gone
+    or another)."""
+    bus = Bus(_bus_client or job.connection, req.run_id)
     current = bus.redis.get(bus.keys.incarnation)
     if req.incarnation and (current or b"").decode() != req.incarnation:
         job.meta[VERDICT_META] = "none: the run it was queued for was deleted"

@@ -39,6 +39,7 @@ from rq.job import Job
 from rollstream.services.sandbox_grader.jobs import (
     GradeRequest,
     grade_rollout,
+    publish_grades_through,
     report_failures_without_verdict,
     report_job_failure,
 )
@@ -124,7 +125,7 @@ def grade_request(settings: Settings, delivery: Delivery, incarnation: str) -> G
 
 def job_exists(job_id: str, bus: Bus) -> bool:
     try:
-        Job.fetch(job_id, connection=bus.redis)
+        Job.fetch(job_id, connection=bus.job_redis)
     except NoSuchJobError:
         return False
     return True
@@ -201,14 +202,20 @@ class Enqueuer:
 def main() -> None:
     settings = Settings()
     runtime = ServiceRuntime("sandbox-grader", settings)
+    if settings.bus.cluster and not settings.bus.job_queue_url:
+        runtime.log.error("RQ, the grader's job queue, does not run on a Redis Cluster: give it a Redis of "
+                          "its own (bus.job_queue_url, RS_BUS__JOB_QUEUE_URL)")
+        runtime.close()
+        raise SystemExit(2)
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
+    publish_grades_through(bus.redis)
     remove_orphaned_grading_workspaces(runtime)
     if not wait_for_backend(settings, runtime):
         runtime.close()
         return
-    queue = Queue(bus.keys.job_queue(settings.grader.queue), connection=bus.redis)
+    queue = bus.job_queue(settings.grader.queue)
     enqueuer = Enqueuer(settings, runtime, bus, queue)
-    worker = Worker([queue], connection=bus.redis, name=consumer_name("sandbox-worker"),
+    worker = Worker([queue], connection=bus.job_redis, name=consumer_name("sandbox-worker"),
                     maintenance_interval=MAINTENANCE_INTERVAL_S, worker_ttl=MAINTENANCE_INTERVAL_S + 15)
     enqueuer_thread = threading.Thread(target=enqueuer.run_until_stopped, args=(worker,), name="enqueuer",
                                        daemon=True)

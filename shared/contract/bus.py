@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -214,20 +215,35 @@ def consumer_name(service: str) -> str:
     return f"{service}-{socket.gethostname()}-{os.getpid()}"
 
 
+def _with_userinfo_of(source: str, target: str) -> str:
+    """The netloc of URL `target` with the user and password of URL `source`."""
+    userinfo = urlsplit(source).netloc.rpartition("@")[0]
+    netloc = urlsplit(target).netloc
+    return f"{userinfo}@{netloc}" if userinfo else netloc
+
+
 class Bus:
     """Publish and consume one run's events."""
 
-    def __init__(self, client: redis.Redis, run_id: str, settings: BusSettings | None = None) -> None:
+    def __init__(self, client: redis.Redis, run_id: str, settings: BusSettings | None = None,
+                 job_client: redis.Redis | None = None) -> None:
         self.redis = client
         self.keys = Keys(run_id)
         self.settings = settings or BusSettings()
+        self.job_redis = job_client or client
+        """The Redis of the run's RQ queues: bus.job_queue_url's, else the bus's own."""
 
     @classmethod
     def connect(cls, url: str, run_id: str, settings: BusSettings | None = None, *,
                 ride_out_outages: bool = True) -> "Bus":
         settings = settings or BusSettings()
         client = connect_redis(url, ride_out_outages=ride_out_outages, cluster=settings.cluster)
-        return cls(client, run_id, settings)
+        job_client = None
+        if settings.job_queue_url:
+            job_url = urlsplit(settings.job_queue_url)
+            job_url = job_url._replace(netloc=_with_userinfo_of(url, settings.job_queue_url))
+            job_client = connect_redis(urlunsplit(job_url), ride_out_outages=ride_out_outages)
+        return cls(client, run_id, settings, job_client)
 
     # ---------------------------------------------------------------------------------- publish
     def envelope(self, payload: Event, **ids: str | None) -> Envelope:
@@ -421,10 +437,10 @@ class Bus:
         return jobs + (self.redis.delete(*keys) if keys else 0)
 
     def job_queue(self, name: str):
-        """The run's RQ queue `name` (the grader's sandbox queue: grader.queue), on this bus's connection."""
+        """The run's RQ queue `name` (the grader's sandbox queue: grader.queue), on the job queues' Redis."""
         from rq import Queue
 
-        return Queue(self.keys.job_queue(name), connection=self.redis)
+        return Queue(self.keys.job_queue(name), connection=self.job_redis)
 
     def _delete_job_queues(self) -> int:
         """Delete the run's RQ queues (those named by Keys.job_queue), their registries and every job they
@@ -434,24 +450,25 @@ class Bus:
 
         prefix = Queue.redis_queue_namespace_prefix + self.keys.job_queue("")
         deleted = 0
-        for queue_key in self.redis.smembers(Queue.redis_queues_keys):
+        for queue_key in self.job_redis.smembers(Queue.redis_queues_keys):
             queue_key = queue_key.decode()
             if not queue_key.startswith(prefix):
                 continue
-            queue = Queue.from_queue_key(queue_key, connection=self.redis)
+            queue = Queue.from_queue_key(queue_key, connection=self.job_redis)
             registries = (queue.started_job_registry, queue.finished_job_registry, queue.failed_job_registry,
                           queue.deferred_job_registry, queue.scheduled_job_registry, queue.canceled_job_registry)
             # Read straight from Redis: a registry's get_job_ids() first cleans it up, which may fail jobs and
             # run their failure callbacks, publishing into the run being deleted.
             job_ids = {job_id.decode() for key in (queue.key, queue.intermediate_queue_key)
-                       for job_id in self.redis.lrange(key, 0, -1)}
-            job_ids |= {job_id.decode() for registry in registries for job_id in self.redis.zrange(registry.key, 0, -1)}
-            for job in Job.fetch_many(sorted(job_ids), connection=self.redis):
+                       for job_id in self.job_redis.lrange(key, 0, -1)}
+            job_ids |= {job_id.decode() for registry in registries
+                        for job_id in self.job_redis.zrange(registry.key, 0, -1)}
+            for job in Job.fetch_many(sorted(job_ids), connection=self.job_redis):
                 if job is not None:
                     job.delete(remove_from_queue=False)
                     deleted += 1
-            self.redis.delete(queue.intermediate_queue_key, queue.registry_cleaning_key,
-                              *(registry.key for registry in registries))
+            self.job_redis.delete(queue.intermediate_queue_key, queue.registry_cleaning_key,
+                                  *(registry.key for registry in registries))
             queue.delete(delete_jobs=False)
         return deleted
 

@@ -39,6 +39,20 @@ class BusSettings(Section):
     cluster: bool = False
     """The Redis URL names a node of a Redis Cluster: the client finds the others and routes each command to
     the node holding its key (every key of a run is in one hash slot: `rs:{<run_id>}:...`)."""
+    job_queue_url: str | None = None
+    """A Redis of its own for the sandbox-grader's job queue (RQ), redis://host:port/db with no credentials
+    (the bus's user and password are used there too): RQ does not run on a Redis Cluster, so a run on one
+    needs it. None: the bus's Redis."""
+
+    @field_validator("job_queue_url")
+    @classmethod
+    def _no_credentials(cls, url: str | None) -> str | None:
+        if url is not None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("redis", "rediss", "unix") or parts.username or parts.password:
+                raise ValueError("bus.job_queue_url is a redis:// URL without credentials (the bus's are "
+                                 "used)")
+        return url
 
 
 class ModelSettings(Section):

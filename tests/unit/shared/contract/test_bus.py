@@ -9,7 +9,7 @@ import pytest
 from rollstream.shared.contract.bus import LAST_PAGE, STREAMS, Keys, StopConsuming, run_consumer
 from rollstream.shared.contract.consumers import ConsumerGroup
 from rollstream.shared.contract.events import DeadLettered, encode, make_envelope
-from tests.support import prompt, skip_does_not_apply
+from tests.support import prompt
 
 
 @pytest.fixture(params=["redis", "valkey", "cluster"])
@@ -261,29 +261,30 @@ def fail_the_job() -> None:
     raise RuntimeError("the job failed")
 
 
-def test_deleting_a_run_deletes_its_rq_queue_and_every_job_it_holds_and_no_other_runs(bus):
+def test_deleting_a_run_deletes_its_rq_queue_and_every_job_it_holds_and_no_other_runs(bus, redis_url,
+                                                                                         machine_redis_url):
     """RQ keeps a queue and its jobs under its own prefix, outside the run's namespace: a job left behind
-    would be run, or reported as failed, into the next run under the same id."""
+    would be run, or reported as failed, into the next run under the same id. On a Redis Cluster, where RQ
+    does not run, the queues are on a Redis of their own (bus.job_queue_url)."""
     from datetime import timedelta
 
     from redis.cluster import RedisCluster
-
-    if isinstance(bus.redis, RedisCluster):
-        skip_does_not_apply("RQ's workers take no Redis Cluster client: the grader's job queue needs one "
-                            "Redis")
-
     from rq import SimpleWorker
     from rq.job import Job
 
     from rollstream.shared.contract.bus import Bus
 
-    neighbour = Bus(bus.redis, bus.keys.run_id + "-2")  # its queue's name starts with this run's id
-    queue = bus.job_queue("sandbox")
+    if isinstance(bus.redis, RedisCluster):
+        settings = bus.settings.model_copy(update={"job_queue_url": machine_redis_url})
+        bus = Bus.connect(redis_url, bus.keys.run_id, settings, ride_out_outages=False)
+        assert not isinstance(bus.job_redis, RedisCluster)
+    neighbour = Bus(bus.redis, bus.keys.run_id + "-2", job_client=bus.job_redis)  # its queue's name starts
+    queue = bus.job_queue("sandbox")                                                 # with this run's id
     other_queue = neighbour.job_queue("sandbox")
     try:
         finished = queue.enqueue(finish_the_job, job_id=f"{bus.keys.run_id}-finished")
         failed = queue.enqueue(fail_the_job, job_id=f"{bus.keys.run_id}-failed")
-        SimpleWorker([queue], connection=bus.redis).work(burst=True)
+        SimpleWorker([queue], connection=bus.job_redis).work(burst=True)
         queued = queue.enqueue(finish_the_job, job_id=f"{bus.keys.run_id}-queued")
         scheduled = queue.enqueue_in(timedelta(hours=1), finish_the_job, job_id=f"{bus.keys.run_id}-scheduled")
         others = other_queue.enqueue(finish_the_job, job_id=f"{bus.keys.run_id}-others")
@@ -291,13 +292,14 @@ def test_deleting_a_run_deletes_its_rq_queue_and_every_job_it_holds_and_no_other
             "finished", "failed", "queued", "scheduled")
 
         assert bus.delete_run() == 4
-        assert not any(Job.exists(job.id, connection=bus.redis) for job in (finished, failed, queued, scheduled))
+        assert not any(Job.exists(job.id, connection=bus.job_redis)
+                       for job in (finished, failed, queued, scheduled))
         assert queue.count == 0 and queue.failed_job_registry.count == 0
         assert queue.scheduled_job_registry.count == 0 and queue.finished_job_registry.count == 0
-        leftovers = [key for key in bus.redis.scan_iter(match="rq:*", count=1000)
+        leftovers = [key for key in bus.job_redis.scan_iter(match="rq:*", count=1000)
                      if bus.keys.job_queue("").encode() in key]
         assert leftovers == []
-        assert Job.fetch(others.id, connection=bus.redis).get_status() == "queued"
+        assert Job.fetch(others.id, connection=bus.job_redis).get_status() == "queued"
         assert other_queue.count == 1
     finally:
         neighbour.delete_run()

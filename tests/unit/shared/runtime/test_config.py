@@ -162,3 +162,10 @@ def test_a_policy_group_adds_policy_servers_with_their_own_context():
     assert settings.longest_policy_context() == 32768
     with pytest.raises(ValidationError, match="a policy group serves the run's model"):
         Settings(fleet={"groups": {"long": {"policy": True, "path": "other-model"}}})
+
+
+def test_the_job_queue_redis_takes_the_bus_credentials_not_its_own():
+    assert Settings(bus={"job_queue_url": "redis://jobs:6379/0"}).bus.job_queue_url == "redis://jobs:6379/0"
+    for url in ("redis://user:secret@jobs:6379/0", "http://jobs:6379"):
+        with pytest.raises(ValidationError, match="a redis:// URL without credentials"):
+            Settings(bus={"job_queue_url": url})
