@@ -1,17 +1,25 @@
-"""A gateway session with a time budget ends at its budget, on real Redis (the machine's and an embedded Valkey):
-its keys expire at its deadline plus the grace for the finish however busy it was, whether or not anyone
-finishes it; a finish within the grace publishes the session, and one that the end overtakes publishes nothing.
-A session without a budget expires session_ttl_s after its last request."""
+"""A gateway session with a time budget ends at its budget, on real Redis (the machine's, and a local Redis
+Cluster, where the store's transactions run in the run's one slot): its keys expire at its deadline plus the
+grace for the finish however busy it was, whether or not anyone finishes it; a finish within the grace
+publishes the session, and one that the end overtakes publishes nothing. A session without a budget expires
+session_ttl_s after its last request."""
 
 from __future__ import annotations
 
 import time
+
+import pytest
 
 from rollstream.services.gateway.samples import publish_samples
 from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
 
 BUDGET_S = 0.4
 GRACE_S = 0.6
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_url(request):
+    return request.getfixturevalue({"redis": "machine_redis_url", "cluster": "redis_cluster_url"}[request.param])
 
 
 def open_session(bus, session_id: str = "s1", budget_s: float | None = BUDGET_S, ttl_s: int = 600):
@@ -34,7 +42,8 @@ def publisher(bus, session, before=lambda: None):
 
 
 def session_keys(bus, session_id: str = "s1") -> list[str]:
-    return [k.decode() for k in bus.redis.keys(bus.keys.state("gateway", "session", session_id) + "*")]
+    pattern = bus.keys.state("gateway", "session", session_id) + "*"
+    return [k.decode() for k in bus.redis.scan_iter(match=pattern, count=1000)]  # every node of a cluster
 
 
 def sleep_until(at: float) -> None:
