@@ -103,7 +103,7 @@ class Gateway:
 def sampling_for(session: Session, request: ChatRequest, settings: Settings,
                  prompt_tokens: int) -> dict[str, Any]:
     """The turn's sampling: the request's values, else the session's defaults, else the run's; max_tokens
-    no more than the context leaves after the prompt."""
+    no more than the context leaves after the prompt, nor than gateway.max_tokens_per_turn."""
     defaults = session.spec.sampling
     temperature = request.temperature if request.temperature is not None else defaults.get(
         "temperature", settings.rollout.temperature)
@@ -112,7 +112,7 @@ def sampling_for(session: Session, request: ChatRequest, settings: Settings,
         raise RequestError(400, f"the prompt is {prompt_tokens} tokens; the model's context is {context}, "
                                 "which leaves no room for an answer", param="messages")
     max_tokens = min(request.max_tokens or defaults.get("max_tokens") or settings.rollout.max_tokens,
-                     context - prompt_tokens)
+                     context - prompt_tokens, settings.gateway.max_tokens_per_turn or context)
     extra: dict[str, Any] = {}
     top_p = request.top_p if request.top_p is not None else defaults.get("top_p")
     if top_p is not None:

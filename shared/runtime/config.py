@@ -358,6 +358,10 @@ class GatewaySettings(Section):
     and nothing of it is published."""
     max_prompt_tokens: int = Field(32_768, ge=16)
     """Longest prompt a turn may send (history plus new messages); longer gets 400, never a truncation."""
+    max_tokens_per_turn: int | None = Field(None, ge=1)
+    """The most tokens one turn samples, whatever the agent asks for (coding agents ask 32000 a turn): the
+    run's cap on a response, as rollout.max_tokens is for rollstream's own agents; a turn it cuts ends as the
+    API's max-tokens stop. None: what the agent asks, up to the room the context leaves."""
     strict_tools: bool = False
     """Refuse (400) a request with tools the model cannot be shown as functions (hosted tools such as web
     search or code execution, which the API provider would run); False: leave them out, say so in the log and

@@ -136,6 +136,16 @@ def test_claude_codes_first_request_is_served_within_the_context(bus, template, 
     assert events[-2]["usage"]["output_tokens"] == len(asked["response_ids"])
 
 
+def test_a_runs_cap_on_a_turn_wins_over_what_the_agent_asks(bus, template):
+    client, fleet, _ = gateway_app(bus, template, gateway={"max_tokens_per_turn": 64})
+    session_id, key = open_session(client)
+    fleet.texts = ["I will read stats.py first."]
+    response = client.post(f"/s/{session_id}/v1/messages?beta=true", json=claude_code_request(), headers=key)
+    assert response.status_code == 200, response.text
+    (asked,) = fleet.asked
+    assert asked["max_tokens"] == 64  # not the 32000 asked for, nor the room the context leaves
+
+
 def test_the_messages_stream_opens_with_the_prompts_tokens(bus, template):
     client, fleet, _ = gateway_app(bus, template)
     session_id, key = open_session(client)
