@@ -30,7 +30,7 @@ WARM_MODEL := models/tiny-llama-warm
 # The same tiny Llama with RoPE positions for coding agents' prompts (tens of thousands of tokens).
 LONG_MODEL := models/tiny-llama-long
 LONG_POSITIONS := 131072
-# Claude Code and Codex CLI, pinned in agents/package-lock.json: the coding-agent tests run them.
+# Claude Code, Codex CLI and Qwen Code, pinned in agents/package-lock.json: the coding-agent tests run them.
 AGENTS := agents/node_modules/.installed
 
 .PHONY: setup system run test test-unit test-e2e bench clean
@@ -70,12 +70,18 @@ $(WARM_MODEL)/config.json: $(MODEL)/config.json cli/model/warmup.py
 $(LONG_MODEL)/config.json: cli/model/tiny_model.py | $(VENV)/.installed
 	$(VENV)/bin/rollstream build-model --out $(LONG_MODEL) --max-positions $(LONG_POSITIONS)
 
-# Without npm the coding-agent tests skip, saying so; CI has npm.
+# Without npm the coding-agent tests skip, saying so; CI has npm. `npm install`, not `npm ci`: Qwen Code names
+# optional builds of a dependency that were never published, which a lock file cannot list and `npm ci` then
+# refuses; `npm install` installs the locked tree all the same, and the check after it fails if it changed the lock.
 $(AGENTS): agents/package.json agents/package-lock.json
 	@if command -v npm >/dev/null; then \
-	  cd agents && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
+	  cd agents && cp package-lock.json .package-lock.expected \
+	  && npm install --no-audit --no-fund --loglevel=error \
+	  && cmp -s package-lock.json .package-lock.expected && rm .package-lock.expected \
+	  && touch node_modules/.installed \
+	  || { echo "npm install did not install agents/package-lock.json as it is" >&2; exit 1; }; \
 	else \
-	  echo "npm is missing: Claude Code and Codex CLI are not installed, their tests will skip" >&2; \
+	  echo "npm is missing: Claude Code, Codex CLI and Qwen Code are not installed, their tests will skip" >&2; \
 	fi
 
 run: setup
