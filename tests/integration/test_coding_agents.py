@@ -15,7 +15,7 @@ fix (Qwen Code reads the file first: it refuses to let a command edit a file it 
 fixed. vLLM samples every id all the same, and the test asks vLLM again for each recorded turn with the same
 prompt and the session's seed (rollout.seed).
 
-    make setup    # builds models/tiny-llama-long and installs the CLIs (npm ci in agents/)
+    make setup    # builds models/tiny-llama-long and installs the CLIs (npm install in agents/)
     python -m pytest tests/integration/test_coding_agents.py -q
 """
 
@@ -79,7 +79,7 @@ AGENTS = {
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, machine_redis_url):
     if not all((AGENTS_BIN / cli).exists() for cli in ("claude", "codex", "qwen")):
-        pytest.skip("the coding-agent CLIs are installed by make setup (npm ci in agents/)")
+        pytest.skip("the coding-agent CLIs are installed by make setup (npm install in agents/)")
     if not (LONG_MODEL / "tokenizer.json").exists():
         pytest.skip("the long-context tiny model is built by make setup")
     root = tmp_path_factory.mktemp("coding-agents")
