@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from rollstream.shared.errors import RollstreamError
-from rollstream.shared.runtime.config import ModelGroupSettings, Settings
+from rollstream.shared.runtime.config import ServerGroupSettings, Settings
 
 
 class ModelGroupUnavailable(RollstreamError, RuntimeError):
@@ -44,7 +44,7 @@ class ModelGroupRequestError(RollstreamError, RuntimeError):
 class ModelGroup:
     """A client of one model group's servers; safe to share between threads."""
 
-    def __init__(self, name: str, group: ModelGroupSettings) -> None:
+    def __init__(self, name: str, group: ServerGroupSettings) -> None:
         if not group.urls:
             raise ValueError(f"model group {name!r} has no servers: set fleet.groups.{name}.urls "
                              "(a local run starts them)")

@@ -89,7 +89,7 @@ def vllm_args_rollstream_does_not_set(args: list[str], section: str) -> list[str
     return args
 
 
-class ModelGroupSettings(Section):
+class ServerGroupSettings(Section):
     policy: bool = False
     """True: the group's servers serve the policy beside fleet.urls (weight-synced with them), with the
     group's own context length and vLLM arguments, e.g. a long-context group: a session goes to a server whose
@@ -114,7 +114,7 @@ class ModelGroupSettings(Section):
         return vllm_args_rollstream_does_not_set(args, "fleet.groups.<name>")
 
     @model_validator(mode="after")
-    def _servers_or_a_model(self) -> ModelGroupSettings:
+    def _servers_or_a_model(self) -> ServerGroupSettings:
         if self.policy and (self.path is not None or self.served_name is not None):
             raise ValueError("a policy group serves the run's model (model.path, model.served_name): "
                              "it takes no path or served_name of its own")
@@ -132,7 +132,7 @@ class FleetSettings(Section):
     """Header that carries a session's id on every request (besides X-Session-ID), for a router in front of
     the fleet (vLLM's production-stack router, llm-d, SGLang's model gateway) to keep each session on one
     server."""
-    groups: dict[str, ModelGroupSettings] = {}
+    groups: dict[str, ServerGroupSettings] = {}
     """Server groups by name: models served beside the policy (a judge, a reward model), never weight-synced,
     asked by reward functions through rollstream.shared.inference.model_groups.model_group(name); and, with
     `policy`, more policy servers with their own context length and vLLM arguments. JSON in the environment:
@@ -141,10 +141,10 @@ class FleetSettings(Section):
 
     @field_validator("groups")
     @classmethod
-    def _group_names(cls, groups: dict[str, ModelGroupSettings]) -> dict[str, ModelGroupSettings]:
+    def _group_names(cls, groups: dict[str, ServerGroupSettings]) -> dict[str, ServerGroupSettings]:
         for name in groups:
             if not name or not name.replace("-", "").replace("_", "").isalnum():
-                raise ValueError(f"model group name {name!r}: use letters, digits, - and _")
+                raise ValueError(f"server group name {name!r}: use letters, digits, - and _")
         return groups
 
 

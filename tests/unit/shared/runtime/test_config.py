@@ -149,7 +149,7 @@ def test_model_groups_come_from_json_in_the_environment_and_bad_ones_are_clear_e
     for groups, error in [({"judge": {}}, "needs its servers' urls, or the path of a model"),
                           ({"judge": {"path": "m", "vllm_args": ["--port=9"]}},
                            "--port is set by rollstream"),
-                          ({"a judge": {"urls": ["http://j"]}}, "use letters, digits")]:
+                          ({"a judge": {"urls": ["http://j"]}}, "server group name 'a judge': use letters")]:
         with pytest.raises(ValidationError, match=error):
             Settings(fleet={"groups": groups})
 
