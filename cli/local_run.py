@@ -303,8 +303,9 @@ class LocalRun:
             on_step(f"starting vLLM (CPU) for server group {name} on port {port}")
             server = VllmServer.for_group(settings, name, port, log_path=self.log_dir / f"vllm-{name}.log")
             self.group_servers[name] = server.start()
+        for name, server in self.group_servers.items():  # started together, waited for in turn
             server.wait_healthy()
-            groups[name] = group.model_copy(update={"urls": [server.url]})
+            groups[name] = groups[name].model_copy(update={"urls": [server.url]})
         return settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"groups": groups})})
 
     def process_names(self, service: str) -> list[str]:
