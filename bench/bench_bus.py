@@ -1,7 +1,8 @@
 """Stream bus throughput next to raw redis-py, same server, same run.
 
-Publishes N small events (PromptIssued) and N token-heavy ones (a 512-token TrajectorySegment) with
-`Bus.publish`, consumes and acknowledges them with `Bus.consume` + `Bus.ack`, and does the same with
+Publishes N small events (PromptIssued, on `prompts`) and N token-heavy ones (a 512-token TrajectorySegment,
+on `trajectories`: each on a stream that carries its type, or the bus dead-letters it) with `Bus.publish`,
+consumes and acknowledges them with `Bus.consume` + `Bus.ack`, and does the same with
 raw XADD / XREADGROUP / XACK of the already-encoded fields. Prints events/s and bus/raw ratios.
 
     python bench/bench_bus.py [--redis redis://127.0.0.1:6379/0] [--events 5000]
@@ -32,12 +33,12 @@ def heavy(i: int) -> TrajectorySegment:
                              group_size=8)
 
 
-def bench_bus(bus: Bus, events: list, batch: int) -> tuple[float, float]:
-    bus.ensure_group("trajectories", "bench")
+def bench_bus(bus: Bus, stream: str, events: list, batch: int) -> tuple[float, float]:
+    bus.ensure_group(stream, "bench")
     start = time.perf_counter()
     pipe = bus.redis.pipeline(transaction=False)
     for i, event in enumerate(events, 1):
-        bus.publish("trajectories", event, pipe=pipe)
+        bus.publish(stream, event, pipe=pipe)
         if i % batch == 0:
             pipe.execute()
     pipe.execute()
@@ -45,10 +46,13 @@ def bench_bus(bus: Bus, events: list, batch: int) -> tuple[float, float]:
     start = time.perf_counter()
     seen = 0
     while seen < len(events):
-        got = bus.consume("trajectories", "bench", "c", count=batch, block_ms=100)
+        got = bus.consume(stream, "bench", "c", count=batch, block_ms=100)
+        if not got:
+            raise RuntimeError(f"the bus handed back {seen} of {len(events)} events: "
+                               f"{bus.redis.xlen(bus.keys.stream('dead'))} were dead-lettered")
         pipe = bus.redis.pipeline(transaction=False)
         for d in got:
-            pipe.xack(bus.keys.stream("trajectories"), "bench", d.entry_id)
+            pipe.xack(bus.keys.stream(stream), "bench", d.entry_id)
         pipe.execute()
         seen += len(got)
     return publish, len(events) / (time.perf_counter() - start)
@@ -86,14 +90,15 @@ def main() -> None:
     client = redis.Redis.from_url(args.redis)
     print(f"{args.events} events per case, batches of {args.batch}, {args.redis}")
     print(f"{'case':<28}{'publish ev/s':>14}{'consume ev/s':>14}")
-    for label, make in (("PromptIssued", small), ("Segment 512 tokens", heavy)):
+    cases = (("PromptIssued", "prompts", small), ("Segment 512 tokens", "trajectories", heavy))
+    for label, stream, make in cases:
         events = [make(i) for i in range(args.events)]
         run = f"bench-{uuid.uuid4().hex[:8]}"
         bus = Bus(client, run, BusSettings(reclaim_idle_ms=600_000))
         # Raw redis-py gets the same bytes, encoded ahead of time: the difference is the bus's own work.
         fields = [encode(make_envelope(e, run_id=run)) for e in events]
         try:
-            bus_pub, bus_con = bench_bus(bus, events, args.batch)
+            bus_pub, bus_con = bench_bus(bus, stream, events, args.batch)
             raw_pub, raw_con = bench_raw(client, f"{bus.keys.prefix}:raw", fields, args.batch)
         finally:
             bus.delete_run()
