@@ -227,7 +227,7 @@ class LocalRun:
         self.vllm = None
         self.vllm_startup_s: float | None = None
         self.group_servers: dict[str, VllmServer] = {}
-        """Model group name -> the vLLM server the run started for it (fleet.groups with no urls)."""
+        """Server group name -> the vLLM server the run started for it (fleet.groups with no urls)."""
         self.bus: Bus | None = None
         self.progress_reader: ProgressReader | None = None
 
@@ -263,7 +263,7 @@ class LocalRun:
             self.vllm.wait_healthy()
             self.vllm_startup_s = time.monotonic() - started
             settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": [self.vllm.url]})})
-        settings = self.start_model_groups(settings, on_step)
+        settings = self.start_server_groups(settings, on_step)
         if "gateway" in self.services:
             self.gateway_urls = {name: f"http://{settings.url_host}:{free_port()}"
                                  for name in self.process_names("gateway")}
@@ -292,7 +292,7 @@ class LocalRun:
         self.wait_healthy()
         self.starting = False
 
-    def start_model_groups(self, settings: Settings, on_step) -> Settings:
+    def start_server_groups(self, settings: Settings, on_step) -> Settings:
         """Starts a vLLM server for each group that has no servers (fleet.groups): a model group's model, a
         policy group's policy (when the run generates); the settings with their URLs."""
         groups = dict(settings.fleet.groups)
