@@ -215,11 +215,11 @@ def consumer_name(service: str) -> str:
     return f"{service}-{socket.gethostname()}-{os.getpid()}"
 
 
-def _with_userinfo_of(source: str, target: str) -> str:
-    """The netloc of URL `target` with the user and password of URL `source`."""
+def _with_credentials_of(source: str, target: str) -> str:
+    """URL `target` with the user and password of URL `source`."""
     userinfo = urlsplit(source).netloc.rpartition("@")[0]
-    netloc = urlsplit(target).netloc
-    return f"{userinfo}@{netloc}" if userinfo else netloc
+    parts = urlsplit(target)
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.netloc}")) if userinfo else target
 
 
 class Bus:
@@ -240,9 +240,8 @@ class Bus:
         client = connect_redis(url, ride_out_outages=ride_out_outages, cluster=settings.cluster)
         job_client = None
         if settings.job_queue_url:
-            job_url = urlsplit(settings.job_queue_url)
-            job_url = job_url._replace(netloc=_with_userinfo_of(url, settings.job_queue_url))
-            job_client = connect_redis(urlunsplit(job_url), ride_out_outages=ride_out_outages)
+            job_client = connect_redis(_with_credentials_of(url, settings.job_queue_url),
+                                       ride_out_outages=ride_out_outages)
         return cls(client, run_id, settings, job_client)
 
     # ---------------------------------------------------------------------------------- publish

@@ -52,8 +52,7 @@ class ModelGroup:
         self.served_name = group.served_name or name
         self.urls = [url.rstrip("/") for url in group.urls]
         self.client = httpx.Client(timeout=group.request_timeout_s)
-        self._next_first = itertools.count()
-        self._lock = threading.Lock()
+        self._next_first = itertools.count()  # next() on it is one C call: atomic between threads
 
     def chat(self, messages: list[dict[str, Any]], *, max_tokens: int = 256, temperature: float = 0.0,
              **sampling: Any) -> str:
@@ -69,8 +68,7 @@ class ModelGroup:
                                          f"{str(answer)[:300]}") from None
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            first = next(self._next_first) % len(self.urls)
+        first = next(self._next_first) % len(self.urls)
         failures = []
         for url in self.urls[first:] + self.urls[:first]:
             try:
