@@ -66,10 +66,16 @@ def main() -> None:
         from rollstream.services.trainer.backends.deepspeed_backend import ensure_distributed
 
         ensure_distributed()
-    if ranks.leader:
-        lead(settings, ranks)
-    else:
-        follow(settings, ranks)
+    try:
+        if ranks.leader:
+            lead(settings, ranks)
+        else:
+            follow(settings, ranks)
+    finally:
+        if settings.train.backend == "deepspeed":  # a world of one too: the backend joins one of its own
+            from rollstream.services.trainer.backends.deepspeed_backend import leave_distributed
+
+            leave_distributed()
 
 
 def lead(settings: Settings, ranks: Ranks) -> None:

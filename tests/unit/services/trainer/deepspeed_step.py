@@ -141,6 +141,11 @@ def main(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
+    from rollstream.services.trainer.backends.deepspeed_backend import leave_distributed
+
     spec = json.loads(sys.argv[1])
-    result = main(spec)
+    try:
+        result = main(spec)
+    finally:
+        leave_distributed()
     Path(spec["result"].replace("{rank}", os.environ.get("RANK", "0"))).write_text(json.dumps(result, indent=2))
