@@ -23,6 +23,10 @@ class ArchiveError(RollstreamError):
     """A stream archive cannot be read or written as it should (damaged or overlapping parts)."""
 
 
+class RunDataNotFound(RollstreamError, LookupError):
+    """A run or a rollout asked for is in neither Redis nor storage; the message says what is there."""
+
+
 # --- runtime -------------------------------------------------------------------------------------
 
 

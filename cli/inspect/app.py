@@ -20,23 +20,25 @@ from rich.console import Console
 
 from rollstream.cli.inspect.connections import (
     DEFAULT_REDIS_URL,
-    InspectError,
     connect,
+    default_model,
     default_redis_url,
     default_storage,
     err_console,
-    open_run,
 )
 from rollstream.cli.inspect.diff import MEASURED_FIELDS, diff_runs, render_diff
-from rollstream.cli.inspect.runs import collect_runs, collect_streams, runs_table, streams_table
-from rollstream.cli.inspect.trajectory import (
+from rollstream.cli.inspect.runs import collect_runs, runs_table, streams_table
+from rollstream.cli.inspect.trajectory import render_rollout
+from rollstream.shared.contract.bus import STREAMS
+from rollstream.shared.contract.rollout_view import (
     load_decoder,
     load_rollout,
-    render_rollout,
     rollout_document,
     run_model_path,
 )
-from rollstream.shared.contract.bus import STREAMS
+from rollstream.shared.contract.run_source import open_run
+from rollstream.shared.contract.stream_state import collect_streams
+from rollstream.shared.errors import RunDataNotFound
 
 inspect_app = typer.Typer(add_completion=False, no_args_is_help=True,
                           help="Look into runs: live in Redis, trimmed, or only in their archive.")
@@ -81,7 +83,7 @@ def streams_command(run: Annotated[str, typer.Argument(help="Run id.")], redis_u
     client = connect(redis_url or default_redis_url())
     try:
         source = open_run(client, storage, run)
-    except InspectError as exc:
+    except RunDataNotFound as exc:
         _fail(str(exc))
     out_console().print(streams_table(run, collect_streams(source), source.where))
 
@@ -105,9 +107,9 @@ def trajectory_command(
     client = connect(redis_url or default_redis_url())
     try:
         view = load_rollout(open_run(client, storage, run), rollout_id)
-    except InspectError as exc:
+    except RunDataNotFound as exc:
         _fail(str(exc))
-    path = model or run_model_path(storage, run)
+    path = model or run_model_path(storage, run, default_model())
     decoder, why = load_decoder(path)
     if decoder is None:
         err_console.print(f"[yellow]no tokenizer ({path}: {why}): token ids shown[/]", highlight=False)
@@ -151,7 +153,7 @@ def diff_command(
     try:
         source_a = open_run(client_a, storage, run_a)
         source_b = open_run(client_b, storage_b or storage, run_b)
-    except InspectError as exc:
+    except RunDataNotFound as exc:
         _fail(str(exc), 2)
     report = diff_runs(source_a, source_b, list(dict.fromkeys(selected)), normalize=normalize,
                        ignore=() if exact else MEASURED_FIELDS)

@@ -21,16 +21,16 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from rollstream.cli.inspect.connections import (
-    RunSource,
-    _attempt_of,
-    _f32,
-    _open_batch_rows,
-    decoded_history,
-)
 from rollstream.shared.contract.batches import BatchRow
 from rollstream.shared.contract.bus import STREAMS, StreamName
 from rollstream.shared.contract.events import BatchReady, Envelope
+from rollstream.shared.contract.run_source import (
+    RunSource,
+    attempt_of,
+    decoded_history,
+    float32_value,
+    open_batch_rows,
+)
 from rollstream.shared.runtime.storage import Storage
 
 IGNORED_ENVELOPE_FIELDS = ("time", "run_id", "event_id")
@@ -84,7 +84,7 @@ class Normalizer:
         seen: dict[str, list[str]] = {}
         for envelope in trajectories:
             rollout = envelope.rollout_id
-            attempt = _attempt_of(envelope, rollout) if rollout else ""
+            attempt = attempt_of(envelope, rollout) if rollout else ""
             if attempt and attempt not in self.attempts:
                 names = seen.setdefault(rollout, [])
                 names.append(attempt)
@@ -235,8 +235,9 @@ def _row_key(row: BatchRow, normalizer: Normalizer) -> tuple[str, int]:
 
 def _row_fields(row: BatchRow, normalizer: Normalizer) -> dict[str, Any]:
     data = asdict(row)
-    data["reward"], data["advantage"] = _f32(row.reward), _f32(row.advantage)  # float32 columns, shown as such
-    data["rollout_logprobs"] = [_f32(x) for x in row.rollout_logprobs]
+    # float32 columns, shown as such
+    data["reward"], data["advantage"] = float32_value(row.reward), float32_value(row.advantage)
+    data["rollout_logprobs"] = [float32_value(x) for x in row.rollout_logprobs]
     return {k: normalizer.value(v) if isinstance(v, (str, dict, list)) else v for k, v in data.items()}
 
 
@@ -246,7 +247,7 @@ def compare_batch_rows(a: SideEvents, b: SideEvents, event_a: BatchReady, event_
     rows = []
     for side, event in ((a, event_a), (b, event_b)):
         try:
-            rows.append(_open_batch_rows(side.source.storage_uri, side.source.run, event.uri))
+            rows.append(open_batch_rows(side.source.storage_uri, side.source.run, event.uri))
         except Exception as exc:
             rows.append(exc)
     if isinstance(rows[0], Exception) or isinstance(rows[1], Exception):

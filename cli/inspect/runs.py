@@ -3,27 +3,22 @@
     rollstream inspect runs            # every run in Redis and in storage, entries per stream
     rollstream inspect streams RUN     # per stream: length, ids, archive position, groups' lag
 
-`collect_runs` and `collect_streams` gather the numbers; `runs_table` and `streams_table` render them.
+`collect_runs` gathers the runs' numbers (a run's streams: shared/contract/stream_state.py's
+`collect_streams`); `runs_table` and `streams_table` render them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 from rich.table import Table
 
-from rollstream.cli.inspect.connections import (
-    RunSource,
-    _archive_runs,
-    _text,
-    _where,
-    archive_count,
-    redis_runs,
-)
-from rollstream.shared.contract.archive import ArchiveReader, archived_id
+from rollstream.shared.contract.archive import ArchiveReader
 from rollstream.shared.contract.bus import STREAMS, Bus
 from rollstream.shared.contract.events import EventDecodeError, PolicyUpdated, decode
+from rollstream.shared.contract.run_source import archive_count, archive_runs, redis_runs, where_label
+from rollstream.shared.contract.stream_state import StreamState
 
 
 # --------------------------------------------------------------------------------------------- runs
@@ -38,7 +33,7 @@ class RunSummary:
 
     @property
     def where(self) -> str:
-        return _where(self.in_redis, self.in_archive)
+        return where_label(self.in_redis, self.in_archive)
 
 
 def latest_policy_version(bus: Bus | None, reader: ArchiveReader | None) -> int | None:
@@ -89,7 +84,7 @@ def summarize_run(client: redis.Redis | None, storage_uri: str, run: str, in_red
 def collect_runs(client: redis.Redis | None, storage_uri: str) -> list[RunSummary]:
     """Every run in Redis or with an archive in storage, sorted by name."""
     live = set(redis_runs(client))
-    archived = set(_archive_runs(storage_uri))
+    archived = set(archive_runs(storage_uri))
     return [summarize_run(client, storage_uri, run, run in live, run in archived) for run in sorted(live | archived)]
 
 
@@ -108,68 +103,6 @@ def runs_table(summaries: list[RunSummary], storage_uri: str = "") -> Table:
 
 
 # ------------------------------------------------------------------------------------------ streams
-@dataclass
-class GroupState:
-    name: str
-    consumers: int
-    lag: int | None
-    """Entries not yet delivered to the group."""
-    lag_source: str
-    """`redis` (XINFO GROUPS lag) or `computed` (Bus.group_lag: Redis could not tell)."""
-    pending: int
-    """Delivered, not acknowledged."""
-    last_delivered: str
-
-
-@dataclass
-class StreamState:
-    stream: str
-    live: bool
-    length: int | None
-    added: int | None
-    first_id: str | None
-    last_id: str | None
-    archived_to: str | None
-    archived_entries: int | None
-    groups: list[GroupState] = field(default_factory=list)
-
-
-def collect_streams(source: RunSource) -> list[StreamState]:
-    bus, reader = source.bus, source.reader
-    archived_streams = set(reader.streams()) if reader is not None else set()
-    out = []
-    for stream in STREAMS:
-        state = StreamState(stream, False, None, None, None, None, None,
-                            archive_count(reader, stream) if stream in archived_streams else None)
-        if bus is not None:
-            state.archived_to = archived_id(bus, stream)
-            key = bus.keys.stream(stream)
-            try:
-                info = bus.redis.xinfo_stream(key)
-            except redis.ResponseError:
-                info = None
-            if info is not None:
-                state.live = True
-                state.length = int(info["length"])
-                state.added = int(info["entries-added"]) if info.get("entries-added") is not None else None
-                first, last = info.get("first-entry"), info.get("last-entry")
-                state.first_id = _text(first[0]) if first else None
-                state.last_id = _text(last[0]) if last else None
-                try:
-                    groups = bus.redis.xinfo_groups(key)
-                except redis.ResponseError:  # deleted since
-                    groups = []
-                for group in groups:
-                    name = _text(group["name"])
-                    lag, lag_source = group.get("lag"), "redis"
-                    if lag is None:
-                        lag, lag_source = bus.group_lag(stream, name)[0], "computed"
-                    state.groups.append(GroupState(name, int(group["consumers"]), int(lag), lag_source,
-                                                   int(group["pending"]), _text(group["last-delivered-id"])))
-        out.append(state)
-    return out
-
-
 def streams_table(run: str, states: list[StreamState], where: str = "") -> Table:
     table = Table(title=f"run {run}: streams" + (f" ({where})" if where else ""))
     for column, justify in (("stream", "left"), ("length", "right"), ("added", "right"), ("first id", "left"),

@@ -14,16 +14,9 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from rollstream.cli.inspect.app import inspect_app
-from rollstream.cli.inspect.connections import open_run
 from rollstream.cli.inspect.diff import diff_runs, render_diff
-from rollstream.cli.inspect.runs import collect_runs, collect_streams, runs_table
-from rollstream.cli.inspect.trajectory import (
-    load_decoder,
-    load_rollout,
-    render_rollout,
-    rollout_document,
-    tokens_text,
-)
+from rollstream.cli.inspect.runs import collect_runs, runs_table
+from rollstream.cli.inspect.trajectory import render_rollout, tokens_text
 from rollstream.services.recorder.archive_writer import ArchiveWriter
 from rollstream.shared.contract.archive import trim_stream
 from rollstream.shared.contract.batches import BatchRow, write_batch
@@ -41,6 +34,9 @@ from rollstream.shared.contract.events import (
     TrajectoryTool,
     TrajectoryTurn,
 )
+from rollstream.shared.contract.rollout_view import load_decoder, load_rollout, rollout_document
+from rollstream.shared.contract.run_source import open_run
+from rollstream.shared.contract.stream_state import collect_streams
 from rollstream.shared.runtime.storage import Storage
 from tests.support import MODELS
 
