@@ -22,9 +22,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+from rollstream.shared.runtime.console_settings import ConsoleSettings
+from rollstream.shared.runtime.sections import Section
 
 
 class BusSettings(Section):
@@ -426,6 +425,7 @@ class Settings(BaseSettings):
     reward: RewardSettings = RewardSettings()
     recorder: RecorderSettings = RecorderSettings()
     gateway: GatewaySettings = GatewaySettings()
+    console: ConsoleSettings = ConsoleSettings()
     security: SecuritySettings = SecuritySettings()
 
     @field_validator("redis_password", mode="before")
