@@ -5,7 +5,7 @@ test_trainer_backends.py imports it for the torch backend and runs it as a scrip
 backend: DeepSpeed sets up process-global state (torch.distributed), so each DeepSpeed run gets
 processes of its own.
 
-    python tests/unit/services/trainer/deepspeed_step.py '{"task": "train" | "resume" | "ranks" | "torch", ...}'
+    python tests/unit/services/trainer/deepspeed_step.py '{"task": "train" | "resume" | "ranks" | "torch" | "torch_ranks", ...}'
     (see main())
 
 writes its results as JSON to the path given as "result" ("{rank}" in it becomes the process's rank).
@@ -108,12 +108,17 @@ def main(spec: dict) -> dict:
     from rollstream.services.trainer.backends.deepspeed_backend import DeepSpeedBackend
 
     # The torch backend's steps in a process of their own (with CUDA_VISIBLE_DEVICES='': on the CPU).
-    if spec["task"] == "torch":
+    if spec["task"] in ("torch", "torch_ranks"):
         from rollstream.services.trainer.backends.torch_backend import TorchBackend
 
         cfg = settings("torch")
         backend = TorchBackend(cfg, Path(spec["model"]))
-        return {"device": str(backend.device), **train(backend, cfg, spec["saves"])}
+        if spec["task"] == "torch":
+            return {"device": str(backend.device), **train(backend, cfg, spec["saves"])}
+        # What the "ranks" task's two ranks take together, in one process.
+        out = train_step(backend, synthetic_rows(0), cfg, micro_batch_tokens=RANKS_MICRO_BATCH_TOKENS)
+        backend.save(Path(spec["save"]))
+        return out
     cfg = settings("deepspeed", spec["zero_stage"])
     if spec["task"] == "train":
         backend = DeepSpeedBackend(cfg, Path(spec["model"]))

@@ -1,5 +1,6 @@
-"""The DeepSpeed backend (ZeRO-2 and ZeRO-3, on the CPU) takes the torch backend's steps: same loss, same
-gradient norm, same update, a saved model transformers loads, and an exact resume from its saved state.
+"""The DeepSpeed backend (ZeRO-2 and ZeRO-3, on the CPU, or on a CUDA GPU where there is one) takes the
+torch backend's steps: same loss, same gradient norm, same update, a saved model transformers loads, and an
+exact resume from its saved state.
 
 DeepSpeed sets up process-global state (torch.distributed), so its runs go to processes of their own
 (tests/unit/services/trainer/deepspeed_step.py, which writes JSON); the torch backend runs here, through the same step
@@ -140,13 +141,12 @@ def test_a_resumed_backend_steps_like_an_uninterrupted_one(stage, deepspeed_run,
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_sharing_the_micro_batches_take_the_one_process_step(stage, tiny_model, tmp_path):
-    cfg = steps.settings("torch")
-    backend = TorchBackend(cfg, tiny_model)
-    reference = steps.train_step(backend, steps.synthetic_rows(0), cfg,
-                                 micro_batch_tokens=steps.RANKS_MICRO_BATCH_TOKENS)
-    backend.save(tmp_path / "torch")
+    # Two NCCL ranks cannot share a GPU: with fewer than two, the ranks and the reference run on the CPU.
+    env = {} if torch.cuda.device_count() >= 2 else {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    [reference] = run_deepspeed({"task": "torch_ranks", "model": str(tiny_model), "save": str(tmp_path / "torch")},
+                                tmp_path, env=env)
     results = run_deepspeed({"task": "ranks", "zero_stage": stage, "model": str(tiny_model),
-                             "save": str(tmp_path / "ranks")}, tmp_path, world_size=2)
+                             "save": str(tmp_path / "ranks")}, tmp_path, world_size=2, env=env)
     assert [(r["rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2)]
     assert reference["micro_batches"] == 4
     assert sum(r["loss_before"] for r in results) == pytest.approx(reference["loss_before"], abs=1e-6)
