@@ -39,6 +39,7 @@ setup: system $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json 
 
 # What the run needs from the system: bubblewrap, the grader's sandbox (the main job grades every 4th
 # prompt in it). Installed with apt when we are root, else a clear error: never a run without a sandbox.
+# And what the tests need: Chromium, in which the console's page is tested (its test skips without it).
 system:
 	@command -v bwrap >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -47,6 +48,13 @@ system:
 	  else \
 	    echo "bubblewrap is missing: the grader's sandbox needs it. On Debian/Ubuntu: sudo apt-get install bubblewrap" >&2; \
 	    exit 1; \
+	  fi; }
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium (the browser the console's page is tested in)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else \
+	    echo "chromium is missing: the console's browser test will skip. On Debian: sudo apt-get install chromium" >&2; \
 	  fi; }
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)

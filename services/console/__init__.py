@@ -1,0 +1,1 @@
+"""The console: one run, live, in a web page (main.py)."""
