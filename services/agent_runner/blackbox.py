@@ -201,8 +201,8 @@ class BlackBoxRunner:
         async with self.client() as client:
             return await GatewaySessions(self.settings, client).answers()
 
-    async def run(self, prompt: PromptIssued, ids: dict[str, str | None]) -> None:
-        """One episode, its session finished on the gateway (which publishes it) when this returns."""
+    async def run(self, prompt: PromptIssued, ids: dict[str, str | None]) -> str:
+        """One episode, its session finished on the gateway (which publishes it) when this returns; its status."""
         command = self.command_line(prompt)
         budget_s = self.time_budget_s(prompt)
         settings = self.settings
@@ -231,6 +231,7 @@ class BlackBoxRunner:
                         await gateway.discard(session_id)
         finally:
             await release_workspace(episode)
+        return outcome.status
 
     def command_line(self, prompt: PromptIssued) -> str:
         command = prompt.metadata.get("command") or self.settings.agent.command

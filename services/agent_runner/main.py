@@ -30,7 +30,10 @@ bus.max_deliveries.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+
+from prometheus_client import Counter, Gauge, Histogram
 
 from rollstream.services.agent_runner.agent_sandbox import remove_orphaned_containers
 from rollstream.services.agent_runner.blackbox import COMMAND_AGENT, BlackBoxRunner, GatewayUnavailable
@@ -52,6 +55,7 @@ from rollstream.shared.contract.events import PromptIssued, SampleGrading, encod
 from rollstream.shared.contract.rollouts import RolloutFinish, Segment, publish_rollout
 from rollstream.shared.errors import FleetUnavailable
 from rollstream.shared.runtime.config import Settings
+from rollstream.shared.runtime.metrics import watch_consumer_group
 from rollstream.shared.runtime.service import ServiceRuntime
 
 GROUP = consumer_group("agent-runner")
@@ -60,6 +64,18 @@ DRAIN_TIMEOUT_S = 60.0
 FLEET_RECHECK_S = 2.0
 REQUIRED_IDS = ("rollout_id", "group_id")
 """Without these a trajectory belongs to no sample: the reward service could never place it."""
+
+EPISODES = Counter("rollstream_agent_runner_episodes_total",
+                   "Episodes whose trajectory was published, by agent and status (completed, truncated, aborted, "
+                   "failed: the episode's own outcome, not the machinery's).", ["agent", "status"])
+EPISODE_SECONDS = Histogram("rollstream_agent_runner_episode_seconds",
+                            "Wall time of a published episode, from its prompt to its trajectory.", ["agent"],
+                            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))
+TURNS = Counter("rollstream_agent_runner_turns_total", "Model turns of published built-in-agent episodes.")
+TOKENS = Counter("rollstream_agent_runner_tokens_total",
+                 "Tokens of published built-in-agent samples: sampled (the model's, trained on) or context "
+                 "(prompt, template glue and tool output).", ["kind"])
+IN_FLIGHT = Gauge("rollstream_agent_runner_episodes_in_flight", "Episodes this replica is running now.")
 
 
 def rejection(delivery: Delivery) -> str | None:
@@ -91,8 +107,11 @@ class EpisodeRunner:
         prompt: PromptIssued = delivery.event  # type: ignore[assignment]  (nothing else is delivered from PROMPTS)
         ids = {name: getattr(delivery.envelope, name) for name in ENVELOPE_IDS}
         agent_name = prompt.agent or self.settings.agent.default
-        if agent_name == COMMAND_AGENT:  # the gateway publishes its trajectory
-            await self.blackbox.run(prompt, ids)
+        started = time.monotonic()
+        if agent_name == COMMAND_AGENT:  # the gateway publishes its trajectory, and counts its turns
+            status = await self.blackbox.run(prompt, ids)
+            EPISODES.labels(agent_name, status).inc()
+            EPISODE_SECONDS.labels(agent_name).observe(time.monotonic() - started)
             return
         segments = await self.episode(prompt, agent_name, ids["rollout_id"], ids["session_id"])
         final = segments[-1]
@@ -103,6 +122,13 @@ class EpisodeRunner:
         publish_rollout(self.bus, pipe, ids, SampleGrading.of(prompt), segments, finish, metadata=prompt.metadata,
                         server_url=final.turns[0].server_url if final.turns else None)
         await asyncio.to_thread(pipe.execute)
+        EPISODES.labels(agent_name, final.status).inc()
+        EPISODE_SECONDS.labels(agent_name).observe(time.monotonic() - started)
+        for segment in segments:
+            TURNS.inc(len(segment.turns))
+            sampled = sum(segment.loss_mask)
+            TOKENS.labels("sampled").inc(sampled)
+            TOKENS.labels("context").inc(len(segment.tokens) - sampled)
 
     async def episode(self, prompt: PromptIssued, agent_name: str, rollout_id: str, session_id: str | None
                       ) -> list[Segment]:
@@ -172,7 +198,12 @@ class Replica:
             return
         task = asyncio.create_task(self.handle(delivery))
         self.in_flight[task] = delivery.entry_id
-        task.add_done_callback(lambda done_task: self.in_flight.pop(done_task, None))
+        IN_FLIGHT.inc()
+        task.add_done_callback(self.finished)
+
+    def finished(self, task: asyncio.Task) -> None:
+        self.in_flight.pop(task, None)
+        IN_FLIGHT.dec()
 
     async def handle(self, delivery: Delivery) -> None:
         """The prompt's episode; the prompt is acknowledged once its trajectory is published."""
@@ -239,6 +270,7 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
 
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     bus.ensure_group(PROMPTS, GROUP.name)
+    watch_consumer_group(bus, GROUP.name, GROUP.streams)
     # a container of an agent-runner that was killed (this one, restarted) may still hold a black-box agent
     await asyncio.to_thread(remove_orphaned_containers, settings)
     tokenizer = AutoTokenizer.from_pretrained(settings.model.path)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 
+from prometheus_client import Counter, Gauge
+
 from rollstream.services.dispatcher.gate import (
     StalenessGate,
     admit_group,
@@ -31,6 +33,13 @@ from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
 from rollstream.shared.tasks.rows import PromptRow
 
 LOCK_TTL_MS = 15_000
+
+ADMITTED = Counter("rollstream_dispatcher_samples_admitted_total",
+                   "Samples this dispatcher admitted onto `prompts` (samples_per_prompt per prompt group).")
+CAPACITY = Gauge("rollstream_dispatcher_admission_capacity",
+                 "Samples the staleness gate allows admitted at the current policy version, (eta + v + 1) x B.")
+ADMITTED_IN_RUN = Gauge("rollstream_dispatcher_run_samples_admitted",
+                        "Samples admitted in the whole run so far, filtered ones given back not subtracted.")
 
 
 def prompt_rows(settings: Settings) -> list[PromptRow]:
@@ -68,6 +77,8 @@ def main() -> None:
         filtered = filtered_samples(bus)
         runtime.status.update(admitted=admitted, filtered=filtered, policy_version=version,
                               capacity=gate.capacity(version))
+        CAPACITY.set(gate.capacity(version))
+        ADMITTED_IN_RUN.set(admitted)
         step = next_step(gate, admitted=admitted, filtered=filtered, group_size=n, policy_version=version, total=total)
         if step == "done":
             # Not final: samples still in flight may yet be filtered out and need replacing.
@@ -82,6 +93,7 @@ def main() -> None:
         group_index = admitted // n
         admit_group(bus, rows[group_index % len(rows)], group_index, admitted, n, version)
         admitted += n
+        ADMITTED.inc(n)
         log.debug("admitted group", extra={"group_index": group_index, "policy_version": version})
 
     lock.release()

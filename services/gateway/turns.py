@@ -47,7 +47,12 @@ from rollstream.shared.runtime.config import Settings
 TURNS = Counter("rollstream_gateway_turns_total", "Turns the gateway served", ["api", "stream"])
 SAMPLED_TOKENS = Counter("rollstream_gateway_sampled_tokens_total", "Tokens vLLM sampled for gateway turns")
 FORKS = Counter("rollstream_gateway_conversations_started_total",
-                "Turns that started a conversation in their session (first turn, compaction, edit, branch)")
+                "Turns that started a conversation in their session, by cause: first_turn, or history_changed (a "
+                "history that does not continue the session's recorded tokens: compaction, an edit, a branch, "
+                "a sub-agent)", ["cause"])
+CAPPED_TURNS = Counter("rollstream_gateway_max_tokens_capped_total",
+                       "Turns whose max_tokens was lowered, by what capped it: context (what the model's context "
+                       "leaves after the prompt) or run (gateway.max_tokens_per_turn)", ["cap"])
 log = logging.getLogger(__name__)
 PROMPT_TAIL_TOKENS = 8
 """How many of the prompt's last ids are read to tell whether the template opened a reasoning block."""
@@ -111,8 +116,11 @@ def sampling_for(session: Session, request: ChatRequest, settings: Settings,
     if prompt_tokens >= context:
         raise RequestError(400, f"the prompt is {prompt_tokens} tokens; the model's context is {context}, "
                                 "which leaves no room for an answer", param="messages")
-    max_tokens = min(request.max_tokens or defaults.get("max_tokens") or settings.rollout.max_tokens,
-                     context - prompt_tokens, settings.gateway.max_tokens_per_turn or context)
+    asked = request.max_tokens or defaults.get("max_tokens") or settings.rollout.max_tokens
+    run_cap = settings.gateway.max_tokens_per_turn or context
+    max_tokens = min(asked, context - prompt_tokens, run_cap)
+    if max_tokens < asked:
+        CAPPED_TURNS.labels("run" if max_tokens == run_cap else "context").inc()
     extra: dict[str, Any] = {}
     top_p = request.top_p if request.top_p is not None else defaults.get("top_p")
     if top_p is not None:
@@ -221,7 +229,7 @@ async def _generation(gateway: Gateway, session: Session, request: ChatRequest, 
     TURNS.labels(api=api, stream=str(request.stream).lower()).inc()
     SAMPLED_TOKENS.inc(len(ids))
     if not planned.prefix_ids:
-        FORKS.inc()
+        FORKS.labels("first_turn" if session.turns == 0 else "history_changed").inc()
     TURN_SECONDS.observe(time.monotonic() - started)
     yield StreamEnd(finish_reason=final_finish_reason("length" if finish_reason == "length" else "stop", bool(calls)),
                     prompt_tokens=len(planned.prompt_ids), completion_tokens=len(ids))

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import redis
+from prometheus_client import Counter
 
 from rollstream.services.recorder.archive_writer import ArchiveWriter, count_lost, counted_entries
 from rollstream.shared.contract.archive import ArchivePart, archived_id, as_text, parse_id, trim_stream
@@ -25,6 +26,9 @@ from rollstream.shared.runtime.config import RecorderSettings, Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.runtime.storage import Storage
 
+ENTRIES = Counter("rollstream_recorder_entries_total",
+                  "Stream entries the recorder archived, trimmed behind the slowest group, or found deleted before "
+                  "it archived them (lost).", ["stream", "outcome"])
 PART_ENTRIES = RecorderSettings().part_entries
 POLL_S = 0.5
 """How often the loop looks for a stream that has grown by a part's worth of entries."""
@@ -96,6 +100,9 @@ class Recorder:
             self.trimmed[stream] += recorded.trimmed
             self.parts += len(recorded.parts)
             self.lost[stream] += recorded.lost
+            ENTRIES.labels(stream, "archived").inc(recorded.archived)
+            ENTRIES.labels(stream, "trimmed").inc(recorded.trimmed)
+            ENTRIES.labels(stream, "lost").inc(recorded.lost)
         self.length_after_flush.update(zip(results, self._lengths(results)))
         self.flushes += 1
         return results

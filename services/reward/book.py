@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from itertools import takewhile
 
 import redis
+from prometheus_client import Counter, Histogram
 
 from rollstream.services.reward.rewards import (
     advantages,
@@ -47,6 +48,23 @@ from rollstream.shared.runtime.storage import Storage
 BATCH_ORDERS = ("finished", "completed")
 _DEFAULTS = RewardSettings()
 DROPPING_STREAMS = ("prompts", "trajectories", "grades")
+
+GROUPS = Counter("rollstream_reward_groups_completed_total",
+                 "Prompt groups scored, by what became of them: batched, or filtered (no learning signal, or every "
+                 "rollout dropped).", ["outcome"])
+REWARDS = Histogram("rollstream_reward_value", "Rewards assigned to rollouts that count, by where each came from "
+                    "(sandbox, a rule's name, given, failed).", ["source"],
+                    buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2))
+ADVANTAGES = Histogram("rollstream_reward_advantage", "Advantages of the rollouts that count, over their group.",
+                       buckets=(-2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2))
+DROPPED = Counter("rollstream_reward_rollouts_dropped_total",
+                  "Rollouts left out of their group without a reward, by cause (grading_failed, dead_lettered, "
+                  "grade_timeout, filtered).", ["cause"])
+GRADE_WAIT_SECONDS = Histogram("rollstream_reward_group_grade_wait_seconds",
+                               "From the last rollout of a group finishing to the group's scoring: the wait for "
+                               "its sandbox grades.", buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
+BATCH_SAMPLES = Histogram("rollstream_reward_batch_samples", "Samples (segments) in each batch written.",
+                          buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
 """A dead letter of an event on these streams means its rollout can never complete: it is dropped."""
 
 
@@ -218,7 +236,10 @@ class RewardBook:
         if self.missing(state):
             return False
         scored = self.score_group(state)
+        all_finished_at = self.bus.redis.zscore(self.awaiting_key, group_id)
         self.commit_group(group_id, state["finished"], group_size, scored)
+        if all_finished_at is not None:
+            GRADE_WAIT_SECONDS.observe(max(0.0, time.time() - all_finished_at))
         if self.batch_order == "finished":
             self.release()
         return True
@@ -301,6 +322,7 @@ class RewardBook:
             pipe.rpush(self.ready_key, group_id)
             pipe.incrby(self.ready_rollouts_key, len(score.rollouts))
         pipe.execute()
+        count_group(score)
 
     def release(self) -> int:
         """Move the complete groups at the head of the sealed set to the ready list, in seal order,
@@ -395,5 +417,15 @@ class RewardBook:
             for group_id in taken:
                 pipe.delete(self.group_key(group_id), self.assigned_key(group_id))
             pipe.execute()
+            BATCH_SAMPLES.observe(len(rows))
             announced.append(event)
         return announced
+
+
+def count_group(score: GroupScore) -> None:
+    GROUPS.labels("filtered" if score.filtered else "batched").inc()
+    for reward, advantage, source in zip(score.rewards, score.advantages, score.sources):
+        REWARDS.labels(source).observe(reward)
+        ADVANTAGES.observe(advantage)
+    for cause, _ in score.drops.values():
+        DROPPED.labels(cause).inc()

@@ -32,11 +32,15 @@ import threading
 import time
 from pathlib import Path
 
+import redis
+from prometheus_client import Counter, Gauge, Histogram
 from rq import Callback, Queue, Retry, Worker
 from rq.exceptions import NoSuchJobError
-from rq.job import Job
+from rq.job import Job, JobStatus
 
 from rollstream.services.sandbox_grader.jobs import (
+    FAILURE_META,
+    VERDICT_META,
     GradeRequest,
     grade_rollout,
     publish_grades_through,
@@ -62,6 +66,54 @@ MAINTENANCE_INTERVAL_S = 30
 """How often the RQ worker cleans its registries and, when no live scheduler holds the queue's lock, starts
 its own (RQ's default, 10 minutes, left the retries a killed grader had scheduled waiting that long). An idle
 worker waits for jobs this long at a time (worker_ttl - 15), so that the maintenance comes round."""
+
+JOBS = Counter("rollstream_sandbox_grader_jobs_total",
+               "Grading jobs this worker ran, by how each ended: graded (a GradeReported), grading_failed (a "
+               "GradingFailed, never a score), retry (the sandbox failed; a retry is scheduled), no_verdict (its run "
+               "was deleted meanwhile), failed (RQ failed it without a verdict; the failed-job sweep reports it).",
+               ["outcome"])
+JOB_SECONDS = Histogram("rollstream_sandbox_grader_job_seconds",
+                        "Wall time of one grading job, its sandbox's start and tests included.", ["backend", "outcome"],
+                        buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
+GRADING_FAILED = Counter("rollstream_sandbox_grader_grading_failed_total",
+                         "GradingFailed verdicts this grader published, by what failed: ungradable (the request "
+                         "names what is not there) or infrastructure (the sandbox, after every retry).", ["reason"])
+QUEUED = Gauge("rollstream_sandbox_grader_queued_jobs", "Grading jobs waiting in the run's sandbox queue.")
+
+
+class GradingWorker(Worker):
+    """RQ's worker, counting how each job ended: the job runs in a forked work-horse, whose own counters would
+    end with it, so the worker reads the job's end back from Redis."""
+
+    def execute_job(self, job: Job, queue: Queue):
+        started = time.monotonic()
+        try:
+            return super().execute_job(job, queue)
+        finally:
+            count_job_end(job, time.monotonic() - started)
+
+
+def count_job_end(job: Job, seconds: float) -> None:
+    try:
+        job.refresh()
+        status = job.get_status()
+    except (NoSuchJobError, redis.RedisError):
+        return
+    verdict = str(job.meta.get(VERDICT_META, ""))
+    if verdict == "GradeReported":
+        outcome = "graded"
+    elif verdict == "GradingFailed":
+        outcome = "grading_failed"
+        GRADING_FAILED.labels(job.meta.get(FAILURE_META, "infrastructure")).inc()
+    elif verdict.startswith("none"):
+        outcome = "no_verdict"
+    elif status in (JobStatus.SCHEDULED, JobStatus.QUEUED):
+        outcome = "retry"
+    else:
+        outcome = "failed"
+    JOBS.labels(outcome).inc()
+    backend = job.args[0].get("backend", "") if job.args and isinstance(job.args[0], dict) else ""
+    JOB_SECONDS.labels(backend, outcome).observe(seconds)
 
 
 def job_timeout(event: TrajectoryFinished, settings: Settings) -> float:
@@ -186,6 +238,7 @@ class Enqueuer:
             return
         self.next_sweep = time.monotonic() + FAILED_SWEEP_S
         for job_id in report_failures_without_verdict(self.queue):
+            GRADING_FAILED.labels("infrastructure").inc()
             self.runtime.log.warning("job failed without its failure callback; reported GradingFailed",
                                      extra={"job_id": job_id})
 
@@ -197,6 +250,13 @@ class Enqueuer:
         healthy = check_backend(self.settings, self.runtime)
         interval = self.settings.grader.probe_interval_s if healthy else BACKEND_RECHECK_S
         self.next_probe = time.monotonic() + interval
+
+
+def queue_length(queue: Queue) -> float:
+    try:
+        return queue.count
+    except redis.RedisError:  # a scrape while Redis is away says so, rather than failing
+        return float("nan")
 
 
 def main() -> None:
@@ -215,8 +275,9 @@ def main() -> None:
         return
     queue = bus.job_queue(settings.grader.queue)
     enqueuer = Enqueuer(settings, runtime, bus, queue)
-    worker = Worker([queue], connection=bus.job_redis, name=consumer_name("sandbox-worker"),
-                    maintenance_interval=MAINTENANCE_INTERVAL_S, worker_ttl=MAINTENANCE_INTERVAL_S + 15)
+    QUEUED.set_function(lambda: queue_length(queue))
+    worker = GradingWorker([queue], connection=bus.job_redis, name=consumer_name("sandbox-worker"),
+                           maintenance_interval=MAINTENANCE_INTERVAL_S, worker_ttl=MAINTENANCE_INTERVAL_S + 15)
     enqueuer_thread = threading.Thread(target=enqueuer.run_until_stopped, args=(worker,), name="enqueuer",
                                        daemon=True)
     enqueuer_thread.start()

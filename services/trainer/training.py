@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import Counter, Gauge, Histogram
+
 from rollstream.services.trainer.ranks import Command, Ranks
 from rollstream.shared.contract.batches import BatchRow, read_batch
 from rollstream.shared.contract.bus import Bus, StopConsuming
@@ -46,6 +48,24 @@ from rollstream.shared.runtime.storage import Storage, replace_dir
 from rollstream.shared.runtime.tracking import Tracker
 
 log = logging.getLogger("trainer")
+
+POLICY_VERSION = Gauge("rollstream_trainer_policy_version", "The policy version this trainer last published.")
+PHASE_SECONDS = Histogram("rollstream_trainer_phase_seconds",
+                          "Time of each phase of a version: train (the optimizer steps over a batch), checkpoint, "
+                          "sync (every fleet server serving it).", ["phase"],
+                          buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
+STEP_STATS = Gauge("rollstream_trainer_step_stat",
+                   "The last version's training statistics, averaged over its optimizer steps: loss, pg_loss, kl, "
+                   "ratio_mean, clip_fraction, importance_weight_mean, importance_weight_max (the gap between "
+                   "rollout and trainer logprobs), capped_fraction, grad_norm, tokens, micro_batches.", ["stat"])
+SAMPLES = Counter("rollstream_trainer_samples_total",
+                  "Batch samples by what the trainer did with them: trained, or dropped as stale or invalid.",
+                  ["outcome"])
+STALENESS = Histogram("rollstream_trainer_sample_staleness_versions",
+                      "Versions between the policy a trained sample was generated with and the one it trains.",
+                      buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+PARITY = Gauge("rollstream_trainer_sync_parity_max_abs_diff",
+               "Largest gap between a fleet server's and the trainer's logprobs of the probe after the last sync.")
 
 PROBE_TOKENS = 256
 SYNC_RETRY_S = 120.0
@@ -71,6 +91,8 @@ class TrainedStep:
     expected: list[float]
     """The trainer's own logprobs of the probe, which every server must serve after the sync."""
     metrics: dict[str, float] = field(default_factory=dict)
+    staleness: list[int] = field(default_factory=list)
+    """Of each trained sample: versions between the policy that generated it and the one it trained."""
 
 
 class ParityError(RollstreamError, RuntimeError):
@@ -260,7 +282,7 @@ class Trainer:
         # the leader's parity check: a forward every rank takes part in (ZeRO-3 gathers the weights for it)
         expected = self.trainer_logprobs(self.probe) if self.settings.policy_servers() else []
         return TrainedStep(version=version, checkpoint=checkpoint, probe=self.probe, trained=len(fresh),
-                           dropped=dropped, expected=expected, metrics=metrics)
+                           dropped=dropped, expected=expected, metrics=metrics, staleness=staleness)
 
     def optimize(self, rows: list[BatchRow]) -> dict[str, float]:
         """train.minibatches optimizer steps over the rows; returns the averaged step metrics."""
@@ -443,6 +465,7 @@ class Trainer:
         pipe.execute()
         self.version, self.checkpoint = update.version, step.checkpoint
         self.tracker.log(step.metrics, update.version)
+        record_published(step)
         return update
 
     def follow(self) -> str:
@@ -466,3 +489,22 @@ class Trainer:
         self.loop.close()
         if self.tracker is not None:
             self.tracker.close()
+
+
+def record_published(step: TrainedStep) -> None:
+    """The published version's figures, as Prometheus series."""
+    metrics = step.metrics
+    POLICY_VERSION.set(step.version)
+    for phase, key in (("train", "train/step_seconds"), ("checkpoint", "train/checkpoint_seconds"),
+                       ("sync", "sync/seconds")):
+        if key in metrics:
+            PHASE_SECONDS.labels(phase).observe(metrics[key])
+    for key, value in metrics.items():
+        if key.startswith("train/") and not key.endswith("_seconds"):
+            STEP_STATS.labels(key.removeprefix("train/")).set(value)
+    SAMPLES.labels("trained").inc(step.trained)
+    for reason, count in step.dropped.items():
+        SAMPLES.labels(f"dropped_{reason}").inc(count)
+    for staleness in step.staleness:
+        STALENESS.observe(staleness)
+    PARITY.set(metrics.get("sync/parity_max_abs_diff", 0.0))

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import socket
+import time
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -44,6 +45,12 @@ from rollstream.shared.contract.events import (
     make_envelope,
 )
 from rollstream.shared.runtime.config import BusSettings
+from rollstream.shared.runtime.metrics import (
+    DEAD_LETTERS,
+    EVENTS_HANDLED,
+    HANDLER_SECONDS,
+    watch_consumer_group,
+)
 
 if TYPE_CHECKING:
     from rollstream.shared.contract.consumers import ConsumerGroup
@@ -380,6 +387,7 @@ class Bus:
 
     def ack(self, delivery: Delivery, group: str) -> None:
         self.redis.xack(self.keys.stream(delivery.stream), group, delivery.entry_id)
+        EVENTS_HANDLED.labels(delivery.stream, group, "ok").inc()
 
     def keep_alive(self, stream: StreamName, group: str, consumer: str, entry_ids: list[str]) -> None:
         """Reset the idle time of entries this consumer is still working on, so that live consumers
@@ -390,6 +398,7 @@ class Bus:
     def record_failure(self, delivery: Delivery, group: str, error: str) -> None:
         """Keep a handler's error so that the dead letter, if it comes to that, says what failed."""
         self.redis.hset(self._errors_key(delivery.stream, group), delivery.entry_id, error[-2000:])
+        EVENTS_HANDLED.labels(delivery.stream, group, "failed").inc()
 
     def _errors_key(self, stream: StreamName, group: str) -> str:
         return self.keys.state("bus", "errors", stream, group)
@@ -412,6 +421,7 @@ class Bus:
         pipe.xack(self.keys.stream(stream), group, entry_id)
         pipe.hdel(self._errors_key(stream, group), entry_id)
         pipe.execute()
+        DEAD_LETTERS.labels(stream, group).inc()
         log.warning("dead-lettered entry", extra={"stream": stream, "entry_id": entry_id, "error": error})
 
     def has_keys(self) -> bool:
@@ -482,6 +492,8 @@ class Bus:
         for info in groups:
             name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
             if name == group:
+                if info.get("lag") is not None:  # Redis 7 counts it; it cannot after some deletions
+                    return int(info["lag"]), int(info["pending"])
                 last = info["last-delivered-id"]
                 last = last.decode() if isinstance(last, bytes) else last
                 undelivered = len(self.redis.xrange(key, min=f"({last}", max="+"))
@@ -535,6 +547,7 @@ def run_consumer(bus: Bus, group: ConsumerGroup, consumer: str, handle: Handler,
     between_reads: called after every round of reads (at least every bus.block_ms), for time-driven work."""
 
     def handle_and_ack(delivery: Delivery) -> None:
+        started = time.perf_counter()
         try:
             handle(delivery)
         except StopConsuming as exc:
@@ -546,8 +559,11 @@ def run_consumer(bus: Bus, group: ConsumerGroup, consumer: str, handle: Handler,
                           extra={"stream": delivery.stream, "entry_id": delivery.entry_id,
                                  "event_type": delivery.envelope.type})
             return
+        finally:
+            HANDLER_SECONDS.labels(delivery.stream, group.name).observe(time.perf_counter() - started)
         bus.ack(delivery, group.name)
 
+    watch_consumer_group(bus, group.name, group.streams)
     for stream in group.streams:
         bus.ensure_group(stream, group.name)
         if take_over_pending:

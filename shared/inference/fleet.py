@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollstream.shared.errors import (
@@ -97,6 +98,20 @@ class StreamDelta:
     logprobs: list[float]
     server_url: str
     finish_reason: str | None  # None until the last delta of the generation
+
+
+REQUESTS = Counter("rollstream_fleet_requests_total",
+                   "Whole (not streamed) generation requests to a vLLM server, by outcome: ok, failed (the server "
+                   "did not answer or answered 5xx; the request went to the next server), rejected (4xx).",
+                   ["server", "outcome"])
+REQUEST_SECONDS = Histogram("rollstream_fleet_request_seconds",
+                            "Wall time of a whole generation request a vLLM server answered.", ["server"],
+                            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+SERVER_REQUESTS = Gauge("rollstream_fleet_server_requests",
+                        "Requests a vLLM server reported in its own /metrics (vllm:num_requests_running and "
+                        "_waiting), at this client's last reading.", ["server", "state"])
+SERVER_KV_CACHE = Gauge("rollstream_fleet_server_kv_cache_usage_ratio",
+                        "Fraction of a vLLM server's KV cache in use, at this client's last reading.", ["server"])
 
 
 @dataclass(frozen=True)
@@ -246,12 +261,15 @@ class FleetClient:
             running, waiting, kv_usages = await asyncio.to_thread(_read_load_metrics, response.text)
         except (httpx.HTTPError, ValueError):
             return
-        self.server_load[url] = ServerLoad(
+        self.server_load[url] = reading = ServerLoad(
             running=running,
             waiting=waiting,
             kv_cache_usage=sum(kv_usages) / len(kv_usages) if kv_usages else 0.0,
             own_in_flight=self.in_flight[url],
         )
+        SERVER_REQUESTS.labels(url, "running").set(reading.running)
+        SERVER_REQUESTS.labels(url, "waiting").set(reading.waiting)
+        SERVER_KV_CACHE.labels(url).set(reading.kv_cache_usage)
 
     # -- routing ------------------------------------------------------------------------------------
     def route(self, session_id: str, tokens: int = 0) -> list[str]:
@@ -293,20 +311,26 @@ class FleetClient:
         failures: list[str] = []
         for url in candidates:
             self.in_flight[url] += 1
+            started = time.perf_counter()
             try:
                 response = await self._pool(session_id).post(f"{url}/v1/completions", json=body, headers=headers)
             except httpx.TransportError as exc:
                 failures.append(f"{url}: {type(exc).__name__}: {exc}")
                 self.mark_unhealthy(url)
+                REQUESTS.labels(url, "failed").inc()
                 continue
             finally:
                 self.in_flight[url] -= 1
             if response.status_code >= 500:
                 failures.append(f"{url}: HTTP {response.status_code}: {response.text[:300]}")
                 self.mark_unhealthy(url)
+                REQUESTS.labels(url, "failed").inc()
                 continue
             if response.status_code != 200:
+                REQUESTS.labels(url, "rejected").inc()
                 raise FleetRequestError(f"{url} rejected the request: HTTP {response.status_code}: {response.text}")
+            REQUESTS.labels(url, "ok").inc()
+            REQUEST_SECONDS.labels(url).observe(time.perf_counter() - started)
             return _parse_completion(response.json(), url)
         raise FleetUnavailable("no server could serve the request: " + "; ".join(failures))
 
