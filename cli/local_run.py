@@ -51,9 +51,12 @@ from rollstream.shared.runtime.config import Settings, secret_environment, setti
 from rollstream.shared.sandbox.backends import probe_sandbox
 from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
 
-SERVICES = ("dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder")
+SERVICES = ("dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder",
+            "console")
 OPT_IN_SERVICES = ("gateway",)
 """Started only when asked for, or when the run's agent is a black-box command (needs_gateway)."""
+STARTED_LAST = ("console",)
+"""Started once the others serve their /healthz: the console is told where each one answers."""
 STOP_GRACE_S = 30.0
 EMBEDDED_REDIS_USER = "rollstream"
 """The embedded Redis's user when only a password is configured (its default user may only PING)."""
@@ -219,6 +222,8 @@ class LocalRun:
         """Gateway process name -> the URL it serves its APIs on (each replica its own port)."""
         self.gateway_of: dict[str, str] = {}
         """Agent-runner process name -> the URL of the gateway replica its black-box episodes use."""
+        self.console_port: int | None = None
+        """The port of the console's page (console_url)."""
         self.pids: dict[str, list[int]] = {}
         """Process name -> the pid of each start of it, restarts included (what an audit asks of the dead)."""
         self.log_offsets: dict[str, int] = {}
@@ -283,13 +288,22 @@ class LocalRun:
         env = {k: v for k, v in env.items() if not (k.startswith("RS_") and k != "RS_CONFIG_FILE")}
         env.update(secret_environment(settings))
         self.env = env
+        self.start_services(on_step)
+
+    def start_services(self, on_step) -> None:
+        """Start every service's processes and wait until each serves its /healthz; STARTED_LAST after the
+        others."""
+        if "console" in self.services:
+            self.console_port = free_port()
         self.starting = True
-        for service in self.services:
-            for name in self.process_names(service):
-                on_step(f"starting {name}")
-                self.service_of[name] = service
-                self.spawn(name)
-        self.wait_healthy()
+        for services in ([s for s in self.services if s not in STARTED_LAST],
+                         [s for s in self.services if s in STARTED_LAST]):
+            for service in services:
+                for name in self.process_names(service):
+                    on_step(f"starting {name}")
+                    self.service_of[name] = service
+                    self.spawn(name)
+            self.wait_healthy()
         self.starting = False
 
     def start_server_groups(self, settings: Settings, on_step) -> Settings:
@@ -307,6 +321,11 @@ class LocalRun:
             server.wait_healthy()
             groups[name] = groups[name].model_copy(update={"urls": [server.url]})
         return settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"groups": groups})})
+
+    @property
+    def console_url(self) -> str | None:
+        """Where the console's page is (open it with #token=<security.http_token> when one is set)."""
+        return f"http://{self.settings.url_host}:{self.console_port}/" if self.console_port else None
 
     def process_names(self, service: str) -> list[str]:
         """The service's process names: the service's own, or with a replica number when it has several."""
@@ -330,8 +349,13 @@ class LocalRun:
         self.pids.setdefault(name, []).append(self.processes[name].pid)
 
     def _own_env(self, name: str) -> dict[str, str]:
-        """A gateway replica serves on its own port, an agent-runner uses its gateway replica; every other
-        process takes the run's settings."""
+        """A gateway replica serves on its own port, an agent-runner uses its gateway replica, the console
+        serves on its port and asks every other process's /healthz; every other process takes the run's
+        settings."""
+        if self.service_of[name] == "console":
+            health = {other: f"http://{self.settings.url_host}:{port}"
+                      for other, port in self.health_ports.items() if self.service_of[other] != "console"}
+            return {"RS_CONSOLE__PORT": str(self.console_port), "RS_CONSOLE__HEALTH_URLS": json.dumps(health)}
         url = self.gateway_urls.get(name)
         if url:
             return {"RS_GATEWAY__URL": url, "RS_GATEWAY__PORT": url.rsplit(":", 1)[1]}

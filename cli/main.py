@@ -260,6 +260,9 @@ def run(
         with console.status("starting") as status:
             local.start(on_step=lambda message: status.update(message))
         console.print(f"run [bold]{settings.run_id}[/]: services up, logs in {local.log_dir}")
+        if local.console_url:
+            token = "#token=<RS_SECURITY__HTTP_TOKEN>" if settings.security.http_token else ""
+            console.print(f"console: {local.console_url}{token}", highlight=False)
         with Live(progress_table(None, target), console=console, refresh_per_second=2) as live:
             progress = local.wait_for_version(target, timeout, on_progress=lambda p: live.update(progress_table(p, target)))
     except KeyboardInterrupt:

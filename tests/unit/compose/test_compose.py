@@ -12,7 +12,7 @@ import yaml
 
 from tests.support import REPO, redis_passwords
 
-SERVICES = {"dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
+SERVICES = {"dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder", "console"}
 
 
 def compose():
@@ -189,6 +189,13 @@ def test_services_in_containers_listen_on_their_networks_interface():
     services = compose()
     for name in SERVICES:
         assert services[name]["environment"]["RS_LISTEN_HOST"] == "0.0.0.0", name
+
+
+def test_the_console_asks_every_other_service_for_its_health_and_only_reads():
+    console = compose()["console"]
+    urls = json.loads(console["environment"]["RS_CONSOLE__HEALTH_URLS"])
+    assert urls == {name: f"http://{name}:8080" for name in sorted(SERVICES - {"console"})}
+    assert all(volume.endswith(":ro") for volume in console["volumes"])
 
 
 def test_agent_runners_open_black_box_sessions_on_the_gateway_service():

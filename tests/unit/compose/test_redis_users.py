@@ -21,8 +21,9 @@ from redis.retry import Retry
 from tests.support import REPO, free_port
 
 SERVICES = {"dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
-READERS = {"vllm": "vllm-cpu"}
-"""Users that only read, and the compose service that connects as each (the vLLM server finds the newest policy)."""
+READERS = {"vllm": "vllm-cpu", "console": "console"}
+"""Users that only read, and the compose service that connects as each (the vLLM server finds the newest policy,
+the console shows the run)."""
 USERS_FILE = REPO / "infra" / "redis-users.acl"
 
 
@@ -111,7 +112,7 @@ def test_service_users_write_only_what_they_own(acl_users, run_id, machine_redis
     writes = {"dispatcher": {"prompts"}, "gateway": {"trajectories"}, "agent-runner": {"prompts", "trajectories", "dead"},
               "sandbox-grader": {"trajectories", "grades", "dead"},
               "reward": {"trajectories", "grades", "dead", "rewards", "batches"},
-              "trainer": {"batches", "dead", "policy"}, "recorder": set(keys), "vllm": set()}
+              "trainer": {"batches", "dead", "policy"}, "recorder": set(keys), "vllm": set(), "console": set()}
     try:
         for name, (_, client) in acl_users.items():
             for stream, key in keys.items():

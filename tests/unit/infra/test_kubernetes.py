@@ -41,9 +41,10 @@ REDIS_FILES = "rollstream-redis"
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 COMPOSE_ONLY = {"ops"}
 """Not deployed: people's commands (`rollstream inspect`, `replay`) run in a pod of their own."""
-HOST_SPECIFIC = {"RS_FLEET__URLS"}
+HOST_SPECIFIC = {"RS_FLEET__URLS", "RS_CONSOLE__HEALTH_URLS"}
 """Compose names its one server by its network alias; here each pod of the vllm StatefulSet has its URL
-(test_the_settings_urls_reach_what_serves_them)."""
+(test_the_settings_urls_reach_what_serves_them). The console asks compose's services by their names, which
+resolve to every replica; here no Service stands for those pods (Kubernetes probes them itself)."""
 OVERLAY_SETTINGS = {"overlays/external-redis": {"RS_REDIS_URL"}}
 """Settings an overlay sets to its own value."""
 OVERLAY_ENV = {("overlays/gpu", "trainer"): {"RS_TRAIN__RANKS", "RS_TRAIN__BACKEND"}}
