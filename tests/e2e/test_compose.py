@@ -428,7 +428,8 @@ def test_no_container_the_test_did_not_crash_was_restarted(stack):
 
 
 def test_no_service_died(stack):
-    expected = {"redis", "vllm-cpu", "dispatcher", "gateway", "sandbox-grader", "reward", "trainer", "recorder"}
+    expected = {"redis", "vllm-cpu", "dispatcher", "gateway", "sandbox-grader", "reward", "trainer", "recorder",
+                "console"}
     statuses = {name.split("-", 1)[1].rsplit("-", 1)[0]: status for name, status in stack["services"].items()
                 if not name.split("-", 1)[1].startswith(("agent-runner", "model"))}
     assert set(statuses) == expected and set(statuses.values()) == {"running"}, statuses
