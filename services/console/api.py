@@ -135,6 +135,11 @@ def add_error_handlers(app: FastAPI) -> None:
     async def not_found(_request: Request, exc: RunDataNotFound) -> JSONResponse:
         return _error(404, str(exc))
 
+    @app.exception_handler(RollstreamError)
+    async def unreadable(_request: Request, exc: RollstreamError) -> JSONResponse:
+        # e.g. a damaged archive part (ArchiveError): the page shows why instead of a bare 500
+        return _error(500, f"{type(exc).__name__}: {exc}")
+
     @app.exception_handler(redis.ConnectionError)
     async def no_redis(_request: Request, exc: redis.ConnectionError) -> JSONResponse:
         return _error(503, f"Redis unreachable: {exc}")

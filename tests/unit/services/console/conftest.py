@@ -79,3 +79,4 @@ def console(published, machine_redis_url, tiny_model, tmp_path_factory):
         yield running
     finally:
         stop_process_group(process)
+    assert process.returncode == 0, f"the console did not stop cleanly on SIGTERM:\n{log.read_text()}"
