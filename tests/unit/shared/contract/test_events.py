@@ -2,8 +2,9 @@ import ast
 import random
 
 import msgspec
+import numpy as np
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from rollstream.shared.contract import events
 from rollstream.shared.contract.consumers import groups_reading
@@ -45,6 +46,27 @@ def test_token_arrays_are_packed_bytes_on_the_wire():
     body = msgspec.msgpack.decode(fields["body"])
     assert body["payload"]["tokens"] == bytes(memoryview(__import__("numpy").arange(1000, dtype="<i4")))
     assert len(fields["body"]) < 1000 * 4 + 1000 * 4 + 1000 + 500
+
+
+@pytest.mark.parametrize("field, dtype, values", [
+    ("tokens", "<i4", [0, 1, -1, 2**31 - 1, -(2**31), 151_000]),
+    ("loss_mask", "<i1", [0, 1, 127, -128]),
+    ("rollout_logprobs", "<f4", [0.0, -0.1, -1e-8, -3.4e38, float("-inf"), -1e39]),
+])
+def test_token_arrays_pack_to_the_bytes_numpy_packed_them_to(field, dtype, values):
+    """Streams recorded before the arrays were packed with struct hold numpy's bytes: both must agree, a float
+    beyond float32's range included (numpy rounds it to infinity)."""
+    n = len(values)
+    arrays = dict(tokens=[0] * n, loss_mask=[0] * n, rollout_logprobs=[0.0] * n, response_length=n)
+    with np.errstate(over="ignore"):
+        fields = encode(make_envelope(segment(**{**arrays, field: values}), run_id="r"))
+        packed = msgspec.msgpack.decode(fields["body"])["payload"][field]
+        assert packed == np.asarray(values, dtype=dtype).tobytes()
+
+
+def test_token_arrays_given_as_lists_are_validated_as_lists():
+    with pytest.raises(ValidationError, match="tokens"):
+        segment(tokens=[5, 6, "seven", 8])
 
 
 def test_stream_fields_may_arrive_as_bytes():
