@@ -1,4 +1,5 @@
 import ast
+import pickle
 import random
 
 import msgspec
@@ -11,6 +12,7 @@ from rollstream.shared.contract.consumers import groups_reading
 from rollstream.shared.contract.events import (
     EVENT_TYPES,
     STREAM_EVENTS,
+    Envelope,
     EventDecodeError,
     PromptIssued,
     TrajectorySegment,
@@ -67,6 +69,11 @@ def test_token_arrays_pack_to_the_bytes_numpy_packed_them_to(field, dtype, value
 def test_token_arrays_given_as_lists_are_validated_as_lists():
     with pytest.raises(ValidationError, match="tokens"):
         segment(tokens=[5, 6, "seven", 8])
+
+
+def test_a_decoded_envelope_can_be_pickled():
+    decoded = decode(encode(make_envelope(segment(), run_id="r1")))
+    assert isinstance(decoded, Envelope) and pickle.loads(pickle.dumps(decoded)) == decoded
 
 
 def test_stream_fields_may_arrive_as_bytes():
