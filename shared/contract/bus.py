@@ -42,6 +42,7 @@ from rollstream.shared.contract.events import (
     StreamName,
     decode,
     encode,
+    encode_event,
     make_envelope,
 )
 from rollstream.shared.runtime.config import BusSettings
@@ -257,8 +258,11 @@ class Bus:
 
     def publish(self, stream: StreamName, payload: Event | Envelope, pipe=None, **ids: str | None) -> str | None:
         """Append an event; returns its entry id (None when queued on a pipeline)."""
-        envelope = payload if isinstance(payload, Envelope) else self.envelope(payload, **ids)
-        entry_id = (pipe or self.redis).xadd(self.keys.stream(stream), encode(envelope))
+        if isinstance(payload, Envelope):
+            fields = encode(payload)
+        else:
+            fields = encode_event(payload, run_id=self.keys.run_id, **ids)
+        entry_id = (pipe or self.redis).xadd(self.keys.stream(stream), fields)
         return entry_id.decode() if isinstance(entry_id, bytes) else None
 
     def read_all(self, stream: StreamName) -> list[Delivery]:

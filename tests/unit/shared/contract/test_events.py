@@ -1,6 +1,7 @@
 import ast
 import pickle
 import random
+import re
 
 import msgspec
 import numpy as np
@@ -18,6 +19,7 @@ from rollstream.shared.contract.events import (
     TrajectorySegment,
     decode,
     encode,
+    encode_event,
     make_envelope,
 )
 from tests.support import REPO
@@ -69,6 +71,23 @@ def test_token_arrays_pack_to_the_bytes_numpy_packed_them_to(field, dtype, value
 def test_token_arrays_given_as_lists_are_validated_as_lists():
     with pytest.raises(ValidationError, match="tokens"):
         segment(tokens=[5, 6, "seven", 8])
+
+
+def test_encode_event_makes_the_fields_encode_makes_of_its_envelope():
+    ids = dict(event_id="e1", trajectory_id="t", rollout_id="ro", group_id="g", session_id="s")
+    fields = encode_event(segment(), run_id="r1", **ids)
+    decoded = decode(fields)
+    assert decoded == make_envelope(segment(), run_id="r1", **ids).model_copy(update={"time": decoded.time})
+    assert encode(decoded) == fields
+    assert list(msgspec.msgpack.decode(fields["body"])) == list(Envelope.model_fields)
+    assert re.fullmatch(r"[0-9a-f]{32}", decode(encode_event(segment(), run_id="r1")).event_id)
+
+
+@pytest.mark.parametrize("bad", [{"rollout_id": 7}, {"event_id": b"e1"}, {"run_id": None}, {"payload": {}}])
+def test_encode_event_refuses_ids_and_payloads_no_envelope_holds(bad):
+    arguments = {"payload": segment(), "run_id": "r1", **bad}
+    with pytest.raises(TypeError, match=f"{next(iter(bad))} must be"):
+        encode_event(arguments.pop("payload"), **arguments)
 
 
 def test_a_decoded_envelope_can_be_pickled():
