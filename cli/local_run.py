@@ -28,24 +28,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-import redis
 
 from rollstream.cli.embedded_redis import EmbeddedRedis
+from rollstream.cli.run_progress import Progress, ProgressReader
 from rollstream.cli.vllm_server import VllmServer, free_port, newest_policy
-from rollstream.shared.contract.archive import ArchiveReader, StreamHistory
-from rollstream.shared.contract.bus import STREAMS, Bus, StreamName
+from rollstream.shared.contract.bus import STREAMS, Bus
 from rollstream.shared.contract.consumers import stream_groups
-from rollstream.shared.contract.events import (
-    BatchReady,
-    DeadLettered,
-    GradingFailed,
-    PolicyUpdated,
-    TrajectoryFinished,
-)
 from rollstream.shared.errors import BackendUnavailable, RollstreamError
 from rollstream.shared.runtime.config import Settings, secret_environment, settings_json_without_secrets
 from rollstream.shared.sandbox.backends import probe_sandbox
@@ -101,59 +93,6 @@ def service_command(name: str) -> list[str]:
     if not script.exists():
         raise FileNotFoundError(f"{script} not found: install rollstream (`make setup`)")
     return [str(script)]
-
-
-@dataclass
-class Progress:
-    """What the run has done so far, read from its streams."""
-
-    admitted: int = 0
-    finished: int = 0
-    graded: int = 0
-    grading_failed: int = 0
-    """Rollouts the sandbox could not grade (GradingFailed): dropped from their groups, never rewarded."""
-    batches: list[BatchReady] = field(default_factory=list)
-    updates: list[PolicyUpdated] = field(default_factory=list)
-    dead_letters: list[DeadLettered] = field(default_factory=list)
-    restarts: dict[str, int] = field(default_factory=dict)
-    """Process name -> times the local run restarted it after it exited."""
-
-    @property
-    def version(self) -> int:
-        return self.updates[-1].version if self.updates else 0
-
-
-class ProgressReader:
-    """Reads a run's progress from its streams, incrementally, whether or not the recorder has trimmed
-    them: counts from XINFO's entries-added, events from each stream's history (archive, then live)."""
-
-    def __init__(self, bus: Bus, storage_uri: str) -> None:
-        self.bus = bus
-        reader = ArchiveReader(storage_uri, bus.keys.run_id)
-        self.histories = {stream: StreamHistory(bus, stream, reader)
-                          for stream in ("trajectories", "grades", "batches", "policy", "dead")}
-        self.progress = Progress()
-
-    def entries_added(self, stream: StreamName) -> int:
-        try:
-            return int(self.bus.redis.xinfo_stream(self.bus.keys.stream(stream))["entries-added"])
-        except redis.ResponseError:
-            return 0
-
-    def update(self) -> Progress:
-        progress = self.progress
-        progress.admitted = self.entries_added("prompts")
-        progress.graded = self.entries_added("grades")
-        finished_type = TrajectoryFinished.TYPE.encode()
-        progress.finished += sum(fields.get(b"type") == finished_type
-                                 for _, fields in self.histories["trajectories"].new_entries())
-        failed_type = GradingFailed.TYPE.encode()
-        progress.grading_failed += sum(fields.get(b"type") == failed_type
-                                       for _, fields in self.histories["grades"].new_entries())
-        for stream, kind, events in (("batches", BatchReady, progress.batches), ("policy", PolicyUpdated, progress.updates),
-                                     ("dead", DeadLettered, progress.dead_letters)):
-            events.extend(d.event for d in self.histories[stream].new_events() if isinstance(d.event, kind))
-        return progress
 
 
 def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
@@ -395,6 +334,29 @@ class LocalRun:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"services not healthy after {timeout_s:.0f}s: {', '.join(sorted(pending))}")
             time.sleep(0.3)
+        self.write_scrape_targets()
+
+    @property
+    def scrape_targets_file(self) -> Path:
+        """Where Prometheus finds this run's processes (infra/prometheus/local.yml reads <storage>/prometheus/)."""
+        return self.run_dir.parent / "prometheus" / f"{self.settings.run_id}.json"
+
+    def write_scrape_targets(self) -> None:
+        """Every process's /metrics and the run's vLLM servers, in Prometheus's file-based discovery format;
+        written again whenever a restarted process comes back on another port."""
+        host = self.settings.url_host
+        targets = [{"targets": [f"{host}:{port}"], "labels": {"service": self.service_of[name], "process": name,
+                                                                "run": self.settings.run_id}}
+                   for name, port in sorted(self.health_ports.items())]
+        servers = [server for server in [self.vllm, *self.group_servers.values()] if server is not None]
+        targets += [{"targets": [server.url.split("://", 1)[1]],
+                     "labels": {"service": "vllm", "process": server.url, "run": self.settings.run_id}}
+                    for server in servers]
+        path = self.scrape_targets_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(path.name + ".tmp")  # Prometheus never reads half a file
+        temp.write_text(json.dumps(targets, indent=1))
+        temp.replace(path)
 
     def kill(self, name: str) -> int:
         """SIGKILL one process and leave it down, as `docker kill` does (fault tests). Returns its pid."""
@@ -447,6 +409,16 @@ class LocalRun:
         if self.vllm is not None and self.vllm.exit_code() is not None:
             self.record_exit("vllm", self.vllm.exit_code(), injected=False)
             self.restart_vllm()
+        self.find_restarted_ports()
+
+    def find_restarted_ports(self) -> None:
+        """A restarted process serves its /metrics on a new port: once it says which, Prometheus is told."""
+        found = {name: self._find_health_port(name) for name in self.processes
+                 if name not in self.health_ports and name not in self.restart_due}
+        found = {name: port for name, port in found.items() if port is not None}
+        if found:
+            self.health_ports.update(found)
+            self.write_scrape_targets()
 
     def record_exit(self, name: str, code: int | None, injected: bool) -> ProcessExit:
         """Record an exit the run saw; injected: brought about on purpose (a harness that kills Redis says so here)."""
@@ -569,6 +541,7 @@ class LocalRun:
                 server.stop()
         if self.redis_server is not None:
             self.redis_server.stop()
+        self.scrape_targets_file.unlink(missing_ok=True)
         return codes
 
     def summary(self, progress: Progress) -> dict:

@@ -14,15 +14,22 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import redis
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from rollstream.shared.contract.bus import Bus
+
+class WatchedBus(Protocol):
+    """What the collector asks of a bus (shared/contract/bus.py's Bus, which imports this module)."""
+
+    keys: Any
+    redis: redis.Redis
+
+    def group_lag(self, stream: Any, group: str) -> tuple[int, int]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +55,7 @@ class ConsumerGroupCollector(Collector):
         self._watched: dict[tuple[str, str, str], weakref.ref] = {}
         self._lock = threading.Lock()
 
-    def watch(self, bus: Bus, stream: str, group: str) -> None:
+    def watch(self, bus: WatchedBus, stream: str, group: str) -> None:
         with self._lock:
             self._watched[(bus.keys.run_id, stream, group)] = weakref.ref(bus)
 
@@ -68,9 +75,9 @@ class ConsumerGroupCollector(Collector):
             if bus is None:
                 continue
             try:
-                not_read, in_work = bus.group_lag(stream, group)  # type: ignore[arg-type]
+                not_read, in_work = bus.group_lag(stream, group)
                 if stream not in streams_seen:
-                    length.add_metric([stream], bus.redis.xlen(bus.keys.stream(stream)))  # type: ignore[arg-type]
+                    length.add_metric([stream], bus.redis.xlen(bus.keys.stream(stream)))
                     streams_seen.add(stream)
             except redis.RedisError as exc:  # a scrape while Redis is away shows no lag rather than failing
                 log.debug("lag not read", extra={"stream": stream, "group": group, "error": str(exc)})
@@ -84,7 +91,7 @@ CONSUMER_GROUPS = ConsumerGroupCollector()
 REGISTRY.register(CONSUMER_GROUPS)
 
 
-def watch_consumer_group(bus: Bus, group: str, streams: tuple[str, ...]) -> None:
+def watch_consumer_group(bus: WatchedBus, group: str, streams: tuple[str, ...]) -> None:
     """Report the lag and pending entries of `group` on each of `streams` at every scrape of this process."""
     for stream in streams:
         CONSUMER_GROUPS.watch(bus, stream, group)
