@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from itertools import takewhile
 
 import redis
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from rollstream.services.reward.rewards import (
     advantages,
@@ -63,6 +63,8 @@ DROPPED = Counter("rollstream_reward_rollouts_dropped_total",
 GRADE_WAIT_SECONDS = Histogram("rollstream_reward_group_grade_wait_seconds",
                                "From the last rollout of a group finishing to the group's scoring: the wait for "
                                "its sandbox grades.", buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
+BATCH_MEAN = Gauge("rollstream_reward_batch_mean", "Mean reward of the rollouts of the last batch written (rewards "
+                   "may be negative, so the reward histogram has no _sum to average).")
 BATCH_SAMPLES = Histogram("rollstream_reward_batch_samples", "Samples (segments) in each batch written.",
                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
 """A dead letter of an event on these streams means its rollout can never complete: it is dropped."""
@@ -418,6 +420,7 @@ class RewardBook:
                 pipe.delete(self.group_key(group_id), self.assigned_key(group_id))
             pipe.execute()
             BATCH_SAMPLES.observe(len(rows))
+            BATCH_MEAN.set(event.mean_reward)
             announced.append(event)
         return announced
 

@@ -16,6 +16,7 @@ import redis
 
 from rollstream.cli.local_run import LocalRun
 from rollstream.shared.runtime.config import Settings
+from tests.integration.prometheus import ask, dashboard_queries, prometheus_scraping, scrape_health
 from tests.support import REPO
 
 DEPLOYED_VERSIONS = 3
@@ -92,12 +93,31 @@ def watch_the_deployed_run(local: LocalRun, admin: redis.Redis, prefix: str, res
     result["healthz"] = {name: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code
                          for name, port in local.health_ports.items()}
     bus = local.bus
-    # Malformed entries on two streams: they must be dead-lettered while the services keep going.
-    bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "1", "body": b"\x00garbage"})
-    bus.redis.xadd(bus.keys.stream("batches"), {"type": "BatchReady", "v": "99", "body": b""})
-    result["progress"] = local.wait_for_version(DEPLOYED_VERSIONS, timeout_s=600)
+    with prometheus_scraping(local, local.run_dir / "prometheus", METRICS_TOKEN) as prometheus:
+        # Malformed entries on two streams: they must be dead-lettered while the services keep going.
+        bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "1", "body": b"\x00garbage"})
+        bus.redis.xadd(bus.keys.stream("batches"), {"type": "BatchReady", "v": "99", "body": b""})
+        result["progress"] = local.wait_for_version(DEPLOYED_VERSIONS, timeout_s=600)
+        result["exposition"] = {name: httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5,
+                                                headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).text
+                                for name, port in local.health_ports.items()}
+        result["prometheus"] = None if prometheus is None else {
+            "targets": scrape_health(prometheus),
+            "panels": {(title, query): ask(prometheus, query) for title, query in dashboard_queries()},
+            "moved": {what: ask(prometheus, query) for what, query in RUN_MOVES.items()}}
     result["served"] = asyncio.run(probe_served_logprobs(local, result["model"]))
     result["rq_jobs"] = sandbox_jobs(bus.redis, local.settings.run_id)
+
+
+RUN_MOVES = {
+    "samples admitted": "sum(increase(rollstream_dispatcher_samples_admitted_total[10m]))",
+    "episodes": "sum(increase(rollstream_agent_runner_episodes_total[10m]))",
+    "batches": "sum(increase(rollstream_reward_batch_samples_count[10m]))",
+    "policy version": "max(max_over_time(rollstream_trainer_policy_version[10m]) "
+                      "- min_over_time(rollstream_trainer_policy_version[10m]))",
+    "rewards": "sum(increase(rollstream_reward_value_count[10m]))",
+}
+"""How far the run's main series moved while Prometheus scraped it."""
 
 
 def sandbox_jobs(client: redis.Redis, run_id: str) -> list[bytes]:
