@@ -87,3 +87,25 @@ def test_compose_monitoring_mounts_the_configuration_and_the_dashboard():
     assert provisioned["providers"][0]["options"]["path"] in mounted
     datasource = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_the_dashboard_is_one_grafana_can_load():
+    assert DASHBOARD["uid"] and DASHBOARD["title"] and isinstance(DASHBOARD["schemaVersion"], int)
+    [variable] = DASHBOARD["templating"]["list"]
+    assert variable == {**variable, "name": "datasource", "type": "datasource", "query": "prometheus"}
+    panels = DASHBOARD["panels"]
+    assert len({panel["id"] for panel in panels}) == len(panels)
+    cells = set()
+    for panel in panels:
+        assert panel["type"] == "timeseries" and panel["title"] and panel["description"], panel.get("title")
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        position = panel["gridPos"]
+        assert position["x"] + position["w"] <= 24, panel["title"]  # Grafana's grid is 24 columns wide
+        covered = {(x, y) for x in range(position["x"], position["x"] + position["w"])
+                   for y in range(position["y"], position["y"] + position["h"])}
+        assert not covered & cells, f"{panel['title']} overlaps another panel"
+        cells |= covered
+        refs = [target["refId"] for target in panel["targets"]]
+        assert refs and len(set(refs)) == len(refs), panel["title"]
+        assert all(target["expr"].strip() and target["datasource"]["uid"] == "${datasource}"
+                   for target in panel["targets"]), panel["title"]
