@@ -27,7 +27,7 @@ restarting position ids instead.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,13 @@ class MicroBatch:
     weights: torch.Tensor             # [R, T] float, loss weight per token (0 off the sampled tokens)
     prox_logprobs: torch.Tensor | None = None  # [R, T] filled by the trainer before any update on the batch
     ref_logprobs: torch.Tensor | None = None   # [R, T] reference model, only when kl_coef > 0
+    placement: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """Where each sample sits: (its index in the rows packed, micro-batch row, offset, length)."""
+
+    def per_sample(self, values: torch.Tensor) -> dict[int, list[float]]:
+        """An [R, T] tensor's values of each sample, by the sample's index in the rows packed."""
+        return {index: values[r, offset:offset + length].tolist()
+                for index, r, offset, length in self.placement}
 
 
 def split_minibatches(rows: list[BatchRow], minibatches: int) -> list[list[BatchRow]]:
@@ -159,10 +166,12 @@ def _micro_batch(rows: list[BatchRow], weights: list[list[float]], layout: list[
     positions = torch.zeros(shape, dtype=torch.long)
     sample_ids = torch.full(shape, -1, dtype=torch.long)
     loss_mask, behaviour, advantages, token_weight = (torch.zeros(shape) for _ in range(4))
+    placement = []
     for r, row in enumerate(layout):
         offset = 0
         for index in row:
             sample = rows[index]
+            placement.append((index, r, offset, len(sample.tokens)))
             span = slice(offset, offset + len(sample.tokens))
             tokens[r, span] = torch.tensor(sample.tokens, dtype=torch.long)
             positions[r, span] = torch.arange(len(sample.tokens))
@@ -184,7 +193,7 @@ def _micro_batch(rows: list[BatchRow], weights: list[list[float]], layout: list[
     return MicroBatch(tokens=tokens.to(device), position_ids=positions.to(device),
                       attention_mask=attention_mask, loss_mask=loss_mask.to(device),
                       behaviour_logprobs=behaviour.to(device), advantages=advantages.to(device),
-                      weights=token_weight.to(device))
+                      weights=token_weight.to(device), placement=placement)
 
 
 def _model_attention_mask(model, mask: torch.Tensor | None) -> torch.Tensor | None:

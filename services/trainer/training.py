@@ -38,7 +38,12 @@ from pathlib import Path
 from prometheus_client import Counter, Gauge, Histogram
 
 from rollstream.services.trainer.ranks import Command, Ranks
-from rollstream.shared.contract.batches import BatchRow, read_batch
+from rollstream.shared.contract.batches import (
+    BatchRow,
+    TrainerLogprobs,
+    read_batch,
+    write_trainer_logprobs,
+)
 from rollstream.shared.contract.bus import Bus, StopConsuming
 from rollstream.shared.contract.events import BatchReady, PolicyUpdated, decode
 from rollstream.shared.errors import RollstreamError
@@ -263,7 +268,10 @@ class Trainer:
         if invalid:
             dropped["invalid"] = invalid
         # rows without a sampled token weigh nothing; a batch of only such rows has no loss to step on
-        metrics = self.optimize(fresh) if any(any(row.loss_mask) for row in fresh) else {}
+        before: dict[tuple[str, int], list[float]] = {}
+        metrics = self.optimize(fresh, before) if any(any(row.loss_mask) for row in fresh) else {}
+        if before and self.ranks.leader:
+            metrics["train/logprob_gap_abs_mean"] = self.record_logprobs(batch, fresh, before)
         version = self.version + 1
         trained_time = time.monotonic()
         checkpoint = self.save_checkpoint(version)
@@ -284,8 +292,12 @@ class Trainer:
         return TrainedStep(version=version, checkpoint=checkpoint, probe=self.probe, trained=len(fresh),
                            dropped=dropped, expected=expected, metrics=metrics, staleness=staleness)
 
-    def optimize(self, rows: list[BatchRow]) -> dict[str, float]:
-        """train.minibatches optimizer steps over the rows; returns the averaged step metrics."""
+    def optimize(self, rows: list[BatchRow], logprobs_before: dict[tuple[str, int], list[float]] | None = None
+                 ) -> dict[str, float]:
+        """train.minibatches optimizer steps over the rows; returns the averaged step metrics.
+        logprobs_before, on the leader: filled with the trainer's logprobs of each segment (rollout id,
+        segment index) before the batch's first update, where it computes them anyway (every minibatch with
+        decoupled PPO, else the first)."""
         from rollstream.services.trainer.ppo import (
             make_micro_batches,
             merge_stats,
@@ -296,22 +308,32 @@ class Trainer:
 
         torch, cfg, backend = self.torch, self.settings.train, self.backend
         # each rank runs its share of every minibatch's micro-batches; only the real ones count in the stats
+        parts = split_minibatches(rows, cfg.minibatches)
         plan = [self.ranks.own_share(make_micro_batches(part, cfg.loss_aggregation, cfg.micro_batch_tokens,
                                                         self.pad_id, backend.device))
-                for part in split_minibatches(rows, cfg.minibatches)]
+                for part in parts]
+        before: dict[tuple[str, int], list[float]] = {}
+
+        def keep_before(part: list[BatchRow], micro, logprobs) -> None:
+            for index, values in micro.per_sample(logprobs).items():
+                before[(part[index].rollout_id, part[index].segment_index)] = values
+
         with torch.no_grad():  # every minibatch is clipped against the policy before the first update
             for index, (micros, _) in enumerate(plan):
                 for micro in micros:
                     # the first minibatch's own forward runs before any update: its detached logprobs are it
                     if cfg.decoupled and index > 0:
                         micro.prox_logprobs = token_logprobs(backend.model, micro)
+                        keep_before(parts[index], micro, micro.prox_logprobs)
                     if self.reference is not None:
                         micro.ref_logprobs = token_logprobs(self.reference, micro)
         per_step: list[dict[str, float]] = []
-        for micros, real in plan:
+        for index, (micros, real) in enumerate(plan):
             stats = []
             for micro in micros:
                 logprobs = token_logprobs(backend.model, micro)
+                if index == 0:
+                    keep_before(parts[0], micro, logprobs.detach())
                 if cfg.decoupled and micro.prox_logprobs is None:
                     micro.prox_logprobs = logprobs.detach()
                 loss, micro_stats = policy_loss(logprobs, micro, clip_eps=cfg.clip_eps,
@@ -324,10 +346,29 @@ class Trainer:
             if self.ranks.leader:
                 per_step.append({**merge_stats(every_rank), "grad_norm": grad_norm,
                                  "micro_batches": len(every_rank)})
+        for rank_before in self.ranks.gather(before):
+            if logprobs_before is not None:
+                logprobs_before.update(rank_before)
         if not per_step:  # a rank that leads nothing reports nothing
             return {}
         return {f"train/{key}": sum(step[key] for step in per_step) / len(per_step) for key in per_step[0]
                 if key != "weight"}
+
+    def record_logprobs(self, batch: BatchReady, rows: list[BatchRow],
+                        before: dict[tuple[str, int], list[float]]) -> float:
+        """Write the trainer's logprobs of the batch's segments beside the batch (for the console); returns
+        the mean gap between them and the rollout's over the sampled tokens."""
+        records = [TrainerLogprobs(rollout_id=rollout, segment_index=segment, policy_version=self.version,
+                                   logprobs=values) for (rollout, segment), values in sorted(before.items())]
+        write_trainer_logprobs(self.storage, self.settings.run_id, batch.batch_id, records)
+        gaps = []
+        for row in rows:
+            mine = before.get((row.rollout_id, row.segment_index))
+            if mine is not None:
+                # a sample's first token has no trainer logprob (nothing to condition on)
+                pairs = list(zip(mine, row.rollout_logprobs, row.loss_mask))[1:]
+                gaps += [abs(a - b) for a, b, sampled in pairs if sampled]
+        return sum(gaps) / len(gaps) if gaps else 0.0
 
     def save_checkpoint(self, version: int) -> Path:
         """Write the training state of `version`: every rank its part, the leader the files the fleet loads."""

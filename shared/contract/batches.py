@@ -1,5 +1,7 @@
 """Reward-complete training batches as Parquet: the reward service writes them, the trainer reads
-them. One row per trainable segment."""
+them. One row per trainable segment. Beside each batch the trainer writes its own logprob of every token of
+each segment it trained, before the batch's first update (<batch>.trainer-logprobs.parquet): set against the
+rollout's, they show where the trainer and the inference engine disagree."""
 
 from __future__ import annotations
 
@@ -64,3 +66,39 @@ def read_batch(storage: Storage, path: str) -> list[BatchRow]:
     if not table.schema.equals(SCHEMA):
         raise ValueError(f"{path}: batch schema differs from this code's: {table.schema}")
     return [BatchRow(**{**record, "metadata": json.loads(record["metadata"])}) for record in table.to_pylist()]
+
+
+TRAINER_LOGPROBS_SCHEMA = pa.schema([
+    ("rollout_id", pa.string()),
+    ("segment_index", pa.int32()),
+    ("policy_version", pa.int32()),
+    ("logprobs", pa.list_(pa.float32())),
+])
+TRAINER_LOGPROBS_SUFFIX = ".trainer-logprobs.parquet"
+
+
+@dataclass
+class TrainerLogprobs:
+    rollout_id: str
+    segment_index: int
+    policy_version: int
+    """The policy the trainer held: the batch was trained from it."""
+    logprobs: list[float]
+    """The trainer's logprob of each token of the segment given the tokens before it (0 at the first)."""
+
+
+def trainer_logprobs_uri(batch_uri: str) -> str:
+    """Where the trainer's logprobs of a batch's segments are, beside the batch."""
+    return batch_uri.removesuffix(".parquet") + TRAINER_LOGPROBS_SUFFIX
+
+
+def write_trainer_logprobs(storage: Storage, run_id: str, batch_id: str, rows: list[TrainerLogprobs]) -> str:
+    table = pa.Table.from_pylist([asdict(row) for row in rows], schema=TRAINER_LOGPROBS_SCHEMA)
+    return storage.write_table(table, run_id, "batches", f"{batch_id}{TRAINER_LOGPROBS_SUFFIX}")
+
+
+def read_trainer_logprobs(storage: Storage, path: str) -> list[TrainerLogprobs]:
+    table = storage.read_table(path)
+    if not table.schema.equals(TRAINER_LOGPROBS_SCHEMA):
+        raise ValueError(f"{path}: trainer logprobs schema differs from this code's: {table.schema}")
+    return [TrainerLogprobs(**record) for record in table.to_pylist()]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollstream.shared.contract.batches import TrainerLogprobs
 from rollstream.shared.contract.events import (
     BatchReady,
     Envelope,
@@ -38,6 +39,7 @@ from rollstream.shared.contract.run_source import (
     decoded_history,
     float32_value,
     open_batch_rows,
+    open_trainer_logprobs,
 )
 from rollstream.shared.errors import RunDataNotFound
 from rollstream.shared.runtime.storage import Storage
@@ -188,11 +190,12 @@ def _token_pieces(ids: list[int], decoder: TokenDecoder | None) -> list[str]:
 
 def rollout_document(view: RolloutView, decoder: TokenDecoder | None) -> dict[str, Any]:
     """Everything about one rollout as plain data (the --json output, and what the render shows)."""
+    trained = _trained(view)
     return {
         "run": view.run, "rollout_id": view.rollout_id, "group_id": view.group_id,
         "tokenizer": decoder.source if decoder is not None else None,
         "prompt": _prompt_document(view.prompt) if view.prompt is not None else None,
-        "attempts": [_attempt_document(attempt, decoder) for attempt in view.attempts],
+        "attempts": [_attempt_document(attempt, decoder, trained) for attempt in view.attempts],
         "grades": [{"event_id": g.event_id, "type": g.type, **g.payload.model_dump(mode="json")}
                    for g in view.grades],
         "rewards": [{"event_id": r.event_id, **r.payload.model_dump(mode="json")} for r in view.rewards],
@@ -208,7 +211,25 @@ def _prompt_document(prompt: Envelope) -> dict[str, Any]:
             "policy_version": p.policy_version, "metadata": p.metadata}
 
 
-def _attempt_document(attempt: AttemptEvents, decoder: TokenDecoder | None) -> dict[str, Any]:
+def _trained(view: RolloutView) -> dict[tuple[int, ...], TrainerLogprobs]:
+    """The trainer's logprobs of the rollout's trained segments, by the segment's tokens (an attempt that was
+    not the one trained has other tokens)."""
+    out = {}
+    for envelope in view.batches:
+        batch: BatchReady = envelope.payload
+        try:
+            written = open_trainer_logprobs(view.storage_uri, view.run, batch.uri)
+            rows = open_batch_rows(view.storage_uri, view.run, batch.uri) if written else []
+        except (OSError, ValueError):  # unreadable: the batch's own entry says what is wrong with its files
+            continue
+        mine = {(t.rollout_id, t.segment_index): t for t in written or []}
+        out.update((tuple(row.tokens), mine[(row.rollout_id, row.segment_index)]) for row in rows
+                   if (row.rollout_id, row.segment_index) in mine and row.rollout_id == view.rollout_id)
+    return out
+
+
+def _attempt_document(attempt: AttemptEvents, decoder: TokenDecoder | None,
+                      trained: dict[tuple[int, ...], TrainerLogprobs]) -> dict[str, Any]:
     segments = [{"segment_index": s.payload.segment_index, "status": s.payload.status,
                  "tokens": len(s.payload.tokens), "response_length": s.payload.response_length,
                  "sampled_tokens": sum(s.payload.loss_mask),
@@ -216,6 +237,8 @@ def _attempt_document(attempt: AttemptEvents, decoder: TokenDecoder | None) -> d
                  "response_text": s.payload.response_text, "session_id": s.session_id,
                  "metadata": s.payload.metadata, "shared_prefix": _shared_prefix(s, attempt.segments)}
                 for s in attempt.segments]
+    trainer_of = {s.payload.segment_index: trained[tuple(s.payload.tokens)] for s in attempt.segments
+                  if tuple(s.payload.tokens) in trained}
     finished = None
     if attempt.finished is not None:
         f: TrajectoryFinished = attempt.finished.payload
@@ -225,7 +248,8 @@ def _attempt_document(attempt: AttemptEvents, decoder: TokenDecoder | None) -> d
                     "needs_grade": f.needs_grade}
     started = attempt.started.payload.server_url if attempt.started is not None else None
     return {"attempt": attempt.attempt, "server_url": started,
-            "turns": [_turn_document(envelope, attempt, decoder) for envelope in attempt.turns],
+            "turns": [_turn_document(turn, attempt, decoder, trainer_of.get(turn.payload.segment_index))
+                      for turn in attempt.turns],
             "segments": segments, "finished": finished}
 
 
@@ -248,15 +272,19 @@ def _shared_prefix(segment: Envelope, segments: list[Envelope]) -> dict[str, int
     return best
 
 
-def _turn_document(envelope: Envelope, attempt: AttemptEvents,
-                   decoder: TokenDecoder | None) -> dict[str, Any]:
+def _turn_document(envelope: Envelope, attempt: AttemptEvents, decoder: TokenDecoder | None,
+                   trainer: TrainerLogprobs | None) -> dict[str, Any]:
+    """One turn token by token; with `trainer`, each sampled token's logprob as the trainer computed it."""
     t: TrajectoryTurn = envelope.payload
     context = [{"id": i, "text": piece, "mask": 0, "logprob": None, "policy_version": None,
-                "policy_version_end": None}
+                "policy_version_end": None, "trainer_logprob": None}
                for i, piece in zip(t.appended_ids, _token_pieces(t.appended_ids, decoder))]
+    theirs = trainer.logprobs[t.offset:t.offset + len(t.response_ids)] if trainer is not None else []
     response = [{"id": i, "text": piece, "mask": 1, "logprob": float32_value(lp),
-                 "policy_version": t.policy_version, "policy_version_end": t.policy_version_end}
-                for i, piece, lp in zip(t.response_ids, _token_pieces(t.response_ids, decoder), t.logprobs)]
+                 "policy_version": t.policy_version, "policy_version_end": t.policy_version_end,
+                 "trainer_logprob": float32_value(theirs[k]) if k < len(theirs) else None}
+                for k, (i, piece, lp) in enumerate(zip(t.response_ids, _token_pieces(t.response_ids, decoder),
+                                                       t.logprobs))]
     tools = [{"call_id": tool.payload.call_id, "name": tool.payload.name, "arguments": tool.payload.arguments,
               "ok": tool.payload.ok, "error_kind": tool.payload.error_kind, "content": tool.payload.content}
              for segment, tool in attempt.tools if segment == t.segment_index and tool.payload.turn == t.turn]
@@ -268,6 +296,7 @@ def _turn_document(envelope: Envelope, attempt: AttemptEvents,
         "context_text": decoder.text(t.appended_ids) if decoder is not None else None,
         "response_text": decoder.text(t.response_ids) if decoder is not None else None,
         "tokens": context + response, "tools": tools,
+        "trainer_policy_version": trainer.policy_version if trainer is not None else None,
     }
 
 

@@ -17,7 +17,13 @@ import pyarrow.parquet as pq
 import redis
 
 from rollstream.shared.contract.archive import ArchiveReader, StreamHistory, list_runs
-from rollstream.shared.contract.batches import BatchRow, read_batch
+from rollstream.shared.contract.batches import (
+    BatchRow,
+    TrainerLogprobs,
+    read_batch,
+    read_trainer_logprobs,
+    trainer_logprobs_uri,
+)
 from rollstream.shared.contract.bus import Bus, Keys, StreamName
 from rollstream.shared.contract.events import Envelope, EventDecodeError, decode
 from rollstream.shared.errors import RunDataNotFound
@@ -146,8 +152,18 @@ def float32_value(value: float) -> float:
 def open_batch_rows(storage_uri: str, run: str, uri: str) -> list[BatchRow]:
     """A batch file's rows; a uri outside this storage (a copied storage) is looked up under it."""
     storage = Storage(storage_uri)
-    path = uri
-    if not storage.exists(path):
-        name = uri.rsplit("/", 1)[-1]
-        path = storage.path(run, "batches", name)
-    return read_batch(storage, path)
+    return read_batch(storage, _batch_file(storage, run, uri))
+
+
+def open_trainer_logprobs(storage_uri: str, run: str, batch_uri: str) -> list[TrainerLogprobs] | None:
+    """The trainer's logprobs of a batch's segments (written beside it once trained); None before, or for a
+    batch of a trainer that did not write them."""
+    storage = Storage(storage_uri)
+    path = _batch_file(storage, run, trainer_logprobs_uri(batch_uri))
+    return read_trainer_logprobs(storage, path) if storage.exists(path) else None
+
+
+def _batch_file(storage: Storage, run: str, uri: str) -> str:
+    if storage.exists(uri):
+        return uri
+    return storage.path(run, "batches", uri.rsplit("/", 1)[-1])

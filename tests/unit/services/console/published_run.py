@@ -17,7 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollstream.shared.contract.batches import BatchRow, write_batch
+from rollstream.shared.contract.batches import (
+    BatchRow,
+    TrainerLogprobs,
+    write_batch,
+    write_trainer_logprobs,
+)
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import (
     BatchReady,
@@ -36,6 +41,7 @@ from rollstream.shared.runtime.storage import Storage
 
 SERVER = "http://127.0.0.1:8000"
 QUESTION = "What is 40+2?"
+TRAINER_GAP = 0.75
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "40+2"}}</tool_call>'
 OBSERVATION = ("<|im_end|>\n<|im_start|>tool\n<tool_response>42</tool_response><|im_end|>\n"
                "<|im_start|>assistant\n")
@@ -157,6 +163,11 @@ class RunBuilder:
                        turn_policy_versions=segment.turn_policy_versions, status="completed", reward=1.0,
                        advantage=0.0)
         uri = write_batch(self.storage, self.run, batch_id, [row])
+        # the trainer held v0 and saw each sampled token TRAINER_GAP likelier than vLLM did
+        trainer = [lp + TRAINER_GAP if sampled else 0.0
+                   for lp, sampled in zip(row.rollout_logprobs, row.loss_mask)]
+        written = TrainerLogprobs(rollout_id=rollout, segment_index=0, policy_version=0, logprobs=trainer)
+        write_trainer_logprobs(self.storage, self.run, batch_id, [written])
         ready = BatchReady(batch_id=batch_id, uri=uri, sample_count=1, group_ids=[group],
                            min_policy_version=0, mean_reward=1.0)
         self.bus.publish("batches", ready, event_id=f"{batch_id}:ready")

@@ -25,6 +25,7 @@ from tests.unit.services.console.published_run import (
     FORKED_ANSWER,
     SANDBOX_OUTPUT,
     TESTS,
+    TRAINER_GAP,
 )
 
 
@@ -116,6 +117,10 @@ def test_the_inspector_has_tokens_tools_versions_and_the_batch(console):
     assert second["synced_mid_turn"]
     assert {(t["policy_version"], t["policy_version_end"]) for t in sampled} == {(0, 1)}
     assert all(t["logprob"] is None for t in second["tokens"] if t["mask"] == 0)
+    # the trainer's logprob of each sampled token, from the file it wrote beside the batch
+    assert {t["trainer_logprob"] for t in sampled} == {-2.5 + TRAINER_GAP}
+    assert second["trainer_policy_version"] == 0
+    assert all(t["trainer_logprob"] is None for t in second["tokens"] if t["mask"] == 0)
     assert [(t["name"], t["arguments"], t["content"]) for t in first["tools"]] == [
         ("calculator", {"expression": "40+2"}, "42")]
     (batch,) = doc["batches"]

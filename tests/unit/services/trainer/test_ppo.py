@@ -246,6 +246,24 @@ def test_packed_samples_get_the_logprobs_they_get_alone(tiny_dir, attention):
     assert model.training
 
 
+def test_each_packed_sample_gets_its_own_logprobs_back_by_its_row(tiny_dir):
+    """What the trainer writes beside a batch (its logprob of every token of each segment): read back out of
+    the packed micro-batches, each batch row's values are the ones that row gets alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    rows = random_rows([7, 3, 12, 5, 2, 9, 4, 6], seed=1)
+    micro_batches = make_micro_batches(rows, "token", micro_batch_tokens=24, pad_id=PAD, device="cpu")
+    assert most_samples_in_a_row(micro_batches) > 1
+    found: dict[int, list[float]] = {}
+    with torch.no_grad():
+        for micro in micro_batches:
+            found.update(micro.per_sample(token_logprobs(model, micro)))
+        assert sorted(found) == list(range(len(rows)))
+        for index, sample in enumerate(rows):
+            assert found[index] == pytest.approx(unpacked_logprobs(model, sample.tokens).tolist(), abs=1e-5)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_rows_of_one_sample_take_no_mask_and_get_the_logprobs_they_get_alone(tiny_dir, attention):
     """A long sample (a coding agent's, tens of thousands of tokens) is alone in its row: a T x T mask would
