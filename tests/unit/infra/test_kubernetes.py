@@ -39,8 +39,10 @@ RUN_ENV = "rollstream-run-env"
 REDIS_FILES = "rollstream-redis"
 """The ConfigMap of the files compose mounts into Redis (setup.sh makes it from infra/)."""
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
-COMPOSE_ONLY = {"ops"}
-"""Not deployed: people's commands (`rollstream inspect`, `replay`) run in a pod of their own."""
+COMPOSE_ONLY = {"ops", "prometheus", "grafana"}
+"""Not deployed: people's commands (`rollstream inspect`, `replay`) run in a pod of their own; a cluster's own
+monitoring scrapes the services' /metrics (their `health` ports), so compose's monitoring profile has no
+counterpart here."""
 HOST_SPECIFIC = {"RS_FLEET__URLS", "RS_CONSOLE__HEALTH_URLS"}
 """Compose names its one server by its network alias; here each pod of the vllm StatefulSet has its URL
 (test_the_settings_urls_reach_what_serves_them). The console asks compose's services by their names, which
