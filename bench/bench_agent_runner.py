@@ -7,7 +7,8 @@ prompt from Redis, the chat template, the agent loop, publishing the trajectory 
 acknowledging. vLLM on the CPU speeds up over its first requests and drifts, so two untimed passes
 come first and the two paths then alternate for a few rounds; medians are compared.
 
-    python bench/bench_agent_runner.py [--episodes 256] [--concurrency 32] [--max-tokens 64]
+    python bench/bench_agent_runner.py [--episodes 256] [--concurrency 32] [--max-tokens 64] [--rounds 3]
+                                       [--warmup-passes 2] [--smoke] [--json PATH]
                                        [--fleet-url http://127.0.0.1:8000]   # else starts vLLM (CPU)
 """
 
@@ -25,6 +26,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from results import Figure, parse_args, write_result
 
 from rollstream.cli.embedded_redis import EmbeddedRedis
 from rollstream.cli.vllm_server import VllmServer, free_port
@@ -122,8 +124,10 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=Path("models/tiny-llama"))
     parser.add_argument("--fleet-url", default=None)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup-passes", type=int, default=2, help="untimed passes of the direct client")
     parser.add_argument("--direct-only", metavar="URL", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"episodes": 8, "concurrency": 4, "max_tokens": 8, "rounds": 1,
+                                     "warmup_passes": 0})
     if args.direct_only:
         from transformers import AutoTokenizer
 
@@ -150,7 +154,7 @@ def main() -> None:
             # vLLM on the CPU gets much faster over its first few hundred requests (kernels for new
             # batch shapes): a full untimed pass first, so neither path pays for that.
             shape = (args.episodes, args.concurrency, args.max_tokens)
-            for _ in range(2):
+            for _ in range(args.warmup_passes):
                 direct_in_subprocess(url, args.model, *shape)
             runs: dict[str, list[tuple[float, int]]] = {"direct": [], "agent-runner": []}
             for _ in range(args.rounds):  # interleaved, so drift of the server's speed hits both alike
@@ -171,6 +175,12 @@ def main() -> None:
         print(f"{name:<14}{seconds:>10.2f}{args.episodes / seconds:>12.1f}{tokens_per_s:>12.0f}   {rounds}")
     (d_eps, d_tps), (a_eps, a_tps) = medians["direct"], medians["agent-runner"]
     print(f"agent-runner / direct: episodes/s {a_eps / d_eps:.2f}, tokens/s {a_tps / d_tps:.2f}")
+    write_result(args.json, [
+        Figure("agent-runner: episodes", a_eps, "vLLM called directly", d_eps, "episodes/s"),
+        Figure("agent-runner: sampled tokens", a_tps, "vLLM called directly", d_tps, "tokens/s")],
+        [(f"{args.episodes} single-turn episodes, concurrency {args.concurrency}, up to {args.max_tokens} "
+          f"tokens each; medians of {args.rounds} interleaved rounds after {args.warmup_passes} untimed "
+          "passes")])
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ The workload has heavy-tailed episode lengths (bench/heavy_tail_agent.py: most e
 10-50x longer by default), keyed on the sample index with one seed, so every mode runs the same prompts
 with the same episode lengths in the same order. Every mode is the real pipeline: dispatcher, agent-runner,
 sandbox-grader, reward and recorder as processes (cli/local_run.py) on the machine's Redis, against
-    real   one real vLLM CPU server with the tiny model, started once and shared by every mode, after an
-           untimed warm-up (vLLM on the CPU speeds up over its first few hundred requests);
+    real   one real vLLM CPU server with the tiny model, started once and shared by every mode (or the server
+           --fleet-url names), after an untimed warm-up (vLLM on the CPU speeds up over its first few hundred
+           requests);
     sim    `--servers` simulated vLLM servers (bench/sim_fleet.py, one process, a latency model),
 and trained by
     --trainer real      the trainer service, on this machine's CPU (its steps take seconds for the tiny model:
@@ -46,6 +47,7 @@ envelope times):
     python bench/bench_async.py [--mode real|sim|both] [--etas 0 4] [--batch-size 32] [--group 4]
                                 [--versions 8] [--servers 64] [--sim-decode-ms 25] [--sim-batch 8]
                                 [--trainer real|sim-gpu] [--gpu-profile h100x8-7b] [--keep]
+                                [--fleet-url http://127.0.0.1:8000] [--smoke] [--json PATH]
 
 A cluster's proportions: 64 simulated servers, the simulated GPU trainer, eta 0, 1, 2 and 4 in one run
 (about 15 minutes on this 2-core machine, 7 of them the synchronous mode):
@@ -99,6 +101,8 @@ import psutil
 # run as a script, so bench/ is first on sys.path
 from heavy_tail_agent import ENV as AGENT_ENV
 from heavy_tail_agent import TailParams, banned_tokens, episode_turns
+from results import Figure, write_result
+from results import parse_args as parse_with_smoke
 from sim_fleet import parse_metrics
 from sim_trainer import PROFILES, SIM_TRAINER_READY, profile_from, starting_model_logprobs
 
@@ -163,32 +167,37 @@ class SimProcess:
 
 
 class RealFleet:
-    """One vLLM CPU server, behind a metering proxy (the pipeline talks to the proxy)."""
+    """One vLLM CPU server, behind a metering proxy (the pipeline talks to the proxy): started here, or the
+    running one at `url`."""
 
-    def __init__(self, model: Path, workdir: Path) -> None:
+    def __init__(self, model: Path, workdir: Path, url: str | None = None) -> None:
         from rollstream.cli.vllm_server import VllmServer, free_port
 
-        self.server = VllmServer(model, free_port(), log_path=workdir / "vllm.log")
+        self.server = None if url else VllmServer(model, free_port(), log_path=workdir / "vllm.log")
+        self.url = url
         self.proxy: SimProcess | None = None
         self.workdir = workdir
         self.servers = 1
 
     def start(self) -> list[str]:
-        self.server.start()
-        self.server.wait_healthy()
-        self.proxy = SimProcess(["--proxy-to", self.server.url], self.workdir / "meter.log")
+        if self.server is not None:
+            self.server.start()
+            self.server.wait_healthy()
+            self.url = self.server.url
+        self.proxy = SimProcess(["--proxy-to", self.url], self.workdir / "meter.log")
         return self.proxy.start()
 
     def metric_urls(self, url: str) -> list[str]:
         return [f"{url}/meter/metrics", f"{url}/metrics"]
 
     def pids(self) -> list[int]:
-        return [pid for pid in (self.server.pid, self.proxy and self.proxy.pid()) if pid]
+        return [pid for pid in (self.server and self.server.pid, self.proxy and self.proxy.pid()) if pid]
 
     def stop(self) -> None:
         if self.proxy is not None:
             self.proxy.stop()
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
 
 
 class SimulatedFleet:
@@ -522,7 +531,10 @@ def episode_work(bus: Bus, storage_uri: str, until: float) -> tuple[int, int]:
 
 
 def run_fleet(kind: str, args: argparse.Namespace, model: Path, workdir: Path) -> list[Result]:
-    fleet = RealFleet(model, workdir) if kind == "real" else SimulatedFleet(model, workdir, args)
+    if kind == "real":
+        fleet = RealFleet(model, workdir, args.fleet_url)
+    else:
+        fleet = SimulatedFleet(model, workdir, args)
     what = "vLLM (CPU)" if kind == "real" else f"{args.servers} simulated servers"
     print(f"{kind}: starting {what}", flush=True)
     results = []
@@ -570,8 +582,26 @@ def report(results: list[Result], args: argparse.Namespace, params: TailParams) 
                   f"busy {sync.busy:.2f} -> {asyn.busy:.2f} (steady {sync.steady_busy:.2f} -> "
                   f"{asyn.steady_busy:.2f}), run/server {sync.running:.2f} -> {asyn.running:.2f}, "
                   f"window {sync.window_s:.0f}s -> {asyn.window_s:.0f}s")
-    if args.json:
-        Path(args.json).write_text(json.dumps([r.__dict__ for r in results], indent=2, default=str))
+    write_result(args.json, figures_of(results), [
+        f"B={args.batch_size} (n={args.group}), {args.versions} versions measured, {args.max_tokens} tokens "
+        f"a turn, agent-runner concurrency {args.concurrency}, trainer {args.trainer}"
+        + (f" ({args.gpu_profile})" if args.trainer == "sim-gpu" else "")])
+
+
+SYNC = "eta=0 (synchronous)"
+
+
+def figures_of(results: list[Result]) -> list[Figure]:
+    """Each async mode's samples/min and fleet busy fraction against the synchronous mode of its fleet."""
+    figures = []
+    for kind in ("real", "sim"):
+        sync = next((r for r in results if r.fleet == kind and r.eta == 0), None)
+        for asyn in (r for r in results if sync is not None and r.fleet == kind and r.eta != 0):
+            fleet = "real vLLM (CPU)" if kind == "real" else f"{asyn.servers} simulated servers"
+            what = f"{fleet}, eta={asyn.eta}"
+            figures += [Figure(f"{what}: samples trained", asyn.per_min, SYNC, sync.per_min, "samples/min"),
+                        Figure(f"{what}: fleet busy", asyn.busy, SYNC, sync.busy, "fraction of time")]
+    return figures
 
 
 COLUMNS = (  # title, width, Result attribute, format
@@ -593,6 +623,11 @@ def print_table(results: list[Result]) -> None:
     for r in results:
         print("".join(f"{getattr(r, name):{'<' if spec == '<' else '>'}{width}{'' if spec == '<' else spec}}"
                       for _, width, name, spec in COLUMNS))
+
+
+SMOKE = {"etas": [0, 1], "batch_size": 4, "group": 2, "versions": 2, "max_tokens": 4, "concurrency": 8,
+         "servers": 4, "warmup": 0, "trainer": "sim-gpu", "train_tokens_per_s": 1e6, "step_overhead_s": 0.05,
+         "sync_s": 0.05, "timeout": 300.0}
 
 
 def parse_args() -> argparse.Namespace:
@@ -642,8 +677,8 @@ def parse_args() -> argparse.Namespace:
     add("--workdir", type=Path, default=None, help="default: a new directory under /tmp")
     add("--keep", action="store_true",
         help="keep the work directory (logs, checkpoints) and the runs' Redis streams")
-    add("--json", default=None, help="also write the results here")
-    args = parser.parse_args()
+    add("--fleet-url", default=None, help="the real modes use this running vLLM server of --model")
+    args = parse_with_smoke(parser, smoke=SMOKE)
     if args.eta < 1:
         parser.error("--eta is the async mode's staleness and must be at least 1")
     if args.etas is None:

@@ -5,7 +5,7 @@ on `trajectories`: each on a stream that carries its type, or the bus dead-lette
 consumes and acknowledges them with `Bus.consume` + `Bus.ack`, and does the same with
 raw XADD / XREADGROUP / XACK of the already-encoded fields. Prints events/s and bus/raw ratios.
 
-    python bench/bench_bus.py [--redis redis://127.0.0.1:6379/0] [--events 5000]
+    python bench/bench_bus.py [--redis redis://127.0.0.1:6379/0] [--events 5000] [--smoke] [--json PATH]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 import uuid
 
 import redis
+from results import Figure, parse_args, write_result
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import PromptIssued, TrajectorySegment, encode, make_envelope
@@ -86,11 +87,12 @@ def main() -> None:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--events", type=int, default=5000)
     parser.add_argument("--batch", type=int, default=100, help="pipeline and read batch size")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"events": 200, "batch": 50})
     client = redis.Redis.from_url(args.redis)
     print(f"{args.events} events per case, batches of {args.batch}, {args.redis}")
     print(f"{'case':<28}{'publish ev/s':>14}{'consume ev/s':>14}")
     cases = (("PromptIssued", "prompts", small), ("Segment 512 tokens", "trajectories", heavy))
+    figures = []
     for label, stream, make in cases:
         events = [make(i) for i in range(args.events)]
         run = f"bench-{uuid.uuid4().hex[:8]}"
@@ -105,6 +107,10 @@ def main() -> None:
         print(f"{label + ' (bus)':<28}{bus_pub:>14,.0f}{bus_con:>14,.0f}")
         print(f"{label + ' (raw redis-py)':<28}{raw_pub:>14,.0f}{raw_con:>14,.0f}")
         print(f"{label + ' bus/raw':<28}{bus_pub / raw_pub:>14.2f}{bus_con / raw_con:>14.2f}")
+        figures += [Figure(f"{label}: Bus.publish", bus_pub, "raw XADD", raw_pub, "events/s"),
+                    Figure(f"{label}: Bus.consume + ack", bus_con, "raw XREADGROUP + XACK", raw_con,
+                           "events/s")]
+    write_result(args.json, figures, [f"{args.events} events per case, batches of {args.batch}"])
 
 
 if __name__ == "__main__":

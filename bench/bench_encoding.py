@@ -1,7 +1,7 @@
 """Wire encoding of a trajectory segment: packed arrays in msgpack (what rollstream.shared.contract.events does) against
 the same event as JSON with plain lists. Prints size and encode/decode time, and the ratios.
 
-    python bench/bench_encoding.py [--tokens 2048] [--repeat 2000]
+    python bench/bench_encoding.py [--tokens 2048] [--repeat 2000] [--smoke] [--json PATH]
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
+from results import Figure, parse_args, write_result
 
 from rollstream.shared.contract.events import Envelope, TrajectorySegment, decode, encode, make_envelope
 
@@ -24,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=2000)
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"tokens": 256, "repeat": 20})
     n = args.tokens
     segment = TrajectorySegment(segment_index=0, tokens=[(i * 7919) % 151_000 for i in range(n)], response_length=n // 2,
                                 loss_mask=[0] * (n // 2) + [1] * (n - n // 2),
@@ -51,6 +53,10 @@ def main() -> None:
         print(f"{name:<16}{size:>10}{enc * 1e6:>12.1f}{dec * 1e6:>12.1f}")
     (_, ps, pe, pd), (_, js, je, jd) = rows
     print(f"ratio json/packed: size {js / ps:.2f}x, encode {je / pe:.2f}x, decode {jd / pd:.2f}x")
+    what = f"segment of {n} tokens, packed msgpack"
+    write_result(args.json, [Figure(f"{what}: size", ps, "json lists", js, "bytes"),
+                             Figure(f"{what}: encode", pe * 1e6, "json lists", je * 1e6, "us"),
+                             Figure(f"{what}: decode", pd * 1e6, "json lists", jd * 1e6, "us")])
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ resume, probe for parity), alternating between two checkpoints, `--rounds` times
 median seconds per sync and the ratio to one server at a time, measured in the same run.
 
     python bench/bench_weight_sync.py [--servers 64] [--reload-s 0.05] [--concurrency 1 4 16 64] [--rounds 3]
+                                      [--smoke] [--json PATH]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 # run as a script, so bench/ is first on sys.path
+from results import Figure, parse_args, write_result
 from sim_fleet import Checkpoints, LatencyModel, SimFleet
 
 from rollstream.shared.inference.fleet import FleetClient
@@ -56,7 +58,9 @@ def main() -> None:
     parser.add_argument("--reload-s", type=float, default=0.05)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"servers": 4, "concurrency": [1, 4], "rounds": 1})
+    if 1 not in args.concurrency:
+        parser.error("--concurrency must include 1: one server at a time is the baseline")
     with tempfile.TemporaryDirectory() as tmp:
         other = build_tiny_model(Path(tmp) / "v1", seed=1)
         checkpoints = [(other, expected_logprobs(other)), (args.model, expected_logprobs(args.model))]
@@ -65,11 +69,16 @@ def main() -> None:
             asyncio.run(sync_seconds(sim.urls, checkpoints, args.servers, 2))  # loads and caches both
             medians = {n: statistics.median(asyncio.run(sync_seconds(sim.urls, checkpoints, n, args.rounds)))
                        for n in args.concurrency}
-    serial = medians.get(1)
+    serial = medians[1]
     print(f"{args.servers} servers, reload {args.reload_s:g} s each:")
     for n, seconds in medians.items():
-        ratio = f"   {serial / seconds:5.1f}x faster than one at a time" if serial else ""
-        print(f"  {n:3d} at once: {seconds:6.2f} s per sync{ratio}")
+        print(f"  {n:3d} at once: {seconds:6.2f} s per sync   {serial / seconds:5.1f}x faster than one at a "
+              "time")
+    figures = [Figure(f"sync of {args.servers} servers, {n} at once", seconds, "one server at a time", serial,
+                      "s") for n, seconds in medians.items() if n != 1]
+    write_result(args.json, figures, [
+        f"{args.servers} simulated servers (bench/sim_fleet.py), each reload {args.reload_s:g} s (both "
+        f"checkpoints loaded and cached by an untimed sync first); medians of {args.rounds} syncs"])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""What every benchmark hands back: figures, each measured next to its baseline in the same run, written as
+JSON with `--json PATH`; and the `--smoke` switch, which runs a benchmark for seconds at tiny sizes (it checks
+that the benchmark works; its figures mean nothing). bench/run_all.py runs the benchmarks and reads the files.
+
+    from results import Figure, parse_args, write_result   # benchmarks run as scripts: bench/ is on sys.path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measurement and its baseline; ratio = value / baseline, so below 1 is less (time: faster)."""
+
+    what: str
+    value: float
+    baseline_what: str
+    baseline: float
+    unit: str
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.baseline if self.baseline else math.nan
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+def parse_args(parser: argparse.ArgumentParser, smoke: dict) -> argparse.Namespace:
+    """Adds --json and --smoke; with --smoke the `smoke` values replace the defaults (arguments given
+    explicitly still win)."""
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the figures to this file (bench/run_all.py reads it)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds, tiny sizes: checks that the benchmark runs; its figures mean nothing")
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(**smoke)
+    return parser.parse_args()
+
+
+def write_result(path: str | None, figures: Sequence[Figure], notes: Sequence[str] = ()) -> None:
+    """The figures, and notes (what was left out and why, the settings), to `path` when given."""
+    if path is None:
+        return
+    body = {"figures": [figure.as_dict() for figure in figures], "notes": list(notes)}
+    target = Path(path)
+    temp = target.with_name(target.name + ".tmp")
+    temp.write_text(json.dumps(body, indent=2, allow_nan=True))
+    os.replace(temp, target)  # a reader never sees half a file
+
