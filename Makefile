@@ -3,7 +3,7 @@
 #   make run     the local run (embedded Redis, vLLM on the CPU, every service)
 #   make test    the test suite (unit + integration: real Redis, real vLLM, real bubblewrap; e2e: compose
 #                on a real Docker engine when one answers)
-#   make bench   the benchmarks
+#   make bench   every benchmark, written to BENCHMARKS.md
 #   make test-e2e  only the compose test (docker compose --profile cpu up on a real engine; DOCKER_HOST from
 #                  `eval "$(infra/docker-engine.sh)"`, base images from compose/build-offline-base.sh)
 
@@ -108,14 +108,9 @@ test-unit: setup
 test-e2e: setup
 	$(PY) -m pytest tests/e2e -m e2e
 
+# Every benchmark, one after another, into BENCHMARKS.md (bench/run_all.py; ARGS="--only bus,encoding" for some).
 bench: setup
-	$(PY) bench/bench_encoding.py
-	$(PY) bench/bench_bus.py
-	$(PY) bench/bench_agent_runner.py
-	$(PY) bench/bench_grading.py
-	$(PY) bench/bench_async.py
-	$(PY) bench/bench_weight_sync.py
-	$(PY) bench/bench_vllm_start.py
+	$(PY) bench/run_all.py $(ARGS)
 
 clean:
 	rm -rf runs models

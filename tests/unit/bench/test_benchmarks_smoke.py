@@ -1,0 +1,100 @@
+"""Every benchmark of bench/ in its smoke mode, each in a subprocess: it ends, and writes its figures, each
+with a ratio > 0 (bench_bus.py's test is test_bench_bus.py). The benchmarks that can use a running vLLM
+server share one (a module fixture, so it starts once); bench_vllm_start.py and gateway_latency.py start their
+own, as that is what they measure or how they are written. gateway_latency.py has no --json: it runs through
+bench/run_all.py, which reads its table.
+
+    python -m pytest tests/unit/bench/test_benchmarks_smoke.py -q
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.support import MODELS, REAL_BWRAP, reload_weights, vllm_servers
+from tests.unit.bench.smoke import run_command, run_smoke
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tiny_model, tmp_path_factory):
+    with vllm_servers(tiny_model, tmp_path_factory.mktemp("vllm"), count=1) as servers:
+        yield servers[0].url
+
+
+def test_encoding(tmp_path):
+    done = run_smoke("bench_encoding.py", tmp_path)
+    assert [f["unit"] for f in done.figures] == ["bytes", "us", "us"]
+    assert "ratio json/packed" in done.output
+
+
+def test_data_path_packs_with_less_padding_than_one_sample_per_row(tiny_model, tmp_path):
+    done = run_smoke("bench_data_path.py", tmp_path, "--model", str(tiny_model))
+    share, padding = done.figures
+    assert share["unit"] == "s" and "data path / step" in done.output
+    # token counts of a seeded batch, not times: the packing leaves fewer padded tokens
+    assert padding["unit"] == "padded / real tokens" and padding["value"] < padding["baseline"]
+
+
+def test_weight_sync_against_one_server_at_a_time(tiny_model, tmp_path):
+    done = run_smoke("bench_weight_sync.py", tmp_path, "--model", str(tiny_model))
+    assert [f["what"] for f in done.figures] == ["sync of 4 servers, 4 at once"]
+
+
+def test_checkpoint_sync_on_a_running_server(vllm_url, tiny_model, tmp_path):
+    done = run_smoke("bench_checkpoint_sync.py", tmp_path, "--fleet-url", vllm_url, "--model",
+                     str(tiny_model))
+    [figure] = done.figures
+    assert figure["what"].startswith("weight sync, 1.6 MiB checkpoint") and figure["unit"] == "s"
+
+
+def test_grading_per_backend(tmp_path):
+    if REAL_BWRAP is None:
+        pytest.skip("bubblewrap (bwrap) is not installed: make setup installs it")
+    done = run_smoke("bench_grading.py", tmp_path)
+    measured = [f["what"] for f in done.figures]
+    assert measured[0] == "bubblewrap, 2 replicas"
+    # docker is measured where an engine answers (DOCKER_HOST), and said not to be where none does
+    assert "docker, 1 replica" in measured or any(n.startswith("docker: NOT MEASURED") for n in done.notes)
+
+
+def test_agent_runner_against_vllm_called_directly(vllm_url, tiny_model, tmp_path):
+    done = run_smoke("bench_agent_runner.py", tmp_path, "--fleet-url", vllm_url, "--model", str(tiny_model))
+    assert [f["unit"] for f in done.figures] == ["episodes/s", "tokens/s"]
+
+
+def test_async_against_sync_on_vllm_and_simulated_servers(vllm_url, tiny_model, machine_redis_url, tmp_path):
+    done = run_smoke("bench_async.py", tmp_path, "--fleet-url", vllm_url, "--model", str(tiny_model),
+                     "--redis-url", machine_redis_url)
+    assert [f["what"] for f in done.figures] == [
+        "real vLLM (CPU), eta=1: samples trained", "real vLLM (CPU), eta=1: fleet busy",
+        "4 simulated servers, eta=1: samples trained", "4 simulated servers, eta=1: fleet busy"]
+
+
+def test_learning_against_its_control(vllm_url, tiny_model, tmp_path):
+    warm = MODELS / "tiny-llama-warm"
+    if not (warm / "config.json").exists():
+        pytest.skip("the warm-started tiny model is built by make setup")
+    try:
+        done = run_smoke("bench_learning.py", tmp_path, "--fleet-url", vllm_url, "--model", str(warm))
+    finally:
+        reload_weights([vllm_url], tiny_model)  # the other tests' server serves the tiny model
+    assert [f["unit"] for f in done.figures] == ["reward"]
+
+
+def test_vllm_start_compiled_against_eager(tiny_model, tmp_path):
+    done = run_smoke("bench_vllm_start.py", tmp_path, "--model", str(tiny_model))
+    assert [f["baseline_what"] for f in done.figures] == ["compiled (-O2)", "compiled (-O2)"]
+
+
+def test_gateway_latency_through_run_all(machine_redis_url, tmp_path):
+    report = tmp_path / "BENCHMARKS.md"
+    code, output = run_command([sys.executable, "bench/run_all.py", "--only", "gateway", "--smoke", "--out",
+                                str(report), "--redis", machine_redis_url])
+    assert code == 0, output[-6000:]
+    rows = [line.split(" | ") for line in report.read_text().splitlines()
+            if line.startswith("| gateway, 1 sessions: p")]
+    assert [row[0] for row in rows] == ["| gateway, 1 sessions: p50 of a turn",
+                                        "| gateway, 1 sessions: p99 of a turn"]
+    assert all(float(row[-1].rstrip(" |")) > 0 for row in rows)

@@ -1,0 +1,81 @@
+"""bench/run_all.py: the report it writes (machine, each benchmark's command and figures), a benchmark that
+fails or runs past the timeout written down as such with the end of its output and a non-zero exit, and how it
+reads gateway_latency.py's table.
+
+    python -m pytest tests/unit/bench/test_run_all.py -q
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+from bench.gateway_latency import TABLE_HEADER, Measured, format_table, table_row
+from bench.run_all import BENCHMARKS, gateway_figures
+from rollstream.cli.vllm_server import free_port
+from tests.unit.bench.smoke import run_command
+
+
+def run_all(tmp_path, *args: str) -> tuple[int, str, str]:
+    """(exit code, output, report) of bench/run_all.py --smoke with these arguments."""
+    report = tmp_path / "BENCHMARKS.md"
+    code, output = run_command([sys.executable, "bench/run_all.py", "--smoke", "--out", str(report), *args])
+    return code, output, report.read_text() if report.exists() else ""
+
+
+def section(report: str, name: str) -> str:
+    return report.split(f"\n## {name}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_report_has_the_machine_and_each_benchmarks_command_and_figures(machine_redis_url, tmp_path):
+    code, output, report = run_all(tmp_path, "--only", "encoding,bus", "--redis", machine_redis_url)
+    assert code == 0, output
+    assert f"| Python | {platform.python_version()} |" in report and "| cores | " in report
+    assert "| [encoding](#encoding) | ok |" in report and "| [bus](#bus) | ok |" in report
+    encoding, bus = section(report, "encoding"), section(report, "bus")
+    assert "bench/bench_encoding.py --smoke\n" in encoding
+    assert f"bench/bench_bus.py --smoke --redis {machine_redis_url}\n" in bus
+    rows = [line for line in bus.splitlines() if line.startswith("| PromptIssued: Bus.publish |")]
+    assert len(rows) == 1 and float(rows[0].split(" | ")[-1].rstrip(" |")) > 0
+
+
+def test_a_failed_benchmark_is_reported_with_its_output_and_fails_the_command(tmp_path):
+    nothing_listens = f"redis://127.0.0.1:{free_port()}/0"
+    code, output, report = run_all(tmp_path, "--only", "encoding,bus", "--redis", nothing_listens)
+    assert code != 0
+    assert "1 of 2 benchmarks did not finish: bus" in output
+    assert "| [encoding](#encoding) | ok |" in report and "| [bus](#bus) | failed |" in report
+    bus = section(report, "bus")
+    assert "**FAILED**" in bus and "exit code 1" in bus and "ConnectionError" in bus
+
+
+def test_a_benchmark_past_the_timeout_is_stopped_and_reported(tmp_path):
+    # the data path benchmark imports torch and loads a model before its first figure: far past 0.1 s
+    code, output, report = run_all(tmp_path, "--only", "data-path", "--timeout", "0.1")
+    assert code != 0 and "did not finish: data-path" in output
+    assert "| [data-path](#data-path) | timed out |" in report
+    assert "**TIMED OUT**" in section(report, "data-path")
+
+
+def test_an_unknown_benchmark_is_refused_with_the_known_names(tmp_path):
+    code, output, report = run_all(tmp_path, "--only", "encoding,nonsense")
+    assert code != 0 and not report
+    assert "unknown benchmark nonsense" in output and all(b.name in output for b in BENCHMARKS)
+
+
+def test_gateway_figures_compare_each_endpoint_with_direct_at_the_same_sessions():
+    def measured(p50_s: float) -> Measured:
+        return Measured(seconds=[p50_s] * 10, tokens=[8] * 10, wall_s=1.0)
+
+    direct = {1: measured(0.010), 8: measured(0.020)}
+    rows = [table_row("direct", 1, direct[1], direct[1]), table_row("gateway", 1, measured(0.015), direct[1]),
+            table_row("direct", 8, direct[8], direct[8]), table_row("gateway", 8, measured(0.030), direct[8]),
+            table_row("litellm", 8, Measured(), direct[8])]  # every turn failed: nothing to compare
+    litellm = "litellm: NOT MEASURED, its proxy did not start (litellm): the proxy exited with code 1:"
+    output = f"heading\n{litellm}\n    its log\n{format_table(TABLE_HEADER, rows)}\nnotes below the table"
+    figures, notes = gateway_figures(output)
+    assert [(f["what"], f["ratio"]) for f in figures] == [
+        ("gateway, 1 sessions: p50 of a turn", 1.5), ("gateway, 1 sessions: p99 of a turn", 1.5),
+        ("gateway, 8 sessions: p50 of a turn", 1.5), ("gateway, 8 sessions: p99 of a turn", 1.5)]
+    assert notes == [litellm]
+    assert gateway_figures("no table here") == ([], [])
