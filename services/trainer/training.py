@@ -313,18 +313,13 @@ class Trainer:
                                                         self.pad_id, backend.device))
                 for part in parts]
         before: dict[tuple[str, int], list[float]] = {}
-
-        def keep_before(part: list[BatchRow], micro, logprobs) -> None:
-            for index, values in micro.per_sample(logprobs).items():
-                before[(part[index].rollout_id, part[index].segment_index)] = values
-
         with torch.no_grad():  # every minibatch is clipped against the policy before the first update
             for index, (micros, _) in enumerate(plan):
                 for micro in micros:
                     # the first minibatch's own forward runs before any update: its detached logprobs are it
                     if cfg.decoupled and index > 0:
                         micro.prox_logprobs = token_logprobs(backend.model, micro)
-                        keep_before(parts[index], micro, micro.prox_logprobs)
+                        keep_logprobs(before, parts[index], micro, micro.prox_logprobs)
                     if self.reference is not None:
                         micro.ref_logprobs = token_logprobs(self.reference, micro)
         per_step: list[dict[str, float]] = []
@@ -333,7 +328,7 @@ class Trainer:
             for micro in micros:
                 logprobs = token_logprobs(backend.model, micro)
                 if index == 0:
-                    keep_before(parts[0], micro, logprobs.detach())
+                    keep_logprobs(before, parts[0], micro, logprobs.detach())
                 if cfg.decoupled and micro.prox_logprobs is None:
                     micro.prox_logprobs = logprobs.detach()
                 loss, micro_stats = policy_loss(logprobs, micro, clip_eps=cfg.clip_eps,
@@ -530,6 +525,12 @@ class Trainer:
         self.loop.close()
         if self.tracker is not None:
             self.tracker.close()
+
+
+def keep_logprobs(kept: dict[tuple[str, int], list[float]], rows: list[BatchRow], micro, logprobs) -> None:
+    """Each sample's values of a micro-batch's [R, T] logprobs, by (rollout id, segment index)."""
+    for index, values in micro.per_sample(logprobs).items():
+        kept[(rows[index].rollout_id, rows[index].segment_index)] = values
 
 
 def record_published(step: TrainedStep) -> None:

@@ -5,9 +5,10 @@ left pending by a dead consumer for `reclaim_idle_ms` is taken over by a live on
 entry that failed `max_deliveries` times, or does not decode at all, goes to the run's `dead` stream
 with the error, and the pipeline goes on. Works on Redis 7.0 and on Valkey.
 
-Services ride out a Redis restart or failover: their client (`connect_redis`) retries every command
-on a lost connection with capped exponential back-off, for as long as it takes, and logs the outage;
-a consumer group that the restarted Redis no longer has is created again before the next read.
+Services ride out a Redis restart or failover: their client (`connect_redis`, or `connect_async_redis` for
+one that serves from an event loop) retries every command on a lost connection with capped exponential
+back-off, for as long as it takes, and logs the outage; a consumer group that the restarted Redis no longer
+has is created again before the next read.
 
 All Redis key names are built by `Keys`; no other code writes a key string by hand.
 `python bench/bench_bus.py` measures events/s against raw redis-py XADD / XREADGROUP.
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import AuthenticationError, BusyLoadingError
 from redis.retry import Retry
@@ -45,6 +48,7 @@ from rollstream.shared.contract.events import (
     encode_event,
     make_envelope,
 )
+from rollstream.shared.contract.job_queues import delete_job_queues
 from rollstream.shared.runtime.config import BusSettings
 from rollstream.shared.runtime.metrics import (
     DEAD_LETTERS,
@@ -79,17 +83,29 @@ class _LoggedBackoff(ExponentialWithJitterBackoff):
         return super().compute(failures)
 
 
-class _OutageRetry(Retry):
+def _unless_refused(is_retryable: Callable[[Exception], bool] | None) -> Callable[[Exception], bool]:
     """Retry lost connections, but not a refused login: AuthenticationError is a ConnectionError to redis-py,
     and a wrong password never gets better by waiting."""
 
-    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
-        def retryable(error: Exception) -> bool:
-            if isinstance(error, AuthenticationError):
-                return False
-            return is_retryable(error) if is_retryable is not None else True
+    def retryable(error: Exception) -> bool:
+        if isinstance(error, AuthenticationError):
+            return False
+        return is_retryable(error) if is_retryable is not None else True
 
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
+    return retryable
+
+
+class _OutageRetry(Retry):
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        return super().call_with_retry(do, fail, _unless_refused(is_retryable), with_failure_count)
+
+
+class _AsyncOutageRetry(AsyncRetry):
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        return await super().call_with_retry(do, fail, _unless_refused(is_retryable), with_failure_count)
+
+
+_OUTAGE_ERRORS = [redis.ConnectionError, redis.TimeoutError, BusyLoadingError]
 
 
 def connect_redis(url: str, *, ride_out_outages: bool = True, cluster: bool = False) -> redis.Redis:
@@ -106,7 +122,22 @@ def connect_redis(url: str, *, ride_out_outages: bool = True, cluster: bool = Fa
         return redis.Redis.from_url(url, socket_connect_timeout=5)
     retry = _OutageRetry(_LoggedBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), retries=-1)
     return redis.Redis.from_url(url, retry=retry, socket_connect_timeout=5, socket_keepalive=True,
-                                retry_on_error=[redis.ConnectionError, redis.TimeoutError, BusyLoadingError])
+                                retry_on_error=_OUTAGE_ERRORS)
+
+
+def connect_async_redis(url: str, *, ride_out_outages: bool = True,
+                        cluster: bool = False) -> redis.asyncio.Redis:
+    """connect_redis's client for asyncio: its commands run on the event loop that first uses it (one loop
+    per client), and wait out an outage the same way without holding the loop."""
+    if cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, socket_connect_timeout=5, socket_keepalive=True)
+    if not ride_out_outages:
+        return redis.asyncio.Redis.from_url(url, socket_connect_timeout=5)
+    retry = _AsyncOutageRetry(_LoggedBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), retries=-1)
+    return redis.asyncio.Redis.from_url(url, retry=retry, socket_connect_timeout=5, socket_keepalive=True,
+                                        retry_on_error=_OUTAGE_ERRORS)
 
 
 NOT_IN_RUN_IDS = ":{} \n"
@@ -445,7 +476,7 @@ class Bus:
         """Delete every key of this run, and its RQ queues with their jobs, which RQ keeps outside the run's
         namespace (a queued or failed job left behind would be run, or reported, into the next run under this
         id); returns how many keys of the namespace and jobs."""
-        jobs = self._delete_job_queues()
+        jobs = delete_job_queues(self.job_redis, self.keys.job_queue(""))
         keys = list(self.redis.scan_iter(match=self.keys.pattern, count=1000))
         return jobs + (self.redis.delete(*keys) if keys else 0)
 
@@ -454,36 +485,6 @@ class Bus:
         from rq import Queue
 
         return Queue(self.keys.job_queue(name), connection=self.job_redis)
-
-    def _delete_job_queues(self) -> int:
-        """Delete the run's RQ queues (those named by Keys.job_queue), their registries and every job they
-        hold; returns how many jobs."""
-        from rq import Queue
-        from rq.job import Job
-
-        prefix = Queue.redis_queue_namespace_prefix + self.keys.job_queue("")
-        deleted = 0
-        for queue_key in self.job_redis.smembers(Queue.redis_queues_keys):
-            queue_key = queue_key.decode()
-            if not queue_key.startswith(prefix):
-                continue
-            queue = Queue.from_queue_key(queue_key, connection=self.job_redis)
-            registries = (queue.started_job_registry, queue.finished_job_registry, queue.failed_job_registry,
-                          queue.deferred_job_registry, queue.scheduled_job_registry, queue.canceled_job_registry)
-            # Read straight from Redis: a registry's get_job_ids() first cleans it up, which may fail jobs and
-            # run their failure callbacks, publishing into the run being deleted.
-            job_ids = {job_id.decode() for key in (queue.key, queue.intermediate_queue_key)
-                       for job_id in self.job_redis.lrange(key, 0, -1)}
-            job_ids |= {job_id.decode() for registry in registries
-                        for job_id in self.job_redis.zrange(registry.key, 0, -1)}
-            for job in Job.fetch_many(sorted(job_ids), connection=self.job_redis):
-                if job is not None:
-                    job.delete(remove_from_queue=False)
-                    deleted += 1
-            self.job_redis.delete(queue.intermediate_queue_key, queue.registry_cleaning_key,
-                                  *(registry.key for registry in registries))
-            queue.delete(delete_jobs=False)
-        return deleted
 
     # ----------------------------------------------------------------------------------- inspect
     def group_lag(self, stream: StreamName, group: str) -> tuple[int, int]:

@@ -9,8 +9,8 @@ Token ids and logprobs travel as packed little-endian int32 / float32 bytes insi
 Decoding rejects, with an `EventDecodeError` that says why, an unknown type, an unknown schema
 version, and a payload that does not validate: besides the field types, counts and indices that
 cannot be negative (a group of 0 samples, a rollout of 0 segments), scores and rewards that are not
-finite, and token arrays longer than MAX_SEQUENCE_TOKENS, so that one entry cannot make a reader
-allocate without bound. `STREAM_EVENTS` says which event types belong on which stream.
+finite, and token arrays longer than MAX_SEQUENCE_TOKENS (token_arrays.py), so that one entry cannot make a
+reader allocate without bound. `STREAM_EVENTS` says which event types belong on which stream.
 
 Each event class says who publishes it and who reads it: the consumer groups of its stream (consumers.py)
 and the readers outside them. Besides those, the recorder archives every stream, and `rollstream replay`
@@ -20,70 +20,22 @@ re-publishes a recorded run.
 from __future__ import annotations
 
 import os
-import struct
 import time
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 import msgspec
-import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PlainSerializer,
-    SerializationInfo,
     SerializeAsAny,
     ValidationError,
-    ValidatorFunctionWrapHandler,
-    WrapValidator,
     model_validator,
 )
 
+from rollstream.shared.contract.token_arrays import Floats, Mask, TokenIds
 from rollstream.shared.errors import EventDecodeError
 
-MAX_SEQUENCE_TOKENS = 1 << 19
-"""Most items a token array (ids, logprobs, mask) of one event may hold: longer than any context this
-code trains on, and small enough that decoding one entry stays within tens of MB."""
-
-
-def _bounded(length: int) -> None:
-    if length > MAX_SEQUENCE_TOKENS:
-        raise ValueError(f"array of {length} items is longer than MAX_SEQUENCE_TOKENS ({MAX_SEQUENCE_TOKENS})")
-
-
-def _pack(dtype: str):
-    item = np.dtype(dtype)
-    packing = f"<{{}}{item.char}"
-
-    def serialize(values: list, info: SerializationInfo) -> Any:
-        if info.mode == "json":
-            return list(values)
-        try:  # struct packs a list several times faster than numpy converts one
-            return struct.pack(packing.format(len(values)), *values)
-        except OverflowError:  # a float beyond float32's range: numpy rounds it to infinity, as it always did
-            return np.asarray(values, dtype=dtype).tobytes()
-
-    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            if len(value) % item.itemsize:
-                raise ValueError(f"packed {dtype} array has {len(value)} bytes, not a multiple of the item size")
-            # before unpacking: a huge array is refused without allocating it
-            _bounded(len(value) // item.itemsize)
-            # every item unpacks to a Python int or float: validating the list again would only copy it
-            return np.frombuffer(value, dtype=item).tolist()
-        if isinstance(value, (list, tuple)):
-            _bounded(len(value))
-        return handler(value)
-
-    return WrapValidator(validate), PlainSerializer(serialize)
-
-
-TokenIds = Annotated[list[int], *_pack("<i4")]
-"""Token ids; packed as int32 bytes on the wire."""
-Floats = Annotated[list[float], *_pack("<f4")]
-"""Logprobs and similar per-token floats; packed as float32 bytes on the wire."""
-Mask = Annotated[list[int], *_pack("<i1")]
-"""0/1 per token; packed as int8 bytes on the wire."""
 Count = Annotated[int, Field(ge=1)]
 """A number of things that exist at least once (samples in a group, segments of a rollout)."""
 Index = Annotated[int, Field(ge=0)]

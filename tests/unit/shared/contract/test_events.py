@@ -176,7 +176,7 @@ def test_envelope_json_shows_the_payload():
 
 
 def test_a_token_array_longer_than_the_contract_allows_is_rejected_before_it_is_unpacked():
-    from rollstream.shared.contract.events import MAX_SEQUENCE_TOKENS
+    from rollstream.shared.contract.token_arrays import MAX_SEQUENCE_TOKENS
 
     fields = encode(make_envelope(segment(), run_id="r"))
     body = msgspec.msgpack.decode(fields["body"])
