@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tests.browser import chromium_page, expect
 from tests.unit.services.console.conftest import TOKEN
-from tests.unit.services.console.published_run import ANSWER, TESTS
+from tests.unit.services.console.published_run import ANSWER, TESTS, TOOL_CALL
 
 
 def test_the_page_lists_a_rollout_and_the_inspector_shows_its_tokens_tool_call_and_tests(console):
@@ -32,6 +32,10 @@ def test_the_page_lists_a_rollout_and_the_inspector_shows_its_tokens_tool_call_a
         sampled = inspection.locator(".tok.lp-low")
         assert "".join(sampled.all_text_contents()) == ANSWER
         assert inspection.locator(".tok.ctx").count() > 0
+        # the trainer saw each sampled token TRAINER_GAP likelier than vLLM: underlined in red, both in the title
+        assert "".join(inspection.locator(".tok.gap-big").all_text_contents()) == TOOL_CALL + ANSWER
+        assert "(trainer)" in inspection.locator(".tok.gap-big").first.get_attribute("title")
+        expect(inspection).to_contain_text("trainer's logprobs at v0")
         expect(inspection).to_contain_text("policy v0 → v1 (weights synced mid-turn)")
 
         page.locator(f"#rollout-list tr[data-rollout='{rollouts['coding']}']").click()
