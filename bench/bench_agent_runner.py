@@ -180,7 +180,7 @@ def main() -> None:
         Figure("agent-runner: sampled tokens", a_tps, "vLLM called directly", d_tps, "tokens/s")],
         [(f"{args.episodes} single-turn episodes, concurrency {args.concurrency}, up to {args.max_tokens} "
           f"tokens each; medians of {args.rounds} interleaved rounds after {args.warmup_passes} untimed "
-          "passes")])
+          f"pass{'' if args.warmup_passes == 1 else 'es'}")])
 
 
 if __name__ == "__main__":

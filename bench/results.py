@@ -11,6 +11,8 @@ import argparse
 import json
 import math
 import os
+import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +38,10 @@ class Figure:
 
 def parse_args(parser: argparse.ArgumentParser, smoke: dict) -> argparse.Namespace:
     """Adds --json and --smoke; with --smoke the `smoke` values replace the defaults (arguments given
-    explicitly still win)."""
+    explicitly still win). From here on SIGTERM unwinds like Ctrl-C: the servers and services a benchmark
+    started run in sessions of their own, and only its `finally` blocks stop them when bench/run_all.py stops
+    a benchmark past its timeout."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the figures to this file (bench/run_all.py reads it)")
     parser.add_argument("--smoke", action="store_true",
