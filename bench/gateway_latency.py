@@ -1,19 +1,28 @@
-"""Latency the gateway adds to a turn, next to vLLM's own chat endpoint and LiteLLM's proxy on the same vLLM
-server, in the same run.
+"""Latency and CPU time the gateway adds to a turn, next to its upstream called directly and LiteLLM's proxy
+in front of the same upstream, in the same run.
 
 Every agent holds a conversation of --turns non-streamed Chat Completions turns: the answer and a follow-up
 question are appended each time, so through the gateway every turn after the first continues its session's
 recorded tokens (services/gateway/prompts.py). The same agents send the same requests (temperature 0, a
 fixed seed, `ignore_eos`, so every turn samples exactly --max-tokens tokens) to
 
-    direct    vLLM's OpenAI server, /v1/chat/completions: it renders the chat template itself
-    gateway   one session per agent, {openai_base_url}/chat/completions (vLLM /v1/completions, token ids)
-    litellm   LiteLLM's proxy, `litellm --model hosted_vllm/<name> --api_base <vLLM>/v1`, when it starts
+    direct    the upstream's own /v1/chat/completions (vLLM renders the chat template itself; the fake answers
+              at once)
+    gateway   one session per agent, {openai_base_url}/chat/completions (upstream /v1/completions, token ids)
+    litellm   LiteLLM's proxy, `litellm --model hosted_vllm/<name> --api_base <upstream>/v1`, when it starts:
+              a proxy process like the gateway, whose CPU time per turn is counted the same way
+
+The upstream (--upstream):
+
+    vllm      one vLLM server on the CPU (cli/local_run.py starts it): the whole path, but on a small machine
+              the server shares the cores with the gateway, so turns at many sessions measure its queue
+    fake      bench/fake_token_server.py, which answers at once with fixed tokens: what is left is the
+              gateway's own cost, which a GPU fleet would not hide
 
 At each number of concurrent sessions an untimed round of all three comes first (vLLM on the CPU speeds up
 over its first requests of a new batch shape), then --rounds timed rounds, the order rotating each round,
-so that vLLM's drift and the machine's other load hit the three alike. Each of the concurrent slots runs
-agents one after another until at least --min-turns turns were measured per round, so a single session
+so that the upstream's drift and the machine's other load hit the three alike. Each of the concurrent slots
+runs agents one after another until at least --min-turns turns were measured per round, so a single session
 gives percentiles too. Every agent has an HTTP client of its own, as separate agent processes would.
 
     p50, p99      per-turn wall time at the client, from sending the request to the end of the response body
@@ -25,22 +34,31 @@ gives percentiles too. Every agent has an HTTP client of its own, as separate ag
     failed        requests that failed (a turn, or creating or deleting a gateway session); each ends its
                   conversation, and the most common errors are printed below the table
     vLLM e2e      vLLM's own mean request time (vllm:e2e_request_latency_seconds) over the rounds: what the
-                  upstream spent on the turns, whichever path they took
+                  upstream spent on the turns, whichever path they took (the fake reports none)
     CPU ms/turn   user + system CPU time of the endpoint's own process (gateway, LiteLLM proxy) per turn
+    turns/s/core  turns per CPU second of that process: what one core of it serves
 
-Below the table, for the gateway: its longest event-loop stall (its own gauge, the maximum since the
+A second table sets the gateway beside LiteLLM at each level: the latency each adds at p50 and p99, their
+CPU time per turn, and the ratio gateway / LiteLLM of the CPU time.
+
+Below the tables, for the gateway: its longest event-loop stall (its own gauge, the maximum since the
 process started, read before and after each level), its mean turn time inside run_turn
 (rollstream_gateway_turn_seconds) next to the client's, and the conversations it started: one per
 session when every later turn continued its session's tokens.
 
-vLLM, the gateway and a Redis (the machine's at --redis when it answers, else an embedded one) are
-started with cli/local_run.py; everything is stopped at the end, on an error or Ctrl-C too.
+The upstream, the gateway and a Redis (the machine's at --redis when it answers, else an embedded one) are
+started here (the gateway with cli/local_run.py); everything is stopped at the end, on an error or Ctrl-C too.
 
-    python bench/gateway_latency.py [--sessions 1,32] [--turns 3] [--max-tokens 8] [--rounds 2]
-        [--min-turns 48] [--litellm PATH | --no-litellm] [--redis redis://127.0.0.1:6379/0]
+    python bench/gateway_latency.py [--upstream vllm|fake] [--sessions 1,32] [--turns 3] [--max-tokens 8]
+        [--rounds 2] [--min-turns 48] [--litellm PATH | --no-litellm] [--redis redis://127.0.0.1:6379/0]
+        [--smoke] [--json PATH]
 
+--sessions and --min-turns default to 1,32 and 48 against vLLM, 1,64,256 and 192 against the fake.
 --litellm: the `litellm` command of an environment with LiteLLM's proxy extra (default: the one beside
 this Python). When the proxy cannot start or answer, the output says why and the other two are reported.
+--smoke: a few turns against the fake, without LiteLLM (seconds; checks that the benchmark runs).
+--json: also write the figures (bench/results.py): each endpoint's p50 and p99 against direct, and the
+gateway's CPU time per turn against LiteLLM's.
 """
 
 from __future__ import annotations
@@ -52,6 +70,7 @@ import math
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -70,12 +89,23 @@ from rollstream.cli.local_run import LocalRun
 from rollstream.cli.vllm_server import free_port
 from rollstream.shared.runtime.config import Settings
 
+try:  # run as a script: bench/ is first on sys.path
+    from results import Figure, parse_args, write_result
+except ImportError:  # imported as bench.gateway_latency (the tests of its pure parts)
+    from bench.results import Figure, parse_args, write_result
+
 SEED = 1234
 QUESTIONS = ("What is 17 + 25?", "Name a prime number larger than 50.", "Say hello in French.",
              "How many legs does a spider have?")
 FOLLOW_UP = "Go on, tell me more."
 DIRECT, GATEWAY, LITELLM = "direct", "gateway", "litellm"
+VLLM, FAKE = "vllm", "fake"
+DEFAULTS = {VLLM: {"sessions": "1,32", "min_turns": 48}, FAKE: {"sessions": "1,64,256", "min_turns": 192}}
+"""Per upstream: the levels and turns per round that --sessions and --min-turns leave to it."""
+FAKE_ANSWER = "The answer is 42, and that is all. "
+"""What the fake upstream answers, as the served tokenizer's ids."""
 LITELLM_START_S = 180.0
+FAKE_START_S = 60.0
 VLLM_E2E = "vllm:e2e_request_latency_seconds"
 GW_STALL = "rollstream_gateway_event_loop_stall_max_seconds"
 GW_TURN = "rollstream_gateway_turn_seconds"
@@ -144,7 +174,9 @@ class Measured:
 
 
 TABLE_HEADER = ["endpoint", "sessions", "turns", "p50 ms", "p99 ms", "+p50 ms", "x p50", "+p99 ms", "x p99",
-                "turns/s", "tok/turn", "failed", "vLLM e2e ms", "CPU ms/turn"]
+                "turns/s", "tok/turn", "failed", "vLLM e2e ms", "CPU ms/turn", "turns/s/core"]
+COMPARE_HEADER = ["sessions", "gateway +p50 ms", "+p99 ms", "CPU ms/turn", "litellm +p50 ms", "+p99 ms",
+                  "CPU ms/turn", "CPU gateway/litellm"]
 
 
 def table_row(name: str, sessions: int, measured: Measured, baseline: Measured | None) -> list[str]:
@@ -152,17 +184,69 @@ def table_row(name: str, sessions: int, measured: Measured, baseline: Measured |
     means of vLLM's request time and of the endpoint process's CPU time."""
     turns = len(measured.seconds)
     if not turns:
-        return [name, str(sessions), "0", *["-"] * 8, str(measured.failed), "-", "-"]
+        return [name, str(sessions), "0", *["-"] * 8, str(measured.failed), "-", "-", "-"]
     p50, p99 = percentile(measured.seconds, 50), percentile(measured.seconds, 99)
     added = ["-"] * 4
     if baseline is not None and baseline.seconds and baseline is not measured:
         b50, b99 = percentile(baseline.seconds, 50), percentile(baseline.seconds, 99)
         added = [f"{(p50 - b50) * 1e3:+.1f}", f"{p50 / b50:.2f}", f"{(p99 - b99) * 1e3:+.1f}", f"{p99 / b99:.2f}"]
     e2e = f"{measured.vllm_request_s / measured.vllm_requests * 1e3:.1f}" if measured.vllm_requests else "-"
-    cpu = "-" if measured.cpu_s is None else f"{measured.cpu_s / turns * 1e3:.1f}"
+    cpu = "-" if measured.cpu_s is None else f"{measured.cpu_s / turns * 1e3:.2f}"
+    per_core = f"{turns / measured.cpu_s:.0f}" if measured.cpu_s else "-"
     return [name, str(sessions), str(turns), f"{p50 * 1e3:.1f}", f"{p99 * 1e3:.1f}", *added,
             f"{turns / measured.wall_s:.1f}" if measured.wall_s > 0 else "-",
-            f"{sum(measured.tokens) / turns:.1f}", str(measured.failed), e2e, cpu]
+            f"{sum(measured.tokens) / turns:.1f}", str(measured.failed), e2e, cpu, per_core]
+
+
+def added_ms(measured: Measured, baseline: Measured, q: float) -> float:
+    """Latency `measured` adds to `baseline` at percentile q, in ms."""
+    return (percentile(measured.seconds, q) - percentile(baseline.seconds, q)) * 1e3
+
+
+def cpu_ms_per_turn(measured: Measured) -> float | None:
+    if measured.cpu_s is None or not measured.seconds:
+        return None
+    return measured.cpu_s / len(measured.seconds) * 1e3
+
+
+def compare_row(sessions: int, pooled: dict[str, Measured]) -> list[str]:
+    """The gateway beside LiteLLM at one level: added latency at p50 and p99, CPU per turn, and the ratio of
+    the CPU times ("-" for what was not measured)."""
+    direct = pooled.get(DIRECT)
+    cells = [str(sessions)]
+    cpu = {}
+    for name in (GATEWAY, LITELLM):
+        measured = pooled.get(name)
+        if measured is None or not measured.seconds or direct is None or not direct.seconds:
+            cells += ["-"] * 3
+            continue
+        cpu[name] = cpu_ms_per_turn(measured)
+        cells += [f"{added_ms(measured, direct, 50):+.1f}", f"{added_ms(measured, direct, 99):+.1f}",
+                  "-" if cpu[name] is None else f"{cpu[name]:.2f}"]
+    ratio = (cpu[GATEWAY] / cpu[LITELLM] if cpu.get(GATEWAY) is not None and cpu.get(LITELLM) else None)
+    return [*cells, "-" if ratio is None else f"{ratio:.2f}"]
+
+
+def figures_of(levels: dict[int, dict[str, Measured]]) -> list[Figure]:
+    """Per level: each endpoint's p50 and p99 against direct's, and the gateway's CPU time per turn against
+    LiteLLM's, where both were measured."""
+    figures = []
+    for sessions, pooled in levels.items():
+        direct = pooled.get(DIRECT)
+        if direct is None or not direct.seconds:
+            continue
+        for name, measured in pooled.items():
+            if name == DIRECT or not measured.seconds:
+                continue
+            for q in (50, 99):
+                figures.append(Figure(f"{name}, {sessions} sessions: p{q} of a turn",
+                                      percentile(measured.seconds, q) * 1e3, "the upstream called directly",
+                                      percentile(direct.seconds, q) * 1e3, "ms"))
+        gateway, litellm = (cpu_ms_per_turn(pooled[n]) if n in pooled else None for n in (GATEWAY, LITELLM))
+        if gateway is not None and litellm:
+            figures.append(Figure(f"gateway, {sessions} sessions: CPU time per turn", gateway,
+                                  "LiteLLM's proxy, same turns", litellm, "ms"))
+    return figures
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
@@ -271,9 +355,12 @@ async def run_round(endpoint: Endpoint, sessions: int, agents_per_slot: int, tur
     hundreds of connections costs httpx time quadratic in its size, which would load the client, not the
     endpoint."""
     out = Measured()
+    # One TLS context for all: httpx makes one per client otherwise, loading the CA bundle (tens of ms of CPU
+    # each, on the loop that times the other slots' turns: 64 of them added seconds to the first turns).
+    tls = ssl.create_default_context()
 
     async def slot(index: int) -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), verify=tls) as client:
             for k in range(agents_per_slot):
                 await converse(client, endpoint, f"{tag}-{index}-{k}", QUESTIONS[(index + k) % len(QUESTIONS)],
                                turns, max_tokens, out)
@@ -288,9 +375,9 @@ async def run_round(endpoint: Endpoint, sessions: int, agents_per_slot: int, tur
 class LiteLLMProxy:
     """LiteLLM's proxy as a process of its own (own process group, so stop() reaches its workers)."""
 
-    def __init__(self, command: str, vllm_url: str, served_name: str, log_path: Path) -> None:
+    def __init__(self, command: str, upstream_url: str, served_name: str, log_path: Path) -> None:
         self.command = command
-        self.vllm_url = vllm_url
+        self.upstream_url = upstream_url
         self.served_name = served_name
         self.log_path = log_path
         self.port = free_port()
@@ -305,7 +392,8 @@ class LiteLLMProxy:
         env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [self.command, "--model", f"hosted_vllm/{self.served_name}", "--api_base", f"{self.vllm_url}/v1",
+                [self.command, "--model", f"hosted_vllm/{self.served_name}",
+                 "--api_base", f"{self.upstream_url}/v1",
                  "--host", "127.0.0.1", "--port", str(self.port), "--telemetry", "False"],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + LITELLM_START_S
@@ -329,23 +417,64 @@ class LiteLLMProxy:
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None:
+        stop_group(process)
+
+
+def stop_group(process: subprocess.Popen | None) -> None:
+    """SIGTERM to a process started in a session of its own and to what it started, then SIGKILL."""
+    if process is None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
             return
-        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                process.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def default_litellm() -> str | None:
     beside = Path(sys.executable).with_name("litellm")
     return str(beside) if beside.exists() else shutil.which("litellm")
+
+
+# ------------------------------------------------------------------------------------------ the fake
+class FakeUpstream:
+    """bench/fake_token_server.py as a process of its own, answering FAKE_ANSWER's ids."""
+
+    def __init__(self, settings: Settings, log_path: Path) -> None:
+        self.settings = settings
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        model = self.settings.model
+        ids = AutoTokenizer.from_pretrained(model.path).encode(FAKE_ANSWER, add_special_tokens=False)
+        command = [sys.executable, str(Path(__file__).with_name("fake_token_server.py")),
+                   "--port", self.url.rsplit(":", 1)[1], "--token-ids", ",".join(map(str, ids)),
+                   "--text", FAKE_ANSWER, "--served-name", model.served_name,
+                   "--max-model-len", str(model.max_model_len)]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + FAKE_START_S
+        while self.process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.1)
+        log_tail = self.log_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"the fake token server did not answer on {self.url}:\n{log_tail}")
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        stop_group(process)
 
 
 # ---------------------------------------------------------------------------------------------- bench
@@ -431,36 +560,44 @@ def measure_level(endpoints: list[Endpoint], sessions: int, args: argparse.Names
     return pooled, notes
 
 
-def run_bench(args: argparse.Namespace, levels: list[int], workdir: Path) -> str:
-    """Start everything, measure every level, stop everything; the report."""
+def run_bench(args: argparse.Namespace, levels: list[int],
+              workdir: Path) -> tuple[str, list[Figure], list[str]]:
+    """Start everything, measure every level, stop everything; the report, its figures and its notes."""
     redis_url = machine_redis(args.redis)
     overrides = {"model": {"path": args.model}} if args.model else {}
     settings = Settings(run_id=f"bench-gw-{uuid.uuid4().hex[:8]}", redis_url=redis_url,
                         storage_uri=str(workdir / "runs"), recorder={"enabled": False}, **overrides)
-    local = LocalRun(settings, services=("gateway",))
+    fake = FakeUpstream(settings, workdir / "fake.log") if args.upstream == FAKE else None
+    local = LocalRun(settings, services=("gateway",), fleet_urls=[fake.url] if fake else None)
     proxy: LiteLLMProxy | None = None
     litellm_note = "litellm: not measured: --no-litellm"
+    measured: dict[int, dict[str, Measured]] = {}
     try:
-        print(f"starting vLLM (CPU) and the gateway; Redis: {redis_url or 'embedded'}", flush=True)
+        if fake is not None:
+            print("starting the fake token server", flush=True)
+            fake.start()
+        started = "the gateway" if fake else "vLLM (CPU) and the gateway"
+        print(f"starting {started}; Redis: {redis_url or 'embedded'}", flush=True)
         local.start()
-        vllm_url, served = local.settings.fleet.urls[0], local.settings.model.served_name
-        endpoints: list[Endpoint] = [Endpoint(DIRECT, f"{vllm_url}/v1/chat/completions", served),
-                                     GatewayEndpoint(local.settings.gateway.url, local.processes["gateway"].pid)]
+        upstream_url, served = local.settings.fleet.urls[0], local.settings.model.served_name
+        endpoints: list[Endpoint] = [
+            Endpoint(DIRECT, f"{upstream_url}/v1/chat/completions", served),
+            GatewayEndpoint(local.settings.gateway.url, local.processes["gateway"].pid)]
         if not args.no_litellm and not args.litellm:
             litellm_note = "litellm: NOT MEASURED: no `litellm` command found (give --litellm PATH)"
         elif not args.no_litellm:
-            proxy = LiteLLMProxy(args.litellm, vllm_url, served, workdir / "litellm.log")
+            proxy = LiteLLMProxy(args.litellm, upstream_url, served, workdir / "litellm.log")
             try:
                 proxy.start()
-                endpoints.append(Endpoint(LITELLM, f"{proxy.url}/v1/chat/completions", f"hosted_vllm/{served}",
-                                          proxy.process.pid))
-                litellm_note = f"litellm: {proxy.version} ({args.litellm})"
+                endpoints.append(Endpoint(LITELLM, f"{proxy.url}/v1/chat/completions",
+                                          f"hosted_vllm/{served}", proxy.process.pid))
+                litellm_note = f"litellm: {proxy.version} ({args.litellm}), its proxy"
             except RuntimeError as exc:
                 litellm_note = f"litellm: NOT MEASURED, its proxy did not start ({args.litellm}): {exc}"
                 proxy.stop()
                 proxy = None
         print(litellm_note, flush=True)
-        vllm_metrics = f"{vllm_url}/metrics"
+        vllm_metrics = f"{upstream_url}/metrics"
         gateway_metrics = f"http://127.0.0.1:{local.health_ports['gateway']}/metrics"
         rows: list[list[str]] = []
         start_stall = scrape(gateway_metrics).get(GW_STALL, 0.0)
@@ -468,40 +605,54 @@ def run_bench(args: argparse.Namespace, levels: list[int], workdir: Path) -> str
         for sessions in levels:
             print(f"measuring {sessions} concurrent sessions ...", flush=True)
             pooled, level_notes = measure_level(endpoints, sessions, args, vllm_metrics, gateway_metrics)
-            rows += [table_row(name, sessions, measured, pooled.get(DIRECT)) for name, measured in pooled.items()]
+            measured[sessions] = pooled
+            rows += [table_row(name, sessions, m, pooled.get(DIRECT)) for name, m in pooled.items()]
             notes += level_notes
     finally:
         if proxy is not None:
             proxy.stop()
         local.stop()
+        if fake is not None:
+            fake.stop()
         if local.bus is not None and redis_url:
             local.bus.delete_run()
+    upstream = (f"the fake token server (bench/fake_token_server.py: fixed tokens at once) as {served}"
+                if fake else f"one vLLM server (CPU) serving {served}")
     heading = (f"{args.turns}-turn conversations, {args.max_tokens} tokens a turn (ignore_eos, temperature 0), "
-               f"non-streamed; {args.rounds} timed rounds per level after an untimed one, the order rotating; "
-               f"one vLLM server (CPU) serving {served}")
-    return "\n".join([heading, litellm_note, format_table(TABLE_HEADER, rows), *notes])
+               f"non-streamed; {args.rounds} timed rounds per level after an untimed one, the order "
+               f"rotating; upstream: {upstream}")
+    comparison = format_table(COMPARE_HEADER, [compare_row(n, pooled) for n, pooled in measured.items()])
+    report = "\n".join([heading, litellm_note, format_table(TABLE_HEADER, rows), "",
+                        "added against direct, and CPU time per turn:", comparison, *notes])
+    return report, figures_of(measured), [heading, litellm_note, *notes]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sessions", default="1,32", help="comma-separated numbers of concurrent sessions")
+    parser.add_argument("--upstream", choices=(VLLM, FAKE), default=VLLM,
+                        help="what answers the turns: vLLM on the CPU, or the fake token server")
+    parser.add_argument("--sessions", default=None,
+                        help="comma-separated numbers of concurrent sessions (default: per upstream)")
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per endpoint and level")
-    parser.add_argument("--min-turns", type=int, default=48, help="least turns measured per endpoint and round")
+    parser.add_argument("--min-turns", type=int, default=None,
+                        help="least turns measured per endpoint and round (default: per upstream)")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0",
                         help="used when it answers; else an embedded Redis is started")
     parser.add_argument("--litellm", default=default_litellm(), help="the litellm command (proxy extra installed)")
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the run's default)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs of every process)")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"upstream": FAKE, "sessions": "1,4", "turns": 2, "rounds": 1,
+                                     "min_turns": 4, "no_litellm": True})
+    for name, value in DEFAULTS[args.upstream].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     levels = [int(n) for n in args.sessions.split(",")]
-    # SIGTERM unwinds like Ctrl-C, so run_bench's finally stops what it started.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = Path(tempfile.mkdtemp(prefix="rs-gateway-latency-"))
     try:
-        report = run_bench(args, levels, workdir)
+        report, figures, notes = run_bench(args, levels, workdir)
     finally:
         if args.keep:
             print(f"logs: {workdir}")
@@ -509,6 +660,7 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     print()
     print(report)
+    write_result(args.json, figures, notes)
 
 
 if __name__ == "__main__":

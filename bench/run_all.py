@@ -3,8 +3,8 @@ measured: per benchmark its figures next to the baselines measured in the same r
 that reproduces it, and the machine it ran on. A benchmark that fails or runs past --timeout is written down
 as failed, with the end of its output, and the command exits non-zero.
 
-Each benchmark writes its figures with `--json PATH` (bench/results.py); gateway_latency.py, which has no
-such option, is read from its printed table. With --smoke every benchmark runs its smoke mode (seconds, tiny
+Each benchmark writes its figures with `--json PATH` (bench/results.py); gateway_latency.py against vLLM
+is read from its printed table. With --smoke every benchmark runs its smoke mode (seconds, tiny
 sizes: it checks that the benchmarks run; the figures mean nothing) and the report goes to stdout unless
 --out names a file.
 
@@ -116,6 +116,7 @@ BENCHMARKS = (
               smoke_args=("--sessions", "1", "--turns", "1", "--rounds", "1", "--min-turns", "1",
                           "--no-litellm"),
               redis_option="--redis", read_figures=gateway_figures),
+    Benchmark("gateway-cost", "gateway_latency.py", ("--upstream", "fake"), redis_option="--redis"),
     Benchmark("vllm-start", "bench_vllm_start.py"),
     Benchmark("learning", "bench_learning.py", ("--versions", "20", "--window", "5"), takes_fleet=True),
 )

@@ -1,5 +1,5 @@
-"""The pure parts of bench/gateway_latency.py: percentiles, metric readings, the table and its ratios, and
-how an agent extends its conversation.
+"""bench/gateway_latency.py: its pure parts (percentiles, metric readings, the tables and their ratios, the
+figures it writes, how an agent extends its conversation), and its smoke mode against the fake token server.
 
     python -m pytest tests/unit/bench/test_gateway_latency.py -q
 """
@@ -9,9 +9,12 @@ from __future__ import annotations
 import pytest
 
 from bench.gateway_latency import (
+    COMPARE_HEADER,
     FOLLOW_UP,
     TABLE_HEADER,
     Measured,
+    compare_row,
+    figures_of,
     format_table,
     mean_of_histogram,
     metric_totals,
@@ -19,6 +22,7 @@ from bench.gateway_latency import (
     percentile,
     table_row,
 )
+from tests.unit.bench.smoke import run_smoke
 
 
 def test_percentile_interpolates_between_ranks_like_numpy():
@@ -68,9 +72,32 @@ def test_table_row_compares_the_same_percentile_with_the_baseline():
     assert float(row["p99 ms"]) == pytest.approx(15 + 0.01 * 85, abs=0.1)
     assert float(row["+p99 ms"]) == pytest.approx(float(row["p99 ms"]) - (10 + 0.01 * 40), abs=0.1)
     assert row["turns/s"] == "25.0" and row["tok/turn"] == "8.0" and row["failed"] == "0"
-    assert row["vLLM e2e ms"] == "8.0" and row["CPU ms/turn"] == "5.0"
+    assert row["vLLM e2e ms"] == "8.0" and row["CPU ms/turn"] == "5.00" and row["turns/s/core"] == "200"
     baseline = dict(zip(TABLE_HEADER, table_row("direct", 4, direct, direct)))
     assert baseline["+p50 ms"] == baseline["x p99"] == "-" and baseline["CPU ms/turn"] == "-"
+    assert baseline["turns/s/core"] == "-"
+
+
+def test_the_comparison_sets_the_gateways_added_latency_and_cpu_beside_litellms():
+    direct = Measured(seconds=[0.010] * 100)
+    gateway = Measured(seconds=[0.012] * 100, cpu_s=0.2)
+    litellm = Measured(seconds=[0.015] * 100, cpu_s=0.5)
+    row = compare_row(64, {"direct": direct, "gateway": gateway, "litellm": litellm})
+    assert row == ["64", "+2.0", "+2.0", "2.00", "+5.0", "+5.0", "5.00", "0.40"]
+    assert len(row) == len(COMPARE_HEADER)
+    assert compare_row(1, {"direct": direct, "gateway": gateway}) == ["1", "+2.0", "+2.0", "2.00", *["-"] * 4]
+
+
+def test_the_figures_are_percentiles_against_direct_and_cpu_against_litellm():
+    level = {"direct": Measured(seconds=[0.010] * 10), "gateway": Measured(seconds=[0.012] * 10, cpu_s=0.02),
+             "litellm": Measured(seconds=[0.015] * 10, cpu_s=0.05)}
+    figures = {f.what: f for f in figures_of({256: level, 1: {"direct": Measured()}})}
+    assert list(figures) == ["gateway, 256 sessions: p50 of a turn", "gateway, 256 sessions: p99 of a turn",
+                             "litellm, 256 sessions: p50 of a turn", "litellm, 256 sessions: p99 of a turn",
+                             "gateway, 256 sessions: CPU time per turn"]
+    assert figures["gateway, 256 sessions: p50 of a turn"].ratio == pytest.approx(1.2)
+    cpu = figures["gateway, 256 sessions: CPU time per turn"]
+    assert (cpu.value, cpu.baseline, cpu.unit) == (pytest.approx(2.0), pytest.approx(5.0), "ms")
 
 
 def test_a_row_without_turns_says_how_many_failed():
@@ -101,3 +128,14 @@ def test_an_agent_appends_the_answer_then_a_follow_up_or_the_tool_results():
     answered = next_messages({"role": "assistant", "content": None, "tool_calls": [call]})
     assert answered[0] == {"role": "assistant", "content": "", "tool_calls": [call]}
     assert answered[1] == {"role": "tool", "tool_call_id": "call_1_0", "content": "0"}
+
+
+def test_the_smoke_mode_measures_the_gateway_in_front_of_the_fake_token_server(machine_redis_url, tmp_path):
+    done = run_smoke("gateway_latency.py", tmp_path, "--redis", machine_redis_url)
+    assert "upstream: the fake token server" in done.output
+    assert [f["what"] for f in done.figures] == [f"gateway, {n} sessions: p{q} of a turn"
+                                                 for n in (1, 4) for q in (50, 99)]
+    table = done.output.split("CPU ms/turn  turns/s/core\n", 1)[1]
+    gateway = [line.split() for line in table.splitlines() if line.startswith("gateway ")][:2]
+    assert [row[TABLE_HEADER.index("failed")] for row in gateway] == ["0", "0"]
+    assert [row[TABLE_HEADER.index("tok/turn")] for row in gateway] == ["8.0", "8.0"]
