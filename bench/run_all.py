@@ -129,6 +129,8 @@ class Outcome:
     status: str = "ok"
     """ok, failed or timed out."""
     seconds: float = 0.0
+    load: tuple[float, float] = (0.0, 0.0)
+    """The machine's 1-minute load average at its start (what else ran) and at its end (its own included)."""
     figures: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     error: str = ""
@@ -141,7 +143,7 @@ def run(benchmark: Benchmark, command: list[str], timeout_s: float, workdir: Pat
     result = workdir / f"{benchmark.name}.json"
     full = command + ([] if benchmark.read_figures else ["--json", str(result)])
     lines: list[str] = []
-    started = time.monotonic()
+    started, load = time.monotonic(), os.getloadavg()[0]
     try:
         process = subprocess.Popen(full, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, errors="replace", start_new_session=True)
@@ -156,7 +158,7 @@ def run(benchmark: Benchmark, command: list[str], timeout_s: float, workdir: Pat
         _stop(process)
         code = None
     echo.join(timeout=10)
-    outcome.seconds = time.monotonic() - started
+    outcome.seconds, outcome.load = time.monotonic() - started, (load, os.getloadavg()[0])
     tail = "\n".join(lines[-TAIL_LINES:])
     if code is None:
         outcome.status, outcome.error = "timed out", f"still running after {timeout_s:.0f} s:\n{tail}"
@@ -268,7 +270,8 @@ def report(outcomes: list[Outcome], smoke: bool, host: dict[str, str]) -> str:
            f"Written by `{command}`, which runs every benchmark in bench/ in a process of its own. Every "
            "figure is measured next to its baseline in the same run; ratio = figure / baseline (below 1: "
            "less than the baseline; for a time: faster). The command under each heading reproduces that "
-           "benchmark alone.", "",
+           "benchmark alone. Each section gives the machine's 1-minute load average at the benchmark's "
+           "start (what else was running on its cores) and at its end (its own processes included).", "",
            "## Machine", "", "| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in host.items()),
            "", "## Summary", "", "| benchmark | status | first figure | ratio | took |",
            "|---|---|---|---|---|"]
@@ -279,15 +282,17 @@ def report(outcomes: list[Outcome], smoke: bool, host: dict[str, str]) -> str:
     for o in outcomes:
         out += ["", f"## {o.benchmark.name}", "", o.benchmark.summary(), "", "```", shown(o.command), "```",
                 ""]
+        load = f"load average {o.load[0]:.1f} at its start, {o.load[1]:.1f} at its end"
         if o.status != "ok":
             reason, *tail = o.error.splitlines()
-            out += [f"**{o.status.upper()}** after {seconds(o.seconds)}, {reason}", "", "```", *tail, "```"]
+            out += [f"**{o.status.upper()}** after {seconds(o.seconds)} ({load}), {reason}", "", "```", *tail,
+                    "```"]
             continue
         out += ["| measured | value | baseline | value | unit | ratio |", "|---|---|---|---|---|---|"]
         out += [f"| {f['what']} | {number(f['value'])} | {f['baseline_what']} | {number(f['baseline'])} | "
                 f"{f['unit']} | {number(f['ratio'])} |" for f in o.figures]
         out += [f"\n{note}" for note in o.notes]
-        out.append(f"\nTook {seconds(o.seconds)}.")
+        out.append(f"\nTook {seconds(o.seconds)}; {load}.")
     return "\n".join(out) + "\n"
 
 
