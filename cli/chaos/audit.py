@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollstream.cli.local_run import ProcessExit
-from rollstream.services.gateway.sessions import SessionStore
+from rollstream.services.gateway.sessions import expires_at, open_sessions
 from rollstream.services.trainer.training import is_stale, row_problem
 from rollstream.shared.contract.archive import ArchiveReader, archived_id, parse_id, read_history
 from rollstream.shared.contract.batches import BatchRow, read_batch
@@ -431,12 +431,11 @@ def audit_blackbox(bus: Bus, settings: Settings, agent_runner_pids: set[int]) ->
                                for leftover in processes_of_uids(process_uids(pid))]
     if (settings.agent.command_sandbox or settings.grader.backend) == "docker":
         report.agents_left += [f"container {cid}" for cid in DockerBackend().containers_of(agent_runner_pids)]
-    store = SessionStore(bus, settings.gateway.session_ttl_s, settings.gateway.finish_grace_s)
-    sessions = store.open_sessions()
+    sessions = open_sessions(bus)
     report.sessions_open = len(sessions)
     for session in sessions:
         name = f"{session.spec.session_id} (rollout {session.spec.rollout_id})"
-        expires = store.expires_at(session.spec.session_id)
+        expires = expires_at(bus, session.spec.session_id)
         if session.ends_at is None:
             report.sessions_past_end.append(f"{name}: it has no end (time budget: {session.spec.time_budget_s})")
         elif expires is None:

@@ -34,7 +34,7 @@ import psutil
 
 from rollstream.cli.chaos.audit import AuditReport, RowLimits, audit_blackbox, audit_run, drop_bound
 from rollstream.cli.local_run import LocalRun, needs_gateway
-from rollstream.services.gateway.sessions import SessionStore
+from rollstream.services.gateway.sessions import open_sessions
 from rollstream.shared.runtime.config import Settings
 
 WASTEFUL_CAUSES = ("stale", "dead_lettered", "grade_timeout", "grading_failed", "batch_dead_lettered")
@@ -217,11 +217,11 @@ class ChaosRun:
         may be one whose agent-runner was killed). How many did; 0: none within the wait, or none can come
         (the run reached its target and ran every prompt)."""
         local = self.local
-        sessions = SessionStore(local.bus, local.settings.gateway.session_ttl_s, local.settings.gateway.finish_grace_s)
-        turns_seen = {s.spec.session_id: s.turns for s in sessions.open_sessions()}
+        turns_seen = {s.spec.session_id: s.turns for s in open_sessions(local.bus)}
         deadline = time.monotonic() + EPISODE_WAIT_S
         while time.monotonic() < deadline:
-            under_way = sum(1 for s in sessions.open_sessions() if s.turns > turns_seen.get(s.spec.session_id, 0))
+            under_way = sum(1 for s in open_sessions(local.bus)
+                            if s.turns > turns_seen.get(s.spec.session_id, 0))
             if under_way:
                 return under_way
             if (local.progress().version >= self.settings.train.total_versions

@@ -11,7 +11,6 @@ shape: a JSON body, or the dialect's event stream (apis/sse.py) as vLLM samples.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -55,7 +54,7 @@ async def base_url(session_id: str) -> Response:
 
 async def open_session(state: AppState, session_id: str, authorization: str | None,
                        api_key: str | None) -> Session:
-    session = await asyncio.to_thread(state.store.get, session_id)
+    session = await state.store.get(session_id)
     if session is None:
         raise RequestError(404, f"no session {session_id!r} (never created, deleted, or expired)",
                            kind="not_found_error")
@@ -161,9 +160,8 @@ async def count_tokens(session_id: str, body: dict[str, Any] = example_body("cou
     session = await open_session(state, session_id, authorization, x_api_key)
     chat = anthropic_messages.parse_count_tokens(body)
     headers = ignored_tools_headers(state, session, chat)
-    planned = await asyncio.to_thread(plan_turn, state.gateway.template.with_thinking(chat.thinking),
-                                      state.store, session.spec.session_id, chat,
-                                      state.settings.gateway.max_prompt_tokens)
+    planned = await plan_turn(state.gateway.template.with_thinking(chat.thinking), state.store,
+                              session.spec.session_id, chat, state.settings.gateway.max_prompt_tokens)
     return JSONResponse(anthropic_messages.count_tokens_response(len(planned.prompt_ids)), headers=headers)
 
 

@@ -15,12 +15,15 @@ recorded ids (what the model saw and sampled, reasoning included), then the new 
 renders them after an answer (`ChatTemplate.text_after`), and the turn says `history_rewritten`, which the
 sample's metadata reports. gateway.on_rewritten_history = "fork" starts a new conversation instead.
 
-Both functions here are synchronous (Jinja rendering and tokenizing hold the GIL for milliseconds): the
-gateway runs them in worker threads, never on its event loop.
+`plan_turn` reads the session's nodes on the event loop (one round trip: the nodes of every conversation the
+history holds, which are the chain of the deepest one), then renders and tokenizes in a worker thread: Jinja
+rendering and tokenizing hold the GIL for milliseconds (tokenizing about 0.4 us a character). A request of
+fewer than INLINE_CHARACTERS is rendered and tokenized on the loop: that takes less than the hop to a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from dataclasses import dataclass
@@ -31,6 +34,9 @@ from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.sessions import ROOT, SessionStore, TurnNode, conversation_keys
 from rollstream.shared.errors import TemplateError
 
+INLINE_CHARACTERS = 2048
+"""Requests whose messages (content, tool calls, reasoning) and tools are shorter are rendered and tokenized on
+the event loop (under a millisecond); longer ones in a worker thread."""
 PROBE = "\x00probe\x00"
 MARKER = "\x00rollstream-continuation\x00"
 
@@ -129,8 +135,8 @@ class PlannedTurn:
         return self.prefix_ids + self.appended_ids
 
 
-def plan_turn(template: ChatTemplate, store: SessionStore, session_id: str, request: ChatRequest,
-              max_prompt_tokens: int, on_rewritten_history: str = "continue") -> PlannedTurn:
+async def plan_turn(template: ChatTemplate, store: SessionStore, session_id: str, request: ChatRequest,
+                    max_prompt_tokens: int, on_rewritten_history: str = "continue") -> PlannedTurn:
     """The prompt of the request's turn. When the template renders the answered history differently now
     that more follows (`history_rewritten`), "continue" keeps the recorded ids and appends the new
     messages as the template renders them after an answer; "fork" starts a new conversation."""
@@ -141,13 +147,33 @@ def plan_turn(template: ChatTemplate, store: SessionStore, session_id: str, requ
         raise RequestError(400, "the last message is the assistant's: continuing a prefilled answer is not "
                                 "supported; end with a user or tool message", param="messages")
     keys = [turn_key(m) for m in messages]
-    conversation = conversation_keys(tools_key(request.tools), keys)
+    tools = tools_key(request.tools)
+    conversation = conversation_keys(tools, keys)
     answered = [conversation[i] for i, m in enumerate(messages) if m["role"] == "assistant"]
-    planned = None
+    known = await store.nodes(session_id, answered)
+    parent = next((key for key in reversed(answered) if key in known), ROOT)
+    chain = await store.chain(session_id, parent, known)
+    work = (template, request, keys, conversation, chain, parent, on_rewritten_history)
+    # the message keys hold each message's content, calls and arguments; the reasoning they leave out
+    size = len(tools) + sum(map(len, keys)) + sum(len(m.get("reasoning_content") or "") for m in messages)
+    if size < INLINE_CHARACTERS:
+        planned = _render_turn(*work)
+    else:
+        planned = await asyncio.to_thread(_render_turn, *work)
+    length = len(planned.prompt_ids)
+    if length > max_prompt_tokens:
+        raise RequestError(400, f"the prompt is {length} tokens; this gateway takes at most {max_prompt_tokens}",
+                           param="messages")
+    return planned
+
+
+def _render_turn(template: ChatTemplate, request: ChatRequest, keys: list[str], conversation: list[str],
+                 chain: list[TurnNode], parent: str, on_rewritten_history: str) -> PlannedTurn:
+    """The turn's prompt: after `chain`, the deepest recorded turn the history continues, when the template
+    lets it continue there; else the whole history rendered and tokenized."""
+    messages = request.messages
     full = template.render(messages, request.tools, add_generation_prompt=True)
-    found = store.deepest_known(session_id, answered)
-    if found is not None:
-        parent, node = found
+    if chain:
         closes = conversation.index(parent)
         before = template.render(messages[: closes + 1], request.tools, add_generation_prompt=False)
         if full.startswith(before):
@@ -155,17 +181,10 @@ def plan_turn(template: ChatTemplate, store: SessionStore, session_id: str, requ
         else:
             new_text, rewritten = template.text_after(messages, closes, request.tools, full), True
         if new_text is not None and not (rewritten and on_rewritten_history == "fork"):
-            chain = store.chain(session_id, parent)
             prefix = [t for n in chain for t in (*n.appended_ids, *n.response_ids)]
-            delta = template.glue_after(node) + new_text
-            planned = PlannedTurn(parent, prefix, template.encode(delta), keys, rewritten)
-    if planned is None:
-        planned = PlannedTurn(ROOT, [], template.encode(full), keys)
-    length = len(planned.prompt_ids)
-    if length > max_prompt_tokens:
-        raise RequestError(400, f"the prompt is {length} tokens; this gateway takes at most {max_prompt_tokens}",
-                           param="messages")
-    return planned
+            delta = template.glue_after(chain[-1]) + new_text
+            return PlannedTurn(parent, prefix, template.encode(delta), keys, rewritten)
+    return PlannedTurn(ROOT, [], template.encode(full), keys)
 
 
 def answer_key(request: ChatRequest, planned: PlannedTurn, answer: dict[str, Any]) -> str:

@@ -28,14 +28,15 @@ import json
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import redis
+import redis.asyncio
 from pydantic import ConfigDict, Field
 
-from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.bus import Bus, Keys
 from rollstream.shared.contract.events import Count, Index, SampleGrading, TrajectoryTurn
 
 ROOT = ""
@@ -76,6 +77,9 @@ class Session:
     ends_at: float | None = None
     """When its keys expire at the latest, finished or not: the deadline plus the grace for the finish; None
     without a time budget (then session_ttl_s after its last request)."""
+    fleet_versions: dict[str, int] = field(default_factory=dict)
+    """The fleet's policy versions (server url -> version) when the session was read: a turn's versions
+    before its generation (SessionStore.get reads them in the session's round trip)."""
 
     @property
     def deadline(self) -> float | None:
@@ -145,20 +149,70 @@ def conversation_keys(tools_key: str, message_keys: list[str]) -> list[str]:
     return keys
 
 
-class SessionStore:
-    """Sessions of one run, on the run's Redis."""
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIREAT', KEYS[1], ARGV[1])
+return 1
+"""
+"""KEYS: the session; ARGV: when it expires (ms), then its fields and values. 0: the id is taken."""
+_ADD_TURN = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'open' then return 0 end
+redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[3] ~= '' then redis.call('SADD', KEYS[3], ARGV[3]) end
+redis.call('HINCRBY', KEYS[1], 'turns', 1)
+local expire_at = tonumber(ARGV[4])
+local ends_at = redis.call('HGET', KEYS[1], 'ends_at')
+if ends_at then expire_at = math.min(expire_at, math.floor(tonumber(ends_at) * 1000)) end
+for i = 1, 3 do redis.call('PEXPIREAT', KEYS[i], expire_at) end
+return 1
+"""
+"""KEYS: the session, its nodes, its parents; ARGV: the node's key, the node, its parent ('' for ROOT), when
+the keys expire (ms) unless the session ends sooner. 0: the session is not open."""
 
-    def __init__(self, bus: Bus, ttl_s: int, finish_grace_s: float) -> None:
+
+def _session_key(keys: Keys, session_id: str, *parts: str) -> str:
+    return keys.state("gateway", "session", session_id, *parts)
+
+
+def _session_keys(keys: Keys, session_id: str) -> list[str]:
+    return [_session_key(keys, session_id), _session_key(keys, session_id, "nodes"),
+            _session_key(keys, session_id, "parents")]
+
+
+def _session_of(raw: dict[bytes, bytes], versions: dict[str, int] | None = None) -> Session | None:
+    if b"spec" not in raw or b"key_digest" not in raw:
+        return None
+    spec = SessionSpec.model_validate_json(raw[b"spec"])
+    return Session(spec=spec, key_digest=raw[b"key_digest"].decode(), status=raw[b"status"].decode(),
+                   created_at=float(raw[b"created_at"]), turns=int(raw.get(b"turns", 0)),
+                   ends_at=_optional_float(raw.get(b"ends_at")), fleet_versions=versions or {})
+
+
+def _versions(raw: dict[bytes, bytes]) -> dict[str, int]:
+    return {url.decode(): int(version) for url, version in raw.items()}
+
+
+class SessionStore:
+    """Sessions of one run, on the run's Redis. What a turn does (read the session, its nodes and the fleet's
+    versions, record the turn) and creating and deleting a session run on the gateway's event loop through
+    an asyncio client (connect_async_redis), each one round trip, with no hop to a worker thread: the
+    creation and a turn's record are scripts, atomic on Redis. A finish is a WATCH transaction (it publishes
+    the samples it read), which redis-py's asyncio cluster client does not run (8.1 never awaits the
+    commands it sends after WATCH): it runs on the bus's own client, in a worker thread, once a session."""
+
+    def __init__(self, bus: Bus, client: redis.asyncio.Redis, ttl_s: int, finish_grace_s: float) -> None:
         self.bus = bus
-        self.redis = bus.redis
+        """The run's keys, the finish's client, and its publisher: a finish queues the session's events on its
+        own transaction."""
+        self.redis = client
         self.ttl_s = ttl_s
         self.finish_grace_s = finish_grace_s
+        self._create = client.register_script(_CREATE)
+        self._add_turn = client.register_script(_ADD_TURN)
 
     def _key(self, session_id: str, *parts: str) -> str:
-        return self.bus.keys.state("gateway", "session", session_id, *parts)
-
-    def _keys(self, session_id: str) -> list[str]:
-        return [self._key(session_id), self._key(session_id, "nodes"), self._key(session_id, "parents")]
+        return _session_key(self.bus.keys, session_id, *parts)
 
     def _expire_at_ms(self, ends_at: float | None) -> int:
         """When a session's keys expire, touched now: session_ttl_s from now, or its end when that is sooner.
@@ -166,7 +220,7 @@ class SessionStore:
         expiry = time.time() + self.ttl_s
         return int(1000 * (expiry if ends_at is None else min(expiry, ends_at)))
 
-    def create(self, spec: SessionSpec) -> tuple[Session, str] | None:
+    async def create(self, spec: SessionSpec) -> tuple[Session, str] | None:
         """A new open session and its API key; None when the id is taken."""
         api_key = "rs-" + secrets.token_urlsafe(32)
         session = Session(spec=spec, key_digest=_digest(api_key), status="open", created_at=time.time())
@@ -176,103 +230,59 @@ class SessionStore:
                   "created_at": repr(session.created_at), "turns": 0}
         if session.ends_at is not None:
             fields["ends_at"] = repr(session.ends_at)
-        key = self._key(spec.session_id)
-        # one transaction: a replica killed half-way must not leave a key that never expires
-        with self.redis.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(key)
-                if pipe.exists(key):
-                    return None
-                pipe.multi()
-                pipe.hset(key, mapping=fields)
-                pipe.pexpireat(key, self._expire_at_ms(session.ends_at))
-                pipe.execute()
-            except redis.WatchError:  # created meanwhile by another request
-                return None
+        # one script: a replica killed half-way must not leave a key that never expires
+        args = [self._expire_at_ms(session.ends_at), *(item for pair in fields.items() for item in pair)]
+        if not await self._create(keys=[self._key(spec.session_id)], args=args):
+            return None
         return session, api_key
 
-    def get(self, session_id: str) -> Session | None:
-        raw = self.redis.hgetall(self._key(session_id))
-        if b"spec" not in raw or b"key_digest" not in raw:
-            return None
-        spec = SessionSpec.model_validate(json.loads(raw[b"spec"]))
-        return Session(spec=spec, key_digest=raw[b"key_digest"].decode(),
-                       status=raw[b"status"].decode(), created_at=float(raw[b"created_at"]),
-                       turns=int(raw.get(b"turns", 0)), ends_at=_optional_float(raw.get(b"ends_at")))
+    async def get(self, session_id: str) -> Session | None:
+        """The session, and in the same round trip the fleet's policy versions (Session.fleet_versions)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._key(session_id))
+            pipe.hgetall(self.bus.keys.fleet_versions)
+            raw, versions = await pipe.execute()
+        return _session_of(raw, _versions(versions))
 
-    def open_sessions(self) -> list[Session]:
-        """Every session of the run that is open now, oldest first (a scan of the run's keys: for audits, not
-        for serving)."""
-        sessions = []
-        for key in self.redis.scan_iter(match=self._key("*"), count=1000):
-            session_id = key.decode().removeprefix(self._key(""))
-            if ":" in session_id:  # a session's nodes or parents (session ids have no colon)
-                continue
-            session = self.get(session_id)
-            if session is not None and session.status == "open":
-                sessions.append(session)
-        return sorted(sessions, key=lambda session: session.created_at)
+    async def nodes(self, session_id: str, keys: list[str]) -> dict[str, TurnNode]:
+        """Those of the node keys that exist, decoded: for a request, the keys of the conversations its
+        history holds, which are the chain of the deepest one (`chain` reads none of them again)."""
+        if not keys:
+            return {}
+        found = await self.redis.hmget(self._key(session_id, "nodes"), keys)
+        return {key: _node_decoder.decode(raw) for key, raw in zip(keys, found) if raw is not None}
 
-    def expires_at(self, session_id: str) -> float | None:
-        """When the last of the session's keys expires (epoch seconds, on Redis's clock); None when one of them
-        never does, 0 when none is left."""
-        pipe = self.redis.pipeline(transaction=False)
-        for key in self._keys(session_id):
-            pipe.pexpiretime(key)
-        expiries = [ms for ms in pipe.execute() if ms != -2]  # -2: no such key (no turn yet, or finished)
-        return None if -1 in expiries else max(expiries, default=0) / 1000
-
-    def deepest_known(self, session_id: str, candidates: list[str]) -> tuple[str, TurnNode] | None:
-        """Of the node keys a request's history could continue (deepest last), the deepest that exists."""
-        if not candidates:
-            return None
-        found = self.redis.hmget(self._key(session_id, "nodes"), candidates)
-        for key, raw in zip(reversed(candidates), reversed(found)):
-            if raw is not None:
-                return key, _node_decoder.decode(raw)
-        return None
-
-    def chain(self, session_id: str, key: str, client=None) -> list[TurnNode]:
-        """The nodes from the conversation's root to `key`, in order."""
-        client = client or self.redis
+    async def chain(self, session_id: str, key: str, known: dict[str, TurnNode]) -> list[TurnNode]:
+        """The nodes from the conversation's root to `key`, in order; those in `known` are not read."""
         nodes_key = self._key(session_id, "nodes")
         out = []
         while key != ROOT:
-            raw = client.hget(nodes_key, key)
-            if raw is None:
-                raise KeyError(f"session {session_id}: turn node {key} is missing (expired?)")
-            node = _node_decoder.decode(raw)
+            node = known.get(key)
+            if node is None:
+                raw = await self.redis.hget(nodes_key, key)
+                if raw is None:
+                    raise KeyError(f"session {session_id}: turn node {key} is missing (expired?)")
+                node = _node_decoder.decode(raw)
             out.append(node)
             key = node.parent
         return out[::-1]
 
-    def add_turn(self, session_id: str, key: str, node: TurnNode) -> bool:
+    async def add_turn(self, session_id: str, key: str, node: TurnNode) -> bool:
         """Record a sampled turn; False when the session is no longer open (finished meanwhile). The same
-        conversation sampled twice to the same answer keeps the first."""
-        session_key, nodes_key, parents_key = self._keys(session_id)
-        while True:  # another turn of the session recorded meanwhile: read the status again
-            with self.redis.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(session_key)
-                    status, ends_at = pipe.hmget(session_key, "status", "ends_at")
-                    if status != b"open":
-                        return False
-                    pipe.multi()
-                    pipe.hsetnx(nodes_key, key, _encoder.encode(node))
-                    if node.parent != ROOT:
-                        pipe.sadd(parents_key, node.parent)
-                    pipe.hincrby(session_key, "turns", 1)
-                    expire_at_ms = self._expire_at_ms(_optional_float(ends_at))
-                    for each in (session_key, nodes_key, parents_key):
-                        pipe.pexpireat(each, expire_at_ms)
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue
+        conversation sampled twice to the same answer keeps the first. Its policy_version_end is the version
+        the fleet's record gives its server (node.server_url) as it is recorded: the version after the
+        generation; the node's own where the record has none."""
+        # Redis lets a script name only keys its user may write, and the gateway's may only read the fleet's
+        # record: it is read on its own, just before.
+        version = await self.redis.hget(self.bus.keys.fleet_versions, node.server_url)
+        if version is not None:
+            node = msgspec.structs.replace(node, policy_version_end=int(version))
+        args = [key, _encoder.encode(node), node.parent, self._expire_at_ms(None)]
+        return bool(await self._add_turn(keys=_session_keys(self.bus.keys, session_id), args=args))
 
     def samples(self, session_id: str, client=None) -> list[list[TurnNode]]:
         """The chain of every leaf (a node without a child), oldest leaf first: the session's samples."""
-        client = client or self.redis
+        client = client or self.bus.redis
         nodes = {k.decode(): _node_decoder.decode(v) for k, v in client.hgetall(self._key(session_id, "nodes")).items()}
         parents = {p.decode() for p in client.smembers(self._key(session_id, "parents"))}
         leaves = sorted((k for k in nodes if k not in parents), key=lambda k: (nodes[k].created_at, k))
@@ -288,10 +298,11 @@ class SessionStore:
     def finish(self, session_id: str, publish_samples: Callable[[Any, list[list[TurnNode]]], None]) -> bool:
         """Open -> finished, once, in one transaction with what `publish_samples(pipe, samples)` queues (the
         samples' events): a crash between the two cannot publish twice or lose them, and a turn recorded
-        meanwhile is either in the samples or refused. False when the session was not open."""
+        meanwhile is either in the samples or refused. False when the session was not open. Blocking: on the
+        bus's client."""
         key, nodes_key = self._key(session_id), self._key(session_id, "nodes")
         while True:
-            with self.redis.pipeline(transaction=True) as pipe:
+            with self.bus.redis.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(key, nodes_key)
                     if pipe.hget(key, "status") != b"open":
@@ -306,5 +317,30 @@ class SessionStore:
                 except redis.WatchError:
                     continue
 
-    def delete(self, session_id: str) -> bool:
-        return bool(self.redis.delete(*self._keys(session_id)))
+    async def delete(self, session_id: str) -> bool:
+        return bool(await self.redis.delete(*_session_keys(self.bus.keys, session_id)))
+
+
+def open_sessions(bus: Bus) -> list[Session]:
+    """Every session of the run that is open now, oldest first: a scan of the run's keys, for audits (the
+    chaos harness's), not for serving."""
+    sessions = []
+    prefix = _session_key(bus.keys, "")
+    for key in bus.redis.scan_iter(match=_session_key(bus.keys, "*"), count=1000):
+        session_id = key.decode().removeprefix(prefix)
+        if ":" in session_id:  # a session's nodes or parents (session ids have no colon)
+            continue
+        session = _session_of(bus.redis.hgetall(key))
+        if session is not None and session.status == "open":
+            sessions.append(session)
+    return sorted(sessions, key=lambda session: session.created_at)
+
+
+def expires_at(bus: Bus, session_id: str) -> float | None:
+    """When the last of the session's keys expires (epoch seconds, on Redis's clock); None when one of them
+    never does, 0 when none is left. For audits, as open_sessions."""
+    pipe = bus.redis.pipeline(transaction=False)
+    for key in _session_keys(bus.keys, session_id):
+        pipe.pexpiretime(key)
+    expiries = [ms for ms in pipe.execute() if ms != -2]  # -2: no such key (no turn yet, or finished)
+    return None if -1 in expiries else max(expiries, default=0) / 1000

@@ -76,7 +76,7 @@ async def create_session(body: SessionCreate, authorization: str | None = Header
                        reward_fn=body.reward_fn, sandbox_check=body.sandbox_check, grader=body.grader,
                        metadata=body.metadata, sampling=body.sampling.model_dump(exclude_none=True),
                        time_budget_s=body.time_budget_s)
-    created = await asyncio.to_thread(state.store.create, spec)
+    created = await state.store.create(spec)
     if created is None:
         raise RequestError(409, f"session {session_id} exists already", kind="invalid_request_error")
     session, api_key = created
@@ -90,7 +90,7 @@ async def create_session(body: SessionCreate, authorization: str | None = Header
 async def read_session(session_id: str, authorization: str | None = Header(None),
                        state: AppState = Depends(app_state)) -> dict[str, Any]:
     check_admin(state, authorization)
-    session = await asyncio.to_thread(state.store.get, session_id)
+    session = await state.store.get(session_id)
     if session is None:
         raise RequestError(404, f"no session {session_id!r}", kind="not_found_error")
     return session.describe()
@@ -100,7 +100,7 @@ async def read_session(session_id: str, authorization: str | None = Header(None)
 async def finish_session(session_id: str, body: SessionFinish, authorization: str | None = Header(None),
                          state: AppState = Depends(app_state)) -> dict[str, Any]:
     check_admin(state, authorization)
-    session = await asyncio.to_thread(state.store.get, session_id)
+    session = await state.store.get(session_id)
     if session is None:
         raise RequestError(404, f"no session {session_id!r} (never created, deleted, or ended: a session "
                                 "with a time budget ends gateway.finish_grace_s after its deadline)",
@@ -129,6 +129,6 @@ async def finish_session(session_id: str, body: SessionFinish, authorization: st
 async def delete_session(session_id: str, authorization: str | None = Header(None),
                          state: AppState = Depends(app_state)) -> Response:
     check_admin(state, authorization)
-    if not await asyncio.to_thread(state.store.delete, session_id):
+    if not await state.store.delete(session_id):
         raise RequestError(404, f"no session {session_id!r}", kind="not_found_error")
     return Response(status_code=204)

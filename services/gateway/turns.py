@@ -10,7 +10,8 @@ path as one delta: both record the same ids. A turn whose client went away befor
 the agent never saw that answer.
 
 The policy versions are read from the fleet version record before and after the generation, as the
-agent-runner does for its own turns, so a turn sampled across a weight sync says so.
+agent-runner does for its own turns, so a turn sampled across a weight sync says so: before, with the
+session (SessionStore.get), after, as the turn is recorded (SessionStore.add_turn).
 
 A request asks for at most what is left of the model's context after its prompt (`model.max_model_len`, or
 the longest a policy group's servers hold): agents ask for a fixed 32000 whatever the model, which vLLM would
@@ -19,10 +20,9 @@ refuse.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +102,6 @@ class Gateway:
     template: ChatTemplate
     fleet: Any
     """rollstream.shared.inference.fleet.FleetClient"""
-    versions: Callable[[], Awaitable[dict[str, int]]]
 
 
 def sampling_for(session: Session, request: ChatRequest, settings: Settings,
@@ -174,9 +173,9 @@ async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, api
     generation starts when its events are first read."""
     started = time.monotonic()
     template = gateway.template.with_thinking(request.thinking)
-    planned = await asyncio.to_thread(plan_turn, template, gateway.store, session.spec.session_id, request,
-                                      gateway.settings.gateway.max_prompt_tokens,
-                                      gateway.settings.gateway.on_rewritten_history)
+    limits = gateway.settings.gateway
+    planned = await plan_turn(template, gateway.store, session.spec.session_id, request,
+                              limits.max_prompt_tokens, limits.on_rewritten_history)
     events = _generation(gateway, session, request, api, planned, started, answer_out)
     return Turn(len(planned.prompt_ids), events)
 
@@ -193,7 +192,7 @@ async def _generation(gateway: Gateway, session: Session, request: ChatRequest, 
     logprobs: list[float] = []
     servers: list[str] = []
     finish_reason = "length"
-    before = await gateway.versions()
+    before = session.fleet_versions
     generate_with = gateway.fleet.stream if request.stream else whole_generation(gateway.fleet)
     async for delta in generate_with(planned.prompt_ids, max_tokens=sampling["max_tokens"],
                                      temperature=sampling["temperature"], session_id=session_id,
@@ -208,7 +207,6 @@ async def _generation(gateway: Gateway, session: Session, request: ChatRequest, 
             yield event
     for event in parser.feed(text.flush()) + parser.finish():
         yield event
-    after = await gateway.versions()
 
     reasoning, content, calls = split_turn(text.emitted, session.turns, reasoning_open)
     if request.thinking and not reasoning:
@@ -217,13 +215,13 @@ async def _generation(gateway: Gateway, session: Session, request: ChatRequest, 
     if answer_out is not None:
         answer_out.content, answer_out.calls, answer_out.reasoning = content, calls, reasoning
     answer = assistant_message(content, calls, reasoning)
-    # A failover mid-stream: the versions of the first server before, of the last one after.
+    # A failover mid-stream: the versions of the first server before, of the last one after (add_turn).
     version = before.get(servers[0], 0) if servers else 0
     node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=ids, logprobs=logprobs,
-                    policy_version=version, policy_version_end=after.get(servers[-1], version) if servers else version,
-                    finish_reason=finish_reason, server_url=servers[-1] if servers else "", response_text=content,
-                    created_at=time.time(), history_rewritten=planned.history_rewritten)
-    recorded = await asyncio.to_thread(gateway.store.add_turn, session_id, answer_key(request, planned, answer), node)
+                    policy_version=version, policy_version_end=version, finish_reason=finish_reason,
+                    server_url=servers[-1] if servers else "", response_text=content, created_at=time.time(),
+                    history_rewritten=planned.history_rewritten)
+    recorded = await gateway.store.add_turn(session_id, answer_key(request, planned, answer), node)
     if not recorded:
         raise RequestError(410, f"session {session_id} was finished while this turn ran; the turn is not recorded")
     TURNS.labels(api=api, stream=str(request.stream).lower()).inc()

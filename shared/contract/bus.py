@@ -106,6 +106,7 @@ class _AsyncOutageRetry(AsyncRetry):
 
 
 _OUTAGE_ERRORS = [redis.ConnectionError, redis.TimeoutError, BusyLoadingError]
+ASYNC_MAX_CONNECTIONS = 64
 
 
 def connect_redis(url: str, *, ride_out_outages: bool = True, cluster: bool = False) -> redis.Redis:
@@ -128,16 +129,18 @@ def connect_redis(url: str, *, ride_out_outages: bool = True, cluster: bool = Fa
 def connect_async_redis(url: str, *, ride_out_outages: bool = True,
                         cluster: bool = False) -> redis.asyncio.Redis:
     """connect_redis's client for asyncio: its commands run on the event loop that first uses it (one loop
-    per client), and wait out an outage the same way without holding the loop."""
+    per client), and wait out an outage the same way without holding the loop. At most
+    ASYNC_MAX_CONNECTIONS connections: a command waits for a free one (the default pool refuses the 101st
+    command at once, which 256 gateway sessions reached)."""
     if cluster:
         from redis.asyncio.cluster import RedisCluster
 
         return RedisCluster.from_url(url, socket_connect_timeout=5, socket_keepalive=True)
-    if not ride_out_outages:
-        return redis.asyncio.Redis.from_url(url, socket_connect_timeout=5)
-    retry = _AsyncOutageRetry(_LoggedBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), retries=-1)
-    return redis.asyncio.Redis.from_url(url, retry=retry, socket_connect_timeout=5, socket_keepalive=True,
-                                        retry_on_error=_OUTAGE_ERRORS)
+    options = {"max_connections": ASYNC_MAX_CONNECTIONS, "timeout": None, "socket_connect_timeout": 5}
+    if ride_out_outages:
+        retry = _AsyncOutageRetry(_LoggedBackoff(cap=RECONNECT_CAP_S, base=RECONNECT_BASE_S), retries=-1)
+        options.update(retry=retry, retry_on_error=_OUTAGE_ERRORS, socket_keepalive=True)
+    return redis.asyncio.Redis.from_pool(redis.asyncio.BlockingConnectionPool.from_url(url, **options))
 
 
 NOT_IN_RUN_IDS = ":{} \n"

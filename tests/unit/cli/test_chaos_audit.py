@@ -11,6 +11,7 @@ The audit of a whole run under fault injection is tests/integration/test_chaos.p
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from rollstream.cli.chaos.audit import (
 from rollstream.cli.chaos.harness import ChaosPlan, plan_faults
 from rollstream.cli.chaos.poison_report import admitted_check, batches_check, checks
 from rollstream.cli.chaos.poison_report import audit as poison_audit
-from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
+from rollstream.services.gateway.sessions import ROOT, Session, SessionSpec, TurnNode
 from rollstream.shared.contract.batches import BatchRow, write_batch
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import (
@@ -45,6 +46,7 @@ from rollstream.shared.runtime.config import BusSettings, Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox.host_uids import process_uids
 from tests.support import supervised_run
+from tests.unit.services.gateway.stores import session_store
 
 LIMITS = RowLimits(vocab_size=32, max_positions=64)
 MAX_STALENESS = 1
@@ -230,21 +232,27 @@ def blackbox_settings(tmp_path) -> Settings:
     return Settings(storage_uri=str(tmp_path), agent={"default": "command"}, gateway={"finish_grace_s": 30})
 
 
-def test_open_gateway_sessions_must_end_by_their_deadline_plus_the_grace(bus, tmp_path):
+def test_open_gateway_sessions_must_end_by_their_deadline_plus_the_grace(bus, redis_url, tmp_path):
     settings = blackbox_settings(tmp_path)
-    store = SessionStore(bus, settings.gateway.session_ttl_s, settings.gateway.finish_grace_s)
 
-    def create(session_id: str, budget_s: float | None = 60.0):
-        rollout = f"r-{session_id}"
-        return store.create(SessionSpec(rollout_id=rollout, group_id="g", trajectory_id=rollout, session_id=session_id,
-                                        time_budget_s=budget_s))[0]
+    async def sessions() -> Session:
+        async with session_store(bus, redis_url, ttl_s=settings.gateway.session_ttl_s,
+                                 finish_grace_s=settings.gateway.finish_grace_s) as store:
+            async def create(session_id: str, budget_s: float | None = 60.0):
+                rollout = f"r-{session_id}"
+                spec = SessionSpec(rollout_id=rollout, group_id="g", trajectory_id=rollout, session_id=session_id,
+                                   time_budget_s=budget_s)
+                return (await store.create(spec))[0]
 
-    create("ending")
-    create("finished")
-    assert store.add_turn("finished", "a", TurnNode(ROOT, [1], [2], [-0.1], 0, 0, "stop", "http://v", "", 0.0))
-    assert store.finish("finished", lambda pipe, samples: None)
-    create("without-budget", budget_s=None)
-    create("never-expiring")
+            await create("ending")
+            await create("finished")
+            node = TurnNode(ROOT, [1], [2], [-0.1], 0, 0, "stop", "http://v", "", 0.0)
+            assert await store.add_turn("finished", "a", node)
+            assert store.finish("finished", lambda pipe, samples: None)
+            await create("without-budget", budget_s=None)
+            return await create("never-expiring")
+
+    never_expiring = asyncio.run(sessions())
     bus.redis.persist(bus.keys.state("gateway", "session", "never-expiring"))
 
     report = audit_blackbox(bus, settings, set())
@@ -252,7 +260,7 @@ def test_open_gateway_sessions_must_end_by_their_deadline_plus_the_grace(bus, tm
     assert report.sessions_past_end == [
         "without-budget (rollout r-without-budget): it has no end (time budget: None)",
         f"never-expiring (rollout r-never-expiring): its keys never expire (its end is "
-        f"{store.get('never-expiring').ends_at:.3f})"]
+        f"{never_expiring.ends_at:.3f})"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes run as uids of their agent-runner only under root")

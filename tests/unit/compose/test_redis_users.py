@@ -5,6 +5,7 @@ redis-server. That the rules let every service do its work is tests/integration/
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio
 import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -175,16 +177,28 @@ def test_the_gateway_user_can_keep_sessions_and_publish_their_samples(acl_users,
     from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
     from rollstream.shared.contract.bus import Bus
 
-    _, client = acl_users["gateway"]
+    user, client = acl_users["gateway"]
     bus = Bus(client, run_id)
-    store = SessionStore(bus, ttl_s=60, finish_grace_s=60)
+
+    async def serve() -> None:  # its asyncio client and its bus's, as the gateway holds them, as its user
+        async with redis.asyncio.Redis.from_url(machine_redis_url, username=user, password="pw") as aio:
+            store = SessionStore(bus, aio, ttl_s=60, finish_grace_s=60)
+            session, _ = await store.create(SessionSpec(rollout_id="r", group_id="g", trajectory_id="r",
+                                                        session_id="s"))
+            node = TurnNode(ROOT, [1, 2], [3], [-0.1], 0, 0, "stop", "http://v", "x", 0.0)
+            assert await store.add_turn("s", "k", node)
+            assert (await store.get("s")).fleet_versions == {}  # reads the fleet's versions
+            assert store.finish("s", lambda pipe, samples: publish_samples(
+                bus, pipe, session, samples, status="completed", reward=1.0, response_text=None, artifacts={},
+                error=None))
+            assert not await store.delete("gone")
+
     try:
-        session, _ = store.create(SessionSpec(rollout_id="r", group_id="g", trajectory_id="r", session_id="s"))
-        assert store.add_turn("s", "k", TurnNode(ROOT, [1, 2], [3], [-0.1], 0, 0, "stop", "http://v", "x", 0.0))
-        assert client.hgetall(bus.keys.fleet_versions) == {}  # reads the fleet's versions
-        assert store.finish("s", lambda pipe, samples: publish_samples(
-            bus, pipe, session, samples, status="completed", reward=1.0, response_text=None, artifacts={}, error=None))
+        asyncio.run(serve())
         assert len(bus.read_all("trajectories")) == 4  # started, turn, segment, finished
+        # its scripts are loaded again into a Redis that restarted (the run above found them loaded, or not)
+        admin = redis.Redis.from_url(machine_redis_url, decode_responses=True)
+        assert admin.execute_command("ACL", "DRYRUN", user, "SCRIPT", "LOAD", "return 1") == "OK"
     finally:
         Bus(redis.Redis.from_url(machine_redis_url), run_id).delete_run()
 

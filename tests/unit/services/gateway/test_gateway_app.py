@@ -4,10 +4,12 @@ max_tokens is held to the context, and a Codex turn sent back continues the sess
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +22,7 @@ from rollstream.services.gateway.main import build_app
 from rollstream.services.gateway.prompts import ChatTemplate
 from rollstream.services.gateway.sessions import SessionStore
 from rollstream.services.gateway.turns import Gateway, prompt_opens_reasoning
+from rollstream.shared.contract.bus import connect_async_redis
 from rollstream.shared.contract.events import TrajectorySegment
 from rollstream.shared.inference.fleet import StreamDelta
 from rollstream.shared.runtime.config import Settings
@@ -41,14 +44,17 @@ def template():
 
 class ScriptedFleet:
     """Stands in for the vLLM fleet: each generation samples the next of `texts`, tokenized with the served
-    tokenizer and closed with the end-of-turn token, a few ids a delta; `asked` keeps each request."""
+    tokenizer and closed with the end-of-turn token, a few ids a delta; `asked` keeps each request, `during`
+    runs while it samples."""
 
     def __init__(self, template: ChatTemplate) -> None:
         self.template = template
         self.texts: list[str] = []
         self.asked: list[dict[str, Any]] = []
+        self.during: Callable[[], object] = lambda: None
 
     def _sample(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        self.during()
         ids = self.template.encode(self.texts.pop(0)) + [self.template.tokenizer.eos_token_id]
         self.asked.append({"prompt_ids": list(prompt_ids), "max_tokens": max_tokens, "response_ids": ids})
         return ids
@@ -66,17 +72,24 @@ class ScriptedFleet:
                                finish_reason="stop")
 
 
-def gateway_app(bus, template, **settings: Any) -> tuple[TestClient, ScriptedFleet, SessionStore]:
-    settings = Settings(model={"path": str(MODEL), "max_model_len": CONTEXT}, **settings)
-    fleet = ScriptedFleet(template)
-    store = SessionStore(bus, settings.gateway.session_ttl_s, settings.gateway.finish_grace_s)
+@pytest.fixture
+def gateway_app(bus, template, redis_url):
+    """Makes the app, with the settings given, and its client, entered: one event loop serves every request,
+    as uvicorn's does, and it holds the store's asyncio Redis client."""
+    with contextlib.ExitStack() as stack:
+        def make(**overrides: Any) -> tuple[TestClient, ScriptedFleet, SessionStore]:
+            settings = Settings(model={"path": str(MODEL), "max_model_len": CONTEXT}, **overrides)
+            fleet = ScriptedFleet(template)
+            redis_client = connect_async_redis(redis_url, ride_out_outages=False)
+            limits = settings.gateway
+            store = SessionStore(bus, redis_client, limits.session_ttl_s, limits.finish_grace_s)
+            gateway = Gateway(settings=settings, store=store, template=template, fleet=fleet)
+            app = build_app(gateway, SimpleNamespace(log=logging.getLogger("gateway-test")))
+            client = stack.enter_context(TestClient(app))
+            stack.callback(client.portal.call, redis_client.aclose)  # on the client's loop, before it ends
+            return client, fleet, store
 
-    async def versions() -> dict[str, int]:
-        return {}
-
-    gateway = Gateway(settings=settings, store=store, template=template, fleet=fleet, versions=versions)
-    app = build_app(gateway, SimpleNamespace(log=logging.getLogger("gateway-test")))
-    return TestClient(app), fleet, store
+        yield make
 
 
 def open_session(client: TestClient) -> tuple[str, dict[str, str]]:
@@ -92,8 +105,8 @@ def events_of(stream_text: str) -> list[dict[str, Any]]:
             if line.startswith("data: ") and line != "data: [DONE]"]
 
 
-def test_the_base_urls_answer_a_probe_without_a_key(bus, template):
-    client, _, _ = gateway_app(bus, template)
+def test_the_base_urls_answer_a_probe_without_a_key(gateway_app):
+    client, _, _ = gateway_app()
     for path in ("/s/any-session", "/s/any-session/v1"):
         assert client.head(path).status_code == 200
         assert client.get(path).status_code == 200
@@ -116,8 +129,8 @@ def claude_code_request(**fields: Any) -> dict[str, Any]:
         "metadata": {"user_id": '{"device_id": "d1"}'}, **fields}
 
 
-def test_claude_codes_first_request_is_served_within_the_context(bus, template, caplog):
-    client, fleet, _ = gateway_app(bus, template)
+def test_claude_codes_first_request_is_served_within_the_context(caplog, gateway_app):
+    client, fleet, _ = gateway_app()
     session_id, key = open_session(client)
     fleet.texts = ["I will read stats.py first."]
     with caplog.at_level(logging.INFO, logger="gateway-test"):
@@ -136,8 +149,8 @@ def test_claude_codes_first_request_is_served_within_the_context(bus, template, 
     assert events[-2]["usage"]["output_tokens"] == len(asked["response_ids"])
 
 
-def test_a_runs_cap_on_a_turn_wins_over_what_the_agent_asks(bus, template):
-    client, fleet, _ = gateway_app(bus, template, gateway={"max_tokens_per_turn": 64})
+def test_a_runs_cap_on_a_turn_wins_over_what_the_agent_asks(gateway_app):
+    client, fleet, _ = gateway_app(gateway={"max_tokens_per_turn": 64})
     session_id, key = open_session(client)
     fleet.texts = ["I will read stats.py first."]
     response = client.post(f"/s/{session_id}/v1/messages?beta=true", json=claude_code_request(), headers=key)
@@ -146,8 +159,8 @@ def test_a_runs_cap_on_a_turn_wins_over_what_the_agent_asks(bus, template):
     assert asked["max_tokens"] == 64  # not the 32000 asked for, nor the room the context leaves
 
 
-def test_the_messages_stream_opens_with_the_prompts_tokens(bus, template):
-    client, fleet, _ = gateway_app(bus, template)
+def test_the_messages_stream_opens_with_the_prompts_tokens(gateway_app):
+    client, fleet, _ = gateway_app()
     session_id, key = open_session(client)
     fleet.texts = ["Five."]
     response = client.post(f"/s/{session_id}/v1/messages", headers=key, json={
@@ -161,8 +174,8 @@ def test_the_messages_stream_opens_with_the_prompts_tokens(bus, template):
     assert events[-2]["usage"]["input_tokens"] == len(asked["prompt_ids"])
 
 
-def test_a_model_that_reasons_answers_claude_code_with_a_thinking_block(bus, template):
-    client, fleet, _ = gateway_app(bus, template)
+def test_a_model_that_reasons_answers_claude_code_with_a_thinking_block(gateway_app):
+    client, fleet, _ = gateway_app()
     session_id, key = open_session(client)
     fleet.texts = ["<think>\nThe median needs sorting.\n</think>\n\nSorting first."]
     response = client.post(f"/s/{session_id}/v1/messages", headers=key,
@@ -198,8 +211,8 @@ def codex_request(input_items: list[dict[str, Any]]) -> dict[str, Any]:
             "client_metadata": {"thread_id": "t1"}}
 
 
-def test_codex_turn_and_the_next_continue_one_conversation_token_exactly(bus, template):
-    client, fleet, store = gateway_app(bus, template)
+def test_codex_turn_and_the_next_continue_one_conversation_token_exactly(gateway_app):
+    client, fleet, store = gateway_app()
     session_id, key = open_session(client)
     fleet.texts = ['<think>\nDelegate the tests.\n</think>\n\nDelegating.\n<tool_call>{"name": '
                    '"multi_agent_v1.spawn_agent", "arguments": {"task": "run tests"}}</tool_call>',
@@ -228,8 +241,28 @@ def test_codex_turn_and_the_next_continue_one_conversation_token_exactly(bus, te
     assert len(conversation) == 2
 
 
-def test_a_prompt_that_fills_the_context_is_refused_with_both_sizes(bus, template):
-    client, fleet, _ = gateway_app(bus, template)
+def test_a_turn_records_its_servers_versions_before_and_after_a_weight_sync_it_spans(bus, gateway_app):
+    client, fleet, store = gateway_app()
+    versions = bus.keys.fleet_versions
+    bus.redis.hset(versions, "http://vllm", 2)
+    session_id, key = open_session(client)
+    fleet.texts = ["first", "second"]
+    fleet.during = lambda: bus.redis.hset(versions, "http://vllm", 3)  # the sync ends while the turn samples
+    messages = [{"role": "user", "content": "hi"}]
+    first = client.post(f"/s/{session_id}/v1/chat/completions", headers=key,
+                        json={"model": "m", "messages": messages})
+    assert first.status_code == 200, first.text
+    fleet.during = lambda: bus.redis.hset(versions, "http://vllm", 4)
+    messages += [first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    second = client.post(f"/s/{session_id}/v1/chat/completions", headers=key,
+                         json={"model": "m", "messages": messages, "stream": True})
+    assert second.status_code == 200, second.text
+    (conversation,) = store.samples(session_id)
+    assert [(node.policy_version, node.policy_version_end) for node in conversation] == [(2, 3), (3, 4)]
+
+
+def test_a_prompt_that_fills_the_context_is_refused_with_both_sizes(gateway_app):
+    client, fleet, _ = gateway_app()
     session_id, key = open_session(client)
     response = client.post(f"/s/{session_id}/v1/chat/completions", headers=key, json={
         "model": "tiny", "max_tokens": 10, "messages": [{"role": "user", "content": "word " * CONTEXT}]})
@@ -239,8 +272,8 @@ def test_a_prompt_that_fills_the_context_is_refused_with_both_sizes(bus, templat
     assert fleet.asked == []
 
 
-def test_a_session_refuses_turns_from_its_deadline_and_ends_its_grace_later(bus, template):
-    client, fleet, _ = gateway_app(bus, template, gateway={"finish_grace_s": 0.5})
+def test_a_session_refuses_turns_from_its_deadline_and_ends_its_grace_later(bus, gateway_app):
+    client, fleet, _ = gateway_app(gateway={"finish_grace_s": 0.5})
     created = client.post("/v1/sessions", json={"rollout_id": "r1", "group_id": "g1", "time_budget_s": 0.5}).json()
     assert created["ends_at"] == created["deadline"] + 0.5
     session_id, key = created["session_id"], {"x-api-key": created["api_key"]}
@@ -256,8 +289,8 @@ def test_a_session_refuses_turns_from_its_deadline_and_ends_its_grace_later(bus,
     assert bus.read_all("trajectories") == []
 
 
-def test_strict_tools_refuses_the_tools_the_model_cannot_be_shown(bus, template):
-    client, fleet, _ = gateway_app(bus, template, gateway={"strict_tools": True})
+def test_strict_tools_refuses_the_tools_the_model_cannot_be_shown(gateway_app):
+    client, fleet, _ = gateway_app(gateway={"strict_tools": True})
     session_id, key = open_session(client)
     response = client.post(f"/s/{session_id}/v1/responses", json=codex_request(CODEX_INPUT), headers=key)
     assert response.status_code == 400
@@ -332,12 +365,12 @@ def tool_result(answer: dict[str, Any], text: str) -> dict[str, Any]:
                                          "content": [{"type": "text", "text": text}]}]}
 
 
-def test_claude_codes_sub_agent_and_compaction_become_samples_of_one_rollout(bus, template):
+def test_claude_codes_sub_agent_and_compaction_become_samples_of_one_rollout(bus, gateway_app):
     """The request sequence Claude Code sends when its main conversation delegates to a sub-agent (the
     Agent tool: a separate conversation with its own system prompt and tools, in the same session), takes
     the sub-agent's report as the tool's result, then compacts (a summary request over the whole history,
     then a new conversation that starts from the summary)."""
-    client, fleet, store = gateway_app(bus, template)
+    client, fleet, store = gateway_app()
     session_id, key = open_session(client)
     main_tools, sub_tools = [AGENT_TOOL, READ_TOOL], [READ_TOOL]
     fleet.texts = [

@@ -5,6 +5,7 @@ continued a history the template rewrote. Real Redis, the project's tokenizer wi
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 from pathlib import Path
@@ -14,8 +15,9 @@ import pytest
 from rollstream.services.gateway.apis.canonical import ChatRequest
 from rollstream.services.gateway.prompts import ChatTemplate, answer_key, plan_turn
 from rollstream.services.gateway.samples import publish_samples
-from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
+from rollstream.services.gateway.sessions import ROOT, SessionSpec, TurnNode
 from rollstream.shared.contract.events import TrajectorySegment
+from tests.unit.services.gateway.stores import session_store
 
 MODEL = Path(__file__).resolve().parents[4] / "models" / "tiny-llama-warm"
 pytestmark = pytest.mark.skipif(not (MODEL / "tokenizer.json").exists(), reason="the tiny model is built by make setup")
@@ -57,24 +59,17 @@ def template():
     return ChatTemplate(tokenizer)
 
 
-@pytest.fixture
-def store(bus):
-    store = SessionStore(bus, ttl_s=600, finish_grace_s=60)
-    store.create(SessionSpec(rollout_id="r1", group_id="g1", trajectory_id="r1", session_id="s1"))
-    return store
-
-
-def turn(template, store, messages, sampled_text, answer, **planning):
+async def turn(template, store, messages, sampled_text, answer, **planning):
     """One turn as the gateway runs it: `sampled_text` stands in for what vLLM sampled, `answer` is the
     assistant message the client gets (and sends back)."""
     request = ChatRequest(model="m", messages=messages, tools=TOOLS)
-    planned = plan_turn(template, store, "s1", request, max_prompt_tokens=8192, **planning)
+    planned = await plan_turn(template, store, "s1", request, max_prompt_tokens=8192, **planning)
     sampled = template.encode(sampled_text + "<|im_end|>")
     node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=sampled,
                     logprobs=[-0.5] * len(sampled), policy_version=1, policy_version_end=1, finish_reason="stop",
                     server_url="http://vllm", response_text=answer["content"], created_at=time.time(),
                     history_rewritten=planned.history_rewritten)
-    assert store.add_turn("s1", answer_key(request, planned, answer), node)
+    assert await store.add_turn("s1", answer_key(request, planned, answer), node)
     return planned, sampled
 
 
@@ -87,25 +82,32 @@ def tool_call_text(reasoning: str, cmd: str) -> str:
     return f'<think>\n{reasoning}\n</think>\n\n<tool_call>{{"name": "run", "arguments": {{"cmd": "{cmd}"}}}}</tool_call>'
 
 
-def session_of_three_turns(template, store, **planning):
+async def session_of_three_turns(template, store, **planning):
     """Call a tool, get its result and call another; then a new user message, which makes the template drop
     both answers' reasoning."""
+    await store.create(SessionSpec(rollout_id="r1", group_id="g1", trajectory_id="r1", session_id="s1"))
     history = [{"role": "system", "content": "You fix code."}, {"role": "user", "content": "fix calc.py"}]
     planned = []
     for cmd in ("ls", "cat calc.py"):
         reasoning = f"I should run {cmd}"
-        plan, sampled = turn(template, store, history, tool_call_text(reasoning, cmd),
+        plan, sampled = await turn(template, store, history, tool_call_text(reasoning, cmd),
                              call_answer(reasoning, cmd), **planning)
         planned.append((plan, sampled))
         history += [call_answer(reasoning, cmd), {"role": "tool", "tool_call_id": f"call-{cmd}", "content": "ok"}]
     history += [{"role": "user", "content": "and now?"}]
-    planned.append(turn(template, store, history, "<think>\ndone\n</think>\n\nFixed.",
+    planned.append(await turn(template, store, history, "<think>\ndone\n</think>\n\nFixed.",
                         {"role": "assistant", "content": "Fixed.", "reasoning_content": "done"}, **planning))
     return history, planned
 
 
-def test_the_template_does_rewrite_the_history_and_the_session_stays_one_exact_sample(template, store, bus):
-    history, planned = session_of_three_turns(template, store)
+def test_the_template_does_rewrite_the_history_and_the_session_stays_one_exact_sample(template, bus,
+                                                                                       redis_url):
+    async def scenario():
+        async with session_store(bus, redis_url) as store:
+            history, planned = await session_of_three_turns(template, store)
+            return history, planned, await store.get("s1"), store.samples("s1")
+
+    history, planned, session, samples = asyncio.run(scenario())
     rendered = template.render(history, TOOLS, add_generation_prompt=True)
     assert "I should run ls" not in rendered, "the template drops earlier reasoning once a user message follows"
 
@@ -120,9 +122,8 @@ def test_the_template_does_rewrite_the_history_and_the_session_stays_one_exact_s
         "\n<|im_start|>tool\n<tool_response>ok</tool_response><|im_end|>\n"
         "<|im_start|>user\nand now?<|im_end|>\n<|im_start|>assistant\n")
 
-    session = store.get("s1")
     pipe = bus.redis.pipeline(transaction=True)
-    publish_samples(bus, pipe, session, store.samples("s1"), status="completed", reward=1.0, response_text=None,
+    publish_samples(bus, pipe, session, samples, status="completed", reward=1.0, response_text=None,
                     artifacts={}, error=None)
     pipe.execute()
     (segment,) = [d.event for d in bus.read_all("trajectories") if isinstance(d.event, TrajectorySegment)]
@@ -130,10 +131,15 @@ def test_the_template_does_rewrite_the_history_and_the_session_stays_one_exact_s
     assert segment.tokens[: len(third.prompt_ids)] == third.prompt_ids
 
 
-def test_fork_mode_starts_a_new_conversation_where_the_template_rewrote_the_history(template, store):
-    history, planned = session_of_three_turns(template, store, on_rewritten_history="fork")
+def test_fork_mode_starts_a_new_conversation_where_the_template_rewrote_the_history(template, bus, redis_url):
+    async def scenario():
+        async with session_store(bus, redis_url) as store:
+            history, planned = await session_of_three_turns(template, store, on_rewritten_history="fork")
+            return history, planned, store.samples("s1")
+
+    history, planned, samples = asyncio.run(scenario())
     (_, _), (second, _), (third, _) = planned
     assert second.parent != ROOT
     assert third.parent == ROOT and not third.history_rewritten
     assert third.appended_ids == template.encode(template.render(history, TOOLS, add_generation_prompt=True))
-    assert len(store.samples("s1")) == 2
+    assert len(samples) == 2

@@ -6,14 +6,17 @@ segment of the session's rollout, with the same events and idempotency ids an ag
 
 from __future__ import annotations
 
+import asyncio
+
 from rollstream.services.gateway.samples import publish_samples
-from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
+from rollstream.services.gateway.sessions import ROOT, SessionSpec, TurnNode
 from rollstream.shared.contract.events import (
     TrajectoryFinished,
     TrajectorySegment,
     TrajectoryStarted,
     TrajectoryTurn,
 )
+from tests.unit.services.gateway.stores import session_store
 
 GRADER = {"kind": "swebench", "instance_id": "x__y-1"}
 
@@ -25,24 +28,30 @@ def node(parent: str, appended: list[int], response: list[int], text: str, creat
                     response_text=text, created_at=created_at, history_rewritten=rewritten)
 
 
-def finish(bus, **finished) -> tuple[list, str]:
+def finish(bus, redis_url, **finished) -> tuple[list, str]:
     """A session of two conversations (the second a fork of the first's first turn), finished; its events
     and the attempt they share."""
-    store = SessionStore(bus, ttl_s=600, finish_grace_s=60)
     spec = SessionSpec(rollout_id="r3", group_id="g3", trajectory_id="t3", session_id="s3", sample_index=6,
                        group_size=2, label="42", reward_fn="numeric_match", sandbox_check=None, grader=GRADER,
                        metadata={"task": "fix"}, sampling={"seed": 11})
-    session, _ = store.create(spec)
-    assert store.add_turn("s3", "a", node(ROOT, [1, 2], [3, 4], "first", 1.0, server=""))
-    assert store.add_turn("s3", "b", node("a", [5], [6], "second", 2.0, rewritten=True))
-    assert store.add_turn("s3", "c", node("a", [7, 8], [9], "forked", 3.0, server="http://vllm-b"))
-    assert store.finish("s3", lambda pipe, samples: publish_samples(bus, pipe, session, samples, **finished))
+
+    async def scenario():
+        async with session_store(bus, redis_url) as store:
+            session, _ = await store.create(spec)
+            assert await store.add_turn("s3", "a", node(ROOT, [1, 2], [3, 4], "first", 1.0, server=""))
+            assert await store.add_turn("s3", "b", node("a", [5], [6], "second", 2.0, rewritten=True))
+            forked = node("a", [7, 8], [9], "forked", 3.0, server="http://vllm-b")
+            assert await store.add_turn("s3", "c", forked)
+            assert store.finish("s3", lambda pipe, samples: publish_samples(bus, pipe, session, samples,
+                                                                            **finished))
+
+    asyncio.run(scenario())
     published = bus.read_all("trajectories")
     return published, published[0].envelope.event_id.split(":")[1]
 
 
-def test_a_finished_session_publishes_its_leaves_as_one_rollout_with_idempotency_ids(bus):
-    published, attempt = finish(bus, status="truncated", reward=0.5, response_text=None,
+def test_a_finished_session_publishes_its_leaves_as_one_rollout_with_idempotency_ids(bus, redis_url):
+    published, attempt = finish(bus, redis_url, status="truncated", reward=0.5, response_text=None,
                                 artifacts={"diff": "runs/r3.diff"}, error=None)
     prefix = f"r3:{attempt}"
     assert [d.envelope.event_id for d in published] == [
@@ -77,8 +86,9 @@ def test_a_finished_session_publishes_its_leaves_as_one_rollout_with_idempotency
     ]
 
 
-def test_the_finish_may_name_the_final_answer_and_the_error(bus):
-    published, _ = finish(bus, status="failed", reward=None, response_text="the answer", artifacts={}, error="boom")
+def test_the_finish_may_name_the_final_answer_and_the_error(bus, redis_url):
+    published, _ = finish(bus, redis_url, status="failed", reward=None, response_text="the answer", artifacts={},
+                          error="boom")
     finished = published[-1].event
     assert isinstance(finished, TrajectoryFinished)
     assert (finished.status, finished.response_text, finished.error, finished.reward) == (

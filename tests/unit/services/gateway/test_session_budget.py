@@ -6,12 +6,14 @@ session_ttl_s after its last request."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
 from rollstream.services.gateway.samples import publish_samples
-from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
+from rollstream.services.gateway.sessions import ROOT, SessionSpec, TurnNode, expires_at, open_sessions
+from tests.unit.services.gateway.stores import session_store
 
 BUDGET_S = 0.4
 GRACE_S = 0.6
@@ -22,11 +24,19 @@ def redis_url(request):
     return request.getfixturevalue({"redis": "machine_redis_url", "cluster": "redis_cluster_url"}[request.param])
 
 
-def open_session(bus, session_id: str = "s1", budget_s: float | None = BUDGET_S, ttl_s: int = 600):
-    store = SessionStore(bus, ttl_s=ttl_s, finish_grace_s=GRACE_S)
-    session, _ = store.create(SessionSpec(rollout_id="r1", group_id="g1", trajectory_id="r1", session_id=session_id,
-                                          time_budget_s=budget_s))
-    return store, session
+async def open_session(store, session_id: str = "s1", budget_s: float | None = BUDGET_S):
+    session, _ = await store.create(SessionSpec(rollout_id="r1", group_id="g1", trajectory_id="r1",
+                                                session_id=session_id, time_budget_s=budget_s))
+    return session
+
+
+def run(bus, redis_url, scenario, ttl_s: int = 600):
+    """The test's coroutine, given a store on the bus's Redis."""
+    async def main():
+        async with session_store(bus, redis_url, ttl_s=ttl_s, finish_grace_s=GRACE_S) as store:
+            await scenario(store)
+
+    asyncio.run(main())
 
 
 def turn(parent: str = ROOT) -> TurnNode:
@@ -50,57 +60,73 @@ def sleep_until(at: float) -> None:
     time.sleep(max(0.0, at - time.time()) + 0.05)
 
 
-def test_a_sessions_keys_expire_at_its_deadline_plus_the_grace_however_busy_it_was(bus):
-    store, session = open_session(bus)
-    assert session.ends_at == session.deadline + GRACE_S
-    assert store.add_turn("s1", "a", turn())
-    assert store.add_turn("s1", "b", turn("a"))  # turns do not push the end out, as they push the idle TTL
-    assert len(session_keys(bus)) == 3
-    assert store.get("s1").ends_at == session.ends_at
-    assert session.ends_at - 0.002 < store.expires_at("s1") <= session.ends_at
-    assert [s.spec.session_id for s in store.open_sessions()] == ["s1"]
+def test_a_sessions_keys_expire_at_its_deadline_plus_the_grace_however_busy_it_was(bus, redis_url):
+    async def scenario(store):
+        session = await open_session(store)
+        assert session.ends_at == session.deadline + GRACE_S
+        assert await store.add_turn("s1", "a", turn())
+        # turns do not push the end out, as they push the idle TTL
+        assert await store.add_turn("s1", "b", turn("a"))
+        assert len(session_keys(bus)) == 3
+        assert (await store.get("s1")).ends_at == session.ends_at
+        assert session.ends_at - 0.002 < expires_at(bus, "s1") <= session.ends_at
+        assert [s.spec.session_id for s in open_sessions(bus)] == ["s1"]
 
-    sleep_until(session.ends_at)  # nobody finished it: an agent-runner killed mid-episode
-    assert session_keys(bus) == [] and store.get("s1") is None and store.open_sessions() == []
-    assert not store.finish("s1", publisher(bus, session))
-    assert bus.read_all("trajectories") == []
+        sleep_until(session.ends_at)  # nobody finished it: an agent-runner killed mid-episode
+        assert session_keys(bus) == [] and await store.get("s1") is None and open_sessions(bus) == []
+        assert not store.finish("s1", publisher(bus, session))
+        assert bus.read_all("trajectories") == []
 
-
-def test_a_finish_after_the_deadline_but_within_the_grace_publishes_the_session(bus):
-    store, session = open_session(bus)
-    assert store.add_turn("s1", "a", turn())
-    sleep_until(session.deadline)
-    assert store.get("s1").expired()  # turns are refused from here on (403), the finish is not
-    assert store.finish("s1", publisher(bus, session))
-    events = [d.event.TYPE for d in bus.read_all("trajectories")]
-    assert events == ["TrajectoryStarted", "TrajectoryTurn", "TrajectorySegment", "TrajectoryFinished"]
-    assert store.open_sessions() == []
-    sleep_until(session.ends_at)  # the finished session's state goes at the same end
-    assert session_keys(bus) == []
+    run(bus, redis_url, scenario)
 
 
-def test_a_finish_that_the_end_overtakes_publishes_nothing(bus):
+def test_a_finish_after_the_deadline_but_within_the_grace_publishes_the_session(bus, redis_url):
+    async def scenario(store):
+        session = await open_session(store)
+        assert await store.add_turn("s1", "a", turn())
+        sleep_until(session.deadline)
+        assert (await store.get("s1")).expired()  # turns are refused from here on (403), the finish is not
+        assert store.finish("s1", publisher(bus, session))
+        events = [d.event.TYPE for d in bus.read_all("trajectories")]
+        assert events == ["TrajectoryStarted", "TrajectoryTurn", "TrajectorySegment", "TrajectoryFinished"]
+        assert open_sessions(bus) == []
+        sleep_until(session.ends_at)  # the finished session's state goes at the same end
+        assert session_keys(bus) == []
+
+    run(bus, redis_url, scenario)
+
+
+def test_a_finish_that_the_end_overtakes_publishes_nothing(bus, redis_url):
     """The finish's transaction watches the session's keys: their expiring before it commits refuses it
     whole, so no sample of a session is published after the session ended."""
-    store, session = open_session(bus)
-    assert store.add_turn("s1", "a", turn())
-    assert not store.finish("s1", publisher(bus, session, before=lambda: sleep_until(session.ends_at)))
-    assert bus.read_all("trajectories") == [] and session_keys(bus) == []
+    async def scenario(store):
+        session = await open_session(store)
+        assert await store.add_turn("s1", "a", turn())
+        assert not store.finish("s1", publisher(bus, session, before=lambda: sleep_until(session.ends_at)))
+        assert bus.read_all("trajectories") == [] and session_keys(bus) == []
+
+    run(bus, redis_url, scenario)
 
 
-def test_a_session_without_a_budget_expires_its_ttl_after_its_last_request(bus):
-    store, session = open_session(bus, budget_s=None, ttl_s=60)
-    assert session.ends_at is None and store.get("s1").ends_at is None
-    time.sleep(0.3)
-    assert store.add_turn("s1", "a", turn())
-    expires = store.expires_at("s1")
-    assert time.time() + 59 < expires <= time.time() + 60  # counted from the turn, not from the creation
-    assert store.open_sessions()[0].ends_at is None
+def test_a_session_without_a_budget_expires_its_ttl_after_its_last_request(bus, redis_url):
+    async def scenario(store):
+        session = await open_session(store, budget_s=None)
+        assert session.ends_at is None and (await store.get("s1")).ends_at is None
+        await asyncio.sleep(0.3)
+        assert await store.add_turn("s1", "a", turn())
+        expires = expires_at(bus, "s1")
+        assert time.time() + 59 < expires <= time.time() + 60  # counted from the turn, not from the creation
+        assert open_sessions(bus)[0].ends_at is None
+
+    run(bus, redis_url, scenario, ttl_s=60)
 
 
-def test_only_open_sessions_are_listed(bus):
-    store, first = open_session(bus, "s1")
-    open_session(bus, "s2")
-    assert store.add_turn("s1", "a", turn())
-    assert store.finish("s1", publisher(bus, first))
-    assert [s.spec.session_id for s in store.open_sessions()] == ["s2"]
+def test_only_open_sessions_are_listed(bus, redis_url):
+    async def scenario(store):
+        first = await open_session(store, "s1")
+        await open_session(store, "s2")
+        assert await store.add_turn("s1", "a", turn())
+        assert store.finish("s1", publisher(bus, first))
+        assert [s.spec.session_id for s in open_sessions(bus)] == ["s2"]
+
+    run(bus, redis_url, scenario)
