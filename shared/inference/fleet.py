@@ -13,7 +13,8 @@ on /metrics (`refresh_load()`, or a background `start_load_refresh()`); without 
 connection error or a 5xx marks a server unhealthy for a cool-down and the call is retried on the next
 server; when no server can serve, FleetUnavailable. Every request carries `X-Session-ID` and a routing
 header (`X-SMG-Routing-Key` unless fleet.routing_header names another) so that an external router
-(vllm-router, SGLang model gateway) in front of the fleet keeps the same stickiness.
+(vllm-router, SGLang model gateway) in front of the fleet keeps the same stickiness. Requests go through
+httpx's interface on aiohttp's client (aiohttp_transport.py), a generation straight to the transport.
 
 The trainer / fleet controller uses the per-server helpers: `reload_weights()` (pause, reload from an HF
 safetensors directory on the server's filesystem, reset the prefix cache, resume), `prompt_logprobs()`
@@ -45,7 +46,6 @@ import hashlib
 import json
 import math
 import time
-import zlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -60,6 +60,7 @@ from rollstream.shared.errors import (
     RollstreamError,
     WeightSyncError,
 )
+from rollstream.shared.inference.aiohttp_transport import AiohttpTransport
 
 if TYPE_CHECKING:
     from rollstream.shared.runtime.config import Settings
@@ -67,10 +68,7 @@ if TYPE_CHECKING:
 SESSION_HEADER = "X-Session-ID"
 ROUTING_HEADER = "X-SMG-Routing-Key"
 KEEPALIVE_EXPIRY_S = 2.0
-POOLS = 8
-"""Connection pools the generation requests are spread over, by session. httpcore's pool does work linear in
-its connections each time a request starts or ends (every idle one's socket is polled for readability), so
-with hundreds of concurrent sessions on one pool that bookkeeping took half the gateway's event loop."""
+MAX_CONNECTIONS = 1024
 RUNNING_METRIC = "vllm:num_requests_running"
 WAITING_METRIC = "vllm:num_requests_waiting"
 KV_CACHE_METRIC = "vllm:kv_cache_usage_perc"
@@ -169,19 +167,16 @@ class FleetClient:
         self.server_load: dict[str, ServerLoad | None] = {u: None for u in self.urls}
         self._unhealthy_until = {u: 0.0 for u in self.urls}
         self._load_refresher: asyncio.Task | None = None
-        self._pools = [
-            httpx.AsyncClient(
-                transport=transport,
-                timeout=httpx.Timeout(timeout_s, connect=5.0),
-                # Below vLLM's own keep-alive (5 s): a connection the server is closing is never picked for a
-                # request, which would fail with a ReadError and put the server in its cool-down.
-                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256 // POOLS,
-                                    keepalive_expiry=KEEPALIVE_EXPIRY_S),
-            )
-            for _ in range(1 if transport is not None else POOLS)  # a given transport is one pool already
-        ]
-        self._http = self._pools[0]
-        """For what is not a session's generation: /metrics, /health, scoring, weight syncs."""
+        # Idle connections expire before vLLM's own keep-alive (5 s) ends them: a connection the server is
+        # closing is never picked for a request, which would fail with a ReadError and put the server in its
+        # cool-down.
+        self._transport = transport or AiohttpTransport(max_connections=MAX_CONNECTIONS,
+                                                        keepalive_expiry_s=KEEPALIVE_EXPIRY_S)
+        self._timeout = httpx.Timeout(timeout_s, connect=5.0)
+        self._http = httpx.AsyncClient(transport=self._transport, timeout=self._timeout)
+        """For what is not a generation: /metrics, /health, scoring, weight syncs. A generation goes to the
+        transport itself (`_send`): httpx's client layer (redirects, cookies, auth, hooks, none of which it
+        has) cost more CPU time than the rest of the request."""
 
     @classmethod
     def for_run(cls, settings: Settings, **options: Any) -> FleetClient:
@@ -198,8 +193,7 @@ class FleetClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._load_refresher
             self._load_refresher = None
-        for pool in self._pools:
-            await pool.aclose()
+        await self._http.aclose()
 
     async def __aenter__(self) -> FleetClient:
         return self
@@ -313,7 +307,11 @@ class FleetClient:
             self.in_flight[url] += 1
             started = time.perf_counter()
             try:
-                response = await self._pool(session_id).post(f"{url}/v1/completions", json=body, headers=headers)
+                response = await self._send(url, body, headers)
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
             except httpx.TransportError as exc:
                 failures.append(f"{url}: {type(exc).__name__}: {exc}")
                 self.mark_unhealthy(url)
@@ -378,7 +376,7 @@ class FleetClient:
                 request_body["min_tokens"] = max(0, int(request_body["min_tokens"]) - len(yielded))
             self.in_flight[url] += 1
             try:
-                async with contextlib.aclosing(self._stream_from(url, request_body, headers, session_id)) as deltas:
+                async with contextlib.aclosing(self._stream_from(url, request_body, headers)) as deltas:
                     async for delta in deltas:
                         yielded.extend(delta.token_ids)
                         yield delta
@@ -390,15 +388,17 @@ class FleetClient:
             finally:
                 self.in_flight[url] -= 1
 
-    def _pool(self, session_id: str) -> httpx.AsyncClient:
-        """The session's own pool: its turns, one after another, reuse its connections."""
-        return self._pools[zlib.crc32(session_id.encode()) % len(self._pools)]
+    async def _send(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+        """POST /v1/completions on `url`; the caller reads the answer's body and closes the answer."""
+        request = httpx.Request("POST", f"{url}/v1/completions", json=body, headers=headers,
+                                extensions={"timeout": self._timeout.as_dict()})
+        return await self._transport.handle_async_request(request)
 
     async def _stream_from(
-        self, url: str, body: dict[str, Any], headers: dict[str, str], session_id: str
+        self, url: str, body: dict[str, Any], headers: dict[str, str]
     ) -> AsyncIterator[StreamDelta]:
-        pool = self._pool(session_id)
-        async with pool.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
+        response = await self._send(url, body, headers)
+        async with contextlib.aclosing(response):
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 if response.status_code >= 500:
