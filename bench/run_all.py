@@ -291,7 +291,9 @@ def report(outcomes: list[Outcome], smoke: bool, host: dict[str, str]) -> str:
         out += ["| measured | value | baseline | value | unit | ratio |", "|---|---|---|---|---|---|"]
         out += [f"| {f['what']} | {number(f['value'])} | {f['baseline_what']} | {number(f['baseline'])} | "
                 f"{f['unit']} | {number(f['ratio'])} |" for f in o.figures]
-        out += [f"\n{note}" for note in o.notes]
+        for note in o.notes:
+            first, *more = note.splitlines() or [""]
+            out += ["", first, *(["```", *more, "```"] if more else [])]  # a log tail stays as printed
         out.append(f"\nTook {seconds(o.seconds)}; {load}.")
     return "\n".join(out) + "\n"
 

@@ -11,8 +11,9 @@ import platform
 import sys
 
 from bench.gateway_latency import TABLE_HEADER, Measured, format_table, table_row
-from bench.run_all import BENCHMARKS, gateway_figures
+from bench.run_all import BENCHMARKS, Outcome, gateway_figures, report
 from rollstream.cli.vllm_server import free_port
+from tests.support import REPO
 from tests.unit.bench.smoke import run_command
 
 
@@ -61,6 +62,17 @@ def test_an_unknown_benchmark_is_refused_with_the_known_names(tmp_path):
     code, output, report = run_all(tmp_path, "--only", "encoding,nonsense")
     assert code != 0 and not report
     assert "unknown benchmark nonsense" in output and all(b.name in output for b in BENCHMARKS)
+
+
+def test_a_note_of_several_lines_keeps_them_as_printed():
+    figure = {"what": "w", "value": 1.0, "baseline_what": "b", "baseline": 2.0, "unit": "s", "ratio": 0.5}
+    command = [sys.executable, str(REPO / "bench" / "bench_encoding.py")]
+    outcome = Outcome(BENCHMARKS[0], command, figures=[figure],
+                      notes=["one line", "litellm: not measured:\n    Traceback\n      ImportError"])
+    written = section(report([outcome], smoke=True, host={"CPU": "x"}), "encoding").splitlines()
+    at = written.index("litellm: not measured:")
+    assert "one line" in written
+    assert written[at + 1:at + 5] == ["```", "    Traceback", "      ImportError", "```"]
 
 
 def test_gateway_figures_compare_each_endpoint_with_direct_at_the_same_sessions():
