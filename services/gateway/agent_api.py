@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Header
@@ -23,7 +23,7 @@ from rollstream.services.gateway.apis import anthropic_messages, openai_chat, op
 from rollstream.services.gateway.apis.canonical import ChatRequest, Generation, StreamEvent
 from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.app_state import AppState, app_state
-from rollstream.services.gateway.prompts import plan_turn
+from rollstream.services.gateway.prompts import History, plan_turn
 from rollstream.services.gateway.sessions import Session
 from rollstream.services.gateway.turns import Turn, generate, run_turn
 
@@ -52,9 +52,11 @@ async def base_url(session_id: str) -> Response:
     return Response(status_code=200)
 
 
-async def open_session(state: AppState, session_id: str, authorization: str | None,
-                       api_key: str | None) -> Session:
-    session = await state.store.get(session_id)
+async def open_session(state: AppState, session_id: str, authorization: str | None, api_key: str | None,
+                       node_keys: Sequence[str] = ()) -> Session:
+    """The session, if the request may use it (404, 401, 410 or 403 otherwise), read with those of
+    `node_keys` that exist (Session.nodes)."""
+    session = await state.store.get(session_id, node_keys)
     if session is None:
         raise RequestError(404, f"no session {session_id!r} (never created, deleted, or expired)",
                            kind="not_found_error")
@@ -70,6 +72,20 @@ async def open_session(state: AppState, session_id: str, authorization: str | No
         raise RequestError(403, f"session {session_id}'s time budget of {session.spec.time_budget_s} s is "
                                 "spent", kind="permission_error")
     return session
+
+
+async def open_turn(state: AppState, session_id: str, authorization: str | None, api_key: str | None,
+                    parse: Callable[[Any], ChatRequest], body: Any) -> tuple[Session, ChatRequest, History]:
+    """The session and the request parsed into a turn. The request is parsed first, so that the session is
+    read with the turns its history may continue, in one round trip; a request that is malformed gets its 400
+    only after the session's own refusals, as a malformed request for a session it may not use gets those."""
+    try:
+        chat = parse(body)
+    except RequestError:
+        await open_session(state, session_id, authorization, api_key)
+        raise
+    history = History.of(chat)
+    return await open_session(state, session_id, authorization, api_key, history.answered), chat, history
 
 
 def ignored_tools_headers(state: AppState, session: Session, chat: ChatRequest) -> dict[str, str]:
@@ -93,15 +109,15 @@ async def _replay(first: StreamEvent, rest: AsyncIterator[StreamEvent]) -> Async
         yield event
 
 
-async def answer(state: AppState, session: Session, chat: ChatRequest, api: str,
+async def answer(state: AppState, session: Session, chat: ChatRequest, history: History, api: str,
                  respond: Callable[[Generation], dict[str, Any]],
                  stream: Callable[[Turn], AsyncIterator[str]]) -> Response:
     """The turn in the dialect's shape: `respond` renders a whole generation, `stream` a turn's events."""
     headers = ignored_tools_headers(state, session, chat)
     if not chat.stream:
-        generation = await generate(state.gateway, session, chat, api)
+        generation = await generate(state.gateway, session, chat, history, api)
         return JSONResponse(respond(generation), headers=headers)
-    turn = await run_turn(state.gateway, session, chat, api)
+    turn = await run_turn(state.gateway, session, chat, history, api)
     # The first event comes after a server took the request: errors up to there still get a status of
     # their own.
     first = await anext(turn.events)
@@ -113,11 +129,11 @@ async def answer(state: AppState, session: Session, chat: ChatRequest, api: str,
 async def chat_completions(session_id: str, body: dict[str, Any] = example_body("chat"),
                            authorization: str | None = Header(None), x_api_key: str | None = Header(None),
                            state: AppState = Depends(app_state)) -> Response:
-    session = await open_session(state, session_id, authorization, x_api_key)
-    chat = openai_chat.parse_chat_completions(body)
+    session, chat, history = await open_turn(state, session_id, authorization, x_api_key,
+                                             openai_chat.parse_chat_completions, body)
     response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     return await answer(
-        state, session, chat, "chat",
+        state, session, chat, history, "chat",
         lambda g: openai_chat.chat_completion_response(g, model=chat.model, response_id=response_id,
                                                        created=created, freeform_tools=chat.freeform_tools),
         lambda turn: openai_chat.chat_completion_sse(turn.events, model=chat.model, response_id=response_id,
@@ -129,11 +145,11 @@ async def chat_completions(session_id: str, body: dict[str, Any] = example_body(
 async def responses(session_id: str, body: dict[str, Any] = example_body("responses"),
                     authorization: str | None = Header(None), x_api_key: str | None = Header(None),
                     state: AppState = Depends(app_state)) -> Response:
-    session = await open_session(state, session_id, authorization, x_api_key)
-    chat = openai_responses.parse_responses(body)
+    session, chat, history = await open_turn(state, session_id, authorization, x_api_key,
+                                             openai_responses.parse_responses, body)
     response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     return await answer(
-        state, session, chat, "responses",
+        state, session, chat, history, "responses",
         lambda g: openai_responses.responses_response(g, chat, response_id=response_id, created=created),
         lambda turn: openai_responses.responses_sse(turn.events, chat, response_id=response_id,
                                                     created=created))
@@ -143,11 +159,11 @@ async def responses(session_id: str, body: dict[str, Any] = example_body("respon
 async def messages(session_id: str, body: dict[str, Any] = example_body("messages"),
                    authorization: str | None = Header(None), x_api_key: str | None = Header(None),
                    state: AppState = Depends(app_state)) -> Response:
-    session = await open_session(state, session_id, authorization, x_api_key)
-    chat = anthropic_messages.parse_messages(body)
+    session, chat, history = await open_turn(state, session_id, authorization, x_api_key,
+                                             anthropic_messages.parse_messages, body)
     message_id = f"msg_{uuid.uuid4().hex}"
     return await answer(
-        state, session, chat, "messages",
+        state, session, chat, history, "messages",
         lambda g: anthropic_messages.messages_response(g, model=chat.model, message_id=message_id),
         lambda turn: anthropic_messages.messages_sse(turn.events, model=chat.model, message_id=message_id,
                                                      prompt_tokens=turn.prompt_tokens))
@@ -157,11 +173,11 @@ async def messages(session_id: str, body: dict[str, Any] = example_body("message
 async def count_tokens(session_id: str, body: dict[str, Any] = example_body("count_tokens"),
                        authorization: str | None = Header(None), x_api_key: str | None = Header(None),
                        state: AppState = Depends(app_state)) -> Response:
-    session = await open_session(state, session_id, authorization, x_api_key)
-    chat = anthropic_messages.parse_count_tokens(body)
+    session, chat, history = await open_turn(state, session_id, authorization, x_api_key,
+                                             anthropic_messages.parse_count_tokens, body)
     headers = ignored_tools_headers(state, session, chat)
-    planned = await plan_turn(state.gateway.template.with_thinking(chat.thinking), state.store,
-                              session.spec.session_id, chat, state.settings.gateway.max_prompt_tokens)
+    planned = await plan_turn(state.gateway.template.with_thinking(chat.thinking), state.store, session, chat,
+                              history, state.settings.gateway.max_prompt_tokens)
     return JSONResponse(anthropic_messages.count_tokens_response(len(planned.prompt_ids)), headers=headers)
 
 

@@ -15,10 +15,11 @@ recorded ids (what the model saw and sampled, reasoning included), then the new 
 renders them after an answer (`ChatTemplate.text_after`), and the turn says `history_rewritten`, which the
 sample's metadata reports. gateway.on_rewritten_history = "fork" starts a new conversation instead.
 
-`plan_turn` reads the session's nodes on the event loop (one round trip: the nodes of every conversation the
-history holds, which are the chain of the deepest one), then renders and tokenizes in a worker thread: Jinja
-rendering and tokenizing hold the GIL for milliseconds (tokenizing about 0.4 us a character). A request of
-fewer than INLINE_CHARACTERS is rendered and tokenized on the loop: that takes less than the hop to a thread.
+A request's `History` (its messages' node keys) is made before its session is read, which reads the nodes of
+every conversation the history holds (the chain of the deepest one) in the same round trip. `plan_turn` then
+renders and tokenizes in a worker thread: Jinja rendering and tokenizing hold the GIL for milliseconds
+(tokenizing about 0.4 us a character). A request of fewer than INLINE_CHARACTERS is rendered and tokenized on
+the event loop: that takes less than the hop to a thread.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from typing import Any
 
 from rollstream.services.gateway.apis.canonical import ChatRequest, message_key
 from rollstream.services.gateway.apis.errors import RequestError
-from rollstream.services.gateway.sessions import ROOT, SessionStore, TurnNode, conversation_keys
+from rollstream.services.gateway.sessions import ROOT, Session, SessionStore, TurnNode, conversation_keys
 from rollstream.shared.errors import TemplateError
 
 INLINE_CHARACTERS = 2048
-"""Requests whose messages (content, tool calls, reasoning) and tools are shorter are rendered and tokenized on
-the event loop (under a millisecond); longer ones in a worker thread."""
+"""Requests whose messages (content, tool calls, reasoning) and tools are shorter are rendered and tokenized
+on the event loop (under a millisecond); longer ones in a worker thread."""
 PROBE = "\x00probe\x00"
 MARKER = "\x00rollstream-continuation\x00"
 
@@ -117,6 +118,27 @@ def turn_key(message: dict[str, Any]) -> str:
     return repr(message_key(message))
 
 
+@dataclass(frozen=True)
+class History:
+    """A request's messages as the session's tree names them (sessions.py): each message's key (`turn_key`),
+    the node key of the conversation up to each message, and of those an answer closes, deepest last: the
+    turns the request may continue, whose nodes are read with the session."""
+
+    tools: str
+    """The request's tools as `tools_key` writes them."""
+    keys: list[str]
+    conversation: list[str]
+    answered: list[str]
+
+    @classmethod
+    def of(cls, request: ChatRequest) -> History:
+        tools = tools_key(request.tools)
+        keys = [turn_key(m) for m in request.messages]
+        conversation = conversation_keys(tools, keys)
+        answered = [conversation[i] for i, m in enumerate(request.messages) if m["role"] == "assistant"]
+        return cls(tools, keys, conversation, answered)
+
+
 @dataclass
 class PlannedTurn:
     parent: str
@@ -135,27 +157,25 @@ class PlannedTurn:
         return self.prefix_ids + self.appended_ids
 
 
-async def plan_turn(template: ChatTemplate, store: SessionStore, session_id: str, request: ChatRequest,
-                    max_prompt_tokens: int, on_rewritten_history: str = "continue") -> PlannedTurn:
-    """The prompt of the request's turn. When the template renders the answered history differently now
-    that more follows (`history_rewritten`), "continue" keeps the recorded ids and appends the new
-    messages as the template renders them after an answer; "fork" starts a new conversation."""
+async def plan_turn(template: ChatTemplate, store: SessionStore, session: Session, request: ChatRequest,
+                    history: History, max_prompt_tokens: int,
+                    on_rewritten_history: str = "continue") -> PlannedTurn:
+    """The prompt of the request's turn, in `session` as read with the nodes of `history.answered`. When the
+    template renders the answered history differently now that more follows (`history_rewritten`),
+    "continue" keeps the recorded ids and appends the new messages as the template renders them after an
+    answer; "fork" starts a new conversation."""
     messages = request.messages
     if not messages:
         raise RequestError(400, "messages: at least one message is needed", param="messages")
     if messages[-1]["role"] == "assistant":
         raise RequestError(400, "the last message is the assistant's: continuing a prefilled answer is not "
                                 "supported; end with a user or tool message", param="messages")
-    keys = [turn_key(m) for m in messages]
-    tools = tools_key(request.tools)
-    conversation = conversation_keys(tools, keys)
-    answered = [conversation[i] for i, m in enumerate(messages) if m["role"] == "assistant"]
-    known = await store.nodes(session_id, answered)
-    parent = next((key for key in reversed(answered) if key in known), ROOT)
-    chain = await store.chain(session_id, parent, known)
-    work = (template, request, keys, conversation, chain, parent, on_rewritten_history)
+    parent = next((key for key in reversed(history.answered) if key in session.nodes), ROOT)
+    chain = await store.chain(session.spec.session_id, parent, session.nodes)
+    work = (template, request, history, chain, parent, on_rewritten_history)
     # the message keys hold each message's content, calls and arguments; the reasoning they leave out
-    size = len(tools) + sum(map(len, keys)) + sum(len(m.get("reasoning_content") or "") for m in messages)
+    size = (len(history.tools) + sum(map(len, history.keys))
+            + sum(len(m.get("reasoning_content") or "") for m in messages))
     if size < INLINE_CHARACTERS:
         planned = _render_turn(*work)
     else:
@@ -167,14 +187,14 @@ async def plan_turn(template: ChatTemplate, store: SessionStore, session_id: str
     return planned
 
 
-def _render_turn(template: ChatTemplate, request: ChatRequest, keys: list[str], conversation: list[str],
-                 chain: list[TurnNode], parent: str, on_rewritten_history: str) -> PlannedTurn:
+def _render_turn(template: ChatTemplate, request: ChatRequest, history: History, chain: list[TurnNode],
+                 parent: str, on_rewritten_history: str) -> PlannedTurn:
     """The turn's prompt: after `chain`, the deepest recorded turn the history continues, when the template
     lets it continue there; else the whole history rendered and tokenized."""
     messages = request.messages
     full = template.render(messages, request.tools, add_generation_prompt=True)
     if chain:
-        closes = conversation.index(parent)
+        closes = history.conversation.index(parent)
         before = template.render(messages[: closes + 1], request.tools, add_generation_prompt=False)
         if full.startswith(before):
             new_text, rewritten = full[len(before):], False
@@ -183,8 +203,8 @@ def _render_turn(template: ChatTemplate, request: ChatRequest, keys: list[str], 
         if new_text is not None and not (rewritten and on_rewritten_history == "fork"):
             prefix = [t for n in chain for t in (*n.appended_ids, *n.response_ids)]
             delta = template.glue_after(chain[-1]) + new_text
-            return PlannedTurn(parent, prefix, template.encode(delta), keys, rewritten)
-    return PlannedTurn(ROOT, [], template.encode(full), keys)
+            return PlannedTurn(parent, prefix, template.encode(delta), history.keys, rewritten)
+    return PlannedTurn(ROOT, [], template.encode(full), history.keys)
 
 
 def answer_key(request: ChatRequest, planned: PlannedTurn, answer: dict[str, Any]) -> str:

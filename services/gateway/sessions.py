@@ -27,7 +27,7 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ import msgspec
 import redis
 import redis.asyncio
 from pydantic import ConfigDict, Field
+from redis.exceptions import NoScriptError
 
 from rollstream.shared.contract.bus import Bus, Keys
 from rollstream.shared.contract.events import Count, Index, SampleGrading, TrajectoryTurn
@@ -80,6 +81,9 @@ class Session:
     fleet_versions: dict[str, int] = field(default_factory=dict)
     """The fleet's policy versions (server url -> version) when the session was read: a turn's versions
     before its generation (SessionStore.get reads them in the session's round trip)."""
+    nodes: dict[str, TurnNode] = field(default_factory=dict)
+    """Those of the turn nodes asked for with the session that exist (SessionStore.get's node_keys): for a
+    request, the turns its history may continue."""
 
     @property
     def deadline(self) -> float | None:
@@ -169,6 +173,14 @@ return 1
 """
 """KEYS: the session, its nodes, its parents; ARGV: the node's key, the node, its parent ('' for ROOT), when
 the keys expire (ms) unless the session ends sooner. 0: the session is not open."""
+_AMEND = """
+if redis.call('HGET', KEYS[1], 'status') == 'open' and redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then
+    redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+end
+return 1
+"""
+"""KEYS: the session, its nodes; ARGV: a node's key, the node as recorded, the node to record instead: while the
+session is open and the node is still the one recorded."""
 
 
 def _session_key(keys: Keys, session_id: str, *parts: str) -> str:
@@ -194,10 +206,11 @@ def _versions(raw: dict[bytes, bytes]) -> dict[str, int]:
 
 
 class SessionStore:
-    """Sessions of one run, on the run's Redis. What a turn does (read the session, its nodes and the fleet's
-    versions, record the turn) and creating and deleting a session run on the gateway's event loop through
-    an asyncio client (connect_async_redis), each one round trip, with no hop to a worker thread: the
-    creation and a turn's record are scripts, atomic on Redis. A finish is a WATCH transaction (it publishes
+    """Sessions of one run, on the run's Redis. What a turn does and creating and deleting a session run on the
+    gateway's event loop through an asyncio client (connect_async_redis), with no hop to a worker thread: a
+    turn is two round trips, one that reads the session, the fleet's versions and the nodes its history
+    holds, one that reads its server's version and records it. The creation and a turn's record are
+    scripts, atomic on Redis. A finish is a WATCH transaction (it publishes
     the samples it read), which redis-py's asyncio cluster client does not run (8.1 never awaits the
     commands it sends after WATCH): it runs on the bus's own client, in a worker thread, once a session."""
 
@@ -210,6 +223,7 @@ class SessionStore:
         self.finish_grace_s = finish_grace_s
         self._create = client.register_script(_CREATE)
         self._add_turn = client.register_script(_ADD_TURN)
+        self._amend = client.register_script(_AMEND)
 
     def _key(self, session_id: str, *parts: str) -> str:
         return _session_key(self.bus.keys, session_id, *parts)
@@ -236,21 +250,21 @@ class SessionStore:
             return None
         return session, api_key
 
-    async def get(self, session_id: str) -> Session | None:
-        """The session, and in the same round trip the fleet's policy versions (Session.fleet_versions)."""
+    async def get(self, session_id: str, node_keys: Sequence[str] = ()) -> Session | None:
+        """The session, and in the same round trip the fleet's policy versions (Session.fleet_versions) and
+        those of `node_keys` that exist (Session.nodes): for a request, the keys of the conversations its
+        history holds, which are the chain of the deepest one (`chain` reads none of them again)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(self._key(session_id))
             pipe.hgetall(self.bus.keys.fleet_versions)
-            raw, versions = await pipe.execute()
-        return _session_of(raw, _versions(versions))
-
-    async def nodes(self, session_id: str, keys: list[str]) -> dict[str, TurnNode]:
-        """Those of the node keys that exist, decoded: for a request, the keys of the conversations its
-        history holds, which are the chain of the deepest one (`chain` reads none of them again)."""
-        if not keys:
-            return {}
-        found = await self.redis.hmget(self._key(session_id, "nodes"), keys)
-        return {key: _node_decoder.decode(raw) for key, raw in zip(keys, found) if raw is not None}
+            if node_keys:
+                pipe.hmget(self._key(session_id, "nodes"), node_keys)
+            raw, versions, *found = await pipe.execute()
+        session = _session_of(raw, _versions(versions))
+        if session is not None and found:
+            session.nodes = {key: _node_decoder.decode(node) for key, node in zip(node_keys, found[0])
+                             if node is not None}
+        return session
 
     async def chain(self, session_id: str, key: str, known: dict[str, TurnNode]) -> list[TurnNode]:
         """The nodes from the conversation's root to `key`, in order; those in `known` are not read."""
@@ -273,12 +287,28 @@ class SessionStore:
         the fleet's record gives its server (node.server_url) as it is recorded: the version after the
         generation; the node's own where the record has none."""
         # Redis lets a script name only keys its user may write, and the gateway's may only read the fleet's
-        # record: it is read on its own, just before.
-        version = await self.redis.hget(self.bus.keys.fleet_versions, node.server_url)
-        if version is not None:
-            node = msgspec.structs.replace(node, policy_version_end=int(version))
-        args = [key, _encoder.encode(node), node.parent, self._expire_at_ms(None)]
-        return bool(await self._add_turn(keys=_session_keys(self.bus.keys, session_id), args=args))
+        # record: it is read beside the script, in the same round trip, and the node amended in the rare turn
+        # that a weight sync of its server ended during.
+        keys = _session_keys(self.bus.keys, session_id)
+        encoded = _encoder.encode(node)
+        while True:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hget(self.bus.keys.fleet_versions, node.server_url)
+                # by name: a cluster pipeline refuses its evalsha method, for keys that may lie in several
+                # slots; these all lie in the run's
+                pipe.execute_command("EVALSHA", self._add_turn.sha, len(keys), *keys, key, encoded, node.parent,
+                                     self._expire_at_ms(None))
+                version, recorded = await pipe.execute(raise_on_error=False)
+            if not isinstance(recorded, NoScriptError):
+                break
+            self._add_turn.sha = await self.redis.script_load(_ADD_TURN)  # a Redis that restarted has none
+        for reply in (version, recorded):
+            if isinstance(reply, Exception):
+                raise reply
+        if recorded and version is not None and int(version) != node.policy_version_end:
+            amended = msgspec.structs.replace(node, policy_version_end=int(version))
+            await self._amend(keys=keys[:2], args=[key, encoded, _encoder.encode(amended)])
+        return bool(recorded)
 
     def samples(self, session_id: str, client=None) -> list[list[TurnNode]]:
         """The chain of every leaf (a node without a child), oldest leaf first: the session's samples."""

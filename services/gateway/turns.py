@@ -39,7 +39,7 @@ from rollstream.services.gateway.apis.canonical import (
 )
 from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.apis.streaming import THINK_OPEN, TurnStreamParser
-from rollstream.services.gateway.prompts import ChatTemplate, PlannedTurn, answer_key, plan_turn
+from rollstream.services.gateway.prompts import ChatTemplate, History, PlannedTurn, answer_key, plan_turn
 from rollstream.services.gateway.sessions import Session, SessionStore, TurnNode
 from rollstream.shared.inference.fleet import StreamDelta
 from rollstream.shared.runtime.config import Settings
@@ -167,15 +167,15 @@ class Turn:
     events: AsyncIterator[StreamEvent]
 
 
-async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, api: str,
+async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, history: History, api: str,
                    answer_out: Answer | None = None) -> Turn:
-    """Plans the turn's prompt (raising what makes the request one the gateway will not serve); the
-    generation starts when its events are first read."""
+    """Plans the turn's prompt (raising what makes the request one the gateway will not serve), in `session`
+    as read with the nodes of `history.answered`; the generation starts when its events are first read."""
     started = time.monotonic()
     template = gateway.template.with_thinking(request.thinking)
     limits = gateway.settings.gateway
-    planned = await plan_turn(template, gateway.store, session.spec.session_id, request,
-                              limits.max_prompt_tokens, limits.on_rewritten_history)
+    planned = await plan_turn(template, gateway.store, session, request, history, limits.max_prompt_tokens,
+                              limits.on_rewritten_history)
     events = _generation(gateway, session, request, api, planned, started, answer_out)
     return Turn(len(planned.prompt_ids), events)
 
@@ -233,10 +233,11 @@ async def _generation(gateway: Gateway, session: Session, request: ChatRequest, 
                     prompt_tokens=len(planned.prompt_ids), completion_tokens=len(ids))
 
 
-async def generate(gateway: Gateway, session: Session, request: ChatRequest, api: str) -> Generation:
+async def generate(gateway: Gateway, session: Session, request: ChatRequest, history: History,
+                   api: str) -> Generation:
     """A whole turn, for a request that did not ask for a stream."""
     answer = Answer()
-    turn = await run_turn(gateway, session, request, api, answer)
+    turn = await run_turn(gateway, session, request, history, api, answer)
     async for event in turn.events:
         if isinstance(event, StreamEnd):
             return Generation(text=answer.content, tool_calls=answer.calls, finish_reason=event.finish_reason,

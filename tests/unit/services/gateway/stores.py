@@ -2,6 +2,7 @@
 where the bus is on it) through an asyncio client of the running event loop, as the gateway holds it.
 
     async with session_store(bus, redis_url) as store: ...
+        planned = await plan(template, store, "s1", request, max_prompt_tokens=4096)
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from rollstream.services.gateway.apis.canonical import ChatRequest
+from rollstream.services.gateway.prompts import ChatTemplate, History, PlannedTurn, plan_turn
 from rollstream.services.gateway.sessions import SessionStore
 from rollstream.shared.contract.bus import Bus, connect_async_redis
 
@@ -21,3 +24,11 @@ async def session_store(bus: Bus, redis_url: str, *, ttl_s: int = 600,
         yield SessionStore(bus, client, ttl_s, finish_grace_s)
     finally:
         await client.aclose()
+
+
+async def plan(template: ChatTemplate, store: SessionStore, session_id: str, request: ChatRequest,
+               max_prompt_tokens: int, **options) -> PlannedTurn:
+    """A turn's prompt as the gateway plans it: the session read with the turns the request's history holds."""
+    history = History.of(request)
+    session = await store.get(session_id, history.answered)
+    return await plan_turn(template, store, session, request, history, max_prompt_tokens, **options)

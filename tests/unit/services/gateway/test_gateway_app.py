@@ -261,6 +261,15 @@ def test_a_turn_records_its_servers_versions_before_and_after_a_weight_sync_it_s
     assert [(node.policy_version, node.policy_version_end) for node in conversation] == [(2, 3), (3, 4)]
 
 
+def test_a_malformed_request_gets_the_sessions_refusal_first(gateway_app):
+    client, _, _ = gateway_app()
+    session_id, key = open_session(client)
+    malformed = {"model": "m", "messages": "not a list"}
+    refused = [client.post(f"/s/{session}/v1/chat/completions", json=malformed, headers=headers).status_code
+               for session, headers in (("nobody", key), (session_id, {"x-api-key": "wrong"}), (session_id, key))]
+    assert refused == [404, 401, 400]
+
+
 def test_a_prompt_that_fills_the_context_is_refused_with_both_sizes(gateway_app):
     client, fleet, _ = gateway_app()
     session_id, key = open_session(client)

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from rollstream.services.gateway.apis.canonical import ChatRequest
-from rollstream.services.gateway.prompts import ChatTemplate, answer_key, plan_turn
+from rollstream.services.gateway.prompts import ChatTemplate, answer_key
 from rollstream.services.gateway.samples import publish_samples
 from rollstream.services.gateway.sessions import ROOT, SessionSpec, TurnNode
 from rollstream.shared.contract.events import TrajectorySegment
-from tests.unit.services.gateway.stores import session_store
+from tests.unit.services.gateway.stores import plan, session_store
 
 MODEL = Path(__file__).resolve().parents[4] / "models" / "tiny-llama-warm"
 pytestmark = pytest.mark.skipif(not (MODEL / "tokenizer.json").exists(), reason="the tiny model is built by make setup")
@@ -63,7 +63,7 @@ async def turn(template, store, messages, sampled_text, answer, **planning):
     """One turn as the gateway runs it: `sampled_text` stands in for what vLLM sampled, `answer` is the
     assistant message the client gets (and sends back)."""
     request = ChatRequest(model="m", messages=messages, tools=TOOLS)
-    planned = await plan_turn(template, store, "s1", request, max_prompt_tokens=8192, **planning)
+    planned = await plan(template, store, "s1", request, max_prompt_tokens=8192, **planning)
     sampled = template.encode(sampled_text + "<|im_end|>")
     node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=sampled,
                     logprobs=[-0.5] * len(sampled), policy_version=1, policy_version_end=1, finish_reason="stop",

@@ -11,11 +11,11 @@ import pytest
 
 from rollstream.services.gateway.apis.canonical import ChatRequest, assistant_message, split_turn
 from rollstream.services.gateway.apis.errors import RequestError
-from rollstream.services.gateway.prompts import ChatTemplate, answer_key, plan_turn
+from rollstream.services.gateway.prompts import ChatTemplate, answer_key
 from rollstream.services.gateway.samples import publish_samples
 from rollstream.services.gateway.sessions import ROOT, SessionSpec, TurnNode
 from rollstream.shared.contract.events import TrajectoryFinished, TrajectorySegment
-from tests.unit.services.gateway.stores import session_store
+from tests.unit.services.gateway.stores import plan, session_store
 
 MODEL = Path(__file__).resolve().parents[4] / "models" / "tiny-llama-warm"
 pytestmark = pytest.mark.skipif(not (MODEL / "tokenizer.json").exists(), reason="the tiny model is built by make setup")
@@ -47,7 +47,7 @@ def in_session(bus, redis_url):
 async def sample(template, store, messages, answer_text, *, tools=None, finish="stop"):
     """One turn as the gateway runs it, with `answer_text` standing in for what vLLM sampled."""
     request = ChatRequest(model="m", messages=messages, tools=tools)
-    planned = await plan_turn(template, store, "s1", request, max_prompt_tokens=4096)
+    planned = await plan(template, store, "s1", request, max_prompt_tokens=4096)
     sampled = template.encode(answer_text + ("<|im_end|>" if finish == "stop" else ""))
     turn = split_turn(template.tokenizer.decode(sampled, skip_special_tokens=True), 0)
     content, calls = turn.content, turn.calls
@@ -69,7 +69,7 @@ def test_a_turn_that_extends_the_last_continues_its_exact_ids(template, in_sessi
 
         second = first + [answer, {"role": "user", "content": "go on"}]
         request = ChatRequest(model="m", messages=second, tools=TOOLS)
-        following = await plan_turn(template, store, "s1", request, max_prompt_tokens=4096)
+        following = await plan(template, store, "s1", request, max_prompt_tokens=4096)
         assert following.parent != ROOT
         assert following.prompt_ids[: len(planned.prompt_ids) + len(sampled)] == planned.prompt_ids + sampled
         # after the sampled <|im_end|>: the template's newline, the new user turn, the generation prompt
@@ -89,7 +89,7 @@ def test_a_tool_call_sent_back_with_other_spacing_and_ids_still_continues_the_tu
             {"type": "function", "id": "my-own-id", "function": {"name": "calc", "arguments": {"e": "2+3"}}}]}
         history = first + [echoed, {"role": "tool", "tool_call_id": "my-own-id", "content": "5"}]
         request = ChatRequest(model="m", messages=history, tools=TOOLS)
-        following = await plan_turn(template, store, "s1", request, 4096)
+        following = await plan(template, store, "s1", request, 4096)
         assert following.parent != ROOT and following.prefix_ids[-len(sampled):] == sampled
 
     in_session(scenario)
@@ -100,7 +100,7 @@ def test_an_answer_cut_by_the_token_limit_gets_the_whole_turn_close_as_glue(temp
         first = [{"role": "user", "content": "count"}]
         _, _, answer = await sample(template, store, first, "1 2 3", finish="length")
         request = ChatRequest(model="m", messages=first + [answer, {"role": "user", "content": "ok"}])
-        following = await plan_turn(template, store, "s1", request, 4096)
+        following = await plan(template, store, "s1", request, 4096)
         glued = template.tokenizer.decode(following.appended_ids)
         assert glued.startswith("<|im_end|>\n<|im_start|>user\nok")
 
@@ -155,7 +155,7 @@ def test_a_prompt_over_the_limit_is_refused_with_its_length(template, in_session
         request = ChatRequest(model="m", messages=[{"role": "user", "content": "word " * 200}])
         refused = r"the prompt is \d+ tokens; this gateway takes at most 50"
         with pytest.raises(RequestError, match=refused) as info:
-            await plan_turn(template, store, "s1", request, max_prompt_tokens=50)
+            await plan(template, store, "s1", request, max_prompt_tokens=50)
         assert info.value.status == 400
 
     in_session(scenario)
@@ -165,7 +165,7 @@ def test_a_prefilled_assistant_turn_is_refused(template, in_session):
     async def scenario(store, _):
         prefilled = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "He"}]
         with pytest.raises(RequestError, match="prefilled"):
-            await plan_turn(template, store, "s1", ChatRequest(model="m", messages=prefilled), 4096)
+            await plan(template, store, "s1", ChatRequest(model="m", messages=prefilled), 4096)
 
     in_session(scenario)
 
@@ -183,7 +183,7 @@ def test_a_long_request_is_rendered_and_tokenized_off_the_event_loop(template, i
     async def scenario(store, _):
         short = ChatRequest(model="m", messages=[{"role": "user", "content": "word " * 100}])
         long = ChatRequest(model="m", messages=[{"role": "user", "content": "word " * 500}])
-        planned = [await plan_turn(template, store, "s1", request, 4096) for request in (short, long)]
+        planned = [await plan(template, store, "s1", request, 4096) for request in (short, long)]
         assert offloaded == ["_render_turn"]  # the long one only: the short one takes less than the hop
         rendered = [template.render(request.messages, None, True) for request in (short, long)]
         assert [p.appended_ids for p in planned] == [template.encode(text) for text in rendered]
