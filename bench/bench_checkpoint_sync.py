@@ -47,7 +47,6 @@ def write_checkpoint(base: Path, shape: tuple[int, int] | None, seed: int,
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rollstream.services.trainer.ppo import sequence_logprobs
     from rollstream.shared.inference.serving_weights import write_serving_checkpoint
 
     config = AutoConfig.from_pretrained(base)
@@ -59,7 +58,10 @@ def write_checkpoint(base: Path, shape: tuple[int, int] | None, seed: int,
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     write_serving_checkpoint(model, out, tokenizer_source=base)
-    return out, sequence_logprobs(model, PROBE)
+    with torch.no_grad():  # each probe token's logprob given the ones before it, as vLLM's prompt logprobs
+        logits = model(input_ids=torch.tensor([PROBE])).logits[0, :-1]
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(PROBE[1:])[:, None])
+    return out, expected.squeeze(-1).tolist()
 
 
 def weight_files(checkpoint: Path) -> list[Path]:
