@@ -338,19 +338,21 @@ class LocalRun:
 
     @property
     def scrape_targets_file(self) -> Path:
-        """Where Prometheus finds this run's processes (infra/prometheus/local.yml reads <storage>/prometheus/)."""
+        """Where Prometheus finds this run's processes (infra/prometheus/local.yml reads
+        <storage>/prometheus/)."""
         return self.run_dir.parent / "prometheus" / f"{self.settings.run_id}.json"
 
     def write_scrape_targets(self) -> None:
         """Every process's /metrics and the run's vLLM servers, in Prometheus's file-based discovery format;
         written again whenever a restarted process comes back on another port."""
         host = self.settings.url_host
-        targets = [{"targets": [f"{host}:{port}"], "labels": {"service": self.service_of[name], "process": name,
-                                                                "run": self.settings.run_id}}
+        run = self.settings.run_id
+        targets = [{"targets": [f"{host}:{port}"],
+                    "labels": {"service": self.service_of[name], "process": name, "run": run}}
                    for name, port in sorted(self.health_ports.items())]
         servers = [server for server in [self.vllm, *self.group_servers.values()] if server is not None]
         targets += [{"targets": [server.url.split("://", 1)[1]],
-                     "labels": {"service": "vllm", "process": server.url, "run": self.settings.run_id}}
+                     "labels": {"service": "vllm", "process": server.url, "run": run}}
                     for server in servers]
         path = self.scrape_targets_file
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,8 @@ class ProgressReader:
         failed_type = GradingFailed.TYPE.encode()
         progress.grading_failed += sum(fields.get(b"type") == failed_type
                                        for _, fields in self.histories["grades"].new_entries())
-        for stream, kind, events in (("batches", BatchReady, progress.batches), ("policy", PolicyUpdated, progress.updates),
+        for stream, kind, events in (("batches", BatchReady, progress.batches),
+                                     ("policy", PolicyUpdated, progress.updates),
                                      ("dead", DeadLettered, progress.dead_letters)):
             events.extend(d.event for d in self.histories[stream].new_events() if isinstance(d.event, kind))
         return progress

@@ -202,7 +202,8 @@ class BlackBoxRunner:
             return await GatewaySessions(self.settings, client).answers()
 
     async def run(self, prompt: PromptIssued, ids: dict[str, str | None]) -> str:
-        """One episode, its session finished on the gateway (which publishes it) when this returns; its status."""
+        """One episode, its session finished on the gateway (which publishes it) when this returns; returns
+        the episode's status."""
         command = self.command_line(prompt)
         budget_s = self.time_budget_s(prompt)
         settings = self.settings

@@ -66,8 +66,8 @@ REQUIRED_IDS = ("rollout_id", "group_id")
 """Without these a trajectory belongs to no sample: the reward service could never place it."""
 
 EPISODES = Counter("rollstream_agent_runner_episodes_total",
-                   "Episodes whose trajectory was published, by agent and status (completed, truncated, aborted, "
-                   "failed: the episode's own outcome, not the machinery's).", ["agent", "status"])
+                   "Episodes whose trajectory was published, by agent and status (completed, truncated, "
+                   "aborted, failed: the episode's own outcome, not the machinery's).", ["agent", "status"])
 EPISODE_SECONDS = Histogram("rollstream_agent_runner_episode_seconds",
                             "Wall time of a published episode, from its prompt to its trajectory.", ["agent"],
                             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))

@@ -37,7 +37,8 @@ LOCK_TTL_MS = 15_000
 ADMITTED = Counter("rollstream_dispatcher_samples_admitted_total",
                    "Samples this dispatcher admitted onto `prompts` (samples_per_prompt per prompt group).")
 CAPACITY = Gauge("rollstream_dispatcher_admission_capacity",
-                 "Samples the staleness gate allows admitted at the current policy version, (eta + v + 1) x B.")
+                 "Samples the staleness gate allows admitted at the current policy version: (eta + v + 1) "
+                 "x B.")
 ADMITTED_IN_RUN = Gauge("rollstream_dispatcher_run_samples_admitted",
                         "Samples admitted in the whole run so far, filtered ones given back not subtracted.")
 

@@ -47,12 +47,12 @@ from rollstream.shared.runtime.config import Settings
 TURNS = Counter("rollstream_gateway_turns_total", "Turns the gateway served", ["api", "stream"])
 SAMPLED_TOKENS = Counter("rollstream_gateway_sampled_tokens_total", "Tokens vLLM sampled for gateway turns")
 FORKS = Counter("rollstream_gateway_conversations_started_total",
-                "Turns that started a conversation in their session, by cause: first_turn, or history_changed (a "
-                "history that does not continue the session's recorded tokens: compaction, an edit, a branch, "
-                "a sub-agent)", ["cause"])
+                "Turns that started a conversation in their session, by cause: first_turn, or "
+                "history_changed (a history that does not continue the session's recorded tokens: "
+                "compaction, an edit, a branch, a sub-agent)", ["cause"])
 CAPPED_TURNS = Counter("rollstream_gateway_max_tokens_capped_total",
-                       "Turns whose max_tokens was lowered, by what capped it: context (what the model's context "
-                       "leaves after the prompt) or run (gateway.max_tokens_per_turn)", ["cap"])
+                       "Turns whose max_tokens was lowered, by what capped it: context (what the model's "
+                       "context leaves after the prompt) or run (gateway.max_tokens_per_turn)", ["cap"])
 log = logging.getLogger(__name__)
 PROMPT_TAIL_TOKENS = 8
 """How many of the prompt's last ids are read to tell whether the template opened a reasoning block."""

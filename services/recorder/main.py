@@ -27,8 +27,8 @@ from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.runtime.storage import Storage
 
 ENTRIES = Counter("rollstream_recorder_entries_total",
-                  "Stream entries the recorder archived, trimmed behind the slowest group, or found deleted before "
-                  "it archived them (lost).", ["stream", "outcome"])
+                  "Stream entries the recorder archived, trimmed behind the slowest group, or found deleted "
+                  "before it archived them (lost).", ["stream", "outcome"])
 PART_ENTRIES = RecorderSettings().part_entries
 POLL_S = 0.5
 """How often the loop looks for a stream that has grown by a part's worth of entries."""

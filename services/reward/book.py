@@ -50,21 +50,25 @@ _DEFAULTS = RewardSettings()
 DROPPING_STREAMS = ("prompts", "trajectories", "grades")
 
 GROUPS = Counter("rollstream_reward_groups_completed_total",
-                 "Prompt groups scored, by what became of them: batched, or filtered (no learning signal, or every "
-                 "rollout dropped).", ["outcome"])
-REWARDS = Histogram("rollstream_reward_value", "Rewards assigned to rollouts that count, by where each came from "
-                    "(sandbox, a rule's name, given, failed).", ["source"],
+                 "Prompt groups scored, by what became of them: batched, or filtered (no learning signal, or "
+                 "every rollout dropped).", ["outcome"])
+REWARDS = Histogram("rollstream_reward_value",
+                    "Rewards assigned to rollouts that count, by where each came from (sandbox, a rule's "
+                    "name, given, failed).", ["source"],
                     buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2))
-ADVANTAGES = Histogram("rollstream_reward_advantage", "Advantages of the rollouts that count, over their group.",
+ADVANTAGES = Histogram("rollstream_reward_advantage",
+                       "Advantages of the rollouts that count, over their group.",
                        buckets=(-2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2))
 DROPPED = Counter("rollstream_reward_rollouts_dropped_total",
-                  "Rollouts left out of their group without a reward, by cause (grading_failed, dead_lettered, "
-                  "grade_timeout, filtered).", ["cause"])
+                  "Rollouts left out of their group without a reward, by cause (grading_failed, "
+                  "dead_lettered, grade_timeout, filtered).", ["cause"])
 GRADE_WAIT_SECONDS = Histogram("rollstream_reward_group_grade_wait_seconds",
-                               "From the last rollout of a group finishing to the group's scoring: the wait for "
-                               "its sandbox grades.", buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
-BATCH_MEAN = Gauge("rollstream_reward_batch_mean", "Mean reward of the rollouts of the last batch written (rewards "
-                   "may be negative, so the reward histogram has no _sum to average).")
+                               "From the last rollout of a group finishing to the group's scoring: the wait "
+                               "for its sandbox grades.",
+                               buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
+BATCH_MEAN = Gauge("rollstream_reward_batch_mean",
+                   "Mean reward of the rollouts of the last batch written (rewards may be negative, so the "
+                   "reward histogram has no _sum to average).")
 BATCH_SAMPLES = Histogram("rollstream_reward_batch_samples", "Samples (segments) in each batch written.",
                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
 """A dead letter of an event on these streams means its rollout can never complete: it is dropped."""

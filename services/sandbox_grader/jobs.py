@@ -47,7 +47,8 @@ from rollstream.shared.tasks.swebench import load_swebench_rows
 VERDICT_META = "verdict"
 """Job meta key: the verdict (GradeReported or GradingFailed) the job published for its rollout."""
 FAILURE_META = "failure"
-"""Job meta key beside a GradingFailed verdict: `ungradable` (the request) or `infrastructure` (the sandbox)."""
+"""Job meta key beside a GradingFailed verdict: `ungradable` (the request) or `infrastructure` (the
+sandbox)."""
 
 
 class InfrastructureError(RollstreamError, RuntimeError):
@@ -94,7 +95,8 @@ def grade_rollout(request: dict) -> dict:
     try:
         outcome = grade(req, storage)
     except UngradableRequest as exc:
-        publish(req, GradingFailed(reason=f"cannot be graded: {exc}", attempts=1), get_current_job(), "ungradable")
+        failed = GradingFailed(reason=f"cannot be graded: {exc}", attempts=1)
+        publish(req, failed, get_current_job(), "ungradable")
         return {"score": None, "reason": str(exc)}
     if outcome.infrastructure_error:
         raise InfrastructureError(outcome.reason)
@@ -166,8 +168,8 @@ def publish(req: GradeRequest, grade: GradeReported | GradingFailed, job: Job, f
             ) -> None:
     """On `grades`, under one event id per rollout whichever it is: a rollout has one verdict. Through the
     bus's connection (publish_grades_through, else the job's own); the job's meta then records that its
-    verdict is out, and for a GradingFailed what it blames (`failure`, FAILURE_META). Nothing is published for a
-    run deleted since the job was queued (its incarnation is gone or another)."""
+    verdict is out, and for a GradingFailed what it blames (`failure`, FAILURE_META). Nothing is published for
+    a run deleted since the job was queued (its incarnation is gone or another)."""
     bus = Bus(_bus_client or job.connection, req.run_id)
     current = bus.redis.get(bus.keys.incarnation)
     if req.incarnation and (current or b"").decode() != req.incarnation:

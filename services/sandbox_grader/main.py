@@ -68,16 +68,18 @@ its own (RQ's default, 10 minutes, left the retries a killed grader had schedule
 worker waits for jobs this long at a time (worker_ttl - 15), so that the maintenance comes round."""
 
 JOBS = Counter("rollstream_sandbox_grader_jobs_total",
-               "Grading jobs this worker ran, by how each ended: graded (a GradeReported), grading_failed (a "
-               "GradingFailed, never a score), retry (the sandbox failed; a retry is scheduled), no_verdict (its run "
-               "was deleted meanwhile), failed (RQ failed it without a verdict; the failed-job sweep reports it).",
-               ["outcome"])
+               "Grading jobs this worker ran, by how each ended: graded (a GradeReported), "
+               "grading_failed (a GradingFailed, never a score), retry (the sandbox failed; a retry is "
+               "scheduled), no_verdict (its run was deleted meanwhile), failed (RQ failed it without a "
+               "verdict; the failed-job sweep reports it).", ["outcome"])
 JOB_SECONDS = Histogram("rollstream_sandbox_grader_job_seconds",
-                        "Wall time of one grading job, its sandbox's start and tests included.", ["backend", "outcome"],
+                        "Wall time of one grading job, its sandbox's start and tests included.",
+                        ["backend", "outcome"],
                         buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
 GRADING_FAILED = Counter("rollstream_sandbox_grader_grading_failed_total",
-                         "GradingFailed verdicts this grader published, by what failed: ungradable (the request "
-                         "names what is not there) or infrastructure (the sandbox, after every retry).", ["reason"])
+                         "GradingFailed verdicts this grader published, by what failed: ungradable (the "
+                         "request names what is not there) or infrastructure (the sandbox, after every "
+                         "retry).", ["reason"])
 QUEUED = Gauge("rollstream_sandbox_grader_queued_jobs", "Grading jobs waiting in the run's sandbox queue.")
 
 
@@ -277,7 +279,8 @@ def main() -> None:
     enqueuer = Enqueuer(settings, runtime, bus, queue)
     QUEUED.set_function(lambda: queue_length(queue))
     worker = GradingWorker([queue], connection=bus.job_redis, name=consumer_name("sandbox-worker"),
-                           maintenance_interval=MAINTENANCE_INTERVAL_S, worker_ttl=MAINTENANCE_INTERVAL_S + 15)
+                           maintenance_interval=MAINTENANCE_INTERVAL_S,
+                           worker_ttl=MAINTENANCE_INTERVAL_S + 15)
     enqueuer_thread = threading.Thread(target=enqueuer.run_until_stopped, args=(worker,), name="enqueuer",
                                        daemon=True)
     enqueuer_thread.start()

@@ -56,21 +56,24 @@ log = logging.getLogger("trainer")
 
 POLICY_VERSION = Gauge("rollstream_trainer_policy_version", "The policy version this trainer last published.")
 PHASE_SECONDS = Histogram("rollstream_trainer_phase_seconds",
-                          "Time of each phase of a version: train (the optimizer steps over a batch), checkpoint, "
-                          "sync (every fleet server serving it).", ["phase"],
+                          "Time of each phase of a version: train (the optimizer steps over a batch), "
+                          "checkpoint, sync (every fleet server serving it).", ["phase"],
                           buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
 STEP_STATS = Gauge("rollstream_trainer_step_stat",
-                   "The last version's training statistics, averaged over its optimizer steps: loss, pg_loss, kl, "
-                   "ratio_mean, clip_fraction, importance_weight_mean, importance_weight_max (the gap between "
-                   "rollout and trainer logprobs), capped_fraction, grad_norm, tokens, micro_batches.", ["stat"])
+                   "The last version's training statistics, averaged over its optimizer steps: loss, "
+                   "pg_loss, kl, ratio_mean, clip_fraction, importance_weight_mean, importance_weight_max, "
+                   "capped_fraction, grad_norm, tokens, micro_batches, logprob_gap_abs_mean (the trainer's "
+                   "logprobs against the rollout's).", ["stat"])
 SAMPLES = Counter("rollstream_trainer_samples_total",
                   "Batch samples by what the trainer did with them: trained, or dropped as stale or invalid.",
                   ["outcome"])
 STALENESS = Histogram("rollstream_trainer_sample_staleness_versions",
-                      "Versions between the policy a trained sample was generated with and the one it trains.",
+                      "Versions between the policy a trained sample was generated with and the one it "
+                      "trains.",
                       buckets=(0, 1, 2, 3, 4, 6, 8, 16))
 PARITY = Gauge("rollstream_trainer_sync_parity_max_abs_diff",
-               "Largest gap between a fleet server's and the trainer's logprobs of the probe after the last sync.")
+               "Largest gap between a fleet server's and the trainer's logprobs of the probe after the last "
+               "sync.")
 
 PROBE_TOKENS = 256
 SYNC_RETRY_S = 120.0

@@ -1,7 +1,7 @@
 """Token arrays in events: ids, logprobs and masks are Python lists in the models and packed little-endian
-int32 / float32 / int8 bytes on the wire (shared/contract/events.py's contract; `python bench/bench_encoding.py`
-measures them against JSON lists). An array is bounded by MAX_SEQUENCE_TOKENS before it is unpacked, so one
-entry cannot make a reader allocate without bound.
+int32 / float32 / int8 bytes on the wire (shared/contract/events.py's contract;
+`python bench/bench_encoding.py` measures them against JSON lists). An array is bounded by
+MAX_SEQUENCE_TOKENS before it is unpacked, so one entry cannot make a reader allocate without bound.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ code trains on, and small enough that decoding one entry stays within tens of MB
 
 def _bounded(length: int) -> None:
     if length > MAX_SEQUENCE_TOKENS:
-        raise ValueError(f"array of {length} items is longer than MAX_SEQUENCE_TOKENS ({MAX_SEQUENCE_TOKENS})")
+        raise ValueError(f"array of {length} items is longer than MAX_SEQUENCE_TOKENS "
+                         f"({MAX_SEQUENCE_TOKENS})")
 
 
 def _pack(dtype: str):
@@ -37,7 +38,8 @@ def _pack(dtype: str):
     def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         if isinstance(value, (bytes, bytearray, memoryview)):
             if len(value) % item.itemsize:
-                raise ValueError(f"packed {dtype} array has {len(value)} bytes, not a multiple of the item size")
+                raise ValueError(f"packed {dtype} array has {len(value)} bytes, not a multiple of the item "
+                                 "size")
             # before unpacking: a huge array is refused without allocating it
             _bounded(len(value) // item.itemsize)
             # every item unpacks to a Python int or float: validating the list again would only copy it

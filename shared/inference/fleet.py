@@ -99,8 +99,9 @@ class StreamDelta:
 
 
 REQUESTS = Counter("rollstream_fleet_requests_total",
-                   "Whole (not streamed) generation requests to a vLLM server, by outcome: ok, failed (the server "
-                   "did not answer or answered 5xx; the request went to the next server), rejected (4xx).",
+                   "Whole (not streamed) generation requests to a vLLM server, by outcome: ok, failed (the "
+                   "server did not answer or answered 5xx; the request went to the next server), rejected "
+                   "(4xx).",
                    ["server", "outcome"])
 REQUEST_SECONDS = Histogram("rollstream_fleet_request_seconds",
                             "Wall time of a whole generation request a vLLM server answered.", ["server"],
@@ -109,7 +110,8 @@ SERVER_REQUESTS = Gauge("rollstream_fleet_server_requests",
                         "Requests a vLLM server reported in its own /metrics (vllm:num_requests_running and "
                         "_waiting), at this client's last reading.", ["server", "state"])
 SERVER_KV_CACHE = Gauge("rollstream_fleet_server_kv_cache_usage_ratio",
-                        "Fraction of a vLLM server's KV cache in use, at this client's last reading.", ["server"])
+                        "Fraction of a vLLM server's KV cache in use, at this client's last reading.",
+                        ["server"])
 
 
 @dataclass(frozen=True)

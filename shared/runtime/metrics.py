@@ -35,11 +35,12 @@ log = logging.getLogger(__name__)
 
 EVENTS_HANDLED = Counter(
     "rollstream_bus_events_handled_total",
-    "Entries a consumer group took off a stream, by outcome: ok (handled and acknowledged), failed (the handler "
-    "raised; the entry stays pending for a retry).", ["stream", "group", "outcome"])
+    "Entries a consumer group took off a stream, by outcome: ok (handled and acknowledged), failed (the "
+    "handler raised; the entry stays pending for a retry).", ["stream", "group", "outcome"])
 HANDLER_SECONDS = Histogram(
-    "rollstream_bus_handler_seconds", "Time a consumer group's handler spent on one entry, failures included.",
-    ["stream", "group"], buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800))
+    "rollstream_bus_handler_seconds",
+    "Time a consumer group's handler spent on one entry, failures included.", ["stream", "group"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800))
 DEAD_LETTERS = Counter(
     "rollstream_bus_dead_letters_total",
     "Entries moved to the dead-letter stream (undecodable, wrong stream, delivered too often, or refused by "
@@ -60,13 +61,15 @@ class ConsumerGroupCollector(Collector):
             self._watched[(bus.keys.run_id, stream, group)] = weakref.ref(bus)
 
     def collect(self):
-        lag = GaugeMetricFamily("rollstream_bus_consumer_lag", "Entries of the stream the consumer group has not "
-                                "read yet.", labels=["stream", "group"])
-        pending = GaugeMetricFamily("rollstream_bus_pending_entries", "Entries the consumer group has read and "
-                                    "not acknowledged yet (in work, or waiting to be reclaimed).",
-                                    labels=["stream", "group"])
-        length = GaugeMetricFamily("rollstream_bus_stream_length", "Entries the stream holds (the recorder trims "
-                                   "it behind its slowest group).", labels=["stream"])
+        lag = GaugeMetricFamily("rollstream_bus_consumer_lag",
+                                "Entries of the stream the consumer group has not read yet.",
+                                labels=["stream", "group"])
+        pending = GaugeMetricFamily("rollstream_bus_pending_entries",
+                                    "Entries the consumer group has read and not acknowledged yet (in work, "
+                                    "or waiting to be reclaimed).", labels=["stream", "group"])
+        length = GaugeMetricFamily("rollstream_bus_stream_length",
+                                   "Entries the stream holds (the recorder trims it behind its slowest "
+                                   "group).", labels=["stream"])
         with self._lock:
             watched = list(self._watched.items())
         streams_seen = set()

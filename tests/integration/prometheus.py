@@ -1,6 +1,6 @@
 """A real Prometheus (the `prometheus` Debian package's server) scraping a local run with the scrape job of
-infra/prometheus/local.yml, and the Grafana dashboard's queries (infra/grafana/dashboards/rollstream.json) asked of
-it: what a user watching the run in Grafana would see in each panel."""
+infra/prometheus/local.yml, and the Grafana dashboard's queries (infra/grafana/dashboards/rollstream.json)
+asked of it: what a user watching the run in Grafana would see in each panel."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def prometheus_scraping(local: LocalRun, workdir: Path, metrics_token: str) -> I
     config_file.write_text(yaml.safe_dump(config))
     url = f"http://127.0.0.1:{free_port()}"
     with open(workdir / "prometheus.log", "wb") as log:
-        process = subprocess.Popen([PROMETHEUS, f"--config.file={config_file}", f"--storage.tsdb.path={workdir / 'data'}",
+        process = subprocess.Popen([PROMETHEUS, f"--config.file={config_file}",
+                                    f"--storage.tsdb.path={workdir / 'data'}",
                                     f"--web.listen-address={url.removeprefix('http://')}"],
                                    stdout=log, stderr=subprocess.STDOUT)
     try:

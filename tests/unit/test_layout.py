@@ -227,8 +227,8 @@ def test_every_project_error_derives_from_the_common_base():
 
 
 BENCHMARKS_OF_A_SERVICES_INSIDES = {"bench/bench_data_path.py": "rollstream.services.trainer"}
-"""The trainer's data path (a Parquet batch to packed tensors, as a share of a step) is the trainer's own code,
-which no command runs alone."""
+"""The trainer's data path (a Parquet batch to packed tensors, as a share of a step) is the trainer's own
+code, which no command runs alone."""
 
 
 def test_the_benchmarks_import_no_service():

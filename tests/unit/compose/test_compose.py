@@ -100,7 +100,7 @@ def test_dependencies_wait_for_health_or_completion():
 def test_scalable_services_have_no_fixed_names_or_host_ports():
     for name, service in compose().items():
         assert "container_name" not in service, name
-        if service.get("profiles") == ["monitoring"]:  # Grafana and Prometheus: on this machine's loopback only
+        if service.get("profiles") == ["monitoring"]:  # Grafana and Prometheus, on loopback only
             assert all(port.startswith("127.0.0.1:") for port in service["ports"]), name
             continue
         assert "ports" not in service, name  # nothing is published; `docker compose port` needs an override

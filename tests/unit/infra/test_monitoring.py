@@ -1,7 +1,7 @@
-"""infra/prometheus and infra/grafana, offline: Prometheus's own checker takes both configurations and every query
-of the dashboard; the dashboard asks only for series the services serve; compose's monitoring profile mounts
-what the files name. (tests/integration/test_metrics.py asks the dashboard's queries of a Prometheus scraping a
-real run.)"""
+"""infra/prometheus and infra/grafana, offline: Prometheus's own checker takes both configurations and every
+query of the dashboard; the dashboard asks only for series the services serve; compose's monitoring profile
+mounts what the files name. (tests/integration/test_metrics.py asks the dashboard's queries of a Prometheus
+scraping a real run.)"""
 
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def test_the_dashboard_asks_only_for_series_the_services_serve():
     served = {name for family in REGISTRY.collect() for name in
               {family.name, *(sample.name for sample in family.samples)}}
     # a histogram's or counter's series, even those with no sample yet (labelled ones have none until used)
-    served |= {f"{name}{suffix}" for name in list(served) for suffix in ("_total", "_bucket", "_sum", "_count")}
+    served |= {f"{name}{suffix}" for name in list(served)
+               for suffix in ("_total", "_bucket", "_sum", "_count")}
     asked = {name for query in queries() for name in re.findall(r"\b(rollstream_[a-z_]+)", query)}
     assert asked and asked <= served, asked - served
     vllm = {name for query in queries() for name in re.findall(r"\b(vllm:[a-z_]+)", query)}
@@ -80,7 +81,8 @@ def test_compose_monitoring_mounts_the_configuration_and_the_dashboard():
     assert "/prometheus/metrics-token" in " ".join(prometheus["command"])
     scrape = yaml.safe_load((PROMETHEUS / "compose.yml").read_text())["scrape_configs"][0]
     assert scrape["authorization"]["credentials_file"] == "/prometheus/metrics-token"
-    pipeline = {name for name, service in services.items() if service.get("command", [""])[0].startswith("rollstream-")}
+    pipeline = {name for name, service in services.items()
+                if service.get("command", [""])[0].startswith("rollstream-")}
     assert set(scrape["dns_sd_configs"][0]["names"]) == pipeline
     provisioned = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "rollstream.yml").read_text())
     mounted = {volume.split(":")[1] for volume in grafana["volumes"]}

@@ -32,7 +32,8 @@ def test_the_page_lists_a_rollout_and_the_inspector_shows_its_tokens_tool_call_a
         sampled = inspection.locator(".tok.lp-low")
         assert "".join(sampled.all_text_contents()) == ANSWER
         assert inspection.locator(".tok.ctx").count() > 0
-        # the trainer saw each sampled token TRAINER_GAP likelier than vLLM: underlined in red, both in the title
+        # the trainer saw each sampled token TRAINER_GAP likelier than vLLM: underlined in red, with both
+        # logprobs in its title
         assert "".join(inspection.locator(".tok.gap-big").all_text_contents()) == TOOL_CALL + ANSWER
         assert "(trainer)" in inspection.locator(".tok.gap-big").first.get_attribute("title")
         expect(inspection).to_contain_text("trainer's logprobs at v0")

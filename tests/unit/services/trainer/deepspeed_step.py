@@ -5,8 +5,8 @@ test_trainer_backends.py imports it for the torch backend and runs it as a scrip
 backend: DeepSpeed sets up process-global state (torch.distributed), so each DeepSpeed run gets
 processes of its own.
 
-    python tests/unit/services/trainer/deepspeed_step.py '{"task": "train" | "resume" | "ranks" | "torch" | "torch_ranks", ...}'
-    (see main())
+    python tests/unit/services/trainer/deepspeed_step.py '{"task": TASK, ...}'
+    (TASK: train, resume, ranks, torch or torch_ranks; see main())
 
 writes its results as JSON to the path given as "result" ("{rank}" in it becomes the process's rank).
 """

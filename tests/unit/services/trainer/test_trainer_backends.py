@@ -143,8 +143,8 @@ def test_a_resumed_backend_steps_like_an_uninterrupted_one(stage, deepspeed_run,
 def test_two_ranks_sharing_the_micro_batches_take_the_one_process_step(stage, tiny_model, tmp_path):
     # Two NCCL ranks cannot share a GPU: with fewer than two, the ranks and the reference run on the CPU.
     env = {} if torch.cuda.device_count() >= 2 else {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
-    [reference] = run_deepspeed({"task": "torch_ranks", "model": str(tiny_model), "save": str(tmp_path / "torch")},
-                                tmp_path, env=env)
+    [reference] = run_deepspeed({"task": "torch_ranks", "model": str(tiny_model),
+                                 "save": str(tmp_path / "torch")}, tmp_path, env=env)
     results = run_deepspeed({"task": "ranks", "zero_stage": stage, "model": str(tiny_model),
                              "save": str(tmp_path / "ranks")}, tmp_path, world_size=2, env=env)
     assert [(r["rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2)]

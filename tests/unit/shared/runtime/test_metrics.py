@@ -1,5 +1,6 @@
-"""What a consuming service's /metrics says of its consumer group, on a real Redis: entries handled and failed,
-handler latency, dead letters, and the group's lag and pending entries as Redis has them at the scrape."""
+"""What a consuming service's /metrics says of its consumer group, on a real Redis: entries handled and
+failed, handler latency, dead letters, and the group's lag and pending entries as Redis has them at the
+scrape."""
 
 from __future__ import annotations
 
@@ -33,13 +34,15 @@ def test_a_groups_handled_failed_and_waiting_entries_show_on_its_metrics(bus):
         if delivery.event.sample_index == 1:
             raise ValueError("this one fails")
 
-    run_consumer(bus, group, "c1", handle, should_stop=lambda: bool(rounds), between_reads=lambda: rounds.append(1))
+    run_consumer(bus, group, "c1", handle, should_stop=lambda: bool(rounds),
+                 between_reads=lambda: rounds.append(1))
     for index in range(4, 6):  # published after the group's read: waiting for it
         bus.publish("prompts", prompt(index), rollout_id=f"r{index}")
 
     ours = scraped(stream="prompts", group=group.name)
-    assert scraped(stream="prompts", group=group.name, outcome="ok")["rollstream_bus_events_handled_total"] == 3
-    assert scraped(stream="prompts", group=group.name, outcome="failed")["rollstream_bus_events_handled_total"] == 1
+    handled = "rollstream_bus_events_handled_total"
+    assert scraped(stream="prompts", group=group.name, outcome="ok")[handled] == 3
+    assert scraped(stream="prompts", group=group.name, outcome="failed")[handled] == 1
     assert ours["rollstream_bus_handler_seconds_count"] == 4
     assert ours["rollstream_bus_consumer_lag"] == 2
     assert ours["rollstream_bus_pending_entries"] == 1
