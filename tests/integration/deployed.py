@@ -57,8 +57,11 @@ def run_as_deployed(root: Path, redis_url: str, model: Path) -> Iterator[dict]:
               "secrets": [*passwords.values(), HTTP_TOKEN, METRICS_TOKEN]}
     try:
         try:
-            local.start(on_step=printed.append)
-            watch_the_deployed_run(local, admin, prefix, result)
+            # scraping from the services' first seconds (outside the run's files, which must hold no secret:
+            # it reads the metrics token from a file)
+            with prometheus_scraping(local, root / "prometheus", METRICS_TOKEN) as prometheus:
+                local.start(on_step=printed.append)
+                watch_the_deployed_run(local, admin, prefix, result, prometheus)
         finally:
             result["exit_codes"] = local.stop()
         result["denied"] = [entry for entry in admin.acl_log(count=10_000)
@@ -83,7 +86,9 @@ def service_users() -> dict[str, list[str]]:
     return out
 
 
-def watch_the_deployed_run(local: LocalRun, admin: redis.Redis, prefix: str, result: dict) -> None:
+def watch_the_deployed_run(local: LocalRun, admin: redis.Redis, prefix: str, result: dict,
+                           prometheus: str | None) -> None:
+    """prometheus: the URL of a Prometheus scraping the run (None where none is installed)."""
     result["connected_users"] = {c["user"] for c in admin.client_list() if c["user"].startswith(prefix)}
     result["metrics"] = {
         name: [httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers, timeout=5).status_code
@@ -93,18 +98,17 @@ def watch_the_deployed_run(local: LocalRun, admin: redis.Redis, prefix: str, res
     result["healthz"] = {name: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code
                          for name, port in local.health_ports.items()}
     bus = local.bus
-    with prometheus_scraping(local, local.run_dir / "prometheus", METRICS_TOKEN) as prometheus:
-        # Malformed entries on two streams: they must be dead-lettered while the services keep going.
-        bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "1", "body": b"\x00garbage"})
-        bus.redis.xadd(bus.keys.stream("batches"), {"type": "BatchReady", "v": "99", "body": b""})
-        result["progress"] = local.wait_for_version(DEPLOYED_VERSIONS, timeout_s=600)
-        result["exposition"] = {name: httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5,
-                                                headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).text
-                                for name, port in local.health_ports.items()}
-        result["prometheus"] = None if prometheus is None else {
-            "targets": scrape_health(prometheus),
-            "panels": {(title, query): ask(prometheus, query) for title, query in dashboard_queries()},
-            "moved": {what: ask(prometheus, query) for what, query in RUN_MOVES.items()}}
+    # Malformed entries on two streams: they must be dead-lettered while the services keep going.
+    bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "1", "body": b"\x00garbage"})
+    bus.redis.xadd(bus.keys.stream("batches"), {"type": "BatchReady", "v": "99", "body": b""})
+    result["progress"] = local.wait_for_version(DEPLOYED_VERSIONS, timeout_s=600)
+    result["exposition"] = {name: httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5,
+                                            headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).text
+                            for name, port in local.health_ports.items()}
+    result["prometheus"] = None if prometheus is None else {
+        "targets": scrape_health(prometheus),
+        "panels": {(title, query): ask(prometheus, query) for title, query in dashboard_queries()},
+        "moved": {what: ask(prometheus, query) for what, query in RUN_MOVES.items()}}
     result["served"] = asyncio.run(probe_served_logprobs(local, result["model"]))
     result["rq_jobs"] = sandbox_jobs(bus.redis, local.settings.run_id)
 
