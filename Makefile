@@ -109,8 +109,17 @@ test-e2e: setup
 	$(PY) -m pytest tests/e2e -m e2e
 
 # Every benchmark, one after another, into BENCHMARKS.md (bench/run_all.py; ARGS="--only bus,encoding" for some).
-bench: setup
+# The gateway's benchmarks compare it with LiteLLM's proxy, which gets a venv of its own: its pins conflict
+# with rollstream's.
+LITELLM_VENV := .venv-litellm
+LITELLM_VERSION := 1.83.0
+
+bench: setup $(LITELLM_VENV)/bin/litellm
 	$(PY) bench/run_all.py $(ARGS)
+
+$(LITELLM_VENV)/bin/litellm:
+	python3 -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/pip install -q "litellm[proxy]==$(LITELLM_VERSION)"
 
 clean:
 	rm -rf runs models

@@ -26,8 +26,10 @@ versions x batch-size samples, and the last version waits for the slowest of the
 
 Measured, per mode, over the window from the first admitted prompt to PolicyUpdated v`--versions` (event
 envelope times):
-    samples/min   sum of PolicyUpdated.trained_samples (batch rows: one per segment of an episode) / window;
-                  samples dropped as too stale do not count
+    samples/min   the headline: sum of PolicyUpdated.trained_samples (batch rows: one per segment of an
+                  episode) / window, start-up included; samples dropped do not count
+    dropped       beside it: batch rows the trainer left out (stale, invalid) and rollouts the reward service
+                  dropped (grading failed, grade timeout, ...), by cause
     steady/min    trained samples of updates 2..V / (time of update V - time of update 1): no start-up ramp
     busy          fraction of the window a server had a request running, averaged over servers, from
                   busy-time counters: the simulator's own (sim:busy_seconds_total; a paused server is not
@@ -44,8 +46,12 @@ envelope times):
     cores         CPU seconds the pipeline's processes (services, fleet, simulated trainer) used per second
                   of the mode: this machine's share of the work, against its cores
 
-    python bench/bench_async.py [--mode real|sim|both] [--etas 0 4] [--batch-size 32] [--group 4]
-                                [--versions 8] [--servers 64] [--sim-decode-ms 25] [--sim-batch 8]
+One run of a mode varies (a 2-core machine's other work, vLLM's CPU engine): --repeats N runs every mode N
+times, the modes in turn and every other round in reverse order, and reports the median of each figure with
+every run's beside it, and each run's async/sync ratio against the synchronous run of its round.
+
+    python bench/bench_async.py [--mode real|sim|both] [--etas 0 4] [--repeats 3] [--batch-size 32]
+                                [--group 4] [--versions 8] [--servers 64] [--sim-decode-ms 25] [--sim-batch 8]
                                 [--trainer real|sim-gpu] [--gpu-profile h100x8-7b] [--keep]
                                 [--fleet-url http://127.0.0.1:8000] [--smoke] [--json PATH]
 
@@ -86,12 +92,14 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,7 +117,7 @@ from sim_trainer import PROFILES, SIM_TRAINER_READY, profile_from, starting_mode
 from rollstream.cli.local_run import OPT_IN_SERVICES, SERVICES, LocalRun, ServiceDied
 from rollstream.shared.contract.archive import ArchiveReader, StreamHistory, read_history
 from rollstream.shared.contract.bus import Bus, StreamName
-from rollstream.shared.contract.events import PolicyUpdated, TrajectoryTurn, decode
+from rollstream.shared.contract.events import PolicyUpdated, RolloutDropped, TrajectoryTurn, decode
 from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.runtime.config import Settings
 
@@ -330,8 +338,12 @@ class Result:
     servers: int
     eta: int
     versions: int
+    repeat: int = 1
+    """Which of --repeats runs of this mode (each mode runs once per repeat, the modes in turn)."""
     trained: int = 0
     dropped: int = 0
+    """Batch rows the trainer left out (stale or invalid), and rollouts the reward service dropped."""
+    drop_causes: dict[str, int] = field(default_factory=dict)
     finished: int = 0
     window_s: float = float("nan")
     total_s: float = float("nan")
@@ -424,18 +436,19 @@ def start_sim_trainer(local: LocalRun, args: argparse.Namespace) -> SimProcess:
     return trainer
 
 
-def run_mode(kind: str, fleet, urls: list[str], eta: int, args: argparse.Namespace, model: Path,
+def run_mode(kind: str, fleet, urls: list[str], eta: int, repeat: int, args: argparse.Namespace, model: Path,
              workdir: Path) -> Result:
     asyncio.run(reload_all(urls, model))
     settings = mode_settings(kind, eta, len(urls), args, model, workdir)
-    result = Result(fleet=kind, servers=fleet.servers, eta=eta, versions=args.versions)
+    result = Result(fleet=kind, servers=fleet.servers, eta=eta, versions=args.versions, repeat=repeat)
     poller = MetricsPoller({url: fleet.metric_urls(url) for url in urls},
                            interval_s=0.25 if len(urls) == 1 else 1.0).start()
     local = LocalRun(settings, fleet_urls=urls, services=pipeline_services(settings, args))
     trainer: SimProcess | None = None
     result.run_dir = str(local.run_dir)
     started = time.time()
-    print(f"  {kind} eta={eta}: run {settings.run_id}, logs in {local.log_dir}", flush=True)
+    print(f"  {kind} eta={eta} (run {repeat} of {args.repeats}): run {settings.run_id}, "
+          f"logs in {local.log_dir}", flush=True)
 
     def check_trainer(_progress) -> None:
         if trainer is not None and trainer.exit_code() is not None:
@@ -494,7 +507,8 @@ def measure(result: Result, local: LocalRun, poller: MetricsPoller) -> None:
     result.turns, result.generated_tokens = episode_work(bus, storage_uri, until=t1)
     result.update_times = [t - t0 for t in times]
     result.trained = sum(u.trained_samples for _, u in updates)
-    result.dropped = sum(u.dropped.get("stale", 0) for _, u in updates)
+    result.drop_causes = dropped_in_window(bus, storage_uri, updates, until=t1)
+    result.dropped = sum(result.drop_causes.values())
     result.window_s = t1 - t0
     result.per_min = 60 * result.trained / result.window_s
     if len(updates) >= 2 and t1 > times[0]:
@@ -506,6 +520,19 @@ def measure(result: Result, local: LocalRun, poller: MetricsPoller) -> None:
     result.step_s = sum(steps) / len(steps)
     result.sync_s = sum(syncs) / len(syncs)
     result.trainer_busy = (sum(steps) + sum(syncs)) / result.window_s
+
+
+def dropped_in_window(bus: Bus, storage_uri: str, updates: list[tuple[float, PolicyUpdated]],
+                      until: float) -> dict[str, int]:
+    """What the window's updates left out of their batches (`rows <cause>`: stale, invalid) and the rollouts
+    the reward service dropped up to `until` (`rollouts <cause>`: grading failed, grade timeout, ...)."""
+    causes: Counter[str] = Counter()
+    for _, update in updates:
+        causes.update({f"rows {cause}": count for cause, count in update.dropped.items()})
+    for delivery in read_history(bus, "rewards", storage_uri):
+        if isinstance(delivery.event, RolloutDropped) and delivery.envelope.time <= until:
+            causes[f"rollouts {delivery.event.cause}"] += 1
+    return {cause: count for cause, count in sorted(causes.items()) if count}
 
 
 def tail(path: Path, lines: int) -> str:
@@ -543,8 +570,11 @@ def run_fleet(kind: str, args: argparse.Namespace, model: Path, workdir: Path) -
         if kind == "real" and args.warmup:
             print(f"  warm-up: {args.warmup} untimed requests", flush=True)
             asyncio.run(warm_up(urls[0], model, args.warmup, args.concurrency, args.max_tokens))
-        for eta in args.etas:
-            results.append(run_mode(kind, fleet, urls, eta, args, model, workdir))
+        for repeat in range(1, args.repeats + 1):
+            # the modes in turn, every other repeat in reverse order (A B B A ...): what the first runs pay
+            # (cold caches, a warming fleet) and a drift of the machine fall on each mode alike
+            for eta in (args.etas if repeat % 2 else args.etas[::-1]):
+                results.append(run_mode(kind, fleet, urls, eta, repeat, args, model, workdir))
     finally:
         fleet.stop()
     return results
@@ -572,40 +602,84 @@ def report(results: list[Result], args: argparse.Namespace, params: TailParams) 
     else:
         print("trainer: the trainer service (services/trainer) on this machine's CPU")
     print_table(results)
-    for kind in ("real", "sim"):
-        sync = next((r for r in results if r.fleet == kind and r.eta == 0), None)
-        for asyn in (r for r in results if sync is not None and r.fleet == kind and r.eta != 0):
-            servers = f"{sync.servers} server{'s' if sync.servers > 1 else ''}"
-            print(f"async/sync {kind} ({servers}, eta={asyn.eta}): "
-                  f"samples/min x{asyn.per_min / sync.per_min:.2f}, "
-                  f"steady x{asyn.steady_per_min / sync.steady_per_min:.2f}, "
-                  f"busy {sync.busy:.2f} -> {asyn.busy:.2f} (steady {sync.steady_busy:.2f} -> "
-                  f"{asyn.steady_busy:.2f}), run/server {sync.running:.2f} -> {asyn.running:.2f}, "
-                  f"window {sync.window_s:.0f}s -> {asyn.window_s:.0f}s")
+    headline = headline_lines(results)
+    print("\n".join(headline))
     write_result(args.json, figures_of(results), [
         f"B={args.batch_size} (n={args.group}), {args.versions} versions measured, {args.max_tokens} tokens "
         f"a turn, agent-runner concurrency {args.concurrency}, trainer {args.trainer}"
-        + (f" ({args.gpu_profile})" if args.trainer == "sim-gpu" else "")])
+        + (f" ({args.gpu_profile})" if args.trainer == "sim-gpu" else "")
+        + f", {args.repeats} run{'s' if args.repeats > 1 else ''} of each mode, the modes in turn, every "
+          "other round reversed", *headline])
+
+
+def modes(results: list[Result]) -> dict[tuple[str, int], list[Result]]:
+    """Each fleet's modes (fleet, eta), each with its runs in the order they ran."""
+    grouped: dict[tuple[str, int], list[Result]] = {}
+    for result in results:
+        grouped.setdefault((result.fleet, result.eta), []).append(result)
+    return grouped
+
+
+def async_against_sync(results: list[Result]):
+    """(fleet, eta, the async mode's runs, the synchronous mode's runs) for each async mode of a fleet that
+    has a synchronous one; run i of each beside the other (those that both finished)."""
+    grouped = modes(results)
+    for (kind, eta), runs in grouped.items():
+        sync = grouped.get((kind, 0))
+        if eta != 0 and sync:
+            count = min(len(runs), len(sync))
+            yield kind, eta, runs[:count], sync[:count]
+
+
+def headline_lines(results: list[Result]) -> list[str]:
+    """The headline, samples trained per minute over each run (start-up included), with its spread over the
+    repeated runs and what each run dropped beside it."""
+    lines = []
+    for (kind, eta), runs in modes(results).items():
+        rates = [r.per_min for r in runs]
+        drops = Counter()
+        for r in runs:
+            drops.update(r.drop_causes)
+        lines.append(f"{kind} eta={eta}: samples trained per minute {describe(rates)}; dropped "
+                     + (", ".join(f"{count} {cause}" for cause, count in drops.items()) or "nothing")
+                     + f" in {len(runs)} run{'s' if len(runs) > 1 else ''}")
+    for kind, eta, runs, sync in async_against_sync(results):
+        ratios = ", ".join(f"x{a.per_min / s.per_min:.2f}" for a, s in zip(runs, sync))
+        middle = statistics.median(r.per_min for r in runs) / statistics.median(s.per_min for s in sync)
+        lines.append(f"async/sync {kind} eta={eta}: samples trained per minute x{middle:.2f} (medians; "
+                     f"each run against its synchronous run: {ratios})")
+    return lines
+
+
+def describe(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    middle = statistics.median(values)
+    return (f"median {middle:.1f}, runs " + ", ".join(f"{v:.1f}" for v in values)
+            + f" (spread {100 * (max(values) - min(values)) / middle:.0f}% of the median)")
 
 
 SYNC = "eta=0 (synchronous)"
 
 
 def figures_of(results: list[Result]) -> list[Figure]:
-    """Each async mode's samples/min and fleet busy fraction against the synchronous mode of its fleet."""
+    """Each async mode against the synchronous mode of its fleet, medians over the runs: samples trained per
+    minute over the run (the headline) and the fleet's busy fraction. What was dropped is said beside them
+    (headline_lines): against a synchronous mode that drops nothing, it has no ratio."""
     figures = []
-    for kind in ("real", "sim"):
-        sync = next((r for r in results if r.fleet == kind and r.eta == 0), None)
-        for asyn in (r for r in results if sync is not None and r.fleet == kind and r.eta != 0):
-            fleet = "real vLLM (CPU)" if kind == "real" else f"{asyn.servers} simulated servers"
-            what = f"{fleet}, eta={asyn.eta}"
-            figures += [Figure(f"{what}: samples trained", asyn.per_min, SYNC, sync.per_min, "samples/min"),
-                        Figure(f"{what}: fleet busy", asyn.busy, SYNC, sync.busy, "fraction of time")]
+    for kind, eta, runs, sync in async_against_sync(results):
+        fleet = "real vLLM (CPU)" if kind == "real" else f"{runs[0].servers} simulated servers"
+        what = f"{fleet}, eta={eta}"
+        for title, attribute, unit in (("samples trained per minute over the run", "per_min", "samples/min"),
+                                       ("fleet busy", "busy", "fraction of time")):
+            figures.append(Figure.repeated(f"{what}: {title}", [getattr(r, attribute) for r in runs], SYNC,
+                                           [getattr(r, attribute) for r in sync], unit))
     return figures
 
 
 COLUMNS = (  # title, width, Result attribute, format
     ("fleet", 6, "fleet", "<"), ("servers", 8, "servers", ""), ("mode", 7, "mode", ""), ("eta", 5, "eta", ""),
+    ("run", 5, "repeat", ""),
     ("versions", 9, "versions", ""), ("trained", 9, "trained", ""), ("dropped", 9, "dropped", ""),
     ("window s", 10, "window_s", ".1f"), ("samples/min", 13, "per_min", ".1f"),
     ("steady/min", 12, "steady_per_min", ".1f"), ("busy", 7, "busy", ".2f"),
@@ -627,7 +701,7 @@ def print_table(results: list[Result]) -> None:
 
 SMOKE = {"etas": [0, 1], "batch_size": 4, "group": 2, "versions": 2, "max_tokens": 4, "concurrency": 8,
          "servers": 4, "warmup": 0, "trainer": "sim-gpu", "train_tokens_per_s": 1e6, "step_overhead_s": 0.05,
-         "sync_s": 0.05, "timeout": 300.0}
+         "sync_s": 0.05, "timeout": 300.0, "repeats": 2}
 
 
 def parse_args() -> argparse.Namespace:
@@ -647,6 +721,8 @@ def parse_args() -> argparse.Namespace:
     add("--max-total-tokens", type=int, default=1024, help="context of one segment")
     add("--concurrency", type=int, default=256, help="episodes the agent-runner runs at once")
     add("--seed", type=int, default=0)
+    add("--repeats", type=int, default=1,
+        help="runs of each mode, the modes in turn; figures are their medians, with the spread beside them")
     add("--median-turns", type=int, default=2)
     add("--tail-fraction", type=float, default=0.05)
     add("--tail-min", type=float, default=10.0)
@@ -683,6 +759,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--eta is the async mode's staleness and must be at least 1")
     if args.etas is None:
         args.etas = [0, args.eta] if args.order == "sync-first" else [args.eta, 0]
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if min(args.etas) < 0:
         parser.error("--etas must be 0 (synchronous) or more")
     if args.sim_reload_s is None:

@@ -55,7 +55,8 @@ started here (the gateway with cli/local_run.py); everything is stopped at the e
 
 --sessions and --min-turns default to 1,32 and 48 against vLLM, 1,64,256 and 192 against the fake.
 --litellm: the `litellm` command of an environment with LiteLLM's proxy extra (default: the one beside
-this Python). When the proxy cannot start or answer, the output says why and the other two are reported.
+this Python, else .venv-litellm's, which `make bench` installs, else PATH's). When the proxy cannot start or
+answer, the output says why and the other two are reported.
 --smoke: a few turns against the fake, without LiteLLM (seconds; checks that the benchmark runs).
 --json: also write the figures (bench/results.py): each endpoint's p50 and p99 against direct, and the
 gateway's CPU time per turn against LiteLLM's.
@@ -69,7 +70,6 @@ import contextlib
 import math
 import os
 import shutil
-import signal
 import ssl
 import subprocess
 import sys
@@ -90,9 +90,9 @@ from rollstream.cli.vllm_server import free_port
 from rollstream.shared.runtime.config import Settings
 
 try:  # run as a script: bench/ is first on sys.path
-    from results import Figure, parse_args, write_result
+    from results import Figure, parse_args, stop_group, write_result
 except ImportError:  # imported as bench.gateway_latency (the tests of its pure parts)
-    from bench.results import Figure, parse_args, write_result
+    from bench.results import Figure, parse_args, stop_group, write_result
 
 SEED = 1234
 QUESTIONS = ("What is 17 + 25?", "Name a prime number larger than 50.", "Say hello in French.",
@@ -420,25 +420,15 @@ class LiteLLMProxy:
         stop_group(process)
 
 
-def stop_group(process: subprocess.Popen | None) -> None:
-    """SIGTERM to a process started in a session of its own and to what it started, then SIGKILL."""
-    if process is None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+LITELLM_VENV = Path(__file__).resolve().parents[1] / ".venv-litellm"
+"""Where `make bench` installs LiteLLM's proxy (its pins conflict with rollstream's, so a venv of its own)."""
 
 
 def default_litellm() -> str | None:
-    beside = Path(sys.executable).with_name("litellm")
-    return str(beside) if beside.exists() else shutil.which("litellm")
+    for candidate in (Path(sys.executable).with_name("litellm"), LITELLM_VENV / "bin" / "litellm"):
+        if candidate.exists():
+            return str(candidate)
+    return shutil.which("litellm")
 
 
 # ------------------------------------------------------------------------------------------ the fake

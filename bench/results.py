@@ -12,6 +12,8 @@ import json
 import math
 import os
 import signal
+import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -20,20 +22,40 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Figure:
-    """One measurement and its baseline; ratio = value / baseline, so below 1 is less (time: faster)."""
+    """One measurement and its baseline; ratio = value / baseline, so below 1 is less (time: faster).
+
+    Measured over repeated runs (`Figure.repeated`), value and baseline are the medians and `runs` /
+    `baseline_runs` hold every run's figure, in the order they ran (run i's baseline beside run i)."""
 
     what: str
     value: float
     baseline_what: str
     baseline: float
     unit: str
+    runs: tuple[float, ...] = ()
+    baseline_runs: tuple[float, ...] = ()
+
+    @classmethod
+    def repeated(cls, what: str, runs: Sequence[float], baseline_what: str, baseline_runs: Sequence[float],
+                 unit: str) -> Figure:
+        return cls(what, median(runs), baseline_what, median(baseline_runs), unit, tuple(runs),
+                   tuple(baseline_runs))
 
     @property
     def ratio(self) -> float:
         return self.value / self.baseline if self.baseline else math.nan
 
+    @property
+    def run_ratios(self) -> list[float]:
+        """Each run's figure against its own run's baseline."""
+        return [value / base if base else math.nan for value, base in zip(self.runs, self.baseline_runs)]
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio}
+        return {**asdict(self), "ratio": self.ratio, "run_ratios": self.run_ratios}
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
 
 
 def parse_args(parser: argparse.ArgumentParser, smoke: dict) -> argparse.Namespace:
@@ -61,3 +83,19 @@ def write_result(path: str | None, figures: Sequence[Figure], notes: Sequence[st
     temp.write_text(json.dumps(body, indent=2, allow_nan=True))
     os.replace(temp, target)  # a reader never sees half a file
 
+
+
+def stop_group(process: subprocess.Popen | None, grace_s: float = 15) -> None:
+    """SIGTERM to a process started in a session of its own and to what it started, then SIGKILL."""
+    if process is None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue

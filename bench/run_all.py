@@ -26,7 +26,6 @@ import platform
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+try:  # run as a script: bench/ is first on sys.path
+    from results import stop_group
+except ImportError:  # imported as bench.run_all (the tests of its report)
+    from bench.results import stop_group
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -109,9 +113,16 @@ BENCHMARKS = (
     Benchmark("grading", "bench_grading.py", ("--jobs", "12")),
     Benchmark("agent-runner", "bench_agent_runner.py",
               ("--episodes", "128", "--rounds", "3", "--warmup-passes", "1"), takes_fleet=True),
-    Benchmark("async", "bench_async.py", ("--etas", "0", "2", "--versions", "4", "--batch-size", "16",
-                                          "--servers", "16", "--concurrency", "64", "--warmup", "200",
-                                          "--timeout", "240"), takes_fleet=True, redis_option="--redis-url"),
+    # async against sync, each mode 3 times: on the real vLLM server (a CPU server beside the CPU trainer),
+    # and on 16 simulated servers
+    Benchmark("async-vllm", "bench_async.py", ("--mode", "real", "--etas", "0", "2", "--versions", "4",
+                                               "--batch-size", "16", "--concurrency", "64", "--warmup", "200",
+                                               "--repeats", "3", "--timeout", "240"),
+              smoke_args=("--smoke", "--mode", "real"), takes_fleet=True, redis_option="--redis-url"),
+    Benchmark("async-sim", "bench_async.py", ("--mode", "sim", "--etas", "0", "2", "--versions", "3",
+                                              "--batch-size", "16", "--servers", "16", "--concurrency", "64",
+                                              "--repeats", "3", "--timeout", "240"),
+              smoke_args=("--smoke", "--mode", "sim"), redis_option="--redis-url"),
     Benchmark("gateway", "gateway_latency.py", ("--sessions", "1,16", "--rounds", "2", "--min-turns", "24"),
               smoke_args=("--sessions", "1", "--turns", "1", "--rounds", "1", "--min-turns", "1",
                           "--no-litellm"),
@@ -155,7 +166,7 @@ def run(benchmark: Benchmark, command: list[str], timeout_s: float, workdir: Pat
     try:
         code = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _stop(process)
+        stop_group(process, STOP_GRACE_S)
         code = None
     echo.join(timeout=10)
     outcome.seconds, outcome.load = time.monotonic() - started, (load, os.getloadavg()[0])
@@ -181,20 +192,6 @@ def _echo(process: subprocess.Popen, name: str, lines: list[str]) -> None:
     for line in process.stdout:
         lines.append(line.rstrip("\n"))
         print(f"[{name}] {line}", end="", flush=True)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the benchmark's whole process group (the servers it started stop with it), then SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=STOP_GRACE_S)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 # ------------------------------------------------------------------------------------------ the machine
@@ -263,6 +260,14 @@ def number(value: float) -> str:
     return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
 
 
+def spread(value: float, runs: list[float] | None) -> str:
+    """A figure, and over repeated runs the range they spanned."""
+    runs = [run for run in runs or () if run == run]  # NaN: nothing measured
+    if len(runs) < 2:
+        return number(value)
+    return f"{number(value)} ({number(min(runs))} - {number(max(runs))})"
+
+
 def report(outcomes: list[Outcome], smoke: bool, host: dict[str, str]) -> str:
     title = "Benchmarks (smoke mode: tiny sizes, the figures mean nothing)" if smoke else "Benchmarks"
     command = shown([sys.executable, str(BENCH / "run_all.py")]) + (" --smoke" if smoke else "")
@@ -289,8 +294,12 @@ def report(outcomes: list[Outcome], smoke: bool, host: dict[str, str]) -> str:
                     "```"]
             continue
         out += ["| measured | value | baseline | value | unit | ratio |", "|---|---|---|---|---|---|"]
-        out += [f"| {f['what']} | {number(f['value'])} | {f['baseline_what']} | {number(f['baseline'])} | "
-                f"{f['unit']} | {number(f['ratio'])} |" for f in o.figures]
+        out += [f"| {f['what']} | {spread(f['value'], f.get('runs'))} | {f['baseline_what']} | "
+                f"{spread(f['baseline'], f.get('baseline_runs'))} | {f['unit']} | "
+                f"{spread(f['ratio'], f.get('run_ratios'))} |" for f in o.figures]
+        if any(len(f.get("runs") or ()) > 1 for f in o.figures):
+            out += ["", "Over repeated runs: the median, then (lowest - highest) of the runs; a ratio's range "
+                    "is each run's figure against its own run's baseline."]
         for note in o.notes:
             first, *more = note.splitlines() or [""]
             out += ["", first, *(["```", *more, "```"] if more else [])]  # a log tail stays as printed

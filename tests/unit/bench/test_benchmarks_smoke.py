@@ -68,8 +68,18 @@ def test_async_against_sync_on_vllm_and_simulated_servers(vllm_url, tiny_model, 
     done = run_smoke("bench_async.py", tmp_path, "--fleet-url", vllm_url, "--model", str(tiny_model),
                      "--redis-url", machine_redis_url)
     assert [f["what"] for f in done.figures] == [
-        "real vLLM (CPU), eta=1: samples trained", "real vLLM (CPU), eta=1: fleet busy",
-        "4 simulated servers, eta=1: samples trained", "4 simulated servers, eta=1: fleet busy"]
+        "real vLLM (CPU), eta=1: samples trained per minute over the run",
+        "real vLLM (CPU), eta=1: fleet busy",
+        "4 simulated servers, eta=1: samples trained per minute over the run",
+        "4 simulated servers, eta=1: fleet busy"]
+    # each mode ran twice, the modes in turn: the figures are medians, each run's figure and ratio beside
+    for figure in done.figures:
+        assert len(figure["runs"]) == len(figure["baseline_runs"]) == len(figure["run_ratios"]) == 2
+        assert min(figure["runs"]) <= figure["value"] <= max(figure["runs"])
+    modes = [note for note in done.notes if note.startswith(("real eta=", "sim eta="))]
+    assert len(modes) == 4 and all("samples trained per minute median" in note and "dropped" in note
+                                   for note in modes), done.notes
+    assert sum(note.startswith("async/sync ") for note in done.notes) == 2, done.notes
 
 
 def test_learning_against_its_control(vllm_url, tiny_model, tmp_path):

@@ -91,3 +91,18 @@ def test_gateway_figures_compare_each_endpoint_with_direct_at_the_same_sessions(
         ("gateway, 8 sessions: p50 of a turn", 1.5), ("gateway, 8 sessions: p99 of a turn", 1.5)]
     assert notes == [litellm]
     assert gateway_figures("no table here") == ([], [])
+
+
+def test_a_figure_over_repeated_runs_shows_its_median_and_the_runs_range():
+    from bench.results import Figure
+
+    figure = Figure.repeated("samples trained per minute", [300.0, 250.0, 100.0], "synchronous",
+                             [100.0, 120.0, 110.0], "samples/min")
+    assert (figure.value, figure.baseline) == (250.0, 110.0)
+    assert figure.run_ratios == [3.0, 250.0 / 120.0, 100.0 / 110.0]
+    command = [sys.executable, str(REPO / "bench" / "bench_encoding.py")]
+    outcome = Outcome(BENCHMARKS[0], command, figures=[figure.as_dict()])
+    written = section(report([outcome], smoke=False, host={"CPU": "x"}), "encoding")
+    assert ("| samples trained per minute | 250 (100 - 300) | synchronous | 110 (100 - 120) | samples/min | "
+            "2.273 (0.9091 - 3) |") in written
+    assert "Over repeated runs: the median" in written
