@@ -54,8 +54,8 @@ started here (the gateway with cli/local_run.py); everything is stopped at the e
         [--smoke] [--json PATH]
 
 --sessions and --min-turns default to 1,32 and 48 against vLLM, 1,64,256 and 192 against the fake.
---litellm: the `litellm` command of an environment with LiteLLM's proxy extra (default: the one beside
-this Python, else .venv-litellm's, which `make bench` installs, else PATH's). When the proxy cannot start or
+--litellm: the `litellm` command of an environment with LiteLLM's proxy extra (default: .venv-litellm's,
+which `make bench` installs, else the one beside this Python, else PATH's). When the proxy cannot start or
 answer, the output says why and the other two are reported.
 --smoke: a few turns against the fake, without LiteLLM (seconds; checks that the benchmark runs).
 --json: also write the figures (bench/results.py): each endpoint's p50 and p99 against direct, and the
@@ -425,7 +425,9 @@ LITELLM_VENV = Path(__file__).resolve().parents[1] / ".venv-litellm"
 
 
 def default_litellm() -> str | None:
-    for candidate in (Path(sys.executable).with_name("litellm"), LITELLM_VENV / "bin" / "litellm"):
+    # .venv-litellm first: the one beside this Python may lack the proxy's extras (mini-swe-agent pulls in
+    # LiteLLM without them)
+    for candidate in (LITELLM_VENV / "bin" / "litellm", Path(sys.executable).with_name("litellm")):
         if candidate.exists():
             return str(candidate)
     return shutil.which("litellm")

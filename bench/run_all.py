@@ -6,9 +6,10 @@ as failed, with the end of its output, and the command exits non-zero.
 Each benchmark writes its figures with `--json PATH` (bench/results.py); gateway_latency.py against vLLM
 is read from its printed table. With --smoke every benchmark runs its smoke mode (seconds, tiny
 sizes: it checks that the benchmarks run; the figures mean nothing) and the report goes to stdout unless
---out names a file.
+--out names a file. --update runs the --only benchmarks again and replaces just their rows and sections in the
+existing report.
 
-    python bench/run_all.py [--only NAME[,NAME]] [--smoke] [--out BENCHMARKS.md] [--timeout 600]
+    python bench/run_all.py [--only NAME[,NAME] [--update]] [--smoke] [--out BENCHMARKS.md] [--timeout 600]
                             [--fleet-url http://127.0.0.1:8000]   # a running vLLM server of the tiny model
                             [--redis redis://127.0.0.1:6379/0]    # default: each benchmark's own
     python bench/run_all.py --list                                # the benchmarks' names
@@ -119,9 +120,10 @@ BENCHMARKS = (
                                                "--batch-size", "16", "--concurrency", "64", "--warmup", "200",
                                                "--repeats", "3", "--timeout", "240"),
               smoke_args=("--smoke", "--mode", "real"), takes_fleet=True, redis_option="--redis-url"),
+    # (decode at 12 ms a token, half the default: the synchronous mode waits out each version's slowest episode)
     Benchmark("async-sim", "bench_async.py", ("--mode", "sim", "--etas", "0", "2", "--versions", "3",
                                               "--batch-size", "16", "--servers", "16", "--concurrency", "64",
-                                              "--repeats", "3", "--timeout", "240"),
+                                              "--sim-decode-ms", "12", "--repeats", "3", "--timeout", "240"),
               smoke_args=("--smoke", "--mode", "sim"), redis_option="--redis-url"),
     Benchmark("gateway", "gateway_latency.py", ("--sessions", "1,16", "--rounds", "2", "--min-turns", "24"),
               smoke_args=("--sessions", "1", "--turns", "1", "--rounds", "1", "--min-turns", "1",
@@ -280,31 +282,60 @@ def report(outcomes: list[Outcome], smoke: bool, host: dict[str, str]) -> str:
            "## Machine", "", "| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in host.items()),
            "", "## Summary", "", "| benchmark | status | first figure | ratio | took |",
            "|---|---|---|---|---|"]
+    out += [summary_row(o) for o in outcomes]
     for o in outcomes:
-        first = o.figures[0] if o.figures else {"what": "-", "ratio": float("nan")}
-        out.append(f"| [{o.benchmark.name}](#{o.benchmark.name}) | {o.status} | {first['what']} | "
-                   f"{number(first['ratio'])} | {seconds(o.seconds)} |")
-    for o in outcomes:
-        out += ["", f"## {o.benchmark.name}", "", o.benchmark.summary(), "", "```", shown(o.command), "```",
-                ""]
-        load = f"load average {o.load[0]:.1f} at its start, {o.load[1]:.1f} at its end"
-        if o.status != "ok":
-            reason, *tail = o.error.splitlines()
-            out += [f"**{o.status.upper()}** after {seconds(o.seconds)} ({load}), {reason}", "", "```", *tail,
-                    "```"]
-            continue
-        out += ["| measured | value | baseline | value | unit | ratio |", "|---|---|---|---|---|---|"]
-        out += [f"| {f['what']} | {spread(f['value'], f.get('runs'))} | {f['baseline_what']} | "
-                f"{spread(f['baseline'], f.get('baseline_runs'))} | {f['unit']} | "
-                f"{spread(f['ratio'], f.get('run_ratios'))} |" for f in o.figures]
-        if any(len(f.get("runs") or ()) > 1 for f in o.figures):
-            out += ["", "Over repeated runs: the median, then (lowest - highest) of the runs; a ratio's range "
-                    "is each run's figure against its own run's baseline."]
-        for note in o.notes:
-            first, *more = note.splitlines() or [""]
-            out += ["", first, *(["```", *more, "```"] if more else [])]  # a log tail stays as printed
-        out.append(f"\nTook {seconds(o.seconds)}; {load}.")
+        out += ["", *section_lines(o)]
     return "\n".join(out) + "\n"
+
+
+def summary_row(o: Outcome) -> str:
+    first = o.figures[0] if o.figures else {"what": "-", "ratio": float("nan")}
+    return (f"| [{o.benchmark.name}](#{o.benchmark.name}) | {o.status} | {first['what']} | "
+            f"{number(first['ratio'])} | {seconds(o.seconds)} |")
+
+
+def section_lines(o: Outcome) -> list[str]:
+    out = [f"## {o.benchmark.name}", "", o.benchmark.summary(), "", "```", shown(o.command), "```", ""]
+    load = f"load average {o.load[0]:.1f} at its start, {o.load[1]:.1f} at its end"
+    if o.status != "ok":
+        reason, *tail = o.error.splitlines()
+        return out + [f"**{o.status.upper()}** after {seconds(o.seconds)} ({load}), {reason}", "", "```",
+                      *tail, "```"]
+    out += ["| measured | value | baseline | value | unit | ratio |", "|---|---|---|---|---|---|"]
+    out += [f"| {f['what']} | {spread(f['value'], f.get('runs'))} | {f['baseline_what']} | "
+            f"{spread(f['baseline'], f.get('baseline_runs'))} | {f['unit']} | "
+            f"{spread(f['ratio'], f.get('run_ratios'))} |" for f in o.figures]
+    if any(len(f.get("runs") or ()) > 1 for f in o.figures):
+        out += ["", "Over repeated runs: the median, then (lowest - highest) of the runs; a ratio's range "
+                "is each run's figure against its own run's baseline."]
+    for note in o.notes:
+        first, *more = note.splitlines() or [""]
+        out += ["", first, *(["```", *more, "```"] if more else [])]  # a log tail stays as printed
+    out.append(f"\nTook {seconds(o.seconds)}; {load}.")
+    return out
+
+
+def updated(text: str, outcomes: list[Outcome], host: dict[str, str]) -> str:
+    """An earlier report with these benchmarks' summary rows and sections replaced (added, if it had none),
+    each saying when and at which commit it was run again; the rest, its machine table included, as it was."""
+    for o in outcomes:
+        name = o.benchmark.name
+        lines = section_lines(o)
+        lines += ["", f"Run again on {host['date']} at {host['commit']}, alone (`--update`)."]
+        row = re.compile(rf"^\| \[{re.escape(name)}\]\(#{re.escape(name)}\) \|.*$", re.M)
+        if row.search(text):
+            text = row.sub(lambda _: summary_row(o), text, count=1)
+        else:
+            last_row = list(re.finditer(r"^\| \[[^]]+\]\(#[^)]+\) \|.*$", text, re.M))[-1]
+            text = text[:last_row.end()] + "\n" + summary_row(o) + text[last_row.end():]
+        heading = f"\n## {name}\n"
+        if heading in text:
+            before, _, rest = text.partition(heading)
+            _, next_heading, after = rest.partition("\n## ")
+            text = before + "\n" + "\n".join(lines) + "\n" + (next_heading + after if next_heading else "")
+        else:
+            text = text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
+    return text
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -330,6 +361,8 @@ def main() -> None:
     parser.add_argument("--fleet-url", default=None,
                         help="a running vLLM server of the tiny model, for the benchmarks that can use one")
     parser.add_argument("--redis", default=None, help="the Redis of the benchmarks that use the machine's")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only the benchmarks run (--only) in the existing report, keep the rest")
     parser.add_argument("--list", action="store_true", help="the benchmarks' names, and exit")
     args = parser.parse_args()
     if args.list:
@@ -345,7 +378,10 @@ def main() -> None:
             outcomes.append(run(benchmark, command, args.timeout, Path(tmp)))
             done = outcomes[-1]
             print(f"=== {benchmark.name}: {done.status} after {seconds(done.seconds)}", flush=True)
-    text = report(outcomes, args.smoke, machine())
+    if args.update and out is not None and out.exists():
+        text = updated(out.read_text(), outcomes, machine())
+    else:
+        text = report(outcomes, args.smoke, machine())
     if out is None:
         print(text)
     else:

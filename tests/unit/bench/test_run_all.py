@@ -106,3 +106,23 @@ def test_a_figure_over_repeated_runs_shows_its_median_and_the_runs_range():
     assert ("| samples trained per minute | 250 (100 - 300) | synchronous | 110 (100 - 120) | samples/min | "
             "2.273 (0.9091 - 3) |") in written
     assert "Over repeated runs: the median" in written
+
+
+def test_update_replaces_only_the_benchmarks_run_again():
+    from bench.run_all import updated
+
+    def outcome(index: int, value: float) -> Outcome:
+        figure = {"what": f"figure {index}", "value": value, "baseline_what": "b", "baseline": 1.0, "unit": "s",
+                  "ratio": value}
+        return Outcome(BENCHMARKS[index], [sys.executable, str(REPO / "bench" / BENCHMARKS[index].script)],
+                       figures=[figure])
+
+    first = report([outcome(0, 2.0), outcome(1, 3.0)], smoke=False, host={"CPU": "x"})
+    again = updated(first, [outcome(1, 5.0), outcome(2, 7.0)], host={"date": "today", "commit": "abc"})
+    assert section(again, BENCHMARKS[0].name) == section(first, BENCHMARKS[0].name)
+    assert "| figure 1 | 5 | b | 1 | s | 5 |" in section(again, BENCHMARKS[1].name)
+    assert "| figure 1 | 3 |" not in again
+    assert "Run again on today at abc, alone" in section(again, BENCHMARKS[1].name)
+    rows = [line for line in again.splitlines() if line.startswith("| [")]
+    assert [row.split("]")[0][3:] for row in rows] == [b.name for b in BENCHMARKS[:3]]
+    assert again.count(f"\n## {BENCHMARKS[2].name}\n") == 1 and "| figure 2 | 7 |" in again
