@@ -5,7 +5,11 @@ on `trajectories`: each on a stream that carries its type, or the bus dead-lette
 consumes and acknowledges them with `Bus.consume` + `Bus.ack`, and does the same with
 raw XADD / XREADGROUP / XACK of the already-encoded fields. Prints events/s and bus/raw ratios.
 
-    python bench/bench_bus.py [--redis redis://127.0.0.1:6379/0] [--events 5000] [--smoke] [--json PATH]
+Each case runs --repeats times, bus and raw in turn (a run takes a fraction of a second, so one alone swings
+with whatever else the machine does): the figures are the medians, each run's beside them.
+
+    python bench/bench_bus.py [--redis redis://127.0.0.1:6379/0] [--events 5000] [--repeats 5] [--smoke]
+                              [--json PATH]
 """
 
 from __future__ import annotations
@@ -87,30 +91,43 @@ def main() -> None:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--events", type=int, default=5000)
     parser.add_argument("--batch", type=int, default=100, help="pipeline and read batch size")
-    args = parse_args(parser, smoke={"events": 200, "batch": 50})
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each case; figures are their medians")
+    args = parse_args(parser, smoke={"events": 200, "batch": 50, "repeats": 2})
     client = redis.Redis.from_url(args.redis)
-    print(f"{args.events} events per case, batches of {args.batch}, {args.redis}")
+    print(f"{args.events} events per case, batches of {args.batch}, {args.repeats} runs, {args.redis}")
     print(f"{'case':<28}{'publish ev/s':>14}{'consume ev/s':>14}")
     cases = (("PromptIssued", "prompts", small), ("Segment 512 tokens", "trajectories", heavy))
     figures = []
     for label, stream, make in cases:
         events = [make(i) for i in range(args.events)]
-        run = f"bench-{uuid.uuid4().hex[:8]}"
-        bus = Bus(client, run, BusSettings(reclaim_idle_ms=600_000))
-        # Raw redis-py gets the same bytes, encoded ahead of time: the difference is the bus's own work.
-        fields = [encode(make_envelope(e, run_id=run)) for e in events]
-        try:
-            bus_pub, bus_con = bench_bus(bus, stream, events, args.batch)
-            raw_pub, raw_con = bench_raw(client, f"{bus.keys.prefix}:raw", fields, args.batch)
-        finally:
-            bus.delete_run()
-        print(f"{label + ' (bus)':<28}{bus_pub:>14,.0f}{bus_con:>14,.0f}")
-        print(f"{label + ' (raw redis-py)':<28}{raw_pub:>14,.0f}{raw_con:>14,.0f}")
-        print(f"{label + ' bus/raw':<28}{bus_pub / raw_pub:>14.2f}{bus_con / raw_con:>14.2f}")
-        figures += [Figure(f"{label}: Bus.publish", bus_pub, "raw XADD", raw_pub, "events/s"),
-                    Figure(f"{label}: Bus.consume + ack", bus_con, "raw XREADGROUP + XACK", raw_con,
-                           "events/s")]
-    write_result(args.json, figures, [f"{args.events} events per case, batches of {args.batch}"])
+        bus_runs, raw_runs = [], []
+        for _ in range(args.repeats):
+            bus_run, raw_run = run_case(client, stream, events, args.batch)
+            bus_runs.append(bus_run)
+            raw_runs.append(raw_run)
+            print(f"{label + ' (bus)':<28}{bus_run[0]:>14,.0f}{bus_run[1]:>14,.0f}")
+            print(f"{label + ' (raw redis-py)':<28}{raw_run[0]:>14,.0f}{raw_run[1]:>14,.0f}")
+        for index, (what, baseline) in enumerate((("Bus.publish", "raw XADD"),
+                                                  ("Bus.consume + ack", "raw XREADGROUP + XACK"))):
+            figure = Figure.repeated(f"{label}: {what}", [run[index] for run in bus_runs], baseline,
+                                     [run[index] for run in raw_runs], "events/s")
+            print(f"{label} {what}: bus/raw {figure.ratio:.2f} (runs "
+                  + ", ".join(f"{ratio:.2f}" for ratio in figure.run_ratios) + ")")
+            figures.append(figure)
+    write_result(args.json, figures, [f"{args.events} events per case, batches of {args.batch}, "
+                                      f"median of {args.repeats} runs"])
+
+
+def run_case(client: redis.Redis, stream: str, events: list, batch: int) -> tuple[tuple[float, float], ...]:
+    """(publish, consume) events/s through the bus, then raw, on streams of a run of their own."""
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    bus = Bus(client, run, BusSettings(reclaim_idle_ms=600_000))
+    # Raw redis-py gets the same bytes, encoded ahead of time: the difference is the bus's own work.
+    fields = [encode(make_envelope(e, run_id=run)) for e in events]
+    try:
+        return bench_bus(bus, stream, events, batch), bench_raw(client, f"{bus.keys.prefix}:raw", fields, batch)
+    finally:
+        bus.delete_run()
 
 
 if __name__ == "__main__":

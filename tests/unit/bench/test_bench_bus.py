@@ -14,9 +14,11 @@ from tests.unit.bench.smoke import run_smoke
 
 def test_the_bus_benchmark_ends_and_prints_a_ratio_for_each_case(machine_redis_url, tmp_path):
     done = run_smoke("bench_bus.py", tmp_path, "--redis", machine_redis_url)
-    ratio = r"^(PromptIssued|Segment 512 tokens) bus/raw\s+([0-9.]+)\s+([0-9.]+)$"
+    ratio = r"^(PromptIssued|Segment 512 tokens) (Bus.publish|Bus.consume \+ ack): bus/raw ([0-9.]+) \(runs "
     ratios = re.findall(ratio, done.output, re.M)
-    assert [case for case, *_ in ratios] == ["PromptIssued", "Segment 512 tokens"], done.output
-    assert all(float(value) > 0 for _, *values in ratios for value in values)
+    assert [case for case, *_ in ratios] == ["PromptIssued"] * 2 + ["Segment 512 tokens"] * 2, done.output
+    assert all(float(value) > 0 for *_, value in ratios)
     assert [f["unit"] for f in done.figures] == ["events/s"] * 4
+    # each case ran twice in its smoke mode: the figures are the medians of the runs
+    assert all(len(f["runs"]) == len(f["baseline_runs"]) == 2 for f in done.figures)
     assert "dead-lettered" not in done.output
