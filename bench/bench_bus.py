@@ -125,7 +125,8 @@ def run_case(client: redis.Redis, stream: str, events: list, batch: int) -> tupl
     # Raw redis-py gets the same bytes, encoded ahead of time: the difference is the bus's own work.
     fields = [encode(make_envelope(e, run_id=run)) for e in events]
     try:
-        return bench_bus(bus, stream, events, batch), bench_raw(client, f"{bus.keys.prefix}:raw", fields, batch)
+        through_bus = bench_bus(bus, stream, events, batch)
+        return through_bus, bench_raw(client, f"{bus.keys.prefix}:raw", fields, batch)
     finally:
         bus.delete_run()
 
