@@ -84,7 +84,6 @@ def write_result(path: str | None, figures: Sequence[Figure], notes: Sequence[st
     os.replace(temp, target)  # a reader never sees half a file
 
 
-
 def stop_group(process: subprocess.Popen | None, grace_s: float = 15) -> None:
     """SIGTERM to a process started in a session of its own and to what it started, then SIGKILL."""
     if process is None:
