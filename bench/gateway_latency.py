@@ -372,6 +372,33 @@ async def run_round(endpoint: Endpoint, sessions: int, agents_per_slot: int, tur
 
 
 # -------------------------------------------------------------------------------------------- LiteLLM
+def start_server(what: str, command: list[str], health_url: str, log_path: Path, timeout_s: float,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, httpx.Response]:
+    """A server process in a session of its own (stop_group stops it with what it starts), its output in
+    `log_path`, once `health_url` answers 200: the process and that answer. RuntimeError, with the end of its
+    log, when it exits or does not answer within `timeout_s`."""
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode}:\n{log_tail(log_path)}")
+        with contextlib.suppress(httpx.HTTPError):
+            response = httpx.get(health_url, timeout=2)
+            if response.status_code == 200:
+                return process, response
+        if time.monotonic() > deadline:
+            stop_group(process)
+            raise RuntimeError(f"{what} did not answer in {timeout_s:.0f} s:\n{log_tail(log_path)}")
+        time.sleep(0.2)
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+
 class LiteLLMProxy:
     """LiteLLM's proxy as a process of its own (own process group, so stop() reaches its workers)."""
 
@@ -390,30 +417,12 @@ class LiteLLMProxy:
         # No remote model-cost map and no telemetry: this machine reaches no outside host, and a lookup
         # timing out would be counted as the proxy's start, or worse, its latency.
         env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [self.command, "--model", f"hosted_vllm/{self.served_name}",
-                 "--api_base", f"{self.upstream_url}/v1",
-                 "--host", "127.0.0.1", "--port", str(self.port), "--telemetry", "False"],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + LITELLM_START_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the proxy exited with code {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                response = httpx.get(f"{self.url}/health/readiness", timeout=2)
-                if response.status_code == 200:
-                    self.version = response.json().get("litellm_version", "?")
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the proxy did not answer in {LITELLM_START_S:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.5)
-
-    def log_tail(self, lines: int = 15) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join("    " + line for line in text.splitlines()[-lines:])
+        command = [self.command, "--model", f"hosted_vllm/{self.served_name}", "--api_base",
+                   f"{self.upstream_url}/v1", "--host", "127.0.0.1", "--port", str(self.port), "--telemetry",
+                   "False"]
+        self.process, ready = start_server("the proxy", command, f"{self.url}/health/readiness",
+                                           self.log_path, LITELLM_START_S, env)
+        self.version = ready.json().get("litellm_version", "?")
 
     def stop(self) -> None:
         process, self.process = self.process, None
@@ -452,17 +461,8 @@ class FakeUpstream:
                    "--port", self.url.rsplit(":", 1)[1], "--token-ids", ",".join(map(str, ids)),
                    "--text", FAKE_ANSWER, "--served-name", model.served_name,
                    "--max-model-len", str(model.max_model_len)]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + FAKE_START_S
-        while self.process.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.1)
-        log_tail = self.log_path.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"the fake token server did not answer on {self.url}:\n{log_tail}")
+        self.process, _ = start_server("the fake token server", command, f"{self.url}/health", self.log_path,
+                                       FAKE_START_S)
 
     def stop(self) -> None:
         process, self.process = self.process, None
