@@ -6,11 +6,13 @@ rollout's, they show where the trainer and the inference engine disagree."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import pyarrow as pa
 
+from rollstream.shared.contract.token_arrays import PackedArray
 from rollstream.shared.runtime.storage import Storage
 
 SCHEMA = pa.schema([
@@ -40,10 +42,12 @@ class BatchRow:
     group_id: str
     session_id: str
     segment_index: int
-    tokens: list[int]
+    tokens: Sequence[int]
+    """A list when read back from Parquet, the segment's PackedArray as the reward service writes it; so are
+    loss_mask and rollout_logprobs."""
     response_length: int
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
+    loss_mask: Sequence[int]
+    rollout_logprobs: Sequence[float]
     turn_policy_versions: list[int]
     status: str
     reward: float
@@ -56,9 +60,17 @@ class BatchRow:
 
 
 def write_batch(storage: Storage, run_id: str, batch_id: str, rows: list[BatchRow]) -> str:
-    records = [{**asdict(row), "metadata": json.dumps(row.metadata, sort_keys=True)} for row in rows]
-    table = pa.Table.from_pylist(records, schema=SCHEMA)
+    table = pa.Table.from_pylist([_record(row) for row in rows], schema=SCHEMA)
     return storage.write_table(table, run_id, "batches", f"{batch_id}.parquet")
+
+
+def _record(row: BatchRow) -> dict[str, Any]:
+    record = {f.name: getattr(row, f.name) for f in fields(BatchRow)}
+    for name, value in record.items():
+        if isinstance(value, PackedArray):  # pyarrow copies a numpy array whole, a sequence item by item
+            record[name] = value.numpy()
+    record["metadata"] = json.dumps(row.metadata, sort_keys=True)
+    return record
 
 
 def read_batch(storage: Storage, path: str) -> list[BatchRow]:

@@ -3,7 +3,8 @@
 Every fact a service publishes is one of the versioned pydantic models below, wrapped in an
 `Envelope` (type, schema version, event id, run id, time, and the ids it belongs to). On a Redis
 stream an event is three fields: `type`, `v` (schema version) and `body`, a msgpack document.
-Token ids and logprobs travel as packed little-endian int32 / float32 bytes inside that document:
+Token ids and logprobs travel as packed little-endian int32 / float32 bytes inside that document, and a
+model holds them so, as a read-only list-like PackedArray (token_arrays.py): decoding never unpacks them.
 `python bench/bench_encoding.py` measures this against JSON lists (smaller and faster to decode).
 
 Decoding rejects, with an `EventDecodeError` that says why, an unknown type, an unknown schema
@@ -33,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from rollstream.shared.contract.token_arrays import Floats, Mask, TokenIds
+from rollstream.shared.contract.token_arrays import Floats, Mask, TokenIds, packed_bytes
 from rollstream.shared.errors import EventDecodeError
 
 Count = Annotated[int, Field(ge=1)]
@@ -493,7 +494,7 @@ def _head(payload: Event, run_id: str, event_id: str | None, trajectory_id: str 
             "session_id": session_id}
 
 
-_encoder = msgspec.msgpack.Encoder()
+_encoder = msgspec.msgpack.Encoder(enc_hook=packed_bytes)
 _decoder = msgspec.msgpack.Decoder()
 
 
@@ -527,9 +528,10 @@ def encode_event(
 
 
 def _fields(head: dict[str, Any], payload: Event) -> dict[str, bytes | str]:
-    # The envelope's own fields are str, int, float and None, serialized as they are; the payload is
-    # serialized by its own class, a third of the cost of the envelope's duck-typed (SerializeAsAny) way.
-    body = {**head, "payload": payload.__pydantic_serializer__.to_python(payload)}
+    # Every field of the contract holds what msgpack encodes as it is (str, numbers, None, lists and maps of
+    # them) or a PackedArray (its bytes: packed_bytes): the payload's fields are encoded straight from the
+    # model, as its own serializer would give them in Python mode, at half the cost of asking it.
+    body = {**head, "payload": payload.__dict__}
     return {"type": head["type"], "v": str(head["schema_version"]), "body": _encoder.encode(body)}
 
 
@@ -551,23 +553,17 @@ for _cls in EVENT_TYPES.values():
     _ENVELOPE_OF[_cls] = Envelope[_cls]
 del _cls
 
+# Each event class by its entry's `type` and `v` fields as redis-py hands them back: decode's usual case
+_WIRE_TYPES = {(cls.TYPE.encode(), str(cls.VERSION).encode()): cls for cls in EVENT_TYPES.values()}
+
 
 def decode(fields: dict) -> Envelope:
     """An envelope from stream fields (bytes or str keys); EventDecodeError if it is not one."""
-    type_name = _text(fields, b"type")
-    if type_name is None:
-        raise EventDecodeError("entry has no 'type' field")
-    cls = EVENT_TYPES.get(type_name)
-    if cls is None:
-        raise EventDecodeError(f"unknown event type {type_name!r}")
-    version = _text(fields, b"v")
-    if version != str(cls.VERSION):
-        raise EventDecodeError(f"{type_name} schema version {version!r} is not supported (this code reads v{cls.VERSION})")
-    raw = _field(fields, b"body")
-    if raw is None:
-        raise EventDecodeError(f"{type_name} entry has no 'body' field")
-    if isinstance(raw, str):
-        raw = raw.encode()
+    cls = _WIRE_TYPES.get((fields.get(b"type"), fields.get(b"v")))
+    raw = fields.get(b"body")
+    if cls is None or not isinstance(raw, bytes):
+        cls, raw = _event_class_and_body(fields)
+    type_name = cls.TYPE
     try:
         body = _decoder.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # a msgpack string of bad UTF-8 is the latter
@@ -581,5 +577,24 @@ def decode(fields: dict) -> Envelope:
     except (TypeError, ValueError) as exc:  # e.g. a map with non-string keys: the entry's fault, never the reader's
         raise EventDecodeError(f"malformed {type_name} body: {type(exc).__name__}: {exc}") from exc
     if envelope.type != type_name or envelope.schema_version != cls.VERSION:
-        raise EventDecodeError(f"body says {envelope.type} v{envelope.schema_version}, fields say {type_name} v{version}")
+        raise EventDecodeError(f"body says {envelope.type} v{envelope.schema_version}, fields say "
+                               f"{type_name} v{cls.VERSION}")
     return envelope
+
+
+def _event_class_and_body(fields: dict) -> tuple[type[Event], bytes]:
+    """The event class an entry's `type` and `v` name, and its body; EventDecodeError saying what is wrong."""
+    type_name = _text(fields, b"type")
+    if type_name is None:
+        raise EventDecodeError("entry has no 'type' field")
+    cls = EVENT_TYPES.get(type_name)
+    if cls is None:
+        raise EventDecodeError(f"unknown event type {type_name!r}")
+    version = _text(fields, b"v")
+    if version != str(cls.VERSION):
+        raise EventDecodeError(f"{type_name} schema version {version!r} is not supported "
+                               f"(this code reads v{cls.VERSION})")
+    raw = _field(fields, b"body")
+    if raw is None:
+        raise EventDecodeError(f"{type_name} entry has no 'body' field")
+    return cls, raw.encode() if isinstance(raw, str) else raw

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import numpy as np
 import pytest
 
 from bench.sim_fleet import Engine, LatencyModel, SimFleet, parse_metrics
@@ -349,5 +350,7 @@ def test_heavy_tail_agent_makes_token_exact_segments_through_the_fleet(fleet):
         assert all(len(turn.response_ids) == 16 and turn.segment_index == position for turn in segment.turns)
         for turn in segment.turns:
             assert segment.tokens[turn.offset:turn.offset + 16] == turn.response_ids
-            assert segment.rollout_logprobs[turn.offset:turn.offset + 16] == turn.logprobs
+            # a turn event holds its logprobs as float32, as the wire carries them
+            expected = np.float32(segment.rollout_logprobs[turn.offset:turn.offset + 16]).tolist()
+            assert expected == turn.logprobs
     assert segments[-1].status == "completed"

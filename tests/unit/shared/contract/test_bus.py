@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from rollstream.shared.contract.bus import LAST_PAGE, STREAMS, Keys, StopConsuming, run_consumer
+from rollstream.shared.contract.bus import LAST_PAGE, STREAMS, Bus, Keys, StopConsuming, run_consumer
 from rollstream.shared.contract.consumers import ConsumerGroup
 from rollstream.shared.contract.events import DeadLettered, encode, make_envelope
+from rollstream.shared.runtime.config import BusSettings
 from tests.support import prompt
 
 
@@ -79,6 +80,29 @@ def test_entry_of_a_dead_consumer_is_reclaimed(bus):
     assert [d.event.sample_index for d in again] == [7]
     bus.ack(again[0], "g")
     assert bus.group_lag("prompts", "g") == (0, 0)
+
+
+def test_a_consumer_that_keeps_reading_reclaims_a_dead_ones_entry(bus):
+    bus.ensure_group("prompts", "g")
+    bus.publish("prompts", prompt(7))
+    assert len(bus.consume("prompts", "g", "dies")) == 1
+    got, deadline = [], time.monotonic() + bus.settings.reclaim_idle_ms / 1000 * 10
+    while not got and time.monotonic() < deadline:
+        got = bus.consume("prompts", "g", "alive", block_ms=5)
+    assert [d.event.sample_index for d in got] == [7]
+
+
+def test_a_consumer_looks_for_entries_to_reclaim_now_and_then_not_at_every_read(bus, monkeypatch):
+    busy = Bus(bus.redis, bus.keys.run_id, BusSettings(reclaim_idle_ms=60_000))
+    busy.ensure_group("prompts", "g")
+    looks = []
+    look = bus.redis.xautoclaim
+    monkeypatch.setattr(bus.redis, "xautoclaim",
+                        lambda *args, **kwargs: looks.append(1) or look(*args, **kwargs))
+    for index in range(5):
+        busy.publish("prompts", prompt(index))
+        assert [d.event.sample_index for d in busy.consume("prompts", "g", "c", block_ms=5)] == [index]
+    assert len(looks) == 1
 
 
 def test_malformed_entry_goes_to_dead_letters_and_the_rest_is_delivered(bus):

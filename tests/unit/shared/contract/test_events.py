@@ -286,3 +286,50 @@ def test_every_event_class_names_each_consumer_group_that_reads_its_stream():
     unnamed = [f"{event.__name__} ({stream}) does not name `{group}`" for stream, types in STREAM_EVENTS.items()
                for event in types for group in groups_reading(stream) if f"`{group}`" not in docs[event.__name__]]
     assert unnamed == []
+
+
+def one_of_every_event_type() -> list[events.Event]:
+    """An event of each type with every field set, none to its default."""
+    e = events
+    return [
+        PromptIssued(sample_index=3, group_size=8, messages=[{"role": "user", "content": "2+2?"}], label="4",
+                     reward_fn="numeric", sandbox_check="true", agent="react", tools=["calculator"],
+                     policy_version=2,
+                     metadata={"grader": {"kind": "harbor", "task": "fix-add"}, "time_budget_s": 60}),
+        e.TrajectoryStarted(sample_index=3, server_url="http://a:8000"),
+        e.TrajectoryTurn(turn=1, segment_index=1, offset=4, appended_ids=[1, 2, 3, 4], response_ids=[5, 6],
+                         logprobs=[-0.25, -1.5], policy_version=2, policy_version_end=3, finish_reason="stop",
+                         server_url="http://a:8000"),
+        e.TrajectoryTool(turn=1, call_id="call_1_0", name="calculator", arguments={"expression": "2+2"},
+                         ok=False, error_kind="raised", content="ZeroDivisionError"),
+        segment(attempt="a1", metadata={"turns": 2, "tool_calls": [{"name": "calculator"}]}),
+        e.TrajectoryFinished(status="truncated", attempt="a1", segment_count=2, response_text="4", reward=0.5,
+                             artifacts={"diff": "r/diffs/x.diff"}, error="turn budget", sample_index=3,
+                             group_size=8, label="4", reward_fn="numeric", sandbox_check="true",
+                             grader={"kind": "swebench", "instance_id": "x-1"}),
+        e.GradeReported(score=0.5, passed=False, reason="1 of 2 tests", duration_s=1.5, log_uri="r/l.log",
+                        tests={"test_a": "passed", "test_b": "failed"}),
+        e.GradingFailed(reason="cannot be graded: no docker", attempts=2),
+        e.RewardAssigned(reward=1.0, advantage=-0.5, source="sandbox"),
+        e.RolloutDropped(reason="grade did not come in 60 s", cause="grade_timeout"),
+        e.BatchReady(batch_id="b-1", uri="r/batches/b-1.parquet", sample_count=2, group_ids=["g1", "g2"],
+                     min_policy_version=1, mean_reward=0.25),
+        e.PolicyUpdated(version=3, checkpoint_uri="r/checkpoints/v3", batch_id="b-1", servers=["http://a:8000"],
+                        parity_max_abs_diff=0.01, loss=0.5, trained_samples=15, dropped={"stale": 1},
+                        metrics={"train/loss": 0.5}),
+        e.DeadLettered(stream="prompts", entry_id="1-0", group="agent-runner", deliveries=6, error="boom",
+                       fields={"type": "PromptIssued"}),
+    ]
+
+
+def test_every_event_type_is_encoded_as_its_own_serializer_gives_it():
+    """encode() writes a payload's fields straight from the model: the bytes must be those of its pydantic
+    serializer's output, for every type of the contract, and decode back to the same event."""
+    examples = one_of_every_event_type()
+    assert sorted(e.TYPE for e in examples) == sorted(EVENT_TYPES)
+    for event in examples:
+        fields = encode_event(event, run_id="r", event_id="e")
+        body = msgspec.msgpack.decode(fields["body"])
+        assert msgspec.msgpack.encode(body["payload"]) == msgspec.msgpack.encode(
+            event.__pydantic_serializer__.to_python(event)), event.TYPE
+        assert decode(fields).payload == event
