@@ -25,7 +25,7 @@ def vllm_url(tiny_model, tmp_path_factory):
 
 def test_encoding(tmp_path):
     done = run_smoke("bench_encoding.py", tmp_path)
-    assert [f["unit"] for f in done.figures] == ["bytes", "us", "us"]
+    assert [f["unit"] for f in done.figures] == ["bytes", "us", "us", "us"]
     assert "ratio json/packed" in done.output
 
 
