@@ -3,7 +3,9 @@
 Publishes N small events (PromptIssued, on `prompts`) and N token-heavy ones (a 512-token TrajectorySegment,
 on `trajectories`: each on a stream that carries its type, or the bus dead-letters it) with `Bus.publish`,
 consumes and acknowledges them with `Bus.consume` + `Bus.ack`, and does the same with
-raw XADD / XREADGROUP / XACK of the already-encoded fields. Prints events/s and bus/raw ratios.
+raw XADD / XREADGROUP / XACK of the already-encoded fields. Prints events/s and bus/raw ratios, for the
+client services run (redis-py with hiredis parsing the replies in C) and for redis-py parsing them in Python:
+against the first, twice as fast, the same work of the bus is a larger share.
 
 Each case runs --repeats times, bus and raw in turn (a run takes a fraction of a second, so one alone swings
 with whatever else the machine does): the figures are the medians, each run's beside them.
@@ -20,6 +22,8 @@ import time
 import uuid
 
 import redis
+from redis._parsers import _RESP3Parser
+from redis.utils import HIREDIS_AVAILABLE
 from results import Figure, parse_args, write_result
 
 from rollstream.shared.contract.bus import Bus
@@ -95,9 +99,26 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=100, help="pipeline and read batch size")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each case; figures are their medians")
     args = parse_args(parser, smoke={"events": 200, "batch": 50, "repeats": 2})
-    client = redis.Redis.from_url(args.redis)
     print(f"{args.events} events per case, batches of {args.batch}, {args.repeats} runs, {args.redis}")
-    print(f"{'case':<28}{'publish ev/s':>14}{'consume ev/s':>14}")
+    figures = []
+    for parser_name, client in clients(args.redis):
+        print(f"redis-py replies parsed by {parser_name}")
+        print(f"{'case':<28}{'publish ev/s':>14}{'consume ev/s':>14}")
+        figures += measure(client, parser_name, args)
+    setting = f"{args.events} events per case, batches of {args.batch}, median of {args.repeats} runs"
+    write_result(args.json, figures, [setting])
+
+
+def clients(url: str) -> list[tuple[str, redis.Redis]]:
+    """The client services run (redis-py with hiredis, a dependency), then redis-py parsing replies in Python
+    (all there is where hiredis is not installed)."""
+    python = ("its Python parser", redis.Redis.from_url(url, parser_class=_RESP3Parser))
+    if not HIREDIS_AVAILABLE:
+        return [python]
+    return [("hiredis", redis.Redis.from_url(url)), python]
+
+
+def measure(client: redis.Redis, parser_name: str, args: argparse.Namespace) -> list[Figure]:
     cases = (("PromptIssued", "prompts", small), ("Segment 512 tokens", "trajectories", heavy))
     figures = []
     for label, stream, make in cases:
@@ -114,13 +135,12 @@ def main() -> None:
             print(f"{label + ' (raw redis-py)':<28}{raw_run[0]:>14,.0f}{raw_run[1]:>14,.0f}")
         for index, (what, baseline) in enumerate((("Bus.publish", "raw XADD"),
                                                   ("Bus.consume + ack", "raw XREADGROUP + XACK"))):
-            figure = Figure.repeated(f"{label}: {what}", [run[index] for run in bus_runs], baseline,
-                                     [run[index] for run in raw_runs], "events/s")
+            figure = Figure.repeated(f"{label}: {what} ({parser_name})", [run[index] for run in bus_runs],
+                                     f"{baseline}, same client", [run[index] for run in raw_runs], "events/s")
             print(f"{label} {what}: bus/raw {figure.ratio:.2f} (runs "
                   + ", ".join(f"{ratio:.2f}" for ratio in figure.run_ratios) + ")")
             figures.append(figure)
-    write_result(args.json, figures, [f"{args.events} events per case, batches of {args.batch}, "
-                                      f"median of {args.repeats} runs"])
+    return figures
 
 
 def run_case(client: redis.Redis, stream: str, events: list, batch: int) -> tuple[tuple[float, float], ...]:

@@ -33,53 +33,56 @@ class PackedArray(Sequence):
     `numpy()` is the array itself, without a copy, for code that computes on it; `packed` is its bytes, as the
     wire carries them."""
 
-    __slots__ = ("_values", "packed")
+    __slots__ = ("_array", "dtype", "packed")
 
     def __init__(self, packed: bytes, dtype: np.dtype):
         self.packed = packed
-        self._values = np.frombuffer(packed, dtype=dtype)
+        self.dtype = dtype
+        self._array: np.ndarray | None = None  # made when first asked for: most decoded arrays never are
 
     def numpy(self) -> np.ndarray:
         """The items as a read-only numpy array over the packed bytes."""
-        return self._values
+        if self._array is None:
+            self._array = np.frombuffer(self.packed, dtype=self.dtype)
+        return self._array
 
     def tolist(self) -> list:
-        return self._values.tolist()
+        return self.numpy().tolist()
 
     def __len__(self) -> int:
-        return len(self._values)
+        return len(self.packed) // self.dtype.itemsize
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return self._values[index].tolist()
-        return self._values[index].item()
+            return self.numpy()[index].tolist()
+        return self.numpy()[index].item()
 
     def __iter__(self) -> Iterator:
-        return iter(self._values.tolist())
+        return iter(self.tolist())
 
     def __contains__(self, value: object) -> bool:
-        return value in self._values.tolist()
+        return value in self.tolist()
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, PackedArray) and other._values.dtype == self._values.dtype:
+        if isinstance(other, PackedArray) and other.dtype == self.dtype:
             return self.packed == other.packed
         if isinstance(other, (list, tuple, PackedArray)):
-            return self._values.tolist() == list(other)
+            return self.tolist() == list(other)
         return NotImplemented
 
     __hash__ = None  # like the list it stands for
 
     def __add__(self, other: Sequence) -> list:
-        return self._values.tolist() + list(other)
+        return self.tolist() + list(other)
 
     def __radd__(self, other: Sequence) -> list:
-        return list(other) + self._values.tolist()
+        return list(other) + self.tolist()
 
     def __repr__(self) -> str:
-        return repr(self._values.tolist())
+        return repr(self.tolist())
 
     def __reduce__(self):
-        return PackedArray, (self.packed, self._values.dtype)
+        return PackedArray, (self.packed, self.dtype)
 
 
 def packed_bytes(value: Any) -> bytes:
@@ -109,15 +112,16 @@ def _packed_array(dtype: str, kind: str):
             raise ValueError(f"not an array of {kind}: {exc}") from None
 
     def validate(value: Any) -> PackedArray:
-        if isinstance(value, PackedArray) and value.numpy().dtype == item:
+        if isinstance(value, (bytes, bytearray, memoryview)):  # the wire's
+            count, rest = divmod(len(value), item.itemsize)
+            if rest or count > MAX_SEQUENCE_TOKENS:
+                if rest:
+                    raise ValueError(f"packed {dtype} array has {len(value)} bytes, not a multiple of the item "
+                                     "size")
+                _bounded(count)  # before unpacking: a huge array is refused without allocating it
+            return PackedArray(value if type(value) is bytes else bytes(value), item)
+        if isinstance(value, PackedArray) and value.dtype == item:
             return value
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            if len(value) % item.itemsize:
-                raise ValueError(f"packed {dtype} array has {len(value)} bytes, not a multiple of the item "
-                                 "size")
-            # before unpacking: a huge array is refused without allocating it
-            _bounded(len(value) // item.itemsize)
-            return PackedArray(bytes(value), item)
         if isinstance(value, np.ndarray):
             value = value.tolist()
         if not isinstance(value, (list, tuple, PackedArray)):
