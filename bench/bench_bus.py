@@ -4,8 +4,8 @@ Publishes N small events (PromptIssued, on `prompts`) and N token-heavy ones (a 
 on `trajectories`: each on a stream that carries its type, or the bus dead-letters it) with `Bus.publish`,
 consumes and acknowledges them with `Bus.consume` + `Bus.ack`, and does the same with
 raw XADD / XREADGROUP / XACK of the already-encoded fields. Prints events/s and bus/raw ratios, for the
-client services run (redis-py with hiredis parsing the replies in C) and for redis-py parsing them in Python:
-against the first, twice as fast, the same work of the bus is a larger share.
+client services run (redis-py with hiredis packing the commands and parsing the replies in C) and for redis-py
+doing both in Python: against the first, twice as fast, the same work of the bus is a larger share.
 
 Each case runs --repeats times, bus and raw in turn (a run takes a fraction of a second, so one alone swings
 with whatever else the machine does): the figures are the medians, each run's beside them.
@@ -22,7 +22,8 @@ import time
 import uuid
 
 import redis
-from redis._parsers import _RESP3Parser
+from redis._parsers import Encoder, _RESP3Parser
+from redis.connection import PythonRespSerializer
 from redis.utils import HIREDIS_AVAILABLE
 from results import Figure, parse_args, write_result
 
@@ -102,7 +103,7 @@ def main() -> None:
     print(f"{args.events} events per case, batches of {args.batch}, {args.repeats} runs, {args.redis}")
     figures = []
     for parser_name, client in clients(args.redis):
-        print(f"redis-py replies parsed by {parser_name}")
+        print(f"commands packed and replies parsed by {parser_name}")
         print(f"{'case':<28}{'publish ev/s':>14}{'consume ev/s':>14}")
         figures += measure(client, parser_name, args)
     setting = f"{args.events} events per case, batches of {args.batch}, median of {args.repeats} runs"
@@ -110,9 +111,11 @@ def main() -> None:
 
 
 def clients(url: str) -> list[tuple[str, redis.Redis]]:
-    """The client services run (redis-py with hiredis, a dependency), then redis-py parsing replies in Python
-    (all there is where hiredis is not installed)."""
-    python = ("its Python parser", redis.Redis.from_url(url, parser_class=_RESP3Parser))
+    """The client services run (redis-py with hiredis, a dependency, packing commands and parsing replies),
+    then redis-py doing both in Python (all there is where hiredis is not installed)."""
+    pure_python = PythonRespSerializer(6000, Encoder("utf-8", "strict", decode_responses=False).encode)
+    client = redis.Redis.from_url(url, parser_class=_RESP3Parser, command_packer=pure_python)
+    python = ("redis-py in Python", client)
     if not HIREDIS_AVAILABLE:
         return [python]
     return [("hiredis", redis.Redis.from_url(url)), python]

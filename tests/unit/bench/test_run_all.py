@@ -37,7 +37,7 @@ def test_the_report_has_the_machine_and_each_benchmarks_command_and_figures(mach
     encoding, bus = section(report, "encoding"), section(report, "bus")
     assert "bench/bench_encoding.py --smoke\n" in encoding
     assert f"bench/bench_bus.py --smoke --redis {machine_redis_url}\n" in bus
-    rows = [line for line in bus.splitlines() if line.startswith("| PromptIssued: Bus.publish |")]
+    rows = [line for line in bus.splitlines() if line.startswith("| PromptIssued: Bus.publish (hiredis) |")]
     # the bus runs each case twice in its smoke mode: the ratio's median, then the runs' range
     ratio = rows[0].split(" | ")[-1].rstrip(" |") if len(rows) == 1 else ""
     assert re.fullmatch(r"[0-9.]+ \([0-9.]+ - [0-9.]+\)", ratio), rows
