@@ -114,11 +114,10 @@ def _packed_array(dtype: str, kind: str):
     def validate(value: Any) -> PackedArray:
         if isinstance(value, (bytes, bytearray, memoryview)):  # the wire's
             count, rest = divmod(len(value), item.itemsize)
-            if rest or count > MAX_SEQUENCE_TOKENS:
-                if rest:
-                    raise ValueError(f"packed {dtype} array has {len(value)} bytes, not a multiple of the item "
-                                     "size")
-                _bounded(count)  # before unpacking: a huge array is refused without allocating it
+            if rest:
+                raise ValueError(f"packed {dtype} array has {len(value)} bytes, not a multiple of the item "
+                                 "size")
+            _bounded(count)  # before unpacking: a huge array is refused without allocating it
             return PackedArray(value if type(value) is bytes else bytes(value), item)
         if isinstance(value, PackedArray) and value.dtype == item:
             return value
