@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
@@ -157,7 +158,7 @@ class Keys:
         if not self.run_id or any(c in self.run_id for c in NOT_IN_RUN_IDS):
             raise ValueError(f"run id {self.run_id!r} must be non-empty without ':', braces or spaces")
 
-    @property
+    @cached_property
     def prefix(self) -> str:
         # the run id in braces is the keys' hash tag: on a Redis Cluster every key of a run lands in one slot,
         # so the bus's transactions, scripts and multi-stream reads, which span several keys, run there too

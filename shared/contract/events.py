@@ -20,8 +20,8 @@ re-publishes a recorded run.
 
 from __future__ import annotations
 
-import os
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 import msgspec
@@ -34,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from rollstream.shared.contract.event_ids import new_event_id
 from rollstream.shared.contract.token_arrays import Floats, Mask, TokenIds, packed_bytes
 from rollstream.shared.errors import EventDecodeError
 
@@ -70,8 +71,8 @@ class Envelope(BaseModel, Generic[Payload]):
     """The payload's schema version (its VERSION), as the entry's `v` field also says."""
     event_id: str
     """Unique per event: derived from what it is where a handler may publish it twice (e.g.
-    `{rollout}:{attempt}:finished`, `{rollout}:reward`, `policy:v{version}`), else 128 random bits in hex
-    (as unique as a uuid4's 122, and a quarter of its cost to make)."""
+    `{rollout}:{attempt}:finished`, `{rollout}:reward`, `policy:v{version}`), else 32 hex digits unique to
+    the process and the event (event_ids.py)."""
     run_id: str
     """The run it belongs to (its namespace in Redis and its folder in run storage)."""
     time: float
@@ -434,24 +435,9 @@ class DeadLettered(Event):
     """The original entry's fields, bytes shown as repr where not UTF-8."""
 
 
-EVENT_TYPES: dict[str, type[Event]] = {
-    cls.TYPE: cls
-    for cls in (
-        PromptIssued,
-        TrajectoryStarted,
-        TrajectoryTurn,
-        TrajectoryTool,
-        TrajectorySegment,
-        TrajectoryFinished,
-        GradeReported,
-        GradingFailed,
-        RewardAssigned,
-        RolloutDropped,
-        BatchReady,
-        PolicyUpdated,
-        DeadLettered,
-    )
-}
+EVENT_TYPES: dict[str, type[Event]] = {cls.TYPE: cls for cls in (
+    PromptIssued, TrajectoryStarted, TrajectoryTurn, TrajectoryTool, TrajectorySegment, TrajectoryFinished,
+    GradeReported, GradingFailed, RewardAssigned, RolloutDropped, BatchReady, PolicyUpdated, DeadLettered)}
 
 StreamName = Literal["prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead"]
 STREAMS: tuple[StreamName, ...] = ("prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead")
@@ -481,17 +467,16 @@ def make_envelope(
     session_id: str | None = None,
 ) -> Envelope:
     """Wrap a payload. Pass a deterministic `event_id` where a handler may run twice."""
-    head = _head(payload, run_id, event_id, trajectory_id, rollout_id, group_id, session_id)
-    return Envelope(**head, payload=payload)
+    return Envelope(**_head(payload, run_id, event_id, trajectory_id, rollout_id, group_id, session_id))
 
 
 def _head(payload: Event, run_id: str, event_id: str | None, trajectory_id: str | None,
           rollout_id: str | None, group_id: str | None, session_id: str | None) -> dict[str, Any]:
-    """A new envelope's fields but its payload, in the Envelope's order."""
+    """A new envelope's fields, in the Envelope's order."""
     return {"type": payload.TYPE, "schema_version": payload.VERSION,
-            "event_id": event_id or os.urandom(16).hex(), "run_id": run_id, "time": time.time(),
+            "event_id": event_id or new_event_id(), "run_id": run_id, "time": time.time(),
             "trajectory_id": trajectory_id, "rollout_id": rollout_id, "group_id": group_id,
-            "session_id": session_id}
+            "session_id": session_id, "payload": payload}
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=packed_bytes)
@@ -500,7 +485,7 @@ _decoder = msgspec.msgpack.Decoder()
 
 def encode(envelope: Envelope) -> dict[str, bytes | str]:
     """Stream fields for an envelope."""
-    return _fields(envelope.__dict__, envelope.payload)
+    return _fields({**envelope.__dict__})
 
 
 def encode_event(
@@ -516,23 +501,37 @@ def encode_event(
     """encode(make_envelope(...)) without making the Envelope, which costs a small event's publisher more
     than the rest of its encoding (Bus.publish's path). The ids must be str or None, as the Envelope's
     fields say."""
+    if not (type(payload) in _WIRE_VERSIONS and type(run_id) is str and type(event_id) in _IDS
+            and type(trajectory_id) in _IDS and type(rollout_id) in _IDS and type(group_id) in _IDS
+            and type(session_id) in _IDS):
+        _check_types(payload, run_id, event_id=event_id, trajectory_id=trajectory_id, rollout_id=rollout_id,
+                     group_id=group_id, session_id=session_id)
+    return _fields(_head(payload, run_id, event_id, trajectory_id, rollout_id, group_id, session_id))
+
+
+_IDS = frozenset((str, type(None)))
+
+
+def _check_types(payload: Event, run_id: str, **ids: str | None) -> None:
+    """TypeError for what encode_event cannot encode, which its own check only saw there was (an event class
+    outside EVENT_TYPES passes)."""
     if not isinstance(payload, Event):
         raise TypeError(f"the payload must be an Event, not {type(payload).__name__}")
-    if not isinstance(run_id, str):
-        raise TypeError(f"run_id must be a str, not {type(run_id).__name__}")
-    head = _head(payload, run_id, event_id, trajectory_id, rollout_id, group_id, session_id)
-    for name in ("event_id", "trajectory_id", "rollout_id", "group_id", "session_id"):
-        if head[name] is not None and not isinstance(head[name], str):
-            raise TypeError(f"{name} must be a str or None, not {type(head[name]).__name__}")
-    return _fields(head, payload)
+    for name, value in {"run_id": run_id, **ids}.items():
+        if type(value) is not str and (value is not None or name == "run_id"):  # msgpack has no str subclass
+            raise TypeError(f"{name} must be a str{'' if name == 'run_id' else ' or None'}, "
+                            f"not {type(value).__name__}")
 
 
-def _fields(head: dict[str, Any], payload: Event) -> dict[str, bytes | str]:
+def _fields(head: dict[str, Any]) -> dict[str, bytes | str]:
+    """Stream fields of an envelope's fields `head`, a dict of its own: its payload is replaced by its fields."""
     # Every field of the contract holds what msgpack encodes as it is (str, numbers, None, lists and maps of
     # them) or a PackedArray (its bytes: packed_bytes): the payload's fields are encoded straight from the
     # model, as its own serializer would give them in Python mode, at half the cost of asking it.
-    body = {**head, "payload": payload.__dict__}
-    return {"type": head["type"], "v": str(head["schema_version"]), "body": _encoder.encode(body)}
+    payload = head["payload"]
+    head["payload"] = payload.__dict__
+    return {"type": head["type"], "v": _WIRE_VERSIONS.get(type(payload)) or str(head["schema_version"]),
+            "body": _encoder.encode(head)}
 
 
 def _field(fields: dict, key: bytes) -> bytes | str | None:
@@ -546,15 +545,16 @@ def _text(fields: dict, key: bytes) -> str | None:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-_ENVELOPE_OF: dict[type[Event], type[Envelope]] = {}
+_VALIDATE_ENVELOPE_OF: dict[type[Event], Callable[[dict], Envelope]] = {}
 for _cls in EVENT_TYPES.values():
     # In a loop at module level, not a comprehension: pydantic then names Envelope[_cls] in this module, and
     # the envelopes decode() makes can be pickled.
-    _ENVELOPE_OF[_cls] = Envelope[_cls]
+    _VALIDATE_ENVELOPE_OF[_cls] = Envelope[_cls].__pydantic_validator__.validate_python
 del _cls
 
+_WIRE_VERSIONS = {cls: str(cls.VERSION) for cls in EVENT_TYPES.values()}  # each event class's `v` field
 # Each event class by its entry's `type` and `v` fields as redis-py hands them back: decode's usual case
-_WIRE_TYPES = {(cls.TYPE.encode(), str(cls.VERSION).encode()): cls for cls in EVENT_TYPES.values()}
+_WIRE_TYPES = {(cls.TYPE.encode(), v.encode()): cls for cls, v in _WIRE_VERSIONS.items()}
 
 
 def decode(fields: dict) -> Envelope:
@@ -571,7 +571,7 @@ def decode(fields: dict) -> Envelope:
     if not isinstance(body, dict):
         raise EventDecodeError(f"{type_name} body is a {type(body).__name__}, not a map")
     try:
-        envelope = _ENVELOPE_OF[cls].__pydantic_validator__.validate_python(body)
+        envelope = _VALIDATE_ENVELOPE_OF[cls](body)
     except ValidationError as exc:
         raise EventDecodeError(f"malformed {type_name} payload: {exc}") from exc
     except (TypeError, ValueError) as exc:  # e.g. a map with non-string keys: the entry's fault, never the reader's

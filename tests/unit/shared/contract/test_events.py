@@ -90,6 +90,14 @@ def test_encode_event_refuses_ids_and_payloads_no_envelope_holds(bad):
         encode_event(arguments.pop("payload"), **arguments)
 
 
+def test_encode_event_names_an_id_of_a_str_subclass_which_msgpack_cannot_encode():
+    class Name(str):
+        pass
+
+    with pytest.raises(TypeError, match="rollout_id must be a str or None, not Name"):
+        encode_event(segment(), run_id="r1", rollout_id=Name("ro"))
+
+
 def test_a_decoded_envelope_can_be_pickled():
     decoded = decode(encode(make_envelope(segment(), run_id="r1")))
     assert isinstance(decoded, Envelope) and pickle.loads(pickle.dumps(decoded)) == decoded
