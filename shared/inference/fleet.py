@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -392,7 +393,9 @@ class FleetClient:
 
     async def _send(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
         """POST /v1/completions on `url`; the caller reads the answer's body and closes the answer."""
-        request = httpx.Request("POST", f"{url}/v1/completions", json=body, headers=headers,
+        # msgspec writes a prompt's ids several times faster than the json module httpx's `json=` uses
+        request = httpx.Request("POST", f"{url}/v1/completions", content=msgspec.json.encode(body),
+                                headers={**headers, "content-type": "application/json"},
                                 extensions={"timeout": self._timeout.as_dict()})
         return await self._transport.handle_async_request(request)
 
