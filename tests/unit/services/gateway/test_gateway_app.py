@@ -270,6 +270,22 @@ def test_a_malformed_request_gets_the_sessions_refusal_first(gateway_app):
     assert refused == [404, 401, 400]
 
 
+@pytest.mark.parametrize(("path", "anthropic"), [("v1/chat/completions", False), ("v1/messages", True)])
+def test_a_body_that_is_not_json_is_refused_in_the_apis_shape_after_the_sessions_refusals(gateway_app, path,
+                                                                                         anthropic):
+    client, _, _ = gateway_app()
+    session_id, key = open_session(client)
+    not_json = b'{"model": "m", "messages": ['
+    refused = [client.post(f"/s/{session}/{path}", content=not_json, headers=headers)
+               for session, headers in (("nobody", key), (session_id, {"x-api-key": "wrong"}), (session_id, key))]
+    assert [answer.status_code for answer in refused] == [404, 401, 400]
+    error = refused[-1].json()
+    assert (error.get("type") == "error") == anthropic  # Anthropic's errors say so; OpenAI's have no type
+    assert error["error"]["message"].startswith("invalid request: the body is not JSON")
+    listed = client.post(f"/s/{session_id}/{path}", json=[{"role": "user", "content": "hi"}], headers=key)
+    assert listed.status_code == 400 and "body" in listed.json()["error"]["message"]
+
+
 def test_a_prompt_that_fills_the_context_is_refused_with_both_sizes(gateway_app):
     client, fleet, _ = gateway_app()
     session_id, key = open_session(client)
