@@ -44,7 +44,7 @@ router = APIRouter()
 def turn_route(path: str, api: str) -> Callable:
     """A POST route whose handler reads the body and the key headers itself (TurnRequest.read): FastAPI's
     parameter machinery, which validates a `dict` body by copying it whole and introspects each header's type
-    on every request, cost a turn about a tenth of the gateway's CPU. The OpenAPI document still shows both."""
+    on every request, cost a turn 0.15 ms of the gateway's 2.4 ms of CPU. The OpenAPI document shows both."""
     example = {"summary": "a one-turn question", "value": EXAMPLES[api]}
     body = {"required": True, "content": {"application/json": {"schema": {"type": "object"},
                                                                 "examples": {"question": example}}}}
