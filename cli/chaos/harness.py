@@ -40,7 +40,9 @@ from rollstream.shared.runtime.config import Settings
 WASTEFUL_CAUSES = ("stale", "dead_lettered", "grade_timeout", "grading_failed", "batch_dead_lettered")
 """Drop causes that are work lost to a fault (a filtered group is the run's own rule, not waste)."""
 REDIS_DOWN_S = 3.0
-HORSE_WAIT_S = 20.0
+HORSE_WAIT_S = 60.0
+"""How long a work-horse kill waits for a grading job to run: none runs while generation waits out a vLLM or
+Redis restart, which on two loaded cores has taken longer than 20 s."""
 EPISODE_WAIT_S = 30.0
 """How long a kill meant to land mid-episode waits for a black-box episode to be in the middle of its turns."""
 BLACKBOX_SERVICES = ("gateway", "agent-runner")

@@ -69,4 +69,6 @@ def test_the_drops_are_no_more_than_the_faults_explain(chaos):
     audit = chaos.audit
     assert audit.drops_over_bound == []
     # a kill of the work-horse, of the sandbox-grader and a Redis restart explain at most one lost grade each
+    horse_kills = [fault for fault in chaos.faults if fault.kind == "horse"]
+    assert all(fault.done for fault in horse_kills), [fault.note for fault in horse_kills]
     assert audit.drop_bound["grading_failed + grade_timeout"] == 3
