@@ -513,8 +513,8 @@ _IDS = frozenset((str, type(None)))
 
 
 def _check_types(payload: Event, run_id: str, **ids: str | None) -> None:
-    """TypeError for what encode_event cannot encode, which its own check only saw there was (an event class
-    outside EVENT_TYPES passes)."""
+    """A TypeError naming the argument encode_event cannot encode; none for an Event subclass outside
+    EVENT_TYPES, which fails encode_event's quick check but encodes all the same."""
     if not isinstance(payload, Event):
         raise TypeError(f"the payload must be an Event, not {type(payload).__name__}")
     for name, value in {"run_id": run_id, **ids}.items():
@@ -524,7 +524,7 @@ def _check_types(payload: Event, run_id: str, **ids: str | None) -> None:
 
 
 def _fields(head: dict[str, Any]) -> dict[str, bytes | str]:
-    """Stream fields of an envelope's fields `head`, a dict of its own: its payload is replaced by its fields."""
+    """Stream fields of an envelope's fields `head` (a dict this changes: its payload becomes its fields)."""
     # Every field of the contract holds what msgpack encodes as it is (str, numbers, None, lists and maps of
     # them) or a PackedArray (its bytes: packed_bytes): the payload's fields are encoded straight from the
     # model, as its own serializer would give them in Python mode, at half the cost of asking it.
