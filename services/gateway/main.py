@@ -51,7 +51,8 @@ from rollstream.services.gateway.error_handlers import add_error_handlers
 from rollstream.services.gateway.prompts import ChatTemplate
 from rollstream.services.gateway.sessions import SessionStore
 from rollstream.services.gateway.turns import Gateway
-from rollstream.shared.contract.bus import Bus, connect_async_redis
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.redis_round_trips import connect_round_trips
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 
@@ -99,11 +100,11 @@ def load_gateway(settings: Settings) -> Gateway:
     from rollstream.shared.inference.fleet import FleetClient
 
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
-    client = connect_async_redis(settings.redis, cluster=settings.bus.cluster)
+    round_trips = connect_round_trips(settings.redis, cluster=settings.bus.cluster)
     tokenizer = AutoTokenizer.from_pretrained(settings.model.path)
     fleet = FleetClient.for_run(settings)
     fleet.start_load_refresh(LOAD_REFRESH_S)
-    store = SessionStore(bus, client, settings.gateway.session_ttl_s, settings.gateway.finish_grace_s)
+    store = SessionStore(bus, round_trips, settings.gateway.session_ttl_s, settings.gateway.finish_grace_s)
     return Gateway(settings=settings, store=store, template=ChatTemplate(tokenizer), fleet=fleet)
 
 
@@ -132,7 +133,7 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
     gc.freeze()
     await serve_until_stopped(app, settings, runtime)
     await gateway.fleet.aclose()
-    await gateway.store.redis.aclose()
+    await gateway.store.aclose()
 
 
 def main() -> None:

@@ -33,12 +33,12 @@ from typing import Any
 
 import msgspec
 import redis
-import redis.asyncio
 from pydantic import ConfigDict, Field
 from redis.exceptions import NoScriptError
 
 from rollstream.shared.contract.bus import Bus, Keys
 from rollstream.shared.contract.events import Count, Index, SampleGrading, TrajectoryTurn
+from rollstream.shared.contract.redis_round_trips import Command, RoundTrips
 
 ROOT = ""
 """Parent key of a node that starts a conversation."""
@@ -205,25 +205,49 @@ def _versions(raw: dict[bytes, bytes]) -> dict[str, int]:
     return {url.decode(): int(version) for url, version in raw.items()}
 
 
+class _Script:
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+_CREATE_SCRIPT, _ADD_TURN_SCRIPT, _AMEND_SCRIPT = _Script(_CREATE), _Script(_ADD_TURN), _Script(_AMEND)
+
+
 class SessionStore:
     """Sessions of one run, on the run's Redis. What a turn does and creating and deleting a session run on the
-    gateway's event loop through an asyncio client (connect_async_redis), with no hop to a worker thread: a
-    turn is two round trips, one that reads the session, the fleet's versions and the nodes its history
-    holds, one that reads its server's version and records it. The creation and a turn's record are
-    scripts, atomic on Redis. A finish is a WATCH transaction (it publishes
-    the samples it read), which redis-py's asyncio cluster client does not run (8.1 never awaits the
+    gateway's event loop (connect_round_trips: hiredis on a plain Redis, a fraction of redis-py's asyncio
+    client's CPU), with no hop to a worker thread: a turn is two round trips, one that reads the session, the
+    fleet's versions and the nodes its history holds, one that reads its server's version and records it.
+    The creation and a turn's record are scripts, atomic on Redis. A finish is a WATCH transaction (it
+    publishes the samples it read), which redis-py's asyncio cluster client does not run (8.1 never awaits the
     commands it sends after WATCH): it runs on the bus's own client, in a worker thread, once a session."""
 
-    def __init__(self, bus: Bus, client: redis.asyncio.Redis, ttl_s: int, finish_grace_s: float) -> None:
+    def __init__(self, bus: Bus, round_trips: RoundTrips, ttl_s: int, finish_grace_s: float) -> None:
         self.bus = bus
         """The run's keys, the finish's client, and its publisher: a finish queues the session's events on its
         own transaction."""
-        self.redis = client
+        self.round_trips = round_trips
         self.ttl_s = ttl_s
         self.finish_grace_s = finish_grace_s
-        self._create = client.register_script(_CREATE)
-        self._add_turn = client.register_script(_ADD_TURN)
-        self._amend = client.register_script(_AMEND)
+
+    async def _replies(self, *commands: Command) -> list[Any]:
+        replies = await self.round_trips.run(*commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    async def _script(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """The script's reply; loaded first where Redis does not hold it (a Redis that restarted has none)."""
+        try:
+            return (await self._replies(("EVALSHA", script.sha, len(keys), *keys, *args)))[0]
+        except NoScriptError:
+            await self._replies(("SCRIPT LOAD", script.source))
+            return (await self._replies(("EVALSHA", script.sha, len(keys), *keys, *args)))[0]
+
+    async def aclose(self) -> None:
+        await self.round_trips.aclose()
 
     def _key(self, session_id: str, *parts: str) -> str:
         return _session_key(self.bus.keys, session_id, *parts)
@@ -246,7 +270,7 @@ class SessionStore:
             fields["ends_at"] = repr(session.ends_at)
         # one script: a replica killed half-way must not leave a key that never expires
         args = [self._expire_at_ms(session.ends_at), *(item for pair in fields.items() for item in pair)]
-        if not await self._create(keys=[self._key(spec.session_id)], args=args):
+        if not await self._script(_CREATE_SCRIPT, [self._key(spec.session_id)], args):
             return None
         return session, api_key
 
@@ -254,12 +278,10 @@ class SessionStore:
         """The session, and in the same round trip the fleet's policy versions (Session.fleet_versions) and
         those of `node_keys` that exist (Session.nodes): for a request, the keys of the conversations its
         history holds, which are the chain of the deepest one (`chain` reads none of them again)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self._key(session_id))
-            pipe.hgetall(self.bus.keys.fleet_versions)
-            if node_keys:
-                pipe.hmget(self._key(session_id, "nodes"), node_keys)
-            raw, versions, *found = await pipe.execute()
+        commands: list[Command] = [("HGETALL", self._key(session_id)), ("HGETALL", self.bus.keys.fleet_versions)]
+        if node_keys:
+            commands.append(("HMGET", self._key(session_id, "nodes"), *node_keys))
+        raw, versions, *found = await self._replies(*commands)
         session = _session_of(raw, _versions(versions))
         if session is not None and found:
             session.nodes = {key: _node_decoder.decode(node) for key, node in zip(node_keys, found[0])
@@ -273,7 +295,7 @@ class SessionStore:
         while key != ROOT:
             node = known.get(key)
             if node is None:
-                raw = await self.redis.hget(nodes_key, key)
+                (raw,) = await self._replies(("HGET", nodes_key, key))
                 if raw is None:
                     raise KeyError(f"session {session_id}: turn node {key} is missing (expired?)")
                 node = _node_decoder.decode(raw)
@@ -291,23 +313,17 @@ class SessionStore:
         # that a weight sync of its server ended during.
         keys = _session_keys(self.bus.keys, session_id)
         encoded = _encoder.encode(node)
-        while True:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hget(self.bus.keys.fleet_versions, node.server_url)
-                # by name: a cluster pipeline refuses its evalsha method, for keys that may lie in several
-                # slots; these all lie in the run's
-                pipe.execute_command("EVALSHA", self._add_turn.sha, len(keys), *keys, key, encoded, node.parent,
-                                     self._expire_at_ms(None))
-                version, recorded = await pipe.execute(raise_on_error=False)
-            if not isinstance(recorded, NoScriptError):
-                break
-            self._add_turn.sha = await self.redis.script_load(_ADD_TURN)  # a Redis that restarted has none
+        args = (key, encoded, node.parent, self._expire_at_ms(None))
+        version, recorded = await self.round_trips.run(("HGET", self.bus.keys.fleet_versions, node.server_url),
+                                                       ("EVALSHA", _ADD_TURN_SCRIPT.sha, len(keys), *keys, *args))
+        if isinstance(recorded, NoScriptError):  # a Redis that restarted has none
+            recorded = await self._script(_ADD_TURN_SCRIPT, keys, args)
         for reply in (version, recorded):
             if isinstance(reply, Exception):
                 raise reply
         if recorded and version is not None and int(version) != node.policy_version_end:
             amended = msgspec.structs.replace(node, policy_version_end=int(version))
-            await self._amend(keys=keys[:2], args=[key, encoded, _encoder.encode(amended)])
+            await self._script(_AMEND_SCRIPT, keys[:2], [key, encoded, _encoder.encode(amended)])
         return bool(recorded)
 
     def samples(self, session_id: str, client=None) -> list[list[TurnNode]]:
@@ -348,7 +364,8 @@ class SessionStore:
                     continue
 
     async def delete(self, session_id: str) -> bool:
-        return bool(await self.redis.delete(*_session_keys(self.bus.keys, session_id)))
+        (deleted,) = await self._replies(("DEL", *_session_keys(self.bus.keys, session_id)))
+        return bool(deleted)
 
 
 def open_sessions(bus: Bus) -> list[Session]:

@@ -12,10 +12,10 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
-import redis.asyncio
 import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -176,13 +176,16 @@ def test_the_gateway_user_can_keep_sessions_and_publish_their_samples(acl_users,
     from rollstream.services.gateway.samples import publish_samples
     from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
     from rollstream.shared.contract.bus import Bus
+    from rollstream.shared.contract.redis_round_trips import connect_round_trips
 
     user, client = acl_users["gateway"]
     bus = Bus(client, run_id)
 
     async def serve() -> None:  # its asyncio client and its bus's, as the gateway holds them, as its user
-        async with redis.asyncio.Redis.from_url(machine_redis_url, username=user, password="pw") as aio:
-            store = SessionStore(bus, aio, ttl_s=60, finish_grace_s=60)
+        parts = urlsplit(machine_redis_url)
+        url = urlunsplit(parts._replace(netloc=f"{user}:pw@{parts.hostname}:{parts.port or 6379}"))
+        store = SessionStore(bus, connect_round_trips(url, ride_out_outages=False), ttl_s=60, finish_grace_s=60)
+        try:
             session, _ = await store.create(SessionSpec(rollout_id="r", group_id="g", trajectory_id="r",
                                                         session_id="s"))
             node = TurnNode(ROOT, [1, 2], [3], [-0.1], 0, 0, "stop", "http://v", "x", 0.0)
@@ -192,6 +195,8 @@ def test_the_gateway_user_can_keep_sessions_and_publish_their_samples(acl_users,
                 bus, pipe, session, samples, status="completed", reward=1.0, response_text=None, artifacts={},
                 error=None))
             assert not await store.delete("gone")
+        finally:
+            await store.aclose()
 
     try:
         asyncio.run(serve())

@@ -13,17 +13,19 @@ from collections.abc import AsyncIterator
 from rollstream.services.gateway.apis.canonical import ChatRequest
 from rollstream.services.gateway.prompts import ChatTemplate, History, PlannedTurn, plan_turn
 from rollstream.services.gateway.sessions import SessionStore
-from rollstream.shared.contract.bus import Bus, connect_async_redis
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.redis_round_trips import connect_round_trips
 
 
 @contextlib.asynccontextmanager
 async def session_store(bus: Bus, redis_url: str, *, ttl_s: int = 600,
                         finish_grace_s: float = 60) -> AsyncIterator[SessionStore]:
-    client = connect_async_redis(redis_url, ride_out_outages=False, cluster=bus.settings.cluster)
+    store = SessionStore(bus, connect_round_trips(redis_url, ride_out_outages=False, cluster=bus.settings.cluster),
+                         ttl_s, finish_grace_s)
     try:
-        yield SessionStore(bus, client, ttl_s, finish_grace_s)
+        yield store
     finally:
-        await client.aclose()
+        await store.aclose()
 
 
 async def plan(template: ChatTemplate, store: SessionStore, session_id: str, request: ChatRequest,

@@ -22,8 +22,8 @@ from rollstream.services.gateway.main import build_app
 from rollstream.services.gateway.prompts import ChatTemplate
 from rollstream.services.gateway.sessions import SessionStore
 from rollstream.services.gateway.turns import Gateway, prompt_opens_reasoning
-from rollstream.shared.contract.bus import connect_async_redis
 from rollstream.shared.contract.events import TrajectorySegment
+from rollstream.shared.contract.redis_round_trips import connect_round_trips
 from rollstream.shared.inference.fleet import StreamDelta
 from rollstream.shared.runtime.config import Settings
 
@@ -80,13 +80,13 @@ def gateway_app(bus, template, redis_url):
         def make(**overrides: Any) -> tuple[TestClient, ScriptedFleet, SessionStore]:
             settings = Settings(model={"path": str(MODEL), "max_model_len": CONTEXT}, **overrides)
             fleet = ScriptedFleet(template)
-            redis_client = connect_async_redis(redis_url, ride_out_outages=False)
             limits = settings.gateway
-            store = SessionStore(bus, redis_client, limits.session_ttl_s, limits.finish_grace_s)
+            store = SessionStore(bus, connect_round_trips(redis_url, ride_out_outages=False), limits.session_ttl_s,
+                                 limits.finish_grace_s)
             gateway = Gateway(settings=settings, store=store, template=template, fleet=fleet)
             app = build_app(gateway, SimpleNamespace(log=logging.getLogger("gateway-test")))
             client = stack.enter_context(TestClient(app))
-            stack.callback(client.portal.call, redis_client.aclose)  # on the client's loop, before it ends
+            stack.callback(client.portal.call, store.aclose)  # on the client's loop, before it ends
             return client, fleet, store
 
         yield make

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from rollstream.services.gateway.sessions import ROOT, SessionSpec, SessionStore, TurnNode
-from rollstream.shared.contract.bus import Bus, connect_async_redis
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.redis_round_trips import connect_round_trips
 from tests.unit.shared.contract.test_reconnect import RestartableRedis
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
@@ -31,8 +32,7 @@ def test_a_turn_waits_for_a_restarted_redis_and_goes_on(tmp_path):
     bus = Bus.connect(server.url, "r1")
 
     async def scenario() -> None:
-        client = connect_async_redis(server.url)
-        store = SessionStore(bus, client, ttl_s=600, finish_grace_s=60)
+        store = SessionStore(bus, connect_round_trips(server.url), ttl_s=600, finish_grace_s=60)
         try:
             await store.create(SessionSpec(rollout_id="r1", group_id="g1", trajectory_id="r1", session_id="s1"))
             assert await store.add_turn("s1", "a", node(ROOT))
@@ -48,7 +48,7 @@ def test_a_turn_waits_for_a_restarted_redis_and_goes_on(tmp_path):
             assert [len(chain) for chain in store.samples("s1")] == [2]
             restart.join()
         finally:
-            await client.aclose()
+            await store.aclose()
 
     try:
         asyncio.run(scenario())
