@@ -215,8 +215,8 @@ _CREATE_SCRIPT, _ADD_TURN_SCRIPT, _AMEND_SCRIPT = _Script(_CREATE), _Script(_ADD
 
 
 class SessionStore:
-    """Sessions of one run, on the run's Redis. What a turn does and creating and deleting a session run on the
-    gateway's event loop (connect_round_trips: hiredis on a plain Redis, a fraction of redis-py's asyncio
+    """Sessions of one run, on the run's Redis. What a turn does and creating and deleting a session run on
+    the gateway's event loop (connect_round_trips: hiredis on a plain Redis, a fraction of redis-py's asyncio
     client's CPU), with no hop to a worker thread: a turn is two round trips, one that reads the session, the
     fleet's versions and the nodes its history holds, one that reads its server's version and records it.
     The creation and a turn's record are scripts, atomic on Redis. A finish is a WATCH transaction (it
@@ -278,7 +278,8 @@ class SessionStore:
         """The session, and in the same round trip the fleet's policy versions (Session.fleet_versions) and
         those of `node_keys` that exist (Session.nodes): for a request, the keys of the conversations its
         history holds, which are the chain of the deepest one (`chain` reads none of them again)."""
-        commands: list[Command] = [("HGETALL", self._key(session_id)), ("HGETALL", self.bus.keys.fleet_versions)]
+        commands: list[Command] = [("HGETALL", self._key(session_id)),
+                                   ("HGETALL", self.bus.keys.fleet_versions)]
         if node_keys:
             commands.append(("HMGET", self._key(session_id, "nodes"), *node_keys))
         raw, versions, *found = await self._replies(*commands)
@@ -314,8 +315,9 @@ class SessionStore:
         keys = _session_keys(self.bus.keys, session_id)
         encoded = _encoder.encode(node)
         args = (key, encoded, node.parent, self._expire_at_ms(None))
-        version, recorded = await self.round_trips.run(("HGET", self.bus.keys.fleet_versions, node.server_url),
-                                                       ("EVALSHA", _ADD_TURN_SCRIPT.sha, len(keys), *keys, *args))
+        version, recorded = await self.round_trips.run(
+            ("HGET", self.bus.keys.fleet_versions, node.server_url),
+            ("EVALSHA", _ADD_TURN_SCRIPT.sha, len(keys), *keys, *args))
         if isinstance(recorded, NoScriptError):  # a Redis that restarted has none
             recorded = await self._script(_ADD_TURN_SCRIPT, keys, args)
         for reply in (version, recorded):
