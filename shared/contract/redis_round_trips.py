@@ -189,22 +189,23 @@ class HiredisRoundTrips:
         return out
 
     async def _connect(self) -> _Connection:
+        """A new connection, logged in and on its database; a connection lost or stalled on the way there is a
+        ConnectionError, as any other, which the retry waits out."""
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 connection = _Connection(*await asyncio.open_connection(self.host, self.port))
-        except (OSError, TimeoutError) as exc:
+                try:
+                    replies = await connection.round_trip(b"".join(map(_packed, self.setup)), len(self.setup))
+                except BaseException:
+                    connection.close()
+                    raise
+        except (OSError, EOFError) as exc:  # TimeoutError included
             where = f"{self.host}:{self.port}"
             raise redis.ConnectionError(f"cannot connect to Redis at {where}: {exc!r}") from exc
-        if self.setup:
-            try:
-                replies = await connection.round_trip(b"".join(map(_packed, self.setup)), len(self.setup))
-            except BaseException:
-                connection.close()
-                raise
-            refused = next((reply for reply in replies if isinstance(reply, Exception)), None)
-            if refused is not None:  # redis-py's class: AuthenticationError for a login, never retried
-                connection.close()
-                raise refused
+        refused = next((reply for reply in replies if isinstance(reply, Exception)), None)
+        if refused is not None:  # redis-py's class: AuthenticationError for a login, never retried
+            connection.close()
+            raise refused
         return connection
 
     async def aclose(self) -> None:
