@@ -11,7 +11,9 @@ Decoding rejects, with an `EventDecodeError` that says why, an unknown type, an 
 version, and a payload that does not validate: besides the field types, counts and indices that
 cannot be negative (a group of 0 samples, a rollout of 0 segments), scores and rewards that are not
 finite, and token arrays longer than MAX_SEQUENCE_TOKENS (token_arrays.py), so that one entry cannot make a
-reader allocate without bound. `STREAM_EVENTS` says which event types belong on which stream.
+reader allocate without bound. It checks a body with msgspec Structs generated from these models, in C, and
+asks the models' own validation only about a body that those refuse (event_structs.py). `STREAM_EVENTS` says
+which event types belong on which stream.
 
 Each event class says who publishes it and who reads it: the consumer groups of its stream (consumers.py)
 and the readers outside them. Besides those, the recorder archives every stream, and `rollstream replay`
@@ -35,6 +37,7 @@ from pydantic import (
 )
 
 from rollstream.shared.contract.event_ids import new_event_id
+from rollstream.shared.contract.event_structs import fast_decoder
 from rollstream.shared.contract.token_arrays import Floats, Mask, TokenIds, packed_bytes
 from rollstream.shared.errors import EventDecodeError
 
@@ -456,16 +459,9 @@ STREAM_EVENTS: dict[StreamName, tuple[type[Event], ...]] = {
 tell what it means), and is dead-lettered rather than passed over."""
 
 
-def make_envelope(
-    payload: Event,
-    *,
-    run_id: str,
-    event_id: str | None = None,
-    trajectory_id: str | None = None,
-    rollout_id: str | None = None,
-    group_id: str | None = None,
-    session_id: str | None = None,
-) -> Envelope:
+def make_envelope(payload: Event, *, run_id: str, event_id: str | None = None,
+                  trajectory_id: str | None = None, rollout_id: str | None = None, group_id: str | None = None,
+                  session_id: str | None = None) -> Envelope:
     """Wrap a payload. Pass a deterministic `event_id` where a handler may run twice."""
     return Envelope(**_head(payload, run_id, event_id, trajectory_id, rollout_id, group_id, session_id))
 
@@ -488,16 +484,9 @@ def encode(envelope: Envelope) -> dict[str, bytes | str]:
     return _fields({**envelope.__dict__})
 
 
-def encode_event(
-    payload: Event,
-    *,
-    run_id: str,
-    event_id: str | None = None,
-    trajectory_id: str | None = None,
-    rollout_id: str | None = None,
-    group_id: str | None = None,
-    session_id: str | None = None,
-) -> dict[str, bytes | str]:
+def encode_event(payload: Event, *, run_id: str, event_id: str | None = None,
+                 trajectory_id: str | None = None, rollout_id: str | None = None, group_id: str | None = None,
+                 session_id: str | None = None) -> dict[str, bytes | str]:
     """encode(make_envelope(...)) without making the Envelope, which costs a small event's publisher more
     than the rest of its encoding (Bus.publish's path). The ids must be str or None, as the Envelope's
     fields say."""
@@ -546,10 +535,12 @@ def _text(fields: dict, key: bytes) -> str | None:
 
 
 _VALIDATE_ENVELOPE_OF: dict[type[Event], Callable[[dict], Envelope]] = {}
+_FAST_DECODE_ENVELOPE_OF: dict[type[Event], Callable[[bytes], Envelope | None] | None] = {}
 for _cls in EVENT_TYPES.values():
     # In a loop at module level, not a comprehension: pydantic then names Envelope[_cls] in this module, and
     # the envelopes decode() makes can be pickled.
     _VALIDATE_ENVELOPE_OF[_cls] = Envelope[_cls].__pydantic_validator__.validate_python
+    _FAST_DECODE_ENVELOPE_OF[_cls] = fast_decoder(Envelope[_cls])
 del _cls
 
 _WIRE_VERSIONS = {cls: str(cls.VERSION) for cls in EVENT_TYPES.values()}  # each event class's `v` field
@@ -564,6 +555,10 @@ def decode(fields: dict) -> Envelope:
     if cls is None or not isinstance(raw, bytes):
         cls, raw = _event_class_and_body(fields)
     type_name = cls.TYPE
+    fast_decode = _FAST_DECODE_ENVELOPE_OF[cls]
+    envelope = fast_decode and fast_decode(raw)  # None: the model's validation, below, takes it or says why not
+    if envelope is not None and envelope.type == type_name and envelope.schema_version == cls.VERSION:
+        return envelope
     try:
         body = _decoder.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # a msgpack string of bad UTF-8 is the latter
