@@ -318,11 +318,13 @@ def section_lines(o: Outcome) -> list[str]:
 
 def updated(text: str, outcomes: list[Outcome], host: dict[str, str]) -> str:
     """An earlier report with these benchmarks' summary rows and sections replaced (added, if it had none),
-    each saying when and at which commit it was run again; the rest, its machine table included, as it was."""
+    each saying when and at which commit it was run again, and on what where that is not the machine of the
+    report's table; the rest, that table included, as it was."""
+    elsewhere = other_machine(text, host)
     for o in outcomes:
         name = o.benchmark.name
         lines = section_lines(o)
-        lines += ["", f"Run again on {host['date']} at {host['commit']}, alone (`--update`)."]
+        lines += ["", f"Run again on {host['date']} at {host['commit']}{elsewhere}, alone (`--update`)."]
         row = re.compile(rf"^\| \[{re.escape(name)}\]\(#{re.escape(name)}\) \|.*$", re.M)
         if row.search(text):
             text = row.sub(lambda _: summary_row(o), text, count=1)
@@ -337,6 +339,17 @@ def updated(text: str, outcomes: list[Outcome], host: dict[str, str]) -> str:
         else:
             text = text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
     return text
+
+
+def other_machine(text: str, host: dict[str, str]) -> str:
+    """What of `host` differs from the report's machine table, as `, on another machine (CPU ..., ...)`;
+    "" where nothing does. A ratio is measured within one run, but its figures are of the machine it ran on."""
+    differing = []
+    for key in ("CPU", "cores", "memory", "GPU"):
+        listed = re.search(rf"^\| {key} \| (.*) \|$", text, re.M)
+        if listed and key in host and listed.group(1) != host[key]:
+            differing.append(f"{key} {host[key]}")
+    return f", on another machine ({', '.join(differing)})" if differing else ""
 
 
 # --------------------------------------------------------------------------------------------------- main

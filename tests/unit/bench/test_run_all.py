@@ -129,3 +129,7 @@ def test_update_replaces_only_the_benchmarks_run_again():
     rows = [line for line in again.splitlines() if line.startswith("| [")]
     assert [row.split("]")[0][3:] for row in rows] == [b.name for b in BENCHMARKS[:3]]
     assert again.count(f"\n## {BENCHMARKS[2].name}\n") == 1 and "| figure 2 | 7 |" in again
+    elsewhere = updated(first, [outcome(1, 5.0)], host={"date": "today", "commit": "abc", "CPU": "y"})
+    assert "Run again on today at abc, on another machine (CPU y), alone" in section(elsewhere,
+                                                                                   BENCHMARKS[1].name)
+    assert "| CPU | x |" in elsewhere  # the table still says what the rest was measured on
