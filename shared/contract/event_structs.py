@@ -101,7 +101,7 @@ def fast_decoder(model: type[BaseModel]) -> Callable[[bytes], BaseModel | None] 
 
 def _struct_and_maker(model: type[BaseModel]) -> tuple[type[msgspec.Struct],
                                                        Callable[[msgspec.Struct], BaseModel]]:
-    """`model`'s Struct, and the function that makes a `model` of one; TypeError for what no Struct expresses."""
+    """`model`'s Struct and the function making a `model` of one; TypeError for what no Struct expresses."""
     decorators = model.__pydantic_decorators__
     if decorators.field_validators or decorators.validators or decorators.root_validators or any(
             validator.info.mode != "after" for validator in decorators.model_validators.values()):
