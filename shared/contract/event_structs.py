@@ -67,15 +67,7 @@ def _maker(model: type[BaseModel], checked: list[tuple[str, Callable[[Any], Any]
             validator(made)
         return made
 
-    def make_plain(struct: msgspec.Struct) -> BaseModel:  # most events: no field to finish, no validator
-        made = _new(model)
-        _set_dict(made, _asdict(struct))
-        _set_fields_set(made, fields_set)
-        _set_extra(made, None)
-        _set_private(made, None)
-        return made
-
-    return make if finish or after else make_plain
+    return make
 
 
 def fast_decoder(model: type[BaseModel]) -> Callable[[bytes], BaseModel | None] | None:
