@@ -32,7 +32,7 @@ from pydantic_core import PydanticUndefined
 
 _asdict = msgspec.structs.asdict
 
-_FINITE = msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)  # NaN fails both bounds
+_FLOAT_MAX = sys.float_info.max  # within ±_FLOAT_MAX a float is finite: NaN and ±inf fail the bounds
 _PLAIN = (int, float, str, bool, type(None))
 _SERIALIZATION_ONLY = (PlainSerializer, SerializeAsAny)
 
@@ -140,7 +140,7 @@ def _wire_type(annotation: Any, metadata: list | tuple = ()) -> tuple[Any, Calla
         if isinstance(item, Ge):
             bounds["ge"] = item.ge
         elif type(item).__name__ == "AllowInfNan" and not item.allow_inf_nan and annotation is float:
-            bounds.update(ge=_FINITE.ge, le=_FINITE.le)
+            bounds.update(ge=-_FLOAT_MAX, le=_FLOAT_MAX)
         elif not isinstance(item, _SERIALIZATION_ONLY):
             raise TypeError(f"no msgspec check for {item!r}")
     origin = get_origin(annotation)
