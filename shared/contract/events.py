@@ -78,8 +78,8 @@ class Envelope(BaseModel, Generic[Payload]):
     the process and the event (event_ids.py)."""
     run_id: str
     """The run it belongs to (its namespace in Redis and its folder in run storage)."""
-    time: float
-    """When it was published: Unix time in seconds, on the publisher's clock."""
+    time: Finite
+    """When it was published: Unix time in seconds on the publisher's clock; finite (readers bucket by it)."""
     trajectory_id: str | None = None
     """The trajectory it records: the rollout id, unless a gateway session was created with another;
     None, like the other ids, for an event of no rollout (BatchReady, PolicyUpdated)."""

@@ -229,6 +229,20 @@ def test_counts_indices_and_scores_out_of_their_range_are_rejected(event_type, f
         decode({**fields, "body": msgspec.msgpack.encode(body)})
 
 
+@pytest.mark.parametrize("when", [float("nan"), float("inf"), float("-inf")])
+def test_an_envelope_whose_time_is_not_finite_is_rejected(when):
+    """Readers compute with the time (the console buckets rewards by its minute): NaN or infinity would
+    raise there, long after the entry was accepted."""
+    envelope = make_envelope(segment(), run_id="r")
+    fields = encode(envelope)
+    body = msgspec.msgpack.decode(fields["body"])
+    body["time"] = when
+    with pytest.raises(EventDecodeError, match="time"):
+        decode({**fields, "body": msgspec.msgpack.encode(body)})
+    with pytest.raises(ValidationError, match="time"):
+        type(envelope).model_validate({**dict(envelope), "time": when})
+
+
 def test_every_event_type_belongs_to_exactly_one_stream():
     from rollstream.shared.contract.bus import STREAMS
     from rollstream.shared.contract.events import STREAM_EVENTS
