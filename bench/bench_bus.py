@@ -2,7 +2,8 @@
 
 Publishes N small events (PromptIssued, on `prompts`) and N token-heavy ones (a 512-token TrajectorySegment,
 on `trajectories`: each on a stream that carries its type, or the bus dead-letters it) with `Bus.publish`,
-consumes and acknowledges them with `Bus.consume` + `Bus.ack`, and does the same with
+consumes them with `Bus.consume` and acknowledges each read's entries in one pipeline of XACKs (services ack
+each entry as they finish it, `Bus.ack`: a round trip the bus and raw would pay alike), and does the same with
 raw XADD / XREADGROUP / XACK of the already-encoded fields. Prints events/s and bus/raw ratios, for the
 client services run (redis-py with hiredis packing the commands and parsing the replies in C) and for redis-py
 doing both in Python: against the first, twice as fast, the same work of the bus is a larger share.
