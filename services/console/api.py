@@ -10,7 +10,8 @@
 The /api routes ask for security.http_token as `Authorization: Bearer` when it is set (401 without it, 403
 with another: shared/runtime/health_api.py's rules); the page takes the token from its URL's fragment
 (`/#token=...`, which a browser never sends) and sends it with every request. Errors are `{"error": why}`.
-Redis not answering is a 503 that says so.
+Redis not answering is a 503 that says so. A float that is not finite is the string "NaN", "Infinity" or
+"-Infinity" (ConsoleJSON).
 
     python -m pytest tests/unit/services/console -q
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import pydantic_core
 import redis
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +53,16 @@ class Denied(RollstreamError):
         self.status = status
 
 
+class ConsoleJSON(JSONResponse):
+    """The API's answers, written by pydantic's JSON writer, in which a float that is not finite (a loss gone
+    NaN, a logprob of -inf) is the string "NaN", "Infinity" or "-Infinity": JSON has no such numbers, and null
+    would say there was no value (a loss not reported, a token shown as likely). The page's arithmetic reads
+    the strings as the numbers they name."""
+
+    def render(self, content: Any) -> bytes:
+        return pydantic_core.to_json(content, inf_nan_mode="strings")
+
+
 @dataclass(frozen=True)
 class ConsoleState:
     """What the routes share: the settings, the run's bus, what is kept of it, and the tokenizer."""
@@ -77,7 +89,7 @@ api = APIRouter(prefix="/api", dependencies=[Depends(require_token)])
 
 
 @api.get("/overview")
-async def overview(state: ConsoleState = Depends(state_of)) -> dict[str, Any]:
+async def overview(state: ConsoleState = Depends(state_of)) -> ConsoleJSON:
     settings = state.settings
     await asyncio.to_thread(state.watch.refresh)
     # the run as Redis has it now, even before its first event (open_run would call it no run)
@@ -86,33 +98,33 @@ async def overview(state: ConsoleState = Depends(state_of)) -> dict[str, Any]:
     versions = await asyncio.to_thread(state.bus.fleet_versions)
     replicas = await probe_all(settings.console.health_urls, list(settings.policy_servers()), versions)
     throughput = state.watch.streams_throughput()
-    return {"run_id": settings.run_id, "time": time.time(), "replicas": replicas,
-            "streams": [{**_plain(stream), **throughput[stream.stream]} for stream in streams],
-            "dead": await asyncio.to_thread(state.watch.dead_letters)}
+    return ConsoleJSON({"run_id": settings.run_id, "time": time.time(), "replicas": replicas,
+                        "streams": [{**_plain(stream), **throughput[stream.stream]} for stream in streams],
+                        "dead": await asyncio.to_thread(state.watch.dead_letters)})
 
 
 @api.get("/curves")
-async def curves(state: ConsoleState = Depends(state_of)) -> dict[str, Any]:
+async def curves(state: ConsoleState = Depends(state_of)) -> ConsoleJSON:
     await asyncio.to_thread(state.watch.refresh)
-    return state.watch.curves()
+    return ConsoleJSON(state.watch.curves())
 
 
 @api.get("/rollouts")
 async def rollouts(limit: int = Query(50, ge=1, le=MAX_ROLLOUTS),
-                   state: ConsoleState = Depends(state_of)) -> dict[str, Any]:
+                   state: ConsoleState = Depends(state_of)) -> ConsoleJSON:
     await asyncio.to_thread(state.watch.refresh)
-    return {"run_id": state.settings.run_id, "rollouts": state.watch.recent_rollouts(limit)}
+    return ConsoleJSON({"run_id": state.settings.run_id, "rollouts": state.watch.recent_rollouts(limit)})
 
 
 @api.get("/rollouts/{rollout_id}")
-async def rollout(rollout_id: str, state: ConsoleState = Depends(state_of)) -> dict[str, Any]:
+async def rollout(rollout_id: str, state: ConsoleState = Depends(state_of)) -> ConsoleJSON:
     settings = state.settings
 
     def load() -> dict[str, Any]:
         source = open_run(state.bus.redis, settings.storage_uri, settings.run_id)
         return inspect_rollout(source, rollout_id, state.decoder)
 
-    return await asyncio.to_thread(load)
+    return ConsoleJSON(await asyncio.to_thread(load))
 
 
 def _plain(stream) -> dict[str, Any]:

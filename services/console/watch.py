@@ -70,7 +70,7 @@ class LiveTail:
         if self.cursor is None:
             start = f"{now_ms - THROUGHPUT_WINDOW_MS}"
             newest = self.bus.redis.xrevrange(self.key, count=TAIL_BACKLOG)
-            if len(newest) == TAIL_BACKLOG and parse_id(as_text(newest[-1][0])) < parse_id(f"{start}-0"):
+            if newest and parse_id(as_text(newest[-1][0])) < parse_id(f"{start}-0"):
                 start = as_text(newest[-1][0])
         else:
             start = f"({self.cursor}"

@@ -6,6 +6,9 @@ Bus on the machine's Redis (published_run.py): who may call it, and what each ro
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import pydantic
 import pytest
 from fastapi.testclient import TestClient
@@ -14,6 +17,13 @@ from rollstream.services.console.api import ConsoleState, build_app
 from rollstream.services.console.inspector import read_run_file
 from rollstream.services.console.watch import RunWatch
 from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import (
+    BatchReady,
+    PolicyUpdated,
+    TrajectoryFinished,
+    encode,
+    make_envelope,
+)
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.console_settings import ConsoleSettings
 from tests.support import free_port
@@ -163,3 +173,48 @@ def test_a_redis_that_does_not_answer_is_a_503_that_says_so():
     app = build_app(ConsoleState(settings=settings, bus=bus, watch=RunWatch(bus, "runs"), decoder=None))
     reply = TestClient(app).get("/api/rollouts", headers={"Authorization": f"Bearer {TOKEN}"})
     assert reply.status_code == 503 and reply.json()["error"].startswith("Redis unreachable")
+
+
+@pytest.fixture
+def own_run(machine_redis_url, tmp_path):
+    """A run of the test's own on the machine's Redis, and a client of a console showing it."""
+    settings = Settings(run_id=f"test-console-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url,
+                        storage_uri=str(tmp_path), fleet={"urls": []}, security={"http_token": TOKEN})
+    bus = Bus.connect(settings.redis, settings.run_id, ride_out_outages=False)
+    watch = RunWatch(bus, str(tmp_path))
+    app = build_app(ConsoleState(settings=settings, bus=bus, watch=watch, decoder=None))
+    try:
+        yield bus, TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"})
+    finally:
+        bus.delete_run()
+
+
+def test_curves_name_a_loss_gone_nan_and_infinite_figures(own_run):
+    """A diverged step (loss NaN, an infinite staleness) is when the console is looked at: its curves name
+    those values, where null would say that there was none."""
+    bus, console = own_run
+    bus.publish("batches", BatchReady(batch_id="b1", uri="/b1.parquet", sample_count=1, group_ids=["g"],
+                                      min_policy_version=0, mean_reward=0.5))
+    bus.publish("policy", PolicyUpdated(version=1, checkpoint_uri="/v1", batch_id="b1", servers=[],
+                                        parity_max_abs_diff=0.0, loss=float("nan"), trained_samples=1,
+                                        metrics={"samples/staleness_mean": float("inf"),
+                                                 "samples/staleness_max": float("-inf")}))
+    reply = console.get("/api/curves")
+    assert reply.status_code == 200, reply.text
+    (version,) = reply.json()["versions"]
+    assert (version["version"], version["batch_mean_reward"]) == (1, 0.5)
+    named = ("NaN", "Infinity", "-Infinity")
+    assert (version["loss"], version["staleness_mean"], version["staleness_max"]) == named
+
+
+def test_a_run_that_went_quiet_still_lists_its_last_rollouts(own_run):
+    """Rollouts that finished longer ago than the throughput window (a run that is done, a page opened late)
+    are listed: the first read goes back to at least the last TAIL_BACKLOG entries, however few there are."""
+    bus, console = own_run
+    finished = TrajectoryFinished(status="completed", segment_count=1, group_size=1, sample_index=0)
+    an_hour_ago_ms = int(time.time() * 1000) - 3_600_000
+    bus.redis.xadd(bus.keys.stream("trajectories"),
+                   encode(make_envelope(finished, run_id=bus.keys.run_id, rollout_id="quiet-r0000000")),
+                   id=f"{an_hour_ago_ms}-0")
+    rollouts = console.get("/api/rollouts").json()["rollouts"]
+    assert [row["rollout_id"] for row in rollouts] == ["quiet-r0000000"]
