@@ -33,9 +33,10 @@ LONG_POSITIONS := 131072
 # Claude Code, Codex CLI and Qwen Code, pinned in agents/package-lock.json: the coding-agent tests run them.
 AGENTS := agents/node_modules/.installed
 
-.PHONY: setup system run test test-unit test-e2e bench clean
+.PHONY: setup system deepspeed-ops run test test-unit test-e2e bench clean
 
-setup: system $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json $(LONG_MODEL)/config.json $(AGENTS)
+setup: system $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json $(LONG_MODEL)/config.json $(AGENTS) \
+       deepspeed-ops
 
 # What the run needs from the system: bubblewrap, the grader's sandbox (the main job grades every 4th
 # prompt in it). Installed with apt when we are root, else a clear error: never a run without a sandbox.
@@ -91,6 +92,15 @@ $(AGENTS): agents/package.json agents/package-lock.json
 	else \
 	  echo "npm is missing: Claude Code, Codex CLI and Qwen Code are not installed, their tests will skip" >&2; \
 	fi
+
+# DeepSpeed compiles its shared-memory op for the CPU (into ~/.cache/torch_extensions) at a process's first start
+# when it is not there yet. A trainer killed during that compile (a service stopped while it came up) leaves the
+# compile's lock file behind, and every later start waits on it for ever; compiled here, nothing stops it midway.
+# As DeepSpeed does, only where its own check says the op can be built there.
+deepspeed-ops: | $(VENV)/.installed
+	$(PY) -c "import deepspeed.ops; from deepspeed.accelerator import get_accelerator; \
+	  op = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
+	  op is None or not deepspeed.ops.__compatible_ops__.get(op.NAME, False) or op.load()"
 
 run: setup
 	$(VENV)/bin/rollstream run
