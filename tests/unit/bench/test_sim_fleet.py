@@ -183,7 +183,10 @@ def test_a_failed_reload_is_a_500_and_keeps_the_old_weights(fleet, tmp_path):
 
 
 def test_pause_keep_freezes_in_flight_requests_until_resume(checkpoints):
-    slow = LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.005, overhead_s=0.0, batch_size=8, reload_s=0.0)
+    # 2 s of work: on a loaded machine the poll below can stall for a few tenths of a second, and a request
+    # that finished unseen would leave it nothing to pause
+    slow = LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.05, overhead_s=0.0, batch_size=8,
+                        reload_s=0.0)
     with SimFleet(checkpoints[0], 1, latency=slow) as sim:
         url = sim.urls[0]
 
@@ -192,10 +195,11 @@ def test_pause_keep_freezes_in_flight_requests_until_resume(checkpoints):
                 request = asyncio.create_task(client.complete([1, 2, 3], max_tokens=40, session_id="p",
                                                               extra={"ignore_eos": True}))
                 while metrics(url)["vllm:num_requests_running"] < 1:
+                    assert not request.done(), "the request finished before the poll saw it running"
                     await asyncio.sleep(0.01)
                 assert (await client._http.post(f"{url}/pause", params={"mode": "keep"})).status_code == 200
                 busy = metrics(url)["sim:busy_seconds_total"]
-                await asyncio.sleep(0.5)  # well past the request's 0.2 s of work
+                await asyncio.sleep(0.5)  # a running request would have decoded 10 tokens by now
                 frozen = metrics(url)
                 assert not request.done()
                 assert frozen["sim:busy_seconds_total"] == busy
