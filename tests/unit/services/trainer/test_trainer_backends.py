@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -170,3 +171,38 @@ def test_on_a_gpu_the_torch_backend_takes_the_cpus_steps(request, tiny_model, tm
         for key in ("loss_before", "grad_norm", "loss_after"):
             assert on_gpu[step][key] == pytest.approx(on_cpu[step][key], abs=1e-5), (step, key)
     assert max_difference(gpu_saves[1], saves[1]) < 1e-5
+
+
+START_ON_THE_CPU = """
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+from rollstream.services.trainer.backends.deepspeed_backend import ensure_distributed, leave_distributed
+
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    raise SystemExit("DeepSpeed builds no shared-memory op here")
+ensure_distributed()
+leave_distributed()
+"""
+
+
+def test_a_build_lock_left_by_a_killed_start_does_not_stall_the_next_one(tmp_path):
+    """A trainer killed while DeepSpeed's shared-memory op was built or checked at its start (torch's
+    extension builder, at every start) left the builder's lock file behind, and every later start waited on
+    it for ever. The next start removes it and comes up."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = "deepspeed_shm_comm"
+    extensions = tmp_path / "extensions"
+    # the op as `make setup` built it, so that the start only checks it (copied with the times ninja reads)
+    shutil.copytree(_get_build_directory(name, verbose=False), extensions / name)
+    (extensions / name / "lock").touch()
+    env = {key: value for key, value in os.environ.items() if key not in DIST_ENV}
+    env.update(TORCH_EXTENSIONS_DIR=str(extensions), CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    start = subprocess.run([sys.executable, "-c", START_ON_THE_CPU], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+    if "builds no shared-memory op here" in start.stderr:
+        skip_does_not_apply("DeepSpeed builds no shared-memory op here")
+    assert start.returncode == 0, start.stderr[-4000:]
+    assert not (extensions / name / "lock").exists()
+    assert (extensions / name / f"{name}.so").exists()
