@@ -94,9 +94,8 @@ $(AGENTS): agents/package.json agents/package-lock.json
 	fi
 
 # DeepSpeed compiles its shared-memory op for the CPU (into ~/.cache/torch_extensions) at a process's first start
-# when it is not there yet. A trainer killed during that compile (a service stopped while it came up) leaves the
-# compile's lock file behind, and every later start waits on it for ever; compiled here, nothing stops it midway.
-# As DeepSpeed does, only where its own check says the op can be built there.
+# when it is not there yet: compiled here, a run's first trainer start (and the tests') does not spend a
+# minute on it. As DeepSpeed does, only where its own check says the op can be built there.
 deepspeed-ops: | $(VENV)/.installed
 	$(PY) -c "import deepspeed.ops; from deepspeed.accelerator import get_accelerator; \
 	  op = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
@@ -106,11 +105,12 @@ run: setup
 	$(VENV)/bin/rollstream run
 
 # Two pytest workers: most of the suite waits (on servers, sandboxes, a run's next version), so two share the
-# machine's cores better than one; a module's tests stay on one worker (tests/conftest.py).
+# machine's cores better than one; a module's tests stay on one worker (tests/conftest.py). The slowest
+# tests are listed at the end: where the suite's time goes.
 TEST_WORKERS ?= 2
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --durations=30
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
