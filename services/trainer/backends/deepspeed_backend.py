@@ -97,8 +97,8 @@ def _load_shared_memory_op() -> None:
         fcntl.flock(guard, fcntl.LOCK_EX)
         stale = build_directory / "lock"
         if stale.exists():
-            log.warning("removing %s, left by a process killed while it built DeepSpeed's %s op", stale,
-                        builder.name)
+            log.warning("removing %s, left by a process killed while it built or checked DeepSpeed's %s op",
+                        stale, builder.name)
             stale.unlink()
         builder.load()
 
