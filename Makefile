@@ -95,11 +95,10 @@ $(AGENTS): agents/package.json agents/package-lock.json
 
 # DeepSpeed compiles its shared-memory op for the CPU (into ~/.cache/torch_extensions) at a process's first start
 # when it is not there yet: compiled here, a run's first trainer start (and the tests') does not spend a
-# minute on it. As DeepSpeed does, only where its own check says the op can be built there.
+# minute on it. The trainer's own loader, so only where DeepSpeed would load it.
 deepspeed-ops: | $(VENV)/.installed
-	$(PY) -c "import deepspeed.ops; from deepspeed.accelerator import get_accelerator; \
-	  op = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
-	  op is None or not deepspeed.ops.__compatible_ops__.get(op.NAME, False) or op.load()"
+	$(PY) -c "from rollstream.services.trainer.backends.deepspeed_backend import load_shared_memory_op; \
+	  load_shared_memory_op()"
 
 run: setup
 	$(VENV)/bin/rollstream run

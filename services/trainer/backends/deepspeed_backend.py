@@ -63,7 +63,7 @@ def ensure_distributed() -> None:
     # gloo on the CPU whatever is installed: DeepSpeed would switch to oneCCL wherever its bindings happen
     # to be importable.
     backend = "gloo" if on_cpu else get_accelerator().communication_backend_name()
-    _load_shared_memory_op()
+    load_shared_memory_op()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is not None and int(os.environ["WORLD_SIZE"]) > 1:
         # torchrun's store still holds the addresses the ranks of its last attempt published: a group started
@@ -75,22 +75,33 @@ def ensure_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
-def _load_shared_memory_op() -> None:
+def shared_memory_op_builder():
+    """DeepSpeed's builder of its shared-memory comm op, where DeepSpeed would load the op (its accelerator
+    has one and DeepSpeed's own check says it builds here); else None."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    return builder
+
+
+def load_shared_memory_op() -> None:
     """Load DeepSpeed's shared-memory comm op (the CPU's) before init_distributed does, under a lock that
-    cannot outlive its holder.
+    cannot outlive its holder; `make setup` calls it too, so that a first start does not spend a minute
+    compiling the op.
 
     Its loader is torch's extension builder, which holds a lock *file* in the op's build directory while it
     compiles, or checks that the build is current, at every process's start. A process killed meanwhile (a
     trainer stopped as it came up) leaves the file behind, and every later start waits on it for ever. Here
     the load happens while holding an flock in that directory, which the kernel drops with its holder: a
     lock file found while holding it was left by a process that is gone, and is removed. init_distributed
-    then finds the op loaded (DeepSpeed keeps what it loaded). Only where DeepSpeed itself would load it."""
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
+    then finds the op loaded (DeepSpeed keeps what it loaded)."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    builder = shared_memory_op_builder()
+    if builder is None:
         return
     build_directory = Path(_get_build_directory(builder.name, verbose=False))  # torch's own path for it
     with (build_directory / "rollstream.flock").open("w") as guard:

@@ -174,12 +174,10 @@ def test_on_a_gpu_the_torch_backend_takes_the_cpus_steps(request, tiny_model, tm
 
 
 START_ON_THE_CPU = """
-import deepspeed.ops
-from deepspeed.accelerator import get_accelerator
-from rollstream.services.trainer.backends.deepspeed_backend import ensure_distributed, leave_distributed
+from rollstream.services.trainer.backends.deepspeed_backend import (ensure_distributed, leave_distributed,
+                                                                    shared_memory_op_builder)
 
-builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+if shared_memory_op_builder() is None:
     raise SystemExit("DeepSpeed builds no shared-memory op here")
 ensure_distributed()
 leave_distributed()
