@@ -65,7 +65,9 @@ async def server():
 
 def client(keepalive_expiry_s: float = 2.0, read_s: float = 5.0) -> httpx.AsyncClient:
     transport = AiohttpTransport(max_connections=16, keepalive_expiry_s=keepalive_expiry_s)
-    return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(read_s, connect=1.0))
+    # The pool's wait (aiohttp's `connect`: a free connection, or a new one made) stays long: a short read
+    # timeout alone must not turn a slow connect on a loaded machine into a timeout the test does not expect
+    return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(5.0, connect=1.0, read=read_s))
 
 
 def test_a_whole_answer_carries_the_requests_headers_and_body_and_reuses_the_connection():
