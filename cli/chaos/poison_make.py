@@ -434,8 +434,8 @@ class _Generator:
                           must_dead_letter=False)
         if stream == "dead":
             letter = self.event(DeadLettered)
-            return Poison(stream, "forged", as_entry_fields(encode(self.envelope(letter).model_copy(update={
-                "rollout_id": None, "group_id": None, "trajectory_id": None, "session_id": None}))),
+            return Poison(stream, "forged", as_entry_fields(encode(msgspec.structs.replace(
+                self.envelope(letter), rollout_id=None, group_id=None, trajectory_id=None, session_id=None))),
                 "a dead letter of an entry that never was", must_dead_letter=False)
         event = self.stream_event(stream)
         return Poison(stream, "forged", self.fields_of(event, rollout_id=rollout, group_id=group),

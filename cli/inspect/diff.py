@@ -99,7 +99,7 @@ class Normalizer:
     def fields(self, envelope: Envelope) -> dict[str, Any]:
         """The envelope's compared fields, flattened: envelope.<name> for the envelope's ids, the
         payload's fields by name (nested dicts as a.b)."""
-        data = envelope.model_dump(mode="json")
+        data = envelope.to_json()
         payload = data.pop("payload")
         for name in IGNORED_ENVELOPE_FIELDS:
             data.pop(name, None)

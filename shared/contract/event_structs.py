@@ -8,6 +8,8 @@ fields, so no check is written twice, and a body that a Struct refuses goes thro
 validation, which either accepts it (pydantic's lax coercions: a str of digits for an int) or says what is
 wrong, as it always did. The fast path changes how fast an entry decodes, never whether it does or what it
 decodes to; only `model_fields_set` names every field (as for a body that encode() wrote, which has them all).
+The Envelope around a payload is a Struct itself: a body decodes, in one pass, to an Envelope holding the
+payload's Struct, which the model made from it then replaces before anyone holds the envelope.
 
 A model gets a fast path only when every field and check of it is one this module translates (`_wire_type`):
 int, float, str, bool, None, Any, Literal, unions, lists and maps of them, a nested model, `ge`,
@@ -31,8 +33,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 _asdict = msgspec.structs.asdict
+_force_setattr = msgspec.structs.force_setattr
 
-_FLOAT_MAX = sys.float_info.max  # within ±_FLOAT_MAX a float is finite: NaN and ±inf fail the bounds
+FLOAT_MAX = sys.float_info.max
+"""Within ±FLOAT_MAX a float is finite: msgspec's bounds refuse NaN and ±inf outside it."""
 _PLAIN = (int, float, str, bool, type(None))
 _SERIALIZATION_ONLY = (PlainSerializer, SerializeAsAny)
 
@@ -70,25 +74,41 @@ def _maker(model: type[BaseModel], checked: list[tuple[str, Callable[[Any], Any]
     return make
 
 
-def fast_decoder(model: type[BaseModel]) -> Callable[[bytes], BaseModel | None] | None:
-    """A function from a msgpack body to a `model` (an Envelope[SomeEvent]), or to None where the body is not
-    one that the Struct accepts (the model's own validation must then say); None when the model has a field or
-    check this module does not translate (each raises a TypeError that says which)."""
+def fast_decoder(event: type[BaseModel], envelope: type[msgspec.Struct]) -> Callable[[bytes], Any] | None:
+    """A function from a msgpack body to an `envelope` (the contract's generic Envelope Struct) holding an
+    `event` (a model with the class variables TYPE and VERSION, which the envelope's `type` and
+    `schema_version` must be), or to None where the body is not one that the Structs accept (the model's own
+    validation must then say); None when the model has a field or check this module does not translate (each
+    raises a TypeError that says which)."""
     try:
-        struct, make = _struct_and_maker(model)
-        decode = msgspec.msgpack.Decoder(struct).decode
+        struct, make = _struct_and_maker(event)
+        decode = msgspec.msgpack.Decoder(envelope[struct]).decode
     except TypeError:  # a field or check no Struct expresses (msgspec's own: a union it cannot tell apart)
         return None
+    type_and_version = (event.TYPE, event.VERSION)
 
-    def fast_decode(body: bytes) -> BaseModel | None:
+    def fast_decode(body: bytes) -> msgspec.Struct | None:
         try:
-            return make(decode(body))
+            decoded = decode(body)
+            if (decoded.type, decoded.schema_version) != type_and_version:
+                return None
+            # The envelope is frozen, but no one holds it yet: its payload's Struct becomes the model here
+            _force_setattr(decoded, "payload", make(decoded.payload))
         # Whatever the Struct, a packed array's check or an after validator raises: the model's validation
         # decides, so that no entry can make the fast path raise what decode() did not raise before it
         except Exception:  # noqa: BLE001
             return None
+        return decoded
 
     return fast_decode
+
+
+def validated_model(kind: type, value: Any) -> BaseModel:
+    """msgspec's hook for a field that holds a model (the Envelope's payload, where the fast path did not
+    take a body): the model's own validation, lax coercions and errors and all."""
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return kind.model_validate(value)
+    raise TypeError(f"no decoding for {kind!r}")
 
 
 def _struct_and_maker(model: type[BaseModel]) -> tuple[type[msgspec.Struct],
@@ -140,7 +160,7 @@ def _wire_type(annotation: Any, metadata: list | tuple = ()) -> tuple[Any, Calla
         if isinstance(item, Ge):
             bounds["ge"] = item.ge
         elif type(item).__name__ == "AllowInfNan" and not item.allow_inf_nan and annotation is float:
-            bounds.update(ge=-_FLOAT_MAX, le=_FLOAT_MAX)
+            bounds.update(ge=-FLOAT_MAX, le=FLOAT_MAX)
         elif not isinstance(item, _SERIALIZATION_ONLY):
             raise TypeError(f"no msgspec check for {item!r}")
     origin = get_origin(annotation)

@@ -23,7 +23,6 @@ re-publishes a recorded run.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 import msgspec
@@ -31,13 +30,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializeAsAny,
-    ValidationError,
     model_validator,
 )
 
 from rollstream.shared.contract.event_ids import new_event_id
-from rollstream.shared.contract.event_structs import fast_decoder
+from rollstream.shared.contract.event_structs import FLOAT_MAX, fast_decoder, validated_model
 from rollstream.shared.contract.token_arrays import Floats, Mask, TokenIds, packed_bytes
 from rollstream.shared.errors import EventDecodeError
 
@@ -62,12 +59,16 @@ class Event(BaseModel):
 Payload = TypeVar("Payload", bound=Event)
 
 
-class Envelope(BaseModel, Generic[Payload]):
-    """What every stream entry carries around its payload. `Envelope[SomeEvent]` validates its payload as that
-    event class (how decode() validates an entry in one pass), and equals the plain `Envelope` of the same
-    fields."""
+# gc=False: the collector need not track an envelope, which can be in no cycle (it holds the wire's data)
+class Envelope(msgspec.Struct, Generic[Payload], frozen=True, kw_only=True, forbid_unknown_fields=True,
+               gc=False):
+    """What every stream entry carries around its payload. `Envelope[SomeEvent]` checks its payload as that
+    event class (how decode() checks an entry in one pass); every envelope is of the one class `Envelope`.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    A msgspec Struct, not a model like its payload: every entry a service reads makes one, and a Struct costs
+    a fraction of a model to make. msgspec checks its fields where it decodes one (decode()); make_envelope()
+    checks the ids it is given."""
+
     type: str
     """The payload's event type (its TYPE), as the entry's `type` field also says."""
     schema_version: int
@@ -78,7 +79,7 @@ class Envelope(BaseModel, Generic[Payload]):
     the process and the event (event_ids.py)."""
     run_id: str
     """The run it belongs to (its namespace in Redis and its folder in run storage)."""
-    time: Finite
+    time: Annotated[float, msgspec.Meta(ge=-FLOAT_MAX, le=FLOAT_MAX)]
     """When it was published: Unix time in seconds on the publisher's clock; finite (readers bucket by it)."""
     trajectory_id: str | None = None
     """The trajectory it records: the rollout id, unless a gateway session was created with another;
@@ -90,8 +91,12 @@ class Envelope(BaseModel, Generic[Payload]):
     session_id: str | None = None
     """What its generations are routed by (one server keeps the prefix cache): the rollout id, or the gateway
     session's id."""
-    payload: SerializeAsAny[Payload]
+    payload: Payload
     """The event itself, of the class `type` names."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The envelope as JSON values, its payload as its model dumps it (token arrays as lists)."""
+        return {**msgspec.structs.asdict(self), "payload": self.payload.model_dump(mode="json")}
 
 
 # ----------------------------------------------------------------------------------------- samples
@@ -462,13 +467,19 @@ tell what it means), and is dead-lettered rather than passed over."""
 def make_envelope(payload: Event, *, run_id: str, event_id: str | None = None,
                   trajectory_id: str | None = None, rollout_id: str | None = None, group_id: str | None = None,
                   session_id: str | None = None) -> Envelope:
-    """Wrap a payload. Pass a deterministic `event_id` where a handler may run twice."""
+    """Wrap a payload. Pass a deterministic `event_id` where a handler may run twice. The ids must be str or
+    None, as the Envelope's fields say (a TypeError names the one that is not)."""
     return Envelope(**_head(payload, run_id, event_id, trajectory_id, rollout_id, group_id, session_id))
 
 
 def _head(payload: Event, run_id: str, event_id: str | None, trajectory_id: str | None,
           rollout_id: str | None, group_id: str | None, session_id: str | None) -> dict[str, Any]:
-    """A new envelope's fields, in the Envelope's order."""
+    """A new envelope's fields, in the Envelope's order; a TypeError for an argument no envelope holds."""
+    if not (type(payload) in _WIRE_VERSIONS and type(run_id) is str and type(event_id) in _IDS
+            and type(trajectory_id) in _IDS and type(rollout_id) in _IDS and type(group_id) in _IDS
+            and type(session_id) in _IDS):
+        _check_types(payload, run_id, event_id=event_id, trajectory_id=trajectory_id, rollout_id=rollout_id,
+                     group_id=group_id, session_id=session_id)
     return {"type": payload.TYPE, "schema_version": payload.VERSION,
             "event_id": event_id or new_event_id(), "run_id": run_id, "time": time.time(),
             "trajectory_id": trajectory_id, "rollout_id": rollout_id, "group_id": group_id,
@@ -481,20 +492,14 @@ _decoder = msgspec.msgpack.Decoder()
 
 def encode(envelope: Envelope) -> dict[str, bytes | str]:
     """Stream fields for an envelope."""
-    return _fields({**envelope.__dict__})
+    return _fields(msgspec.structs.asdict(envelope))
 
 
 def encode_event(payload: Event, *, run_id: str, event_id: str | None = None,
                  trajectory_id: str | None = None, rollout_id: str | None = None, group_id: str | None = None,
                  session_id: str | None = None) -> dict[str, bytes | str]:
     """encode(make_envelope(...)) without making the Envelope, which costs a small event's publisher more
-    than the rest of its encoding (Bus.publish's path). The ids must be str or None, as the Envelope's
-    fields say."""
-    if not (type(payload) in _WIRE_VERSIONS and type(run_id) is str and type(event_id) in _IDS
-            and type(trajectory_id) in _IDS and type(rollout_id) in _IDS and type(group_id) in _IDS
-            and type(session_id) in _IDS):
-        _check_types(payload, run_id, event_id=event_id, trajectory_id=trajectory_id, rollout_id=rollout_id,
-                     group_id=group_id, session_id=session_id)
+    than the rest of its encoding (Bus.publish's path), with make_envelope's checks."""
     return _fields(_head(payload, run_id, event_id, trajectory_id, rollout_id, group_id, session_id))
 
 
@@ -502,8 +507,8 @@ _IDS = frozenset((str, type(None)))
 
 
 def _check_types(payload: Event, run_id: str, **ids: str | None) -> None:
-    """A TypeError naming the argument encode_event cannot encode; none for an Event subclass outside
-    EVENT_TYPES, which fails encode_event's quick check but encodes all the same."""
+    """A TypeError naming the argument no envelope holds; none for an Event subclass outside
+    EVENT_TYPES, which fails _head's quick check but encodes all the same."""
     if not isinstance(payload, Event):
         raise TypeError(f"the payload must be an Event, not {type(payload).__name__}")
     for name, value in {"run_id": run_id, **ids}.items():
@@ -534,31 +539,28 @@ def _text(fields: dict, key: bytes) -> str | None:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-_VALIDATE_ENVELOPE_OF: dict[type[Event], Callable[[dict], Envelope]] = {}
-_FAST_DECODE_ENVELOPE_OF: dict[type[Event], Callable[[bytes], Envelope | None] | None] = {}
-for _cls in EVENT_TYPES.values():
-    # In a loop at module level, not a comprehension: pydantic then names Envelope[_cls] in this module, and
-    # the envelopes decode() makes can be pickled.
-    _VALIDATE_ENVELOPE_OF[_cls] = Envelope[_cls].__pydantic_validator__.validate_python
-    _FAST_DECODE_ENVELOPE_OF[_cls] = fast_decoder(Envelope[_cls])
-del _cls
-
 _WIRE_VERSIONS = {cls: str(cls.VERSION) for cls in EVENT_TYPES.values()}  # each event class's `v` field
-# Each event class by its entry's `type` and `v` fields as redis-py hands them back: decode's usual case
-_WIRE_TYPES = {(cls.TYPE.encode(), v.encode()): cls for cls, v in _WIRE_VERSIONS.items()}
+_FAST_DECODE_ENVELOPE_OF = {cls: fast_decoder(cls, Envelope) for cls in EVENT_TYPES.values()}
+"""Each event class's fast path from a body to its envelope, or None where the class has none."""
+# Each fast path by its entry's `type` and `v` fields as redis-py hands them back: decode's usual case
+_FAST_DECODE_OF_WIRE = {(cls.TYPE.encode(), v.encode()): _FAST_DECODE_ENVELOPE_OF[cls]
+                        for cls, v in _WIRE_VERSIONS.items() if _FAST_DECODE_ENVELOPE_OF[cls]}
 
 
 def decode(fields: dict) -> Envelope:
     """An envelope from stream fields (bytes or str keys); EventDecodeError if it is not one."""
-    cls = _WIRE_TYPES.get((fields.get(b"type"), fields.get(b"v")))
-    raw = fields.get(b"body")
-    if cls is None or not isinstance(raw, bytes):
-        cls, raw = _event_class_and_body(fields)
+    fast_decode = _FAST_DECODE_OF_WIRE.get((fields.get(b"type"), fields.get(b"v")))
+    if fast_decode is not None:
+        envelope = fast_decode(fields.get(b"body"))  # None: _checked_decode takes it or says why not
+        if envelope is not None:
+            return envelope
+    return _checked_decode(fields)
+
+
+def _checked_decode(fields: dict) -> Envelope:
+    """decode() by the checks that say what is wrong with an entry, or take what the fast path did not."""
+    cls, raw = _event_class_and_body(fields)
     type_name = cls.TYPE
-    fast_decode = _FAST_DECODE_ENVELOPE_OF[cls]
-    envelope = fast_decode and fast_decode(raw)  # None: the model's validation, below, takes it or says why not
-    if envelope is not None and envelope.type == type_name and envelope.schema_version == cls.VERSION:
-        return envelope
     try:
         body = _decoder.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # a msgpack string of bad UTF-8 is the latter
@@ -566,10 +568,13 @@ def decode(fields: dict) -> Envelope:
     if not isinstance(body, dict):
         raise EventDecodeError(f"{type_name} body is a {type(body).__name__}, not a map")
     try:
-        envelope = _VALIDATE_ENVELOPE_OF[cls](body)
-    except ValidationError as exc:
-        raise EventDecodeError(f"malformed {type_name} payload: {exc}") from exc
-    except (TypeError, ValueError) as exc:  # e.g. a map with non-string keys: the entry's fault, never the reader's
+        envelope = msgspec.convert(body, Envelope[cls], strict=False, dec_hook=validated_model)
+    except msgspec.ValidationError as exc:  # it says where: `$.run_id`, `$.payload` with the model's errors
+        why = str(exc)
+        if why.endswith("`$.time`"):  # msgspec words it as the bounds that keep a float finite
+            why = f"time must be a finite number of seconds, not {body.get('time')!r}"
+        raise EventDecodeError(f"malformed {type_name} entry: {why}") from exc
+    except (TypeError, ValueError) as exc:  # an after validator's own error: the entry's, not the reader's
         raise EventDecodeError(f"malformed {type_name} body: {type(exc).__name__}: {exc}") from exc
     if envelope.type != type_name or envelope.schema_version != cls.VERSION:
         raise EventDecodeError(f"body says {envelope.type} v{envelope.schema_version}, fields say "

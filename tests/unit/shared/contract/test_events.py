@@ -1,4 +1,5 @@
 import ast
+import json
 import pickle
 import random
 import re
@@ -77,17 +78,18 @@ def test_encode_event_makes_the_fields_encode_makes_of_its_envelope():
     ids = dict(event_id="e1", trajectory_id="t", rollout_id="ro", group_id="g", session_id="s")
     fields = encode_event(segment(), run_id="r1", **ids)
     decoded = decode(fields)
-    assert decoded == make_envelope(segment(), run_id="r1", **ids).model_copy(update={"time": decoded.time})
+    assert decoded == msgspec.structs.replace(make_envelope(segment(), run_id="r1", **ids), time=decoded.time)
     assert encode(decoded) == fields
-    assert list(msgspec.msgpack.decode(fields["body"])) == list(Envelope.model_fields)
+    assert list(msgspec.msgpack.decode(fields["body"])) == list(Envelope.__struct_fields__)
     assert re.fullmatch(r"[0-9a-f]{32}", decode(encode_event(segment(), run_id="r1")).event_id)
 
 
+@pytest.mark.parametrize("make", [encode_event, make_envelope])
 @pytest.mark.parametrize("bad", [{"rollout_id": 7}, {"event_id": b"e1"}, {"run_id": None}, {"payload": {}}])
-def test_encode_event_refuses_ids_and_payloads_no_envelope_holds(bad):
+def test_ids_and_payloads_no_envelope_holds_are_refused(make, bad):
     arguments = {"payload": segment(), "run_id": "r1", **bad}
     with pytest.raises(TypeError, match=f"{next(iter(bad))} must be"):
-        encode_event(arguments.pop("payload"), **arguments)
+        make(arguments.pop("payload"), **arguments)
 
 
 def test_encode_event_names_an_id_of_a_str_subclass_which_msgpack_cannot_encode():
@@ -180,7 +182,7 @@ def test_every_event_type_has_a_unique_name_and_a_version():
 
 def test_envelope_json_shows_the_payload():
     envelope = make_envelope(segment(), run_id="r")
-    assert '"tokens":[5,6,7,8]' in envelope.model_dump_json()
+    assert '"tokens": [5, 6, 7, 8]' in json.dumps(envelope.to_json())
 
 
 def test_a_token_array_longer_than_the_contract_allows_is_rejected_before_it_is_unpacked():
@@ -239,8 +241,6 @@ def test_an_envelope_whose_time_is_not_finite_is_rejected(when):
     body["time"] = when
     with pytest.raises(EventDecodeError, match="time"):
         decode({**fields, "body": msgspec.msgpack.encode(body)})
-    with pytest.raises(ValidationError, match="time"):
-        type(envelope).model_validate({**dict(envelope), "time": when})
 
 
 def test_every_event_type_belongs_to_exactly_one_stream():
