@@ -15,6 +15,7 @@ import msgspec
 import pydantic_core
 from results import Figure, parse_args, write_result
 
+from rollstream.shared.contract.event_structs import validated_model
 from rollstream.shared.contract.events import Envelope, TrajectorySegment, decode, encode_event, make_envelope
 
 
@@ -46,8 +47,7 @@ def main() -> None:
         return pydantic_core.to_json({**head, "payload": fields})
 
     # The envelope's fields checked by msgspec as the JSON is parsed, the payload's lists by its model
-    json_decoder = msgspec.json.Decoder(Envelope[TrajectorySegment],
-                                        dec_hook=lambda kind, value: kind.model_validate(value))
+    json_decoder = msgspec.json.Decoder(Envelope[TrajectorySegment], dec_hook=validated_model)
 
     packed, as_json = encode_packed(), encode_json()
 
