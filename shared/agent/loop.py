@@ -29,7 +29,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from rollstream.shared.agent.tool_calls import ToolCallFormat
-from rollstream.shared.agent.tools import Episode, ToolResult, ToolSet
+from rollstream.shared.agent.tools import Episode, ToolCall, ToolResult, ToolSet
 from rollstream.shared.contract.events import TrajectoryTool, TrajectoryTurn
 from rollstream.shared.contract.rollouts import Segment
 from rollstream.shared.errors import TemplateError
@@ -113,7 +113,8 @@ def resolve_agent(spec: str) -> Agent:
 class TokenTrajectory:
     """The token sequence of one segment, built turn by turn."""
 
-    def __init__(self, tokenizer, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None) -> None:
+    def __init__(self, tokenizer, messages: Sequence[dict[str, Any]],
+                 tools: list[dict] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tool_schemas = tools or None
         self.messages: list[dict[str, Any]] = [dict(m) for m in messages]
@@ -169,15 +170,16 @@ class TokenTrajectory:
         return {"first_difference": _first_difference(full, self.tokens), "rerendered_length": len(full),
                 "sampled_length": len(self.tokens)}
 
-    def segment(self, status: str, response_text: str, turns: list[TrajectoryTurn], tools: list[TrajectoryTool],
-                metadata: dict[str, Any]) -> Segment:
+    def segment(self, status: str, response_text: str, turns: list[TrajectoryTurn],
+                tools: list[TrajectoryTool], metadata: dict[str, Any]) -> Segment:
         mismatch = self.retokenization_mismatch()
         if mismatch:
             RETOKENIZATION_MISMATCHES.inc()
             metadata = {**metadata, "retokenization_mismatch": mismatch}
-        return Segment(tokens=list(self.tokens), prompt_length=self.prompt_length, loss_mask=list(self.loss_mask),
-                       rollout_logprobs=list(self.logprobs), turn_policy_versions=[t.policy_version for t in turns],
-                       status=status, response_text=response_text, turns=turns, tools=tools, metadata=metadata)
+        return Segment(tokens=list(self.tokens), prompt_length=self.prompt_length,
+                       loss_mask=list(self.loss_mask), rollout_logprobs=list(self.logprobs),
+                       turn_policy_versions=[t.policy_version for t in turns], status=status,
+                       response_text=response_text, turns=turns, tools=tools, metadata=metadata)
 
 
 def _first_difference(a: Sequence, b: Sequence) -> int:
@@ -189,6 +191,34 @@ def _first_difference(a: Sequence, b: Sequence) -> int:
 
 def _tool_message(result: ToolResult) -> dict[str, Any]:
     return {"role": "tool", "name": result.name, "tool_call_id": result.call_id, "content": result.content}
+
+
+async def _sample_turn(trajectory: TokenTrajectory, ctx: AgentContext, turn: int, segment_index: int,
+                       budget: int) -> tuple[TrajectoryTurn, str]:
+    """Sample one turn from the fleet and append it to the trajectory: the turn's record (with the policy
+    versions its server held before and after) and the text it decodes to."""
+    before = await ctx.versions()
+    completion = await ctx.fleet.complete(trajectory.tokens, session_id=ctx.session_id,
+                                          max_tokens=min(ctx.limits.max_tokens_per_turn, budget),
+                                          temperature=ctx.temperature, extra=ctx.sampling)
+    after = await ctx.versions()
+    appended, offset = trajectory.pending_ids, len(trajectory.tokens)
+    text = trajectory.append_sampled(completion.token_ids, completion.logprobs)
+    version = before.get(completion.server_url, 0)
+    record = TrajectoryTurn(turn=turn, segment_index=segment_index, offset=offset, appended_ids=appended,
+                            response_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
+                            policy_version=version,
+                            policy_version_end=after.get(completion.server_url, version),
+                            finish_reason=completion.finish_reason, server_url=completion.server_url)
+    return record, text
+
+
+def _tool_records(turn: int, calls: Sequence[ToolCall],
+                  results: Sequence[ToolResult]) -> list[TrajectoryTool]:
+    """One record per tool result of a turn, with the arguments of the call it answers."""
+    arguments = {call.id: call.arguments for call in calls}
+    return [TrajectoryTool(turn=turn, call_id=r.call_id, name=r.name, arguments=arguments.get(r.call_id, {}),
+                           ok=r.ok, error_kind=r.error_kind, content=r.content) for r in results]
 
 
 @register_agent("tool_agent")
@@ -205,22 +235,11 @@ async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0) -> S
             budget = ctx.limits.max_total_tokens - len(trajectory.tokens)
             if budget <= 0:
                 break
-            before = await ctx.versions()
-            completion = await ctx.fleet.complete(trajectory.tokens, session_id=ctx.session_id,
-                                                  max_tokens=min(ctx.limits.max_tokens_per_turn, budget),
-                                                  temperature=ctx.temperature, extra=ctx.sampling)
-            after = await ctx.versions()
-            appended, offset = trajectory.pending_ids, len(trajectory.tokens)
-            text = trajectory.append_sampled(completion.token_ids, completion.logprobs)
-            version = before.get(completion.server_url, 0)
-            turns.append(TrajectoryTurn(turn=turn, segment_index=segment_index, offset=offset,
-                                        appended_ids=appended, response_ids=list(completion.token_ids),
-                                        logprobs=list(completion.logprobs), policy_version=version,
-                                        policy_version_end=after.get(completion.server_url, version),
-                                        finish_reason=completion.finish_reason, server_url=completion.server_url))
+            sampled, text = await _sample_turn(trajectory, ctx, turn, segment_index, budget)
+            turns.append(sampled)
             parsed = ctx.tool_format.parse(text, turn)
             answer = parsed.content
-            if completion.finish_reason == "length":
+            if sampled.finish_reason == "length":
                 break
             if not parsed.calls and not parsed.errors:
                 status = "completed"
@@ -228,10 +247,7 @@ async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0) -> S
             results = await ctx.tools.execute(parsed.calls, ctx.episode)
             results += [ctx.tools.malformed(f"call_{turn}_malformed_{i}", problem)
                         for i, problem in enumerate(parsed.errors)]
-            arguments = {call.id: call.arguments for call in parsed.calls}
-            tool_calls += [TrajectoryTool(turn=turn, call_id=r.call_id, name=r.name,
-                                          arguments=arguments.get(r.call_id, {}), ok=r.ok, error_kind=r.error_kind,
-                                          content=r.content) for r in results]
+            tool_calls += _tool_records(turn, parsed.calls, results)
             trajectory.append_messages([_tool_message(r) for r in results])
     except TemplateError as exc:
         status, error = "failed", str(exc)

@@ -62,7 +62,8 @@ class _Calls:
     def add(self, call: Any, source: str) -> None:
         """`call` is one decoded JSON value that should be {"name": str, "arguments": {...}}."""
         if not isinstance(call, dict):
-            self.errors.append(f"a tool call must be a JSON object with name and arguments: {_excerpt(source)}")
+            self.errors.append("a tool call must be a JSON object with name and arguments: "
+                               f"{_excerpt(source)}")
             return
         name = call.get("name")
         if not isinstance(name, str) or not name.strip():
@@ -73,7 +74,8 @@ class _Calls:
             self.errors.append(f"arguments of {name} must be a JSON object, not {type(arguments).__name__}: "
                                f"{_excerpt(source)}")
             return
-        self.calls.append(ToolCall(id=f"call_{self.turn}_{len(self.calls)}", name=name.strip(), arguments=arguments))
+        self.calls.append(ToolCall(id=f"call_{self.turn}_{len(self.calls)}", name=name.strip(),
+                                   arguments=arguments))
 
     def turn_of(self, pieces: list[str]) -> ParsedTurn:
         return ParsedTurn(content="".join(pieces).strip(), calls=self.calls, errors=self.errors)
@@ -101,7 +103,8 @@ class HermesFormat:
             try:
                 call = json.loads(body)
             except json.JSONDecodeError as e:
-                found.errors.append(f"tool call is not valid JSON ({e.msg} at char {e.pos}): {_excerpt(body)}")
+                found.errors.append(f"tool call is not valid JSON ({e.msg} at char {e.pos}): "
+                                    f"{_excerpt(body)}")
             else:
                 found.add(call, body)
             pos = end + len(self.CLOSE)
@@ -110,8 +113,8 @@ class HermesFormat:
 
     def describe(self) -> str:
         return ('To call a tool, write <tool_call>{"name": "<tool name>", "arguments": {<arguments as a JSON '
-                "object>}}</tool_call>. Put each call in its own <tool_call> block; you may make several calls "
-                "in one turn. The results come back in the next message.")
+                "object>}}</tool_call>. Put each call in its own <tool_call> block; you may make several "
+                "calls in one turn. The results come back in the next message.")
 
 
 class MistralFormat:
@@ -133,7 +136,8 @@ class MistralFormat:
             try:
                 value, end = decoder.raw_decode(text, body_start)
             except json.JSONDecodeError as e:
-                # Without valid JSON there is no telling where the calls end: the rest of the turn is the call.
+                # Without valid JSON there is no telling where the calls end: the rest of the turn is the
+                # call.
                 found.errors.append(f"tool calls after {self.MARKER} are not valid JSON ({e.msg}): "
                                     f"{_excerpt(text[body_start:])}")
                 pos = len(text)
@@ -149,8 +153,8 @@ class MistralFormat:
 
     def describe(self) -> str:
         return ('To call tools, write [TOOL_CALLS] followed by a JSON list of calls: [TOOL_CALLS][{"name": '
-                '"<tool name>", "arguments": {<arguments as a JSON object>}}]. You may put several calls in the '
-                "list. The results come back in the next message.")
+                '"<tool name>", "arguments": {<arguments as a JSON object>}}]. You may put several calls in '
+                "the list. The results come back in the next message.")
 
 
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HermesFormat(), MistralFormat())}
@@ -160,4 +164,5 @@ def get_format(name: str) -> ToolCallFormat:
     try:
         return TOOL_CALL_FORMATS[name]
     except KeyError:
-        raise ValueError(f"unknown tool-call format {name!r}; known formats: {', '.join(TOOL_CALL_FORMATS)}") from None
+        raise ValueError(f"unknown tool-call format {name!r}; "
+                         f"known formats: {', '.join(TOOL_CALL_FORMATS)}") from None

@@ -19,14 +19,14 @@ is right under that key, and `judge` decides whether the record can be trusted:
 A record that fails any of these scores 0 with the reason: the code under test caused it, so it is a
 grade, not a failure of the sandbox. A key the plugin never took (`plugin_loaded`) is the opposite: no
 pytest in the environment, or a test command that runs none, and no code of the model's ran before the
-plugin would have; that is an infrastructure error, never a score. A session that could not start the tests at all (exit 2-5) scores 0
-the same way, with pytest's own exit status in the reason.
+plugin would have; that is an infrastructure error, never a score. A session that could not start the
+tests at all (exit 2-5) scores 0 the same way, with pytest's own exit status in the reason.
 """
 
 from __future__ import annotations
 
-import hmac
 import hashlib
+import hmac
 import json
 import secrets
 import shutil

@@ -4,13 +4,13 @@ Staged read-only into the sandbox as the module `rollstream_report` and loaded w
 `PYTEST_ADDOPTS=-p rollstream_report`; it imports only the standard library and pytest. It records what
 pytest itself decided about every test (setup, call and teardown reports), the ids collected, the
 session's exit status, whether the session finished, the digest of every test module once collection
-ended, the source files of every plugin and hook implementation that lie in the tree under test, and whether pytest's own reporting functions were
-replaced. At the end of the session it writes that record as JSON with an HMAC under a key that the
-grader put in the report directory and that this module reads and deletes when it is imported: pytest
-imports `-p` plugins before any conftest.py or test module, so the key is gone before code under test
-runs. PYTHONSAFEPATH keeps the tree under test off sys.path until then (no module of the tree can shadow
-pytest or the standard library before the key is read); `python -m pytest`'s own sys.path[0] (the
-working directory) is put back right after.
+ended, the source files of every plugin and hook implementation that lie in the tree under test, and
+whether pytest's own reporting functions were replaced. At the end of the session it writes that record as
+JSON with an HMAC under a key that the grader put in the report directory and that this module reads and
+deletes when it is imported: pytest imports `-p` plugins before any conftest.py or test module, so the key
+is gone before code under test runs. PYTHONSAFEPATH keeps the tree under test off sys.path until then (no
+module of the tree can shadow pytest or the standard library before the key is read); `python -m pytest`'s
+own sys.path[0] (the working directory) is put back right after.
 
 It judges nothing: shared/grading/pytest_report.py, on the grader's side, does. A pytest session started
 inside the tests (pytester, a subprocess) finds no key and records nothing.
@@ -44,7 +44,6 @@ import _pytest.python  # noqa: E402
 import _pytest.reports  # noqa: E402
 import _pytest.runner  # noqa: E402
 import _pytest.skipping  # noqa: E402, F401 - looked up in sys.modules (GUARDED)
-
 
 GUARDED = (
     "runner.call_and_report", "runner.runtestprotocol", "runner.call_runtest_hook",

@@ -172,8 +172,8 @@ def task_image(backend: SandboxBackend, task: Any) -> str | None:
 
 
 def store_log(storage: Any, run_id: str, name: str, text: str) -> str:
-    """Write `text` to {run_id}/logs/{name}.log in a rollstream.shared.runtime.storage.Storage, atomically (temp
-    name, then rename); returns its path."""
+    """Write `text` to {run_id}/logs/{name}.log in a rollstream.shared.runtime.storage.Storage, atomically
+    (temp name, then rename); returns its path."""
     for what, value in (("run_id", run_id), ("name", name)):
         if not _SAFE_NAME.match(value or ""):
             raise ValueError(f"{what} {value!r} cannot name a stored file")

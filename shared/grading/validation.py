@@ -92,7 +92,8 @@ def validate_tasks(tasks: list[Any], backend: SandboxBackend,
             continue
         problems = []
         if reference.infrastructure_error or empty.infrastructure_error:
-            problems.append(f"infrastructure error: {reference.reason if reference.infrastructure_error else empty.reason}")
+            failed = reference if reference.infrastructure_error else empty
+            problems.append(f"infrastructure error: {failed.reason}")
         if reference.score != 1:
             problems.append(f"reference solution scores {reference.score:g}: {reference.reason}")
         if empty.score != 0:

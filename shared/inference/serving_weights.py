@@ -40,7 +40,9 @@ from typing import Any
 
 from rollstream.shared.errors import ServingCheckpointError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -136,7 +138,8 @@ def add_tensor_copy(directory: Path, source: str, target: str) -> None:
         index["weight_map"] = dict(sorted(index["weight_map"].items()))
         meta = index.setdefault("metadata", {})
         if "total_size" in meta:
-            meta["total_size"] = int(meta["total_size"]) + tensors[target].numel() * tensors[target].element_size()
+            added = tensors[target].numel() * tensors[target].element_size()
+            meta["total_size"] = int(meta["total_size"]) + added
         partial_index = index_path.with_name(index_path.name + ".partial")
         partial_index.write_text(json.dumps(index, indent=2) + "\n")
         os.replace(partial_index, index_path)

@@ -47,12 +47,13 @@ class Tracker:
                 from torch.utils.tensorboard import SummaryWriter
 
                 writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-                writer.add_text("config", "\n".join(f"    {k} = {v}" for k, v in sorted(flatten(config).items())))
+                writer.add_text("config", "\n".join(f"    {k} = {v}"
+                                                    for k, v in sorted(flatten(config).items())))
                 self.sinks.append((name, writer))
             elif name == "wandb":
                 wandb = _require("wandb", name)
-                run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rollstream"), id=run_id, name=run_id,
-                                 resume="allow", config=config, dir=str(run_dir))
+                run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rollstream"), id=run_id,
+                                 name=run_id, resume="allow", config=config, dir=str(run_dir))
                 self.sinks.append((name, run))
             elif name == "mlflow":
                 mlflow = _require("mlflow", name)

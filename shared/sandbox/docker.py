@@ -142,8 +142,8 @@ class DockerBackend:
         return removed
 
     def containers_of(self, pids: set[int]) -> list[str]:
-        """Ids of the containers, running or not, that the processes `pids` of this host and pid namespace made
-        (dead ones included: an audit's question is what they left)."""
+        """Ids of the containers, running or not, that the processes `pids` of this host and pid namespace
+        made (dead ones included: an audit's question is what they left)."""
         found = []
         for container in self.client.containers.list(all=True, filters={"label": OWNER_LABEL}):
             owner = _local_owner(container.labels.get(OWNER_LABEL, ""))
@@ -205,7 +205,7 @@ class DockerBackend:
             if container is not None:
                 try:
                     container.remove(force=True)
-                except Exception as exc:  # noqa: BLE001 - report, never mask the result
+                except Exception as exc:  # report, never mask the result
                     log.warning("could not remove container: %s", exc)
         duration = time.monotonic() - started
         if timed_out:
@@ -238,7 +238,7 @@ class _CappedOutput:
                     if len(chunk) > room:
                         self.truncated = True
                     kept += chunk[:max(room, 0)]
-        except Exception as exc:  # noqa: BLE001 - the engine closing the stream early is reported, not raised
+        except Exception as exc:  # the engine closing the stream early is reported, not raised
             log.warning("container output stream ended early: %s", exc)
 
     def text(self) -> tuple[str, str]:
@@ -246,15 +246,15 @@ class _CappedOutput:
 
 
 def process_owner() -> str:
-    """`host/pid namespace/pid/start time` of this process: the pid alone is reused, by the next process on this
-    host or by the same service restarted in its container (the same host name and pid namespace, another start
-    time)."""
+    """`host/pid namespace/pid/start time` of this process: the pid alone is reused, by the next process on
+    this host or by the same service restarted in its container (the same host name and pid namespace,
+    another start time)."""
     return f"{socket.gethostname()}/{_pid_namespace()}/{os.getpid()}/{_start_time(os.getpid())}"
 
 
 def owner_is_gone(owner: str) -> bool:
-    """Whether `owner` (process_owner's form) names a process of this host and pid namespace that no longer
-    runs; False for any other host or namespace, and for a label not in that form."""
+    """Whether `owner` (process_owner's form) names a process of this host and pid namespace that no
+    longer runs; False for any other host or namespace, and for a label not in that form."""
     local = _local_owner(owner)
     return local is not None and _start_time(local[0]) != local[1]
 
@@ -276,7 +276,8 @@ def _pid_namespace() -> int:
 
 
 def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); "" when it does not run."""
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); "" when it does not
+    run."""
     try:
         with open(f"/proc/{pid}/stat") as stat_file:
             return stat_file.read().rsplit(")", 1)[1].split()[19]

@@ -1,6 +1,6 @@
 """Python tools (pytest) for the bubblewrap sandbox, whose /usr/bin/python3 has none.
 
-    python -m pytest tests/unit/shared/grading/test_grading.py -k swe -q      (SWE-bench tests run pytest there)
+    python -m pytest tests/unit/shared/grading/test_grading.py -k swe -q   (SWE-bench tests run pytest there)
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ def _validate_config(config: dict[str, Any], where: Path) -> tuple[float, float]
     _section(config, "metadata", where)
 
     verifier = _section(config, "verifier", where)
-    verifier_timeout = _positive_number(verifier, "verifier", "timeout_sec", where, DEFAULT_VERIFIER_TIMEOUT_S)
+    verifier_timeout = _positive_number(verifier, "verifier", "timeout_sec", where,
+                                        DEFAULT_VERIFIER_TIMEOUT_S)
     _check_types(verifier, "verifier", where, {"env": (dict,), "user": (str,)})
     env = verifier.get("env", {})
     for key, value in env.items():

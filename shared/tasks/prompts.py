@@ -32,8 +32,9 @@ def task_prompt_row(task: HarborTask | SweTask):
             metadata["files"] = {}
         metadata["workdir"] = task.workdir
         metadata["grader"] = {"kind": "harbor", "task_dir": str(task.path)}
-        if "timeout_sec" in task.config.get("agent", {}):  # else a black-box agent gets agent.command_time_budget_s
+        if "timeout_sec" in task.config.get("agent", {}):
             metadata["time_budget_s"] = task.agent_timeout_s
+        # else a black-box agent gets agent.command_time_budget_s
     elif isinstance(task, SweTask):
         text = task.problem_statement.strip()
         metadata = {

@@ -49,10 +49,12 @@ def parse_row(record: Any, where: str) -> PromptRow:
         raise DatasetError(f"{where}: expected an object, got {type(record).__name__}")
     prompt = record.get("prompt")
     if prompt is None or prompt == "" or prompt == []:
-        raise DatasetError(f"{where}: missing 'prompt' (columns present: {', '.join(sorted(record)) or 'none'})")
+        raise DatasetError(f"{where}: missing 'prompt' "
+                           f"(columns present: {', '.join(sorted(record)) or 'none'})")
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m
+                                          for m in prompt):
         messages = [dict(m) for m in prompt]
     else:
         raise DatasetError(f"{where}: 'prompt' must be a string or a list of {{role, content}} messages")

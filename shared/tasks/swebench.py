@@ -125,8 +125,10 @@ def _swe_row(record: Any, path: Path, where: str) -> SweTask:
     if repo_value is None or repo_value == "":
         fallback = base / "repos" / instance_id
         if "/" in instance_id or "\\" in instance_id or instance_id.startswith(".") or not fallback.is_dir():
-            raise TaskError(f"{where}: 'repo_dir' missing (a local snapshot of {record.get('repo') or 'the repository'}"
-                            f" at {record.get('base_commit') or 'its base commit'}; or put one at {fallback})")
+            raise TaskError(f"{where}: 'repo_dir' missing (a local snapshot of "
+                            f"{record.get('repo') or 'the repository'}"
+                            f" at {record.get('base_commit') or 'its base commit'}; "
+                            f"or put one at {fallback})")
         repo_dir = fallback
     elif not isinstance(repo_value, str):
         raise TaskError(f"{where}: 'repo_dir' must be a path string, got {type(repo_value).__name__}")
@@ -161,7 +163,8 @@ def load_swebench_rows(path: Path) -> list[SweTask]:
     for index, record in enumerate(_read_records(path)):
         task = _swe_row(record, path, f"{path} row {index}")
         if task.instance_id in seen:
-            raise TaskError(f"{path} row {index}: 'instance_id' {task.instance_id!r} repeats row {seen[task.instance_id]}")
+            raise TaskError(f"{path} row {index}: 'instance_id' {task.instance_id!r} "
+                            f"repeats row {seen[task.instance_id]}")
         seen[task.instance_id] = index
         tasks.append(task)
     if not tasks:

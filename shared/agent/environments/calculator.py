@@ -83,11 +83,13 @@ def _value(node: ast.AST) -> Number:
         raise ToolError(f"unknown name {node.id!r}: only numbers and + - * / // % ** ( ) are allowed")
     if isinstance(node, ast.Call):
         raise ToolError("function calls are not supported: only numbers and + - * / // % ** ( ) are allowed")
-    raise ToolError(f"unsupported syntax {ast.unparse(node)!r}: only numbers and + - * / // % ** ( ) are allowed")
+    raise ToolError(f"unsupported syntax {ast.unparse(node)!r}: "
+                    "only numbers and + - * / // % ** ( ) are allowed")
 
 
 def _refuse_huge(op: ast.operator, left: Number, right: Number) -> None:
-    """Refuse, before computing it, an integer result beyond MAX_RESULT_DIGITS (floats overflow by themselves)."""
+    """Refuse, before computing it, an integer result beyond MAX_RESULT_DIGITS (floats overflow by
+    themselves)."""
     if not (isinstance(left, int) and isinstance(right, int)):
         return
     if isinstance(op, ast.Pow) and right > 0 and abs(left) > 1:

@@ -208,7 +208,8 @@ class ReadFile(_CodingTool):
         "properties": {
             "path": {"type": "string", "description": "File path relative to the repository root."},
             "start_line": {"type": "integer", "minimum": 1, "description": "First line to show (default 1)."},
-            "end_line": {"type": "integer", "minimum": 1, "description": "Last line to show (default: the end)."},
+            "end_line": {"type": "integer", "minimum": 1,
+                         "description": "Last line to show (default: the end)."},
         },
         "required": ["path"],
         "additionalProperties": False,
@@ -319,7 +320,8 @@ class ListFiles(_CodingTool):
     parameters = {
         "type": "object",
         "properties": {
-            "path": {"type": "string", "description": "Directory relative to the repository root (default '.')."},
+            "path": {"type": "string",
+                     "description": "Directory relative to the repository root (default '.')."},
         },
         "additionalProperties": False,
     }
