@@ -21,7 +21,9 @@ from pathlib import Path
 
 # run as a script, so bench/ is first on sys.path
 from results import Figure, parse_args, write_result
-from sim_fleet import Checkpoints, LatencyModel, SimFleet
+from sim_checkpoints import Checkpoints
+from sim_fleet import SimFleet
+from sim_latency import LatencyModel
 
 from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.inference.weight_sync import sync_weights

@@ -213,7 +213,7 @@ class SimTrainer:
 
 def starting_model_logprobs(model_path: str) -> list[float]:
     """The probe's logprobs under the starting model, as a simulated server computes them."""
-    from sim_fleet import Checkpoints  # bench/ is on sys.path when run as a script
+    from sim_checkpoints import Checkpoints  # bench/ is on sys.path when run as a script
 
     return [logprob for logprob, _ in Checkpoints().prompt_logprobs(model_path, PROBE)]
 

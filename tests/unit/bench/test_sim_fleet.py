@@ -1,5 +1,6 @@
-"""The simulated vLLM fleet (bench/sim_fleet.py): it answers the API rollstream.shared.inference.fleet.FleetClient uses the
-way vLLM does, and its latency model accounts busy time exactly.
+"""The simulated vLLM fleet (bench/sim_fleet.py): it answers the API
+rollstream.shared.inference.fleet.FleetClient uses the way vLLM does, and counts the busy time of its
+work; the metering proxy (bench/metered_proxy.py) counts a real server's alike.
 
     python -m pytest tests/unit/bench/test_sim_fleet.py -q
 """
@@ -12,67 +13,12 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.sim_fleet import Engine, LatencyModel, SimFleet, parse_metrics
+from bench.sim_fleet import SimFleet, parse_metrics
+from bench.sim_latency import LatencyModel
 from rollstream.shared.inference.fleet import FleetClient, FleetRequestError
 
-FAST = LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.001, overhead_s=0.0, batch_size=8, reload_s=0.0)
-
-
-# ------------------------------------------------------------------------------ the latency model
-def test_work_is_overhead_plus_prefill_plus_decode():
-    model = LatencyModel(prefill_s_per_token=0.001, decode_s_per_token=0.01, overhead_s=0.5, batch_size=4)
-    assert model.work(100, 20) == pytest.approx(0.5 + 0.1 + 0.2)
-    assert model.rate(1) == model.rate(4) == 1.0
-    assert model.rate(8) == pytest.approx(0.5)
-
-
-def test_requests_within_the_batch_size_run_at_full_speed():
-    engine = Engine(LatencyModel(batch_size=2))
-    a, _ = engine.submit(1.0, now=0.0)
-    b, _ = engine.submit(3.0, now=0.0)
-    assert engine.next_completion() == pytest.approx(1.0)
-    assert engine.advance(1.0) == [a]
-    assert engine.next_completion() == pytest.approx(3.0)
-    assert engine.advance(3.0) == [b]
-    assert engine.busy_s == pytest.approx(3.0)
-    assert engine.running_s == pytest.approx(2 * 1.0 + 1 * 2.0)
-
-
-def test_an_overloaded_server_shares_its_throughput():
-    engine = Engine(LatencyModel(batch_size=2))
-    jobs = [engine.submit(1.0, now=0.0)[0] for _ in range(4)]
-    # four requests on a batch of two: each gets half speed, all finish at t=2
-    assert engine.next_completion() == pytest.approx(2.0)
-    assert engine.advance(1.999) == []
-    assert set(engine.advance(2.0)) == set(jobs)
-    assert engine.busy_s == pytest.approx(2.0)
-    assert engine.running_s == pytest.approx(8.0)
-
-
-def test_a_late_arrival_slows_the_running_request_down():
-    engine = Engine(LatencyModel(batch_size=1))
-    a, _ = engine.submit(2.0, now=0.0)
-    b, done = engine.submit(1.0, now=1.0)
-    assert done == []
-    # from t=1 both share one slot: a has 1.0 left, b 1.0, each at rate 0.5
-    assert engine.next_completion() == pytest.approx(3.0)
-    assert set(engine.advance(3.0)) == {a, b}
-    assert engine.busy_s == pytest.approx(3.0)
-    assert engine.running_s == pytest.approx(1.0 + 2 * 2.0)
-
-
-def test_idle_and_paused_time_is_not_busy():
-    engine = Engine(LatencyModel(batch_size=4), now=0.0)
-    engine.advance(5.0)  # idle
-    job, _ = engine.submit(1.0, now=5.0)
-    engine.pause(5.5)
-    assert engine.next_completion() is None
-    assert engine.advance(100.0) == []  # frozen: no progress however long the pause
-    engine.resume(100.0)
-    assert engine.next_completion() == pytest.approx(100.5)
-    assert engine.advance(100.5) == [job]
-    engine.advance(200.0)
-    assert engine.busy_s == pytest.approx(1.0)
+FAST = LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.001, overhead_s=0.0, batch_size=8,
+                    reload_s=0.0)
 
 
 # -------------------------------------------------------------------------------- the HTTP API
@@ -106,7 +52,8 @@ def test_health_and_models(fleet):
 def test_completion_returns_the_requested_token_ids_with_logprobs(fleet):
     async def go():
         async with FleetClient(fleet.urls, model="tiny") as client:
-            return await client.complete([1, 40, 41, 42], max_tokens=37, session_id="s1", extra={"ignore_eos": True})
+            return await client.complete([1, 40, 41, 42], max_tokens=37, session_id="s1",
+                                         extra={"ignore_eos": True})
 
     completion = run(go())
     assert len(completion.token_ids) == len(completion.logprobs) == 37
@@ -177,7 +124,8 @@ def test_prompt_logprobs_follow_the_reloaded_checkpoint(fleet, checkpoints):
 def test_a_failed_reload_is_a_500_and_keeps_the_old_weights(fleet, tmp_path):
     url = fleet.urls[2]
     response = httpx.post(f"{url}/collective_rpc",
-                          json={"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "none")}})
+                          json={"method": "reload_weights",
+                                "kwargs": {"weights_path": str(tmp_path / "none")}})
     assert response.status_code == 500
     assert "no HF checkpoint" in response.text
 
@@ -214,7 +162,8 @@ def test_pause_keep_freezes_in_flight_requests_until_resume(checkpoints):
 
 
 def test_busy_time_and_counters_account_for_the_work_done(checkpoints):
-    model = LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.002, overhead_s=0.0, batch_size=2, reload_s=0.0)
+    model = LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.002, overhead_s=0.0, batch_size=2,
+                         reload_s=0.0)
     with SimFleet(checkpoints[0], 1, latency=model) as sim:
         url = sim.urls[0]
 
@@ -266,7 +215,7 @@ def test_many_servers_share_one_process_and_each_counts_its_own(checkpoints):
 
 # ------------------------------------------------------------------ metering a real server's busy time
 def test_in_flight_meter_counts_time_with_a_request_in_flight_and_not_paused():
-    from bench.sim_fleet import InFlightMeter
+    from bench.metered_proxy import InFlightMeter
 
     meter = InFlightMeter(now=0.0)
     meter.enter(1.0)
@@ -281,15 +230,17 @@ def test_in_flight_meter_counts_time_with_a_request_in_flight_and_not_paused():
 
 
 def test_metered_proxy_forwards_the_fleet_api_and_meters_busy_time(checkpoints):
-    from bench.sim_fleet import MeteredProxy
+    from bench.metered_proxy import MeteredProxy
 
-    model = LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.002, overhead_s=0.0, batch_size=8, reload_s=0.0)
+    model = LatencyModel(prefill_s_per_token=0.0, decode_s_per_token=0.002, overhead_s=0.0, batch_size=8,
+                         reload_s=0.0)
     with SimFleet(checkpoints[0], 1, latency=model) as sim, MeteredProxy(sim.urls[0]) as proxy:
         url = proxy.urls[0]
 
         async def go():
             async with FleetClient([url], model="tiny") as client:
-                completion = await client.complete([1, 2, 3], max_tokens=50, session_id="x", extra={"ignore_eos": True})
+                completion = await client.complete([1, 2, 3], max_tokens=50, session_id="x",
+                                                   extra={"ignore_eos": True})
                 await client.reload_weights(url, str(checkpoints[1]))
                 probe = await client.prompt_logprobs(url, [1, 40, 41, 42])
                 return completion, probe
@@ -338,10 +289,12 @@ def test_heavy_tail_agent_makes_token_exact_segments_through_the_fleet(fleet):
 
     async def go():
         async with FleetClient(fleet.urls, model="tiny") as client:
-            ctx = AgentContext(fleet=client, tokenizer=tokenizer, tools=ToolSet([]), tool_format=get_format("hermes"),
-                               limits=limits, episode=Episode(episode_id=rollout, run_id="run", metadata={},
-                                                              storage_uri="/tmp"), session_id=rollout)
-            return await heavy_tail_agent(Task(messages=[{"role": "user", "content": "What is 2 + 3?"}], label="5"), ctx)
+            episode = Episode(episode_id=rollout, run_id="run", metadata={}, storage_uri="/tmp")
+            ctx = AgentContext(fleet=client, tokenizer=tokenizer, tools=ToolSet([]),
+                               tool_format=get_format("hermes"), limits=limits, episode=episode,
+                               session_id=rollout)
+            task = Task(messages=[{"role": "user", "content": "What is 2 + 3?"}], label="5")
+            return await heavy_tail_agent(task, ctx)
 
     segments = run(go())
     assert len(segments) > 1  # the context was compacted

@@ -10,7 +10,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench.sim_fleet import Checkpoints, LatencyModel, SimFleet, parse_metrics
+from bench.sim_checkpoints import Checkpoints
+from bench.sim_fleet import SimFleet, parse_metrics
+from bench.sim_latency import LatencyModel
 from bench.sim_trainer import (
     PROBE,
     PROFILES,
