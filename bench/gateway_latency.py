@@ -68,195 +68,67 @@ import argparse
 import asyncio
 import contextlib
 import math
-import os
 import shutil
 import ssl
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import psutil
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from rollstream.cli.local_run import LocalRun
-from rollstream.cli.vllm_server import free_port
 from rollstream.shared.runtime.config import Settings
 
 try:  # run as a script: bench/ is first on sys.path
-    from results import Figure, parse_args, stop_group, write_result
+    from gateway_latency_report import (
+        COMPARE_HEADER,
+        DIRECT,
+        GATEWAY,
+        LITELLM,
+        TABLE_HEADER,
+        Measured,
+        compare_row,
+        figures_of,
+        format_table,
+        mean_of_histogram,
+        metric_totals,
+        table_row,
+    )
+    from gateway_latency_servers import FakeUpstream, LiteLLMProxy, default_litellm
+    from results import Figure, parse_args, write_result
 except ImportError:  # imported as bench.gateway_latency (the tests of its pure parts)
-    from bench.results import Figure, parse_args, stop_group, write_result
+    from bench.gateway_latency_report import (
+        COMPARE_HEADER,
+        DIRECT,
+        GATEWAY,
+        LITELLM,
+        TABLE_HEADER,
+        Measured,
+        compare_row,
+        figures_of,
+        format_table,
+        mean_of_histogram,
+        metric_totals,
+        table_row,
+    )
+    from bench.gateway_latency_servers import FakeUpstream, LiteLLMProxy, default_litellm
+    from bench.results import Figure, parse_args, write_result
 
 SEED = 1234
 QUESTIONS = ("What is 17 + 25?", "Name a prime number larger than 50.", "Say hello in French.",
              "How many legs does a spider have?")
 FOLLOW_UP = "Go on, tell me more."
-DIRECT, GATEWAY, LITELLM = "direct", "gateway", "litellm"
 VLLM, FAKE = "vllm", "fake"
 DEFAULTS = {VLLM: {"sessions": "1,32", "min_turns": 48}, FAKE: {"sessions": "1,64,256", "min_turns": 192}}
 """Per upstream: the levels and turns per round that --sessions and --min-turns leave to it."""
-FAKE_ANSWER = "The answer is 42, and that is all. "
-"""What the fake upstream answers, as the served tokenizer's ids."""
-LITELLM_START_S = 180.0
-FAKE_START_S = 60.0
 VLLM_E2E = "vllm:e2e_request_latency_seconds"
 GW_STALL = "rollstream_gateway_event_loop_stall_max_seconds"
 GW_TURN = "rollstream_gateway_turn_seconds"
 GW_STARTED = "rollstream_gateway_conversations_started_total"
-
-
-# ------------------------------------------------------------------------------------ pure helpers
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), interpolated linearly between the closest ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def metric_totals(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name: value summed over its label sets} (`x_sum`, `x_count` apart)."""
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
-
-
-def mean_of_histogram(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
-    """Mean observation of histogram `name` between two readings; None when nothing was observed."""
-    count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
-    if count <= 0:
-        return None
-    return (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / count
-
-
-@dataclass
-class Measured:
-    """Every round of one endpoint at one concurrency, pooled."""
-
-    seconds: list[float] = field(default_factory=list)
-    """Per turn, client wall time."""
-    tokens: list[int] = field(default_factory=list)
-    """Per turn, completion tokens."""
-    wall_s: float = 0.0
-    failed: int = 0
-    errors: list[str] = field(default_factory=list)
-    vllm_requests: float = 0.0
-    vllm_request_s: float = 0.0
-    """Sum of vLLM's own request times (vllm:e2e_request_latency_seconds)."""
-    cpu_s: float | None = None
-    """CPU time of the endpoint's own process (the gateway's, LiteLLM's); None: not a process of its own."""
-
-    def fail(self, error: str) -> None:
-        self.failed += 1
-        self.errors.append(error)
-
-    def add(self, other: Measured) -> None:
-        self.seconds += other.seconds
-        self.tokens += other.tokens
-        self.wall_s += other.wall_s
-        self.failed += other.failed
-        self.errors += other.errors
-        self.vllm_requests += other.vllm_requests
-        self.vllm_request_s += other.vllm_request_s
-        if other.cpu_s is not None:
-            self.cpu_s = (self.cpu_s or 0.0) + other.cpu_s
-
-
-TABLE_HEADER = ["endpoint", "sessions", "turns", "p50 ms", "p99 ms", "+p50 ms", "x p50", "+p99 ms", "x p99",
-                "turns/s", "tok/turn", "failed", "vLLM e2e ms", "CPU ms/turn", "turns/s/core"]
-COMPARE_HEADER = ["sessions", "gateway +p50 ms", "+p99 ms", "CPU ms/turn", "litellm +p50 ms", "+p99 ms",
-                  "CPU ms/turn", "CPU gateway/litellm"]
-
-
-def table_row(name: str, sessions: int, measured: Measured, baseline: Measured | None) -> list[str]:
-    """One line of the table: percentiles in ms, added latency and ratio against the baseline, per-turn
-    means of vLLM's request time and of the endpoint process's CPU time."""
-    turns = len(measured.seconds)
-    if not turns:
-        return [name, str(sessions), "0", *["-"] * 8, str(measured.failed), "-", "-", "-"]
-    p50, p99 = percentile(measured.seconds, 50), percentile(measured.seconds, 99)
-    added = ["-"] * 4
-    if baseline is not None and baseline.seconds and baseline is not measured:
-        b50, b99 = percentile(baseline.seconds, 50), percentile(baseline.seconds, 99)
-        added = [f"{(p50 - b50) * 1e3:+.1f}", f"{p50 / b50:.2f}", f"{(p99 - b99) * 1e3:+.1f}", f"{p99 / b99:.2f}"]
-    e2e = f"{measured.vllm_request_s / measured.vllm_requests * 1e3:.1f}" if measured.vllm_requests else "-"
-    cpu = "-" if measured.cpu_s is None else f"{measured.cpu_s / turns * 1e3:.2f}"
-    per_core = f"{turns / measured.cpu_s:.0f}" if measured.cpu_s else "-"
-    return [name, str(sessions), str(turns), f"{p50 * 1e3:.1f}", f"{p99 * 1e3:.1f}", *added,
-            f"{turns / measured.wall_s:.1f}" if measured.wall_s > 0 else "-",
-            f"{sum(measured.tokens) / turns:.1f}", str(measured.failed), e2e, cpu, per_core]
-
-
-def added_ms(measured: Measured, baseline: Measured, q: float) -> float:
-    """Latency `measured` adds to `baseline` at percentile q, in ms."""
-    return (percentile(measured.seconds, q) - percentile(baseline.seconds, q)) * 1e3
-
-
-def cpu_ms_per_turn(measured: Measured) -> float | None:
-    if measured.cpu_s is None or not measured.seconds:
-        return None
-    return measured.cpu_s / len(measured.seconds) * 1e3
-
-
-def compare_row(sessions: int, pooled: dict[str, Measured]) -> list[str]:
-    """The gateway beside LiteLLM at one level: added latency at p50 and p99, CPU per turn, and the ratio of
-    the CPU times ("-" for what was not measured)."""
-    direct = pooled.get(DIRECT)
-    cells = [str(sessions)]
-    cpu = {}
-    for name in (GATEWAY, LITELLM):
-        measured = pooled.get(name)
-        if measured is None or not measured.seconds or direct is None or not direct.seconds:
-            cells += ["-"] * 3
-            continue
-        cpu[name] = cpu_ms_per_turn(measured)
-        cells += [f"{added_ms(measured, direct, 50):+.1f}", f"{added_ms(measured, direct, 99):+.1f}",
-                  "-" if cpu[name] is None else f"{cpu[name]:.2f}"]
-    ratio = (cpu[GATEWAY] / cpu[LITELLM] if cpu.get(GATEWAY) is not None and cpu.get(LITELLM) else None)
-    return [*cells, "-" if ratio is None else f"{ratio:.2f}"]
-
-
-def figures_of(levels: dict[int, dict[str, Measured]]) -> list[Figure]:
-    """Per level: each endpoint's p50 and p99 against direct's, and the gateway's CPU time per turn against
-    LiteLLM's, where both were measured."""
-    figures = []
-    for sessions, pooled in levels.items():
-        direct = pooled.get(DIRECT)
-        if direct is None or not direct.seconds:
-            continue
-        for name, measured in pooled.items():
-            if name == DIRECT or not measured.seconds:
-                continue
-            for q in (50, 99):
-                figures.append(Figure(f"{name}, {sessions} sessions: p{q} of a turn",
-                                      percentile(measured.seconds, q) * 1e3, "the upstream called directly",
-                                      percentile(direct.seconds, q) * 1e3, "ms"))
-        gateway, litellm = (cpu_ms_per_turn(pooled[n]) if n in pooled else None for n in (GATEWAY, LITELLM))
-        if gateway is not None and litellm:
-            figures.append(Figure(f"gateway, {sessions} sessions: CPU time per turn", gateway,
-                                  "LiteLLM's proxy, same turns", litellm, "ms"))
-    return figures
-
-
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    """Columns as wide as their widest cell; the first left-aligned, the others right-aligned."""
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([line(header), *(line(row) for row in rows)])
 
 
 # ------------------------------------------------------------------------------------------ endpoints
@@ -304,7 +176,8 @@ class GatewayEndpoint(Endpoint):
                 "sampling": {"temperature": 0, "seed": SEED, "ignore_eos": True}}
         session = (await request(client, "POST", f"{self.gateway_url}/v1/sessions", "create session", 201,
                                  json=body)).json()
-        return f"{session['openai_base_url']}/chat/completions", {"Authorization": f"Bearer {session['api_key']}"}
+        headers = {"Authorization": f"Bearer {session['api_key']}"}
+        return f"{session['openai_base_url']}/chat/completions", headers
 
     async def close(self, client: httpx.AsyncClient, agent: str) -> None:
         await request(client, "DELETE", f"{self.gateway_url}/v1/sessions/{agent}", "delete session", 204)
@@ -362,111 +235,13 @@ async def run_round(endpoint: Endpoint, sessions: int, agents_per_slot: int, tur
     async def slot(index: int) -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), verify=tls) as client:
             for k in range(agents_per_slot):
-                await converse(client, endpoint, f"{tag}-{index}-{k}", QUESTIONS[(index + k) % len(QUESTIONS)],
-                               turns, max_tokens, out)
+                question = QUESTIONS[(index + k) % len(QUESTIONS)]
+                await converse(client, endpoint, f"{tag}-{index}-{k}", question, turns, max_tokens, out)
 
     started = time.perf_counter()
     await asyncio.gather(*(slot(i) for i in range(sessions)))
     out.wall_s = time.perf_counter() - started
     return out
-
-
-# -------------------------------------------------------------------------------------------- LiteLLM
-def start_server(what: str, command: list[str], health_url: str, log_path: Path, timeout_s: float,
-                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, httpx.Response]:
-    """A server process in a session of its own (stop_group stops it with what it starts), its output in
-    `log_path`, once `health_url` answers 200: the process and that answer. RuntimeError, with the end of its
-    log, when it exits or does not answer within `timeout_s`."""
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {process.returncode}:\n{log_tail(log_path)}")
-        with contextlib.suppress(httpx.HTTPError):
-            response = httpx.get(health_url, timeout=2)
-            if response.status_code == 200:
-                return process, response
-        if time.monotonic() > deadline:
-            stop_group(process)
-            raise RuntimeError(f"{what} did not answer in {timeout_s:.0f} s:\n{log_tail(log_path)}")
-        time.sleep(0.2)
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    text = path.read_text(errors="replace") if path.exists() else ""
-    return "\n".join("    " + line for line in text.splitlines()[-lines:])
-
-
-class LiteLLMProxy:
-    """LiteLLM's proxy as a process of its own (own process group, so stop() reaches its workers)."""
-
-    def __init__(self, command: str, upstream_url: str, served_name: str, log_path: Path) -> None:
-        self.command = command
-        self.upstream_url = upstream_url
-        self.served_name = served_name
-        self.log_path = log_path
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
-        self.version = "?"
-
-    def start(self) -> None:
-        """Start it and wait until it answers; RuntimeError saying why it did not."""
-        # No remote model-cost map and no telemetry: this machine reaches no outside host, and a lookup
-        # timing out would be counted as the proxy's start, or worse, its latency.
-        env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
-        command = [self.command, "--model", f"hosted_vllm/{self.served_name}", "--api_base",
-                   f"{self.upstream_url}/v1", "--host", "127.0.0.1", "--port", str(self.port), "--telemetry",
-                   "False"]
-        self.process, ready = start_server("the proxy", command, f"{self.url}/health/readiness",
-                                           self.log_path, LITELLM_START_S, env)
-        self.version = ready.json().get("litellm_version", "?")
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        stop_group(process)
-
-
-LITELLM_VENV = Path(__file__).resolve().parents[1] / ".venv-litellm"
-"""Where `make bench` installs LiteLLM's proxy (its pins conflict with rollstream's, so a venv of its own)."""
-
-
-def default_litellm() -> str | None:
-    # .venv-litellm first: the one beside this Python may lack the proxy's extras (mini-swe-agent pulls in
-    # LiteLLM without them)
-    for candidate in (LITELLM_VENV / "bin" / "litellm", Path(sys.executable).with_name("litellm")):
-        if candidate.exists():
-            return str(candidate)
-    return shutil.which("litellm")
-
-
-# ------------------------------------------------------------------------------------------ the fake
-class FakeUpstream:
-    """bench/fake_token_server.py as a process of its own, answering FAKE_ANSWER's ids."""
-
-    def __init__(self, settings: Settings, log_path: Path) -> None:
-        self.settings = settings
-        self.log_path = log_path
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        from transformers import AutoTokenizer
-
-        model = self.settings.model
-        ids = AutoTokenizer.from_pretrained(model.path).encode(FAKE_ANSWER, add_special_tokens=False)
-        command = [sys.executable, str(Path(__file__).with_name("fake_token_server.py")),
-                   "--port", self.url.rsplit(":", 1)[1], "--token-ids", ",".join(map(str, ids)),
-                   "--text", FAKE_ANSWER, "--served-name", model.served_name,
-                   "--max-model-len", str(model.max_model_len)]
-        self.process, _ = start_server("the fake token server", command, f"{self.url}/health", self.log_path,
-                                       FAKE_START_S)
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        stop_group(process)
 
 
 # ---------------------------------------------------------------------------------------------- bench
@@ -497,7 +272,8 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def timed_round(endpoint: Endpoint, shape: tuple[int, int, int, int], tag: str, vllm_metrics: str) -> Measured:
+def timed_round(endpoint: Endpoint, shape: tuple[int, int, int, int], tag: str,
+                vllm_metrics: str) -> Measured:
     metrics = scrape(vllm_metrics)
     cpu = cpu_seconds(endpoint.pid) if endpoint.pid else 0.0
     measured = asyncio.run(run_round(endpoint, *shape, tag=tag))
@@ -511,7 +287,8 @@ def timed_round(endpoint: Endpoint, shape: tuple[int, int, int, int], tag: str, 
 
 def failure_note(name: str, sessions: int, measured: Measured) -> str:
     common = "; ".join(f"{n} x {error}" for error, n in Counter(measured.errors).most_common(3))
-    return f"{name}, {sessions} sessions: {measured.failed} requests failed (each ends its conversation): {common}"
+    return (f"{name}, {sessions} sessions: {measured.failed} requests failed (each ends its conversation): "
+            f"{common}")
 
 
 def measure_level(endpoints: list[Endpoint], sessions: int, args: argparse.Namespace, vllm_metrics: str,
@@ -526,7 +303,8 @@ def measure_level(endpoints: list[Endpoint], sessions: int, args: argparse.Names
         warm = asyncio.run(run_round(endpoint, *shape, tag=f"warm-{sessions}-{uuid.uuid4().hex[:6]}"))
         if not warm.seconds:
             endpoints.remove(endpoint)
-            notes.append(f"{endpoint.name}: NOT MEASURED, every turn of the untimed round failed: {warm.errors[0]}")
+            notes.append(f"{endpoint.name}: NOT MEASURED, every turn of the untimed round failed: "
+                         f"{warm.errors[0]}")
         elif warm.failed:
             notes.append(failure_note(f"{endpoint.name} (untimed round)", sessions, warm))
     pooled = {endpoint.name: Measured() for endpoint in endpoints}
@@ -544,12 +322,51 @@ def measure_level(endpoints: list[Endpoint], sessions: int, args: argparse.Names
         stall = gw_after.get(GW_STALL, 0.0)
         when = (f"set during this level; {stall_before * 1e3:.1f} ms before it" if stall > stall_before
                 else "not longer during this level")
-        notes.append(f"gateway, {sessions} sessions: longest event-loop stall since its start {stall * 1e3:.1f} ms "
-                     f"({when}); mean turn inside run_turn {inside * 1e3:.1f} ms, as the client saw it "
-                     f"{sum(gw.seconds) / len(gw.seconds) * 1e3:.1f} ms; {started:.0f} conversations started "
-                     f"for {sessions * agents_per_slot * args.rounds} sessions")
+        notes.append(f"gateway, {sessions} sessions: longest event-loop stall since its start "
+                     f"{stall * 1e3:.1f} ms ({when}); mean turn inside run_turn {inside * 1e3:.1f} ms, "
+                     f"as the client saw it {sum(gw.seconds) / len(gw.seconds) * 1e3:.1f} ms; "
+                     f"{started:.0f} conversations started for {sessions * agents_per_slot * args.rounds} "
+                     "sessions")
     notes += [failure_note(name, sessions, m) for name, m in pooled.items() if m.failed]
     return pooled, notes
+
+
+def start_litellm(args: argparse.Namespace, upstream_url: str, served: str,
+                  workdir: Path) -> tuple[LiteLLMProxy | None, Endpoint | None, str]:
+    """LiteLLM's proxy in front of the upstream unless --no-litellm: the proxy, its endpoint, and the line
+    saying which LiteLLM was measured, or why none was (a proxy that cannot start is said, not fatal)."""
+    if args.no_litellm:
+        return None, None, "litellm: not measured: --no-litellm"
+    if not args.litellm:
+        return None, None, "litellm: NOT MEASURED: no `litellm` command found (give --litellm PATH)"
+    proxy = LiteLLMProxy(args.litellm, upstream_url, served, workdir / "litellm.log")
+    try:
+        proxy.start()
+    except RuntimeError as exc:
+        proxy.stop()
+        return None, None, f"litellm: NOT MEASURED, its proxy did not start ({args.litellm}): {exc}"
+    except BaseException:
+        proxy.stop()
+        raise
+    endpoint = Endpoint(LITELLM, f"{proxy.url}/v1/chat/completions", f"hosted_vllm/{served}",
+                        proxy.process.pid)
+    return proxy, endpoint, f"litellm: {proxy.version} ({args.litellm}), its proxy"
+
+
+def measure_levels(endpoints: list[Endpoint], levels: list[int], args: argparse.Namespace, vllm_metrics: str,
+                   gateway_metrics: str) -> tuple[dict[int, dict[str, Measured]], list[list[str]], list[str]]:
+    """Every level in turn: the pooled rounds per level and endpoint, the table's rows, and the notes."""
+    measured: dict[int, dict[str, Measured]] = {}
+    rows: list[list[str]] = []
+    start_stall = scrape(gateway_metrics).get(GW_STALL, 0.0)
+    notes = [f"gateway: longest event-loop stall before any turn (start-up) {start_stall * 1e3:.1f} ms"]
+    for sessions in levels:
+        print(f"measuring {sessions} concurrent sessions ...", flush=True)
+        pooled, level_notes = measure_level(endpoints, sessions, args, vllm_metrics, gateway_metrics)
+        measured[sessions] = pooled
+        rows += [table_row(name, sessions, m, pooled.get(DIRECT)) for name, m in pooled.items()]
+        notes += level_notes
+    return measured, rows, notes
 
 
 def run_bench(args: argparse.Namespace, levels: list[int],
@@ -562,8 +379,6 @@ def run_bench(args: argparse.Namespace, levels: list[int],
     fake = FakeUpstream(settings, workdir / "fake.log") if args.upstream == FAKE else None
     local = LocalRun(settings, services=("gateway",), fleet_urls=[fake.url] if fake else None)
     proxy: LiteLLMProxy | None = None
-    litellm_note = "litellm: not measured: --no-litellm"
-    measured: dict[int, dict[str, Measured]] = {}
     try:
         if fake is not None:
             print("starting the fake token server", flush=True)
@@ -575,31 +390,12 @@ def run_bench(args: argparse.Namespace, levels: list[int],
         endpoints: list[Endpoint] = [
             Endpoint(DIRECT, f"{upstream_url}/v1/chat/completions", served),
             GatewayEndpoint(local.settings.gateway.url, local.processes["gateway"].pid)]
-        if not args.no_litellm and not args.litellm:
-            litellm_note = "litellm: NOT MEASURED: no `litellm` command found (give --litellm PATH)"
-        elif not args.no_litellm:
-            proxy = LiteLLMProxy(args.litellm, upstream_url, served, workdir / "litellm.log")
-            try:
-                proxy.start()
-                endpoints.append(Endpoint(LITELLM, f"{proxy.url}/v1/chat/completions",
-                                          f"hosted_vllm/{served}", proxy.process.pid))
-                litellm_note = f"litellm: {proxy.version} ({args.litellm}), its proxy"
-            except RuntimeError as exc:
-                litellm_note = f"litellm: NOT MEASURED, its proxy did not start ({args.litellm}): {exc}"
-                proxy.stop()
-                proxy = None
+        proxy, litellm, litellm_note = start_litellm(args, upstream_url, served, workdir)
+        endpoints += [litellm] if litellm is not None else []
         print(litellm_note, flush=True)
-        vllm_metrics = f"{upstream_url}/metrics"
         gateway_metrics = f"http://127.0.0.1:{local.health_ports['gateway']}/metrics"
-        rows: list[list[str]] = []
-        start_stall = scrape(gateway_metrics).get(GW_STALL, 0.0)
-        notes = [f"gateway: longest event-loop stall before any turn (start-up) {start_stall * 1e3:.1f} ms"]
-        for sessions in levels:
-            print(f"measuring {sessions} concurrent sessions ...", flush=True)
-            pooled, level_notes = measure_level(endpoints, sessions, args, vllm_metrics, gateway_metrics)
-            measured[sessions] = pooled
-            rows += [table_row(name, sessions, m, pooled.get(DIRECT)) for name, m in pooled.items()]
-            notes += level_notes
+        measured, rows, notes = measure_levels(endpoints, levels, args, f"{upstream_url}/metrics",
+                                               gateway_metrics)
     finally:
         if proxy is not None:
             proxy.stop()
@@ -610,9 +406,9 @@ def run_bench(args: argparse.Namespace, levels: list[int],
             local.bus.delete_run()
     upstream = (f"the fake token server (bench/fake_token_server.py: fixed tokens at once) as {served}"
                 if fake else f"one vLLM server (CPU) serving {served}")
-    heading = (f"{args.turns}-turn conversations, {args.max_tokens} tokens a turn (ignore_eos, temperature 0), "
-               f"non-streamed; {args.rounds} timed rounds per level after an untimed one, the order "
-               f"rotating; upstream: {upstream}")
+    heading = (f"{args.turns}-turn conversations, {args.max_tokens} tokens a turn (ignore_eos, "
+               f"temperature 0), non-streamed; {args.rounds} timed rounds per level after an untimed one, "
+               f"the order rotating; upstream: {upstream}")
     comparison = format_table(COMPARE_HEADER, [compare_row(n, pooled) for n, pooled in measured.items()])
     report = "\n".join([heading, litellm_note, format_table(TABLE_HEADER, rows), "",
                         "added against direct, and CPU time per turn:", comparison, *notes])
@@ -632,9 +428,11 @@ def main() -> None:
                         help="least turns measured per endpoint and round (default: per upstream)")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0",
                         help="used when it answers; else an embedded Redis is started")
-    parser.add_argument("--litellm", default=default_litellm(), help="the litellm command (proxy extra installed)")
+    parser.add_argument("--litellm", default=default_litellm(),
+                        help="the litellm command (proxy extra installed)")
     parser.add_argument("--no-litellm", action="store_true")
-    parser.add_argument("--model", type=Path, default=None, help="model directory (default: the run's default)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model directory (default: the run's default)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs of every process)")
     args = parse_args(parser, smoke={"upstream": FAKE, "sessions": "1,4", "turns": 2, "rounds": 1,
                                      "min_turns": 4, "no_litellm": True})

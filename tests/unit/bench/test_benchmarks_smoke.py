@@ -32,7 +32,8 @@ def test_encoding(tmp_path):
 def test_redis_round_trips_against_redis_pys_pipeline_and_a_bare_stream(machine_redis_url, tmp_path):
     done = run_smoke("bench_redis_round_trips.py", tmp_path, "--redis", machine_redis_url)
     assert [(f["baseline_what"], f["unit"]) for f in done.figures] == [
-        ("redis-py's asyncio pipeline, same commands", "us"), ("the same bytes bare on an asyncio stream", "us")]
+        ("redis-py's asyncio pipeline, same commands", "us"),
+        ("the same bytes bare on an asyncio stream", "us")]
     assert "against redis-py's asyncio pipeline" in done.output
 
 

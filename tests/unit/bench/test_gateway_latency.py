@@ -1,5 +1,6 @@
-"""bench/gateway_latency.py: its pure parts (percentiles, metric readings, the tables and their ratios, the
-figures it writes, how an agent extends its conversation), and its smoke mode against the fake token server.
+"""bench/gateway_latency.py: its pure parts (percentiles, metric readings, the tables and their ratios and the
+figures it writes, which bench/gateway_latency_report.py holds; how an agent extends its conversation), and
+its smoke mode against the fake token server.
 
     python -m pytest tests/unit/bench/test_gateway_latency.py -q
 """
@@ -8,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gateway_latency import (
+from bench.gateway_latency import FOLLOW_UP, next_messages
+from bench.gateway_latency_report import (
     COMPARE_HEADER,
-    FOLLOW_UP,
     TABLE_HEADER,
     Measured,
     compare_row,
@@ -18,7 +19,6 @@ from bench.gateway_latency import (
     format_table,
     mean_of_histogram,
     metric_totals,
-    next_messages,
     percentile,
     table_row,
 )
@@ -113,7 +113,8 @@ def test_pooling_rounds_adds_their_turns_and_cpu():
     pooled.add(Measured(seconds=[0.1], tokens=[8], wall_s=1.0))
     assert pooled.cpu_s is None
     pooled.add(Measured(seconds=[0.2], tokens=[8], wall_s=2.0, cpu_s=0.3, failed=1, errors=["x"]))
-    assert pooled.seconds == [0.1, 0.2] and pooled.wall_s == 3.0 and pooled.cpu_s == 0.3 and pooled.failed == 1
+    assert pooled.seconds == [0.1, 0.2] and pooled.wall_s == 3.0
+    assert pooled.cpu_s == 0.3 and pooled.failed == 1
 
 
 def test_format_table_aligns_columns():

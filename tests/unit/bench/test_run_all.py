@@ -11,7 +11,7 @@ import platform
 import re
 import sys
 
-from bench.gateway_latency import TABLE_HEADER, Measured, format_table, table_row
+from bench.gateway_latency_report import TABLE_HEADER, Measured, format_table, table_row
 from bench.run_all import BENCHMARKS, Outcome, gateway_figures, report
 from rollstream.cli.vllm_server import free_port
 from tests.support import REPO
@@ -115,8 +115,8 @@ def test_update_replaces_only_the_benchmarks_run_again():
     from bench.run_all import updated
 
     def outcome(index: int, value: float) -> Outcome:
-        figure = {"what": f"figure {index}", "value": value, "baseline_what": "b", "baseline": 1.0, "unit": "s",
-                  "ratio": value}
+        figure = {"what": f"figure {index}", "value": value, "baseline_what": "b", "baseline": 1.0,
+                  "unit": "s", "ratio": value}
         return Outcome(BENCHMARKS[index], [sys.executable, str(REPO / "bench" / BENCHMARKS[index].script)],
                        figures=[figure])
 
