@@ -121,7 +121,8 @@ BENCHMARKS = (
                                                "--batch-size", "16", "--concurrency", "64", "--warmup", "200",
                                                "--repeats", "3", "--timeout", "240"),
               smoke_args=("--smoke", "--mode", "real"), takes_fleet=True, redis_option="--redis-url"),
-    # (decode at 12 ms a token, half the default: the synchronous mode waits out each version's slowest episode)
+    # (decode at 12 ms a token, half the default: the synchronous mode waits out each version's slowest
+    # episode)
     Benchmark("async-sim", "bench_async.py", ("--mode", "sim", "--etas", "0", "2", "--versions", "3",
                                               "--batch-size", "16", "--servers", "16", "--concurrency", "64",
                                               "--sim-decode-ms", "12", "--repeats", "3", "--timeout", "240"),
@@ -326,8 +327,8 @@ def updated(text: str, outcomes: list[Outcome], host: dict[str, str]) -> str:
         lines = section_lines(o)
         lines += ["", f"Run again on {host['date']} at {host['commit']}{elsewhere}, alone (`--update`)."]
         row = re.compile(rf"^\| \[{re.escape(name)}\]\(#{re.escape(name)}\) \|.*$", re.M)
-        if row.search(text):
-            text = row.sub(lambda _: summary_row(o), text, count=1)
+        if found := row.search(text):
+            text = text[:found.start()] + summary_row(o) + text[found.end():]
         else:
             last_row = list(re.finditer(r"^\| \[[^]]+\]\(#[^)]+\) \|.*$", text, re.M))[-1]
             text = text[:last_row.end()] + "\n" + summary_row(o) + text[last_row.end():]
@@ -343,7 +344,8 @@ def updated(text: str, outcomes: list[Outcome], host: dict[str, str]) -> str:
 
 def other_machine(text: str, host: dict[str, str]) -> str:
     """What of `host` differs from the report's machine table, as `, on another machine (CPU ..., ...)`;
-    "" where nothing does. A ratio is measured within one run, but its figures are of the machine it ran on."""
+    "" where nothing does. A ratio is measured within one run, but its figures are of the machine it ran
+    on."""
     differing = []
     for key in ("CPU", "cores", "memory", "GPU"):
         listed = re.search(rf"^\| {key} \| (.*) \|$", text, re.M)
