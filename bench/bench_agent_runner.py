@@ -37,7 +37,8 @@ from rollstream.shared.inference.fleet import FleetClient
 QUESTION = [{"role": "user", "content": "What is 17 + 25?"}]
 
 
-async def direct(url: str, prompt_ids: list[int], episodes: int, concurrency: int, max_tokens: int) -> tuple[float, int]:
+async def direct(url: str, prompt_ids: list[int], episodes: int, concurrency: int,
+                 max_tokens: int) -> tuple[float, int]:
     fleet = FleetClient([url])
     limit = asyncio.Semaphore(concurrency)
     tokens = 0
@@ -55,7 +56,8 @@ async def direct(url: str, prompt_ids: list[int], episodes: int, concurrency: in
     return elapsed, tokens
 
 
-def direct_in_subprocess(url: str, model: Path, episodes: int, concurrency: int, max_tokens: int) -> tuple[float, int]:
+def direct_in_subprocess(url: str, model: Path, episodes: int, concurrency: int,
+                         max_tokens: int) -> tuple[float, int]:
     """The direct client in a process of its own, like the agent-runner: the comparison is symmetric."""
     out = subprocess.run([sys.executable, __file__, "--direct-only", url, "--model", str(model),
                           "--episodes", str(episodes), "--concurrency", str(concurrency),
@@ -70,10 +72,11 @@ def through_agent_runner(url: str, model: Path, episodes: int, concurrency: int,
     redis_server.start()
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     health = free_port()
-    env = {**os.environ, "RS_REDIS_URL": redis_server.url, "RS_RUN_ID": run_id, "RS_FLEET__URLS": f'["{url}"]',
-           "RS_MODEL__PATH": str(model), "RS_ROLLOUT__CONCURRENCY": str(concurrency),
-           "RS_ROLLOUT__MAX_TOKENS": str(max_tokens), "RS_AGENT__MAX_TURNS": "1",
-           "RS_STORAGE_URI": str(workdir / "runs"), "RS_HEALTH_PORT": str(health), "RS_LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "RS_REDIS_URL": redis_server.url, "RS_RUN_ID": run_id,
+           "RS_FLEET__URLS": f'["{url}"]', "RS_MODEL__PATH": str(model),
+           "RS_ROLLOUT__CONCURRENCY": str(concurrency), "RS_ROLLOUT__MAX_TOKENS": str(max_tokens),
+           "RS_AGENT__MAX_TURNS": "1", "RS_STORAGE_URI": str(workdir / "runs"), "RS_HEALTH_PORT": str(health),
+           "RS_LOG_LEVEL": "WARNING"}
     runner = subprocess.Popen([str(Path(sys.executable).with_name("rollstream-agent-runner"))], env=env,
                               stdout=open(workdir / "agent-runner.log", "ab"), stderr=subprocess.STDOUT)
     try:
@@ -92,9 +95,10 @@ def through_agent_runner(url: str, model: Path, episodes: int, concurrency: int,
         start = time.perf_counter()
         for index in range(episodes):
             rollout = f"{run_id}-r{index}"
-            bus.publish("prompts", PromptIssued(sample_index=index, group_size=1, messages=QUESTION, label="42",
-                                                policy_version=0), pipe=pipe, rollout_id=rollout,
-                        trajectory_id=rollout, session_id=rollout, group_id=f"{run_id}-g{index}")
+            prompt = PromptIssued(sample_index=index, group_size=1, messages=QUESTION, label="42",
+                                  policy_version=0)
+            bus.publish("prompts", prompt, pipe=pipe, rollout_id=rollout, trajectory_id=rollout,
+                        session_id=rollout, group_id=f"{run_id}-g{index}")
         pipe.execute()
         finished, tokens, cursor = 0, 0, "0-0"
         key = bus.keys.stream("trajectories")
@@ -116,28 +120,9 @@ def through_agent_runner(url: str, model: Path, episodes: int, concurrency: int,
         redis_server.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--episodes", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--model", type=Path, default=Path("models/tiny-llama"))
-    parser.add_argument("--fleet-url", default=None)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup-passes", type=int, default=2, help="untimed passes of the direct client")
-    parser.add_argument("--direct-only", metavar="URL", help=argparse.SUPPRESS)
-    args = parse_args(parser, smoke={"episodes": 8, "concurrency": 4, "max_tokens": 8, "rounds": 1,
-                                     "warmup_passes": 0})
-    if args.direct_only:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        prompt_ids = list(tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False))
-        seconds, tokens = asyncio.run(direct(args.direct_only, prompt_ids, args.episodes, args.concurrency,
-                                             args.max_tokens))
-        print(seconds, tokens)
-        return
+def measure(args: argparse.Namespace) -> dict[str, list[tuple[float, int]]]:
+    """Both paths, round after round, against the --fleet-url server or a vLLM started here: per path, the
+    (seconds, sampled tokens) of each round."""
     if not args.model.exists():
         from rollstream.cli.model.tiny_model import build_tiny_model
 
@@ -163,8 +148,13 @@ def main() -> None:
         finally:
             if server is not None:
                 server.stop()
-    print(f"{args.episodes} single-turn episodes, concurrency {args.concurrency}, up to {args.max_tokens} tokens each, "
-          f"{args.rounds} interleaved rounds (medians)")
+    return runs
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[tuple[float, int]]]) -> None:
+    """The table of both paths' medians, the ratio, and the figures (--json)."""
+    print(f"{args.episodes} single-turn episodes, concurrency {args.concurrency}, up to {args.max_tokens} "
+          f"tokens each, {args.rounds} interleaved rounds (medians)")
     print(f"{'path':<14}{'seconds':>10}{'episodes/s':>12}{'tokens/s':>12}   per round (s)")
     medians = {}
     for name, results in runs.items():
@@ -181,6 +171,31 @@ def main() -> None:
         [(f"{args.episodes} single-turn episodes, concurrency {args.concurrency}, up to {args.max_tokens} "
           f"tokens each; medians of {args.rounds} interleaved rounds after {args.warmup_passes} untimed "
           f"pass{'' if args.warmup_passes == 1 else 'es'}")])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--episodes", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model", type=Path, default=Path("models/tiny-llama"))
+    parser.add_argument("--fleet-url", default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup-passes", type=int, default=2, help="untimed passes of the direct client")
+    parser.add_argument("--direct-only", metavar="URL", help=argparse.SUPPRESS)
+    args = parse_args(parser, smoke={"episodes": 8, "concurrency": 4, "max_tokens": 8, "rounds": 1,
+                                     "warmup_passes": 0})
+    if args.direct_only:  # one round of the direct path, in the process direct_in_subprocess started
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        prompt_ids = list(tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+        seconds, tokens = asyncio.run(direct(args.direct_only, prompt_ids, args.episodes, args.concurrency,
+                                             args.max_tokens))
+        print(seconds, tokens)
+        return
+    report(args, measure(args))
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ from rollstream.shared.runtime.config import BusSettings
 
 
 def small(i: int) -> PromptIssued:
-    return PromptIssued(sample_index=i, group_size=8, messages=[{"role": "user", "content": "What is 3 + 4?"}],
-                        label="7", policy_version=0)
+    return PromptIssued(sample_index=i, group_size=8,
+                        messages=[{"role": "user", "content": "What is 3 + 4?"}], label="7", policy_version=0)
 
 
 def heavy(i: int) -> TrajectorySegment:

@@ -27,6 +27,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from results import Figure, parse_args, write_result
@@ -75,15 +76,23 @@ def unpacked_padding(lengths: list[int], budget: int) -> int:
     return padded
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=Path("models/tiny-llama"))
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--group", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--median-tokens", type=int, default=128, help="median response length")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parse_args(parser, smoke={"batch_size": 8, "median_tokens": 32, "rounds": 1})
+@dataclass
+class Measured:
+    rows: list[BatchRow]
+    data_s: float
+    """Median time of the data path: Parquet to micro-batch tensors."""
+    step_s: float
+    """Median time of a training step."""
+    micro_batches: list
+    """The batch packed as the trainer packs it."""
+    micro_batch_tokens: int
+    model: Path
+    device: str
+
+
+def measure(args: argparse.Namespace) -> Measured:
+    """The trainer's data path and its step on a batch written as the reward service writes one, medians of
+    --rounds after an untimed step."""
     from rollstream.services.trainer.ppo import make_micro_batches
     from rollstream.services.trainer.training import Trainer
 
@@ -119,17 +128,24 @@ def main() -> None:
         micros = make_micro_batches(rows, cfg.loss_aggregation, cfg.micro_batch_tokens, trainer.pad_id)
         device = trainer.backend.device
         trainer.close()
+    return Measured(rows, data_s, step_s, micros, cfg.micro_batch_tokens, settings.model.path, str(device))
+
+
+def report(args: argparse.Namespace, measured: Measured) -> None:
+    """The data path's share of a step, and the padding with and without packing; the figures (--json)."""
+    rows, budget, device = measured.rows, measured.micro_batch_tokens, measured.device
+    data_s, step_s = measured.data_s, measured.step_s
     real = sum(len(row.tokens) for row in rows)
-    packed = sum(micro.tokens.numel() for micro in micros) - real
-    unpacked = unpacked_padding([len(row.tokens) for row in rows], cfg.micro_batch_tokens)
+    packed = sum(micro.tokens.numel() for micro in measured.micro_batches) - real
+    unpacked = unpacked_padding([len(row.tokens) for row in rows], budget)
     lengths = sorted(len(row.tokens) for row in rows)
     print(f"batch of {len(rows)} rows ({args.group} per prompt), {real} tokens, lengths {lengths[0]} / "
           f"{lengths[len(lengths) // 2]} / {lengths[-1]} (min / median / max); micro-batch budget "
-          f"{cfg.micro_batch_tokens} tokens; {settings.model.path} on {device}; medians of {args.rounds}")
+          f"{budget} tokens; {measured.model} on {device}; medians of {args.rounds}")
     print(f"data path (Parquet to micro-batch tensors) {data_s * 1e3:8.1f} ms")
     print(f"training step (read, pack, forward, backward, step) {step_s * 1e3:8.1f} ms")
     print(f"data path / step {data_s / step_s:.3f}")
-    print(f"padded / real tokens: packed {packed / real:.3f} ({len(micros)} micro-batches), "
+    print(f"padded / real tokens: packed {packed / real:.3f} ({len(measured.micro_batches)} micro-batches), "
           f"unpacked {unpacked / real:.3f}; packed / unpacked {packed / unpacked:.3f}")
     write_result(args.json, [
         Figure("Parquet batch to micro-batch tensors", data_s,
@@ -137,7 +153,19 @@ def main() -> None:
         Figure("padding with the trainer's packing", packed / real, "one sample per row, batch order",
                unpacked / real, "padded / real tokens")],
         [f"{len(rows)} rows, {real} tokens, lengths {lengths[0]}-{lengths[-1]} (median "
-         f"{lengths[len(lengths) // 2]}), micro-batch budget {cfg.micro_batch_tokens} tokens, {device}"])
+         f"{lengths[len(lengths) // 2]}), micro-batch budget {budget} tokens, {device}"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=Path("models/tiny-llama"))
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--group", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--median-tokens", type=int, default=128, help="median response length")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parse_args(parser, smoke={"batch_size": 8, "median_tokens": 32, "rounds": 1})
+    report(args, measure(args))
 
 
 if __name__ == "__main__":

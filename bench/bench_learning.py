@@ -32,7 +32,8 @@ from rollstream.shared.runtime.config import Settings
 
 
 def rewards_by_version(local: LocalRun) -> dict[int, list[float]]:
-    admitted_at = {d.envelope.rollout_id: d.event.policy_version for d in read_history(local.bus, "prompts", local.settings.storage_uri)
+    prompts = read_history(local.bus, "prompts", local.settings.storage_uri)
+    admitted_at = {d.envelope.rollout_id: d.event.policy_version for d in prompts
                    if isinstance(d.event, PromptIssued)}
     out: dict[int, list[float]] = {}
     for delivery in read_history(local.bus, "rewards", local.settings.storage_uri):
@@ -73,7 +74,8 @@ def run(label: str, learning_rate: float | None, args: argparse.Namespace,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--versions", type=int, default=30)
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=Settings().train.batch_size)
@@ -95,7 +97,8 @@ def main() -> None:
     print(f"\nmean reward of samples admitted at each policy version, windows of {args.window} versions")
     print(f"{'versions':>10} {'RL':>8} {'control':>8}")
     for first in range(0, args.versions, args.window):
-        print(f"{first:>4}-{first + args.window - 1:<5} {window_mean(rl, first):>8.3f} {window_mean(control, first):>8.3f}")
+        print(f"{first:>4}-{first + args.window - 1:<5} {window_mean(rl, first):>8.3f} "
+              f"{window_mean(control, first):>8.3f}")
     last = args.versions - args.window
     gain_rl = window_mean(rl, last) - window_mean(rl, 0)
     gain_control = window_mean(control, last) - window_mean(control, 0)

@@ -101,7 +101,8 @@ async def heavy_tail_agent(task: Task, ctx: AgentContext) -> list[Segment]:
     drawn = episode_turns(index, params)
     turns_total = min(drawn, ctx.limits.max_turns)
     per_turn = ctx.limits.max_tokens_per_turn
-    sampling: dict[str, Any] = {"ignore_eos": True, "logit_bias": banned_tokens(ctx.tokenizer), **ctx.sampling}
+    banned = banned_tokens(ctx.tokenizer)
+    sampling: dict[str, Any] = {"ignore_eos": True, "logit_bias": banned, **ctx.sampling}
 
     segments: list[Segment] = []
     trajectory = TokenTrajectory(ctx.tokenizer, task.messages)
@@ -111,8 +112,9 @@ async def heavy_tail_agent(task: Task, ctx: AgentContext) -> list[Segment]:
         for turn in range(turns_total):
             if turn and len(trajectory.tokens) + OBSERVATION_RESERVE + per_turn > ctx.limits.max_total_tokens:
                 segments.append(trajectory.segment("completed", text, turns, [], {"compacted": True}))
-                trajectory = TokenTrajectory(ctx.tokenizer, [*task.messages, {
-                    "role": "user", "content": f"(Earlier work was compacted; continue from step {turn + 1}.)"}])
+                compacted = {"role": "user",
+                             "content": f"(Earlier work was compacted; continue from step {turn + 1}.)"}
+                trajectory = TokenTrajectory(ctx.tokenizer, [*task.messages, compacted])
                 turns = []
             elif turn:
                 trajectory.append_messages([{"role": "user", "content": f"Go on (step {turn + 1})."}])
@@ -122,8 +124,8 @@ async def heavy_tail_agent(task: Task, ctx: AgentContext) -> list[Segment]:
                 break
             before = await ctx.versions()
             completion = await ctx.fleet.complete(trajectory.tokens, session_id=ctx.session_id,
-                                                  max_tokens=min(per_turn, budget), temperature=ctx.temperature,
-                                                  extra=sampling)
+                                                  max_tokens=min(per_turn, budget),
+                                                  temperature=ctx.temperature, extra=sampling)
             after = await ctx.versions()
             appended, offset = trajectory.pending_ids, len(trajectory.tokens)
             text = trajectory.append_sampled(completion.token_ids, completion.logprobs)
@@ -132,7 +134,8 @@ async def heavy_tail_agent(task: Task, ctx: AgentContext) -> list[Segment]:
                                         appended_ids=appended, response_ids=list(completion.token_ids),
                                         logprobs=list(completion.logprobs), policy_version=version,
                                         policy_version_end=after.get(completion.server_url, version),
-                                        finish_reason=completion.finish_reason, server_url=completion.server_url))
+                                        finish_reason=completion.finish_reason,
+                                        server_url=completion.server_url))
     except TemplateError as exc:
         status, error = "failed", str(exc)
     answer = task.label if task.label is not None and is_solved(index, params) else text
