@@ -20,12 +20,12 @@ docker network "none". What it sees of the host:
                                 (/opt/agent/bin and /opt/agent/node_modules/.bin lead PATH)
 
 Nothing else of the host is writable (the root file system is read-only; /tmp is the sandbox's own tmpfs).
-The way out: the agent-runner serves gateway.sock (gateway_forwarder.SessionForwarder: only the session's own
-paths, /s/{session}/..., go on to gateway.url), and inside the sandbox forwarder.py listens on the sandbox's own
-loopback, 127.0.0.1:GATEWAY_PORT, and pipes each connection to that socket. The forwarder runs with the
-sandbox's python3 (bubblewrap: the host's; docker: the image's, which must have one: the episode fails with
-that reason otherwise). Python, rather than a binary of ours, because every sandbox that runs Python tasks has
-it, it needs no build per architecture, and it is a file anyone can read.
+The way out: the agent-runner serves gateway.sock (gateway_forwarder.SessionForwarder: only the session's
+own paths, /s/{session}/..., go on to gateway.url), and inside the sandbox forwarder.py listens on the
+sandbox's own loopback, 127.0.0.1:GATEWAY_PORT, and pipes each connection to that socket. The forwarder runs
+with the sandbox's python3 (bubblewrap: the host's; docker: the image's, which must have one: the episode
+fails with that reason otherwise). Python, rather than a binary of ours, because every sandbox that runs
+Python tasks has it, it needs no build per architecture, and it is a file anyone can read.
 
 The command runs as `/bin/sh -c COMMAND` after the forwarder listens, with stdin closed and stdout and stderr
 appended to the log (not held in memory). Limits: the grader's for test runs (processes and threads, file
@@ -92,8 +92,8 @@ class AgentSandbox:
     """One episode's sandbox over its coding workspace (shared/agent/environments/coding.py): the scratch
     directories beside the repository, the backend and image; `run` blocks."""
 
-    def __init__(self, workspace: Workspace, backend: SandboxBackend, image: str | None, runtime_dir: Path | None,
-                 memory_mb: int) -> None:
+    def __init__(self, workspace: Workspace, backend: SandboxBackend, image: str | None,
+                 runtime_dir: Path | None, memory_mb: int) -> None:
         self.workspace = workspace
         self.backend = backend
         self.image = image
@@ -156,20 +156,21 @@ class AgentSandbox:
         run = run_wrapped(self.backend, wrapper, self.workspace, limits, ro_mounts, {HOME: self.home}, env,
                           self.image, self.workspace.workdir, kept_mounts={LOG_DIR: self.log_dir})
         if run.error:
-            raise AgentSandboxError(f"the black-box agent's sandbox ({self.backend.name}) did not start: {run.error}")
+            raise AgentSandboxError(f"the black-box agent's sandbox ({self.backend.name}) did not start: "
+                                    f"{run.error}")
         if run.stdout.partition("\n")[0] != READY:
             python = (f"the image {self.image or DEFAULT_IMAGE} must have python3 on PATH"
                       if self.backend.name == "docker" else "the host's /usr/bin/python3")
             raise AgentSandboxError(
-                f"the gateway forwarder did not start in the black-box agent's sandbox ({run.result.reason}): "
-                f"{run.result.stderr.strip()[:500] or 'nothing on stderr'} (it runs with the sandbox's python3: "
-                f"{python})")
+                f"the gateway forwarder did not start in the black-box agent's sandbox "
+                f"({run.result.reason}): {run.result.stderr.strip()[:500] or 'nothing on stderr'} "
+                f"(it runs with the sandbox's python3: {python})")
         return run.result
 
     def take_log(self) -> Path:
-        """The command's log, once the sandbox is over (nothing can swap it then). Where the sandbox runs as our
-        own uid (bubblewrap, not root) the command could have replaced it, e.g. with a symlink to a host file:
-        anything but a regular file is not read, and a note takes its place."""
+        """The command's log, once the sandbox is over (nothing can swap it then). Where the sandbox runs as
+        our own uid (bubblewrap, not root) the command could have replaced it, e.g. with a symlink to a host
+        file: anything but a regular file is not read, and a note takes its place."""
         log_file = self.log_dir / "command.log"
         try:
             if stat.S_ISREG(os.lstat(log_file).st_mode):

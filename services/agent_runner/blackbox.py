@@ -2,7 +2,8 @@
 through the gateway (services/gateway), which records the exact sampled tokens and publishes the trajectory.
 
 A prompt whose agent is `command` (the row's `agent`, or agent.default) is one, for a coding task as the
-coding tools take it (shared/agent/environments/coding.py: metadata "repo" and/or "files"; a Harbor task's row):
+coding tools take it (shared/agent/environments/coding.py: metadata "repo" and/or "files"; a Harbor task's
+row):
 
     {"prompt": "Fix `add` in calc.py", "agent": "command",
      "metadata": {"repo": "/data/tasks/fix-add/environment/workspace",
@@ -16,8 +17,8 @@ One episode:
    snapshot, coding.get_workspace), and its sandbox is prepared (agent_sandbox.py: the backend, the task's
    image, built now when docker has not got it yet, so that building it costs the agent none of its budget);
 2. a gateway session is opened (POST /v1/sessions) with the prompt's ids, sample index, group size, label,
-   reward function, sandbox check and grader, the rollout's sampling settings (a seed of the rollout's own when
-   rollout.seed is set) and the time budget;
+   reward function, sandbox check and grader, the rollout's sampling settings (a seed of the rollout's own
+   when rollout.seed is set) and the time budget;
 3. the command line runs as `/bin/sh -c COMMAND` in the task's sandbox (agent_sandbox.py: bubblewrap or
    docker, agent.command_sandbox, default grader.backend), never on the host: the repository at the task's
    WORKDIR (a Harbor task's, e.g. /app; /workspace otherwise) is its working directory, it has no network but
@@ -27,7 +28,8 @@ One episode:
    environment is clean (nothing of the agent-runner's, whose secrets it must not see) and holds:
 
        OPENAI_BASE_URL, OPENAI_API_BASE   the session's OpenAI base URL through the sandbox's forwarder,
-                                          http://127.0.0.1:18300/s/{session}/v1 (litellm reads OPENAI_API_BASE)
+                                          http://127.0.0.1:18300/s/{session}/v1 (litellm reads
+                                          OPENAI_API_BASE)
        OPENAI_API_KEY, ANTHROPIC_API_KEY  the session's key
        ANTHROPIC_BASE_URL                 the session's Anthropic base URL, http://127.0.0.1:18300/s/{session}
        ROLLSTREAM_SESSION_ID              the session
@@ -134,8 +136,8 @@ class GatewaySessions:
         return (await self.call("POST", "/v1/sessions", request)).json()
 
     async def finish(self, session_id: str, outcome: Outcome) -> dict[str, Any]:
-        body = {"status": outcome.status, "reward": None, "response_text": None, "artifacts": outcome.artifacts,
-                "error": outcome.error}
+        body = {"status": outcome.status, "reward": None, "response_text": None,
+                "artifacts": outcome.artifacts, "error": outcome.error}
         return (await self.call("POST", f"/v1/sessions/{session_id}/finish", body)).json()
 
     async def discard(self, session_id: str) -> None:
@@ -170,7 +172,8 @@ class GatewaySessions:
 
 
 def _reason(response: httpx.Response) -> str:
-    """The message of an error body in any of the gateway's shapes (OpenAI, Anthropic, FastAPI), else its text."""
+    """The message of an error body in any of the gateway's shapes (OpenAI, Anthropic, FastAPI), else its
+    text."""
     try:
         body = response.json()
     except ValueError:
@@ -207,8 +210,8 @@ class BlackBoxRunner:
         command = self.command_line(prompt)
         budget_s = self.time_budget_s(prompt)
         settings = self.settings
-        episode = Episode(episode_id=ids["rollout_id"], run_id=settings.run_id, metadata=dict(prompt.metadata),
-                          storage_uri=settings.storage_uri)
+        episode = Episode(episode_id=ids["rollout_id"], run_id=settings.run_id,
+                          metadata=dict(prompt.metadata), storage_uri=settings.storage_uri)
         workspace = await get_workspace(episode)
         try:
             sandbox = await asyncio.to_thread(AgentSandbox.prepare, settings, workspace, prompt.metadata)
@@ -220,7 +223,8 @@ class BlackBoxRunner:
                 session_id = session["session_id"]
                 finished = False
                 try:
-                    outcome = await self.episode(prompt, episode, sandbox, command, session, deadline, budget_s)
+                    outcome = await self.episode(prompt, episode, sandbox, command, session, deadline,
+                                                 budget_s)
                     try:
                         await gateway.finish(session_id, outcome)
                     except GatewayRefused as exc:
@@ -244,18 +248,20 @@ class BlackBoxRunner:
     def time_budget_s(self, prompt: PromptIssued) -> float:
         budget = prompt.metadata.get("time_budget_s", self.settings.agent.command_time_budget_s)
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-            raise ValueError(f"metadata['time_budget_s'] must be a positive number of seconds, got {budget!r}")
+            raise ValueError("metadata['time_budget_s'] must be a positive number of seconds, "
+                             f"got {budget!r}")
         return float(budget)
 
-    def session_request(self, prompt: PromptIssued, ids: dict[str, str | None], budget_s: float) -> dict[str, Any]:
+    def session_request(self, prompt: PromptIssued, ids: dict[str, str | None],
+                        budget_s: float) -> dict[str, Any]:
         rollout = self.settings.rollout
-        return {"rollout_id": ids["rollout_id"], "group_id": ids["group_id"], "trajectory_id": ids["trajectory_id"],
-                "sample_index": prompt.sample_index, "group_size": prompt.group_size, "label": prompt.label,
-                "reward_fn": prompt.reward_fn, "sandbox_check": prompt.sandbox_check,
-                "grader": dict(prompt.metadata.get("grader") or {}), "metadata": dict(prompt.metadata),
-                "sampling": {"temperature": rollout.temperature, "max_tokens": rollout.max_tokens,
-                             **({"seed": rollout_seed(rollout.seed, ids["rollout_id"])} if rollout.seed is not None
-                                else {})},
+        seed = {"seed": rollout_seed(rollout.seed, ids["rollout_id"])} if rollout.seed is not None else {}
+        return {"rollout_id": ids["rollout_id"], "group_id": ids["group_id"],
+                "trajectory_id": ids["trajectory_id"], "sample_index": prompt.sample_index,
+                "group_size": prompt.group_size, "label": prompt.label, "reward_fn": prompt.reward_fn,
+                "sandbox_check": prompt.sandbox_check, "grader": dict(prompt.metadata.get("grader") or {}),
+                "metadata": dict(prompt.metadata),
+                "sampling": {"temperature": rollout.temperature, "max_tokens": rollout.max_tokens, **seed},
                 "time_budget_s": budget_s}
 
     async def episode(self, prompt: PromptIssued, episode: Episode, sandbox: AgentSandbox, command: str,
@@ -280,8 +286,8 @@ class BlackBoxRunner:
 
 
 def rollout_seed(run_seed: int, rollout_id: str) -> int:
-    """The sampling seed of a rollout's turns (32 bits): the same run seed and rollout id give the same seed in
-    every process."""
+    """The sampling seed of a rollout's turns (32 bits): the same run seed and rollout id give the same seed
+    in every process."""
     return int.from_bytes(hashlib.blake2b(f"{run_seed}:{rollout_id}".encode(), digest_size=4).digest(), "big")
 
 

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 32 * 1024 * 1024
 """Largest request body forwarded (it is read whole before it goes on); larger gets 413."""
 READ_CHUNK = 65536
-HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
-              b"te", b"trailer", b"transfer-encoding", b"upgrade"}
+HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+              b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
 """Headers of one connection, not of the message: each side of the forwarder frames its own."""
 UPSTREAM_TIMEOUT = httpx.Timeout(None, connect=10.0)
 """No read timeout: a turn may take as long as the gateway takes, and the sandbox's wall clock ends the
@@ -41,9 +41,9 @@ episode (and this forwarder with it) anyway."""
 
 
 def session_path(target: bytes, session_id: str) -> bool:
-    """Whether an HTTP request target is the session's own: in origin form, its path `/s/{session_id}` or under
-    `/s/{session_id}/`, with no dot or empty segments, percent escapes or backslashes in the path (the query is
-    the gateway's to read)."""
+    """Whether an HTTP request target is the session's own: in origin form, its path `/s/{session_id}` or
+    under `/s/{session_id}/`, with no dot or empty segments, percent escapes or backslashes in the path (the
+    query is the gateway's to read)."""
     try:
         text = target.decode("ascii")
     except UnicodeDecodeError:
@@ -56,7 +56,8 @@ def session_path(target: bytes, session_id: str) -> bool:
         return False
     segments = path.split("/")[1:]
     # a trailing slash leaves one last empty segment, which names nothing else
-    return all(segment not in ("", ".", "..") for segment in segments[:-1]) and segments[-1] not in (".", "..")
+    return (all(segment not in ("", ".", "..") for segment in segments[:-1])
+            and segments[-1] not in (".", ".."))
 
 
 class SessionForwarder:
@@ -72,7 +73,8 @@ class SessionForwarder:
     async def __aenter__(self) -> SessionForwarder:
         self.server = await asyncio.start_unix_server(self.serve, path=str(self.socket_path))
         os.chmod(self.socket_path, 0o666)
-        # the agent's headers go on as it sent them: none of httpx's defaults (Accept-Encoding, User-Agent) added
+        # the agent's headers go on as it sent them: none of httpx's defaults (Accept-Encoding,
+        # User-Agent) added
         self.client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT)
         self.client.headers.clear()
         return self
@@ -96,12 +98,14 @@ class SessionForwarder:
                 if not isinstance(request, h11.Request):
                     return  # the client closed the connection
                 if not session_path(request.target, self.session_id):
+                    target = request.target.decode("ascii", "replace")[:200]
                     await refuse(connection, writer, 403, "the sandbox reaches only its own gateway session, "
-                                 f"/s/{self.session_id}/..., not {request.target.decode('ascii', 'replace')[:200]}")
+                                 f"/s/{self.session_id}/..., not {target}")
                     return
                 body = await read_body(connection, reader, writer)
                 if body is None:
-                    await refuse(connection, writer, 413, f"a request body may have at most {MAX_REQUEST_BYTES} bytes")
+                    await refuse(connection, writer, 413,
+                                 f"a request body may have at most {MAX_REQUEST_BYTES} bytes")
                     return
                 await self.forward(connection, writer, request, body)
                 if connection.our_state is not h11.DONE or connection.their_state is not h11.DONE:
@@ -129,7 +133,8 @@ class SessionForwarder:
         try:
             await send(connection, writer, h11.Response(
                 status_code=response.status_code,
-                headers=[(name, value) for name, value in response.headers.raw if name.lower() not in HOP_BY_HOP]))
+                headers=[(name, value) for name, value in response.headers.raw
+                         if name.lower() not in HOP_BY_HOP]))
             # raw: the bytes as the gateway sent them (its Content-Encoding and Content-Length hold for them)
             async for chunk in response.aiter_raw():
                 await send(connection, writer, h11.Data(data=chunk))

@@ -96,7 +96,8 @@ class EpisodeRunner:
         self.tokenizer = tokenizer
         self.tool_format = get_format(settings.agent.tool_format)
         self.extra_tools = load_tools_yaml(settings.agent.tools_yaml) if settings.agent.tools_yaml else []
-        self.limits = Limits(max_turns=settings.agent.max_turns, max_tokens_per_turn=settings.rollout.max_tokens,
+        self.limits = Limits(max_turns=settings.agent.max_turns,
+                             max_tokens_per_turn=settings.rollout.max_tokens,
                              max_total_tokens=settings.agent.max_total_tokens)
         self.blackbox = BlackBoxRunner(settings)
 
@@ -119,7 +120,8 @@ class EpisodeRunner:
                                artifacts=dict(final.metadata.get("artifacts", {})),
                                error=final.metadata.get("error"))
         pipe = self.bus.redis.pipeline(transaction=True)
-        publish_rollout(self.bus, pipe, ids, SampleGrading.of(prompt), segments, finish, metadata=prompt.metadata,
+        publish_rollout(self.bus, pipe, ids, SampleGrading.of(prompt), segments, finish,
+                        metadata=prompt.metadata,
                         server_url=final.turns[0].server_url if final.turns else None)
         await asyncio.to_thread(pipe.execute)
         EPISODES.labels(agent_name, final.status).inc()
@@ -140,10 +142,12 @@ class EpisodeRunner:
                         timeout_s=self.settings.agent.tool_timeout_s)
         episode = Episode(episode_id=rollout_id, run_id=self.settings.run_id, metadata=dict(prompt.metadata),
                           storage_uri=self.settings.storage_uri)
-        ctx = AgentContext(fleet=self.fleet, tokenizer=self.tokenizer, tools=tools, tool_format=self.tool_format,
-                           limits=self.limits, episode=episode, session_id=session_id,
-                           temperature=self.settings.rollout.temperature, policy_versions=self.fleet_versions)
-        result = await agent(Task(messages=prompt.messages, label=prompt.label, metadata=dict(prompt.metadata)), ctx)
+        ctx = AgentContext(fleet=self.fleet, tokenizer=self.tokenizer, tools=tools,
+                           tool_format=self.tool_format, limits=self.limits, episode=episode,
+                           session_id=session_id, temperature=self.settings.rollout.temperature,
+                           policy_versions=self.fleet_versions)
+        task = Task(messages=prompt.messages, label=prompt.label, metadata=dict(prompt.metadata))
+        result = await agent(task, ctx)
         segments = result if isinstance(result, list) else [result]
         if not segments:
             raise ValueError(f"agent {agent_name} returned no segment")
@@ -155,7 +159,8 @@ class Replica:
     its trajectory is published. While the fleet or the gateway does not answer, /healthz says why, the
     episodes that need it wait, and no new prompt is taken."""
 
-    def __init__(self, settings: Settings, runtime: ServiceRuntime, bus: Bus, fleet, runner: EpisodeRunner) -> None:
+    def __init__(self, settings: Settings, runtime: ServiceRuntime, bus: Bus, fleet,
+                 runner: EpisodeRunner) -> None:
         self.settings = settings
         self.runtime = runtime
         self.bus = bus
@@ -243,7 +248,8 @@ class Replica:
         return any(answers)
 
     async def wait_until(self, answers: Callable[[], Awaitable[bool]], what: str, why: str) -> None:
-        """Until `answers()` (`what` answers again); meanwhile /healthz says why and no new prompt is taken."""
+        """Until `answers()` (`what` answers again); meanwhile /healthz says why and no new prompt is
+        taken."""
         runtime = self.runtime
         if runtime.not_ready is None:
             runtime.log.warning(f"{what} does not answer; episodes wait for it", extra={"error": why})

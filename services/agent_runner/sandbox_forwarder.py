@@ -59,8 +59,9 @@ def serve(client, socket_path):
         try:
             upstream.connect(socket_path)
         except OSError as exc:
-            body = ('{"error": {"message": "the agent-runner\'s gateway forwarder does not answer: %s"}}'
-                    % str(exc).replace('"', "'")).encode()
+            detail = str(exc).replace('"', "'")
+            body = ('{"error": {"message": "the agent-runner\'s gateway forwarder does not answer: '
+                    + detail + '"}}').encode()
             client.sendall(UNREACHABLE % (len(body), body))
             return
         back = threading.Thread(target=pipe, args=(upstream, client))
@@ -106,7 +107,7 @@ def main():
     try:
         lifeline.connect(socket_path)
     except OSError as exc:
-        sys.stderr.write("rs-agent forwarder: cannot reach the agent-runner at %s: %s\n" % (socket_path, exc))
+        sys.stderr.write(f"rs-agent forwarder: cannot reach the agent-runner at {socket_path}: {exc}\n")
         return 1
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -114,7 +115,7 @@ def main():
         listener.bind(("127.0.0.1", port))
         listener.listen(128)
     except OSError as exc:
-        sys.stderr.write("rs-agent forwarder: cannot listen on 127.0.0.1:%d: %s\n" % (port, exc))
+        sys.stderr.write(f"rs-agent forwarder: cannot listen on 127.0.0.1:{port}: {exc}\n")
         return 1
     sys.stdout.write(READY + "\n")
     sys.stdout.flush()

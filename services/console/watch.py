@@ -142,7 +142,7 @@ class RunWatch:
                     self._finished(entries)
                 elif stream == "grades":
                     self._graded(entries)
-            for stream, history in self.histories.items():
+            for history in self.histories.values():
                 for delivery in history.new_events():
                     self._history_event(delivery.envelope)
             self.refreshed = time.monotonic()

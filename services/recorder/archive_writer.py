@@ -109,7 +109,8 @@ class ArchiveWriter:
         included): one part per hour they span, the position advanced after each part exists.
         Returns the parts written."""
         if bus.keys.run_id != self.run_id:
-            raise ValueError(f"bus of run {bus.keys.run_id!r} given to the archive writer of run {self.run_id!r}")
+            raise ValueError(f"bus of run {bus.keys.run_id!r} given to the archive writer of run "
+                             f"{self.run_id!r}")
         after = archived_id(bus, stream)
         raw = bus.redis.xrange(bus.keys.stream(stream), min=f"({after}" if after else "-", max=until or "+",
                                count=max_entries)

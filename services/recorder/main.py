@@ -1,11 +1,11 @@
 """Recorder: archives every stream of the run to Parquet in run storage, then trims behind consumers.
 
 Every flush interval, and at once for a stream that grew by a part's worth of entries, it reads each
-stream with XRANGE after its archived position (no consumer group: it takes no entry away from
-anyone), writes parts under <storage>/<run>/archive/ (archive_writer.py; layout in
+stream with XRANGE after its archived position (no consumer group: it takes no entry away from anyone),
+writes parts under <storage>/<run>/archive/ (archive_writer.py; layout in
 shared/contract/archive/layout.py), advances the position after each part exists, and then trims the
-stream behind the slowest consumer group and the archive. A crash at any point loses nothing: at worst one part is written twice, and readers
-return each entry once. SIGTERM drains: a last flush, then exit.
+stream behind the slowest consumer group and the archive. A crash at any point loses nothing: at worst
+one part is written twice, and readers return each entry once. SIGTERM drains: a last flush, then exit.
 
     rollstream-recorder          # configured by RS_* variables or RS_CONFIG_FILE (recorder.*)
 """
@@ -81,7 +81,8 @@ def record_once(bus: Bus, writer: ArchiveWriter, *, part_entries: int = PART_ENT
 class Recorder:
     """Totals across flushes, and which streams have grown enough to flush before the interval."""
 
-    def __init__(self, bus: Bus, writer: ArchiveWriter, part_entries: int = PART_ENTRIES, trim: bool = True) -> None:
+    def __init__(self, bus: Bus, writer: ArchiveWriter, part_entries: int = PART_ENTRIES,
+                 trim: bool = True) -> None:
         self.bus = bus
         self.writer = writer
         self.part_entries = part_entries
@@ -94,7 +95,8 @@ class Recorder:
         self.length_after_flush: dict[StreamName, int] = {}
 
     def flush(self, streams: Iterable[StreamName] = STREAMS) -> dict[StreamName, Recorded]:
-        results = record_once(self.bus, self.writer, part_entries=self.part_entries, trim=self.trim, streams=streams)
+        results = record_once(self.bus, self.writer, part_entries=self.part_entries, trim=self.trim,
+                              streams=streams)
         for stream, recorded in results.items():
             self.archived[stream] += recorded.archived
             self.trimmed[stream] += recorded.trimmed
@@ -127,13 +129,14 @@ class Recorder:
 
 def main() -> None:
     settings = Settings()
-    flush_s, part_entries, trim = settings.recorder.flush_s, settings.recorder.part_entries, settings.recorder.trim
+    flush_s, part_entries, trim = (settings.recorder.flush_s, settings.recorder.part_entries,
+                                   settings.recorder.trim)
     runtime = ServiceRuntime("recorder", settings)
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     storage = Storage(settings.storage_uri)
     recorder = Recorder(bus, ArchiveWriter(storage, settings.run_id), part_entries, trim)
-    runtime.log.info("recording", extra={"archive": storage.path(settings.run_id, "archive"), "flush_s": flush_s,
-                                         "part_entries": part_entries, "trim": trim})
+    runtime.log.info("recording", extra={"archive": storage.path(settings.run_id, "archive"),
+                                         "flush_s": flush_s, "part_entries": part_entries, "trim": trim})
 
     def flush(streams: Iterable[StreamName]) -> None:
         results = recorder.flush(streams)
@@ -144,8 +147,8 @@ def main() -> None:
                                          "archived_to": archived_id(bus, stream)})
         written = {stream: r.archived for stream, r in results.items() if r.archived or r.trimmed}
         if written:
-            runtime.log.info("flushed", extra={"archived": written,
-                                               "trimmed": {s: r.trimmed for s, r in results.items() if r.trimmed}})
+            trimmed = {s: r.trimmed for s, r in results.items() if r.trimmed}
+            runtime.log.info("flushed", extra={"archived": written, "trimmed": trimmed})
         runtime.status.update(recorder.status())
 
     next_flush = time.monotonic()

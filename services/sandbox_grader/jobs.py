@@ -43,7 +43,6 @@ from rollstream.shared.sandbox.workspace import workspace_prefix
 from rollstream.shared.tasks.harbor import load_harbor_task
 from rollstream.shared.tasks.swebench import load_swebench_rows
 
-
 VERDICT_META = "verdict"
 """Job meta key: the verdict (GradeReported or GradingFailed) the job published for its rollout."""
 FAILURE_META = "failure"
@@ -83,7 +82,7 @@ class GradeRequest:
         return asdict(self)
 
     @classmethod
-    def from_job_arg(cls, arg: dict) -> "GradeRequest":
+    def from_job_arg(cls, arg: dict) -> GradeRequest:
         # Jobs an older grader queued also carry its Redis URL (redis_url), which is no longer read.
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in arg.items() if key in known})
@@ -100,7 +99,8 @@ def grade_rollout(request: dict) -> dict:
         return {"score": None, "reason": str(exc)}
     if outcome.infrastructure_error:
         raise InfrastructureError(outcome.reason)
-    log_path = storage.write_bytes(outcome.log.encode(), req.run_id, "sandbox-logs", f"{req.ids['rollout_id']}.log")
+    log_path = storage.write_bytes(outcome.log.encode(), req.run_id, "sandbox-logs",
+                                   f"{req.ids['rollout_id']}.log")
     publish(req, GradeReported(score=outcome.score, passed=outcome.passed, reason=outcome.reason,
                                duration_s=outcome.duration_s, log_uri=log_path, tests=outcome.tests),
             get_current_job())
@@ -120,7 +120,8 @@ def grade(req: GradeRequest, storage: Storage) -> GradeOutcome:
         if kind == "harbor":
             task = load_harbor_task(Path(req.grader["task_dir"]))
         else:
-            task = {t.instance_id: t for t in load_swebench_rows(Path(req.grader["dataset"]))}[req.grader["instance_id"]]
+            rows = load_swebench_rows(Path(req.grader["dataset"]))
+            task = {t.instance_id: t for t in rows}[req.grader["instance_id"]]
     except (KeyError, TaskError) as exc:
         raise UngradableRequest(f"{kind} task {req.grader}: {type(exc).__name__}: {exc}") from exc
     return grade_harbor(task, diff, backend) if kind == "harbor" else grade_swebench(task, diff, backend)
@@ -186,7 +187,8 @@ def publish(req: GradeRequest, grade: GradeReported | GradingFailed, job: Job, f
 def failed_for_good(job: Job, cause: str) -> None:
     req = GradeRequest.from_job_arg(job.args[0])
     attempts = req.retries - (job.retries_left or 0) + 1
-    publish(req, GradingFailed(reason=f"grading failed and no retry is left: {cause}", attempts=attempts), job)
+    publish(req, GradingFailed(reason=f"grading failed and no retry is left: {cause}", attempts=attempts),
+            job)
 
 
 def report_job_failure(job, connection, exc_type, exc_value, _traceback) -> None:

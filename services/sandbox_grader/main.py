@@ -135,7 +135,8 @@ def check_backend(settings: Settings, runtime: ServiceRuntime) -> bool:
         probe_sandbox(settings.grader.backend)
     except BackendUnavailable as exc:
         if runtime.not_ready is None:
-            runtime.log.error("sandbox backend cannot make a sandbox; not grading", extra={"reason": str(exc)})
+            runtime.log.error("sandbox backend cannot make a sandbox; not grading",
+                              extra={"reason": str(exc)})
         runtime.not_ready = f"sandbox backend {settings.grader.backend!r} cannot run: {exc}"
         return False
     if runtime.not_ready is not None:
