@@ -87,8 +87,10 @@ def _api_routes(servers: dict[int, SimServer]) -> list:
         return Response(status_code=200)
 
     async def models(request: Request) -> Response:
-        name = _server_of(servers, request).spec.served_name
-        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "sim"}]})
+        spec = _server_of(servers, request).spec  # the card's fields the fleet client reads, as vLLM's
+        card = {"id": spec.served_name, "object": "model", "owned_by": "sim", "root": spec.model_path,
+                "parent": None, "max_model_len": spec.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
 
     return [
         Route("/health", health, methods=["GET"]),

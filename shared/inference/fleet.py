@@ -5,33 +5,22 @@ logprobs, exactly as vLLM reported them: text is never re-tokenized (the token-e
 `stream()` gives the same as deltas while vLLM produces them, and survives a server that fails in the
 middle: the generation goes on on the session's next server from prompt + the tokens already yielded.
 
-Routing: rendezvous hashing of the session id picks the same server for every turn of a session (its
-prefix cache stays warm), with bounded load: a server already carrying more than (1 + epsilon) times the
-average load is passed over for the session's next-ranked server, and so is one whose KV cache is nearly
-full. A server's load is this client's requests open on it plus the other clients' requests vLLM reports
-on /metrics (`refresh_load()`, or a background `start_load_refresh()`); without metrics, only ours. A
-connection error or a 5xx marks a server unhealthy for a cool-down and the call is retried on the next
-server; when no server can serve, FleetUnavailable. Every request carries `X-Session-ID` and a routing
-header (`X-SMG-Routing-Key` unless fleet.routing_header names another) so that an external router
-(vllm-router, SGLang model gateway) in front of the fleet keeps the same stickiness. Requests go through
-httpx's interface on aiohttp's client (aiohttp_transport.py), a generation straight to the transport.
+Before its first request to a server the client reads what the server serves from its /v1/models: the
+model's name and context length, checked against the settings (`meet_servers()`, fleet_servers.py); a turn
+goes only to a server whose context holds it (a long-context group beside the rest), and the gateway holds
+a prompt to the longest context a server reports (`longest_context()`). Routing (fleet_routing.py):
+rendezvous hashing of the session id with bounded load, a server's load being this client's requests open
+on it plus the other clients' requests vLLM reports on /metrics (`refresh_load()`, or a background
+`start_load_refresh()`). A connection error or a 5xx marks a server unhealthy for a cool-down and the call
+is retried on the next server; when no server can serve, FleetUnavailable. Every request carries
+`X-Session-ID` and a routing header (`X-SMG-Routing-Key` unless fleet.routing_header names another) so
+that an external router (vllm-router, SGLang model gateway) in front of the fleet keeps the same
+stickiness. Requests go through httpx's interface on aiohttp's client (aiohttp_transport.py), a
+generation straight to the transport; its answers are read by vllm_answers.py.
 
 The trainer / fleet controller uses the per-server helpers: `reload_weights()` (pause, reload from an HF
 safetensors directory on the server's filesystem, reset the prefix cache, resume), `prompt_logprobs()`
 (to check logprob parity after a reload) and `health()`. The server needs VLLM_SERVER_DEV_MODE=1.
-
-Response fields used (vLLM 0.32, /v1/completions with `return_token_ids`, `logprobs: 0`):
-    choices[0].token_ids                  [int, ...]          sampled ids
-    choices[0].logprobs.token_logprobs    [float, ...]        one per sampled id
-    choices[0].prompt_logprobs            [null, {"<id>": {"logprob": float, "rank": int,
-                                                          "decoded_token": str}}, ...]
-With `stream: true` the answer is server-sent events, `data: <chunk>` then `data: [DONE]`. Each chunk's
-choices[0] holds the ids sampled since the previous chunk in `token_ids` with their
-`logprobs.token_logprobs`, and `finish_reason` (null until the last chunk, which carries the last ids
-too); the first chunk also echoes `prompt_token_ids`. A failure after the HTTP 200 comes as a chunk
-`{"error": {"message", "type", "code"}}` (code: the HTTP status it stands for) before [DONE].
-/metrics (Prometheus text) gauges read, one sample per engine: vllm:num_requests_running,
-vllm:num_requests_waiting, vllm:kv_cache_usage_perc (a fraction, 1 = full).
 
 Library module, not run directly; the integration tests exercise it on real servers:
     python -m pytest tests/unit/shared/inference tests/integration/test_vllm_fleet.py \
@@ -42,62 +31,54 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
-import math
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
-from prometheus_client import Counter, Gauge, Histogram
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import Counter, Histogram
 
 from rollstream.shared.errors import (
     FleetRequestError,
     FleetUnavailable,
-    RollstreamError,
     WeightSyncError,
 )
 from rollstream.shared.inference.aiohttp_transport import AiohttpTransport
+from rollstream.shared.inference.fleet_routing import (
+    ServerLoad,
+    bounded_load_order,
+    holding,
+    read_server_load,
+)
+from rollstream.shared.inference.fleet_servers import (
+    FleetServers,
+    FleetSettingsError,
+    ServedModel,
+    ServerGroup,
+    ServerNotMet,
+    policy_server_groups,
+    read_served_model,
+)
+from rollstream.shared.inference.vllm_answers import (
+    Completion,
+    StreamBroken,
+    StreamDelta,
+    parse_completion,
+    parse_stream_chunk,
+)
 
 if TYPE_CHECKING:
     from rollstream.shared.runtime.config import Settings
+
+__all__ = ["Completion", "FleetClient", "FleetRequestError", "FleetSettingsError", "FleetUnavailable",
+           "ServedModel", "ServerGroup", "ServerLoad", "StreamDelta", "WeightSyncError"]
 
 SESSION_HEADER = "X-Session-ID"
 ROUTING_HEADER = "X-SMG-Routing-Key"
 KEEPALIVE_EXPIRY_S = 2.0
 MAX_CONNECTIONS = 1024
-RUNNING_METRIC = "vllm:num_requests_running"
-WAITING_METRIC = "vllm:num_requests_waiting"
-KV_CACHE_METRIC = "vllm:kv_cache_usage_perc"
-# vLLM ends a request with "abort" when the server drops it (shutdown, a pause that aborts): for the
-# client that is a server failure, not the end of the generation.
-_SERVER_DROPPED = "abort"
-
-
-@dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]
-    # One per token id. vLLM's default logprobs_mode is raw_logprobs: the model's log-softmax BEFORE
-    # temperature, logit_bias, top-k/p. That is the sampling distribution only at temperature 1 with no
-    # other processing; otherwise start vLLM with --logprobs-mode processed_logprobs.
-    logprobs: list[float]
-    finish_reason: str  # "stop" (eos / stop token, which is included in token_ids) or "length"
-    server_url: str
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """Ids sampled since the previous delta, one logprob each (same semantics as Completion.logprobs)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    server_url: str
-    finish_reason: str | None  # None until the last delta of the generation
-
 
 REQUESTS = Counter("rollstream_fleet_requests_total",
                    "Whole (not streamed) generation requests to a vLLM server, by outcome: ok, failed (the "
@@ -107,32 +88,6 @@ REQUESTS = Counter("rollstream_fleet_requests_total",
 REQUEST_SECONDS = Histogram("rollstream_fleet_request_seconds",
                             "Wall time of a whole generation request a vLLM server answered.", ["server"],
                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
-SERVER_REQUESTS = Gauge("rollstream_fleet_server_requests",
-                        "Requests a vLLM server reported in its own /metrics (vllm:num_requests_running and "
-                        "_waiting), at this client's last reading.", ["server", "state"])
-SERVER_KV_CACHE = Gauge("rollstream_fleet_server_kv_cache_usage_ratio",
-                        "Fraction of a vLLM server's KV cache in use, at this client's last reading.",
-                        ["server"])
-
-
-@dataclass(frozen=True)
-class ServerLoad:
-    """One reading of a server's /metrics; counts are summed over its engines."""
-
-    running: int
-    waiting: int
-    kv_cache_usage: float  # fraction of the KV cache in use, averaged over the engines
-    own_in_flight: int  # this client's requests open on the server when the reading came back
-
-
-class _StreamBroken(RollstreamError, RuntimeError):
-    """The server stopped serving a stream it had accepted; the stream goes on elsewhere."""
-
-
-def _rank(session_id: str, url: str) -> int:
-    """Rendezvous score; stable across processes (unlike hash()), so every replica routes alike."""
-    digest = hashlib.blake2b(f"{url}\x00{session_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
 
 
 class FleetClient:
@@ -150,7 +105,8 @@ class FleetClient:
         metrics_timeout_s: float = 2.0,
         transport: httpx.AsyncBaseTransport | None = None,
         routing_header: str = ROUTING_HEADER,
-        contexts: Mapping[str, int] | None = None,
+        groups: Sequence[ServerGroup] | None = None,
+        model_setting: str = "the fleet client's model",
     ) -> None:
         if not urls:
             raise ValueError("FleetClient needs at least one server URL")
@@ -158,18 +114,18 @@ class FleetClient:
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate server URLs: {self.urls}")
         self.model = model  # None: vLLM uses the one model it serves
-        self.contexts = {url.rstrip("/"): length for url, length in (contexts or {}).items()}
-        """Server -> its context length (vLLM's --max-model-len), where known: a session goes to a server
-        whose context holds its turn when one does (a long-context group beside the rest)."""
+        self.model_setting = model_setting
+        """Where `model` comes from, for the error that says a server does not serve it."""
+        self.servers = FleetServers(_grouped(self.urls, groups), cooldown_s)
+        """Each server's group, what it serves once met, its context and its health (fleet_servers.py)."""
         self.session_headers = (SESSION_HEADER, routing_header)
         self.epsilon = epsilon
-        self.cooldown_s = cooldown_s
         self.kv_cache_full = kv_cache_full
         self.metrics_timeout_s = metrics_timeout_s
         self.in_flight = {u: 0 for u in self.urls}
         self.server_load: dict[str, ServerLoad | None] = {u: None for u in self.urls}
-        self._unhealthy_until = {u: 0.0 for u in self.urls}
         self._load_refresher: asyncio.Task | None = None
+        self._meeting = asyncio.Lock()
         # Idle connections expire before vLLM's own keep-alive (5 s) ends them: a connection the server is
         # closing is never picked for a request, which would fail with a ReadError and put the server in its
         # cool-down.
@@ -180,16 +136,17 @@ class FleetClient:
         self._generation_urls = {u: httpx.URL(f"{u}/v1/completions") for u in self.urls}
         self._generation_timeouts = self._timeout.as_dict()
         self._http = httpx.AsyncClient(transport=self._transport, timeout=self._timeout)
-        """For what is not a generation: /metrics, /health, scoring, weight syncs. A generation goes to the
-        transport itself (`_send`): httpx's client layer (redirects, cookies, auth, hooks, none of which it
-        has) cost more CPU time than the rest of the request."""
+        """For what is not a generation: /v1/models, /metrics, /health, scoring, weight syncs. A generation
+        goes to the transport itself (`_send`): httpx's client layer (redirects, cookies, auth, hooks, none
+        of which it has) cost more CPU time than the rest of the request."""
 
     @classmethod
     def for_run(cls, settings: Settings, **options: Any) -> FleetClient:
-        """The client of a run's fleet, as its settings say: servers (fleet.urls and the policy groups') with
-        their context lengths, served name, timeout, routing header."""
-        servers = settings.policy_servers()
-        return cls(list(servers), model=settings.model.served_name, contexts=servers,
+        """The client of a run's fleet, as its settings say: servers (fleet.urls and the policy groups') in
+        their groups with the context each is set to, served name, timeout, routing header."""
+        groups = policy_server_groups(settings)
+        urls = [url for group in groups for url in group.urls]
+        return cls(urls, model=settings.model.served_name, model_setting="model.served_name", groups=groups,
                    timeout_s=settings.fleet.request_timeout_s, routing_header=settings.fleet.routing_header,
                    **options)
 
@@ -207,29 +164,67 @@ class FleetClient:
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    # -- health bookkeeping -------------------------------------------------------------------------
+    # -- the servers: what each serves, and its health (fleet_servers.py) ---------------------------
+    async def meet_servers(self) -> dict[str, str]:
+        """Reads what each server not met yet serves, from its /v1/models: the model's name and context
+        length, the context then being what a turn there is held to. Returns, for each server still not met,
+        why (one that did not answer is put in its cool-down, takes no turn, and is asked again after it).
+        FleetSettingsError when a server disagrees with the settings (the client's model or its group's
+        max_model_len); the requests call this first, so a server is met before its first turn."""
+        async with self._meeting:  # concurrent first requests wait for one reading
+            urls = self.servers.to_meet()
+            answers = await asyncio.gather(
+                *(read_served_model(self._http, url, self.model, self.model_setting) for url in urls),
+                return_exceptions=True)
+            disagreements = []
+            for url, answer in zip(urls, answers, strict=True):
+                if isinstance(answer, ServerNotMet):
+                    self.servers.did_not_answer(url, str(answer))
+                    continue
+                try:
+                    if isinstance(answer, BaseException):
+                        raise answer
+                    self.servers.meet(url, answer)
+                except FleetSettingsError as exc:
+                    disagreements.append(str(exc))
+            if disagreements:
+                raise FleetSettingsError("\n".join(disagreements))
+            return dict(self.servers.not_met)
+
+    async def longest_context(self) -> int:
+        """The longest context a turn may use on a server of the fleet, as the servers report it (a group's
+        smallest; fleet_servers.py); the servers not met yet are met first. FleetUnavailable when none
+        said what it serves."""
+        if self.servers.not_met:
+            await self.meet_servers()
+        if self.servers.longest_context is None:
+            raise FleetUnavailable(self._why_no_server())
+        return self.servers.longest_context
+
+    @property
+    def contexts(self) -> dict[str, int]:
+        """Each server met: the context a turn may use on it."""
+        return self.servers.contexts
+
     def is_healthy(self, url: str) -> bool:
-        return time.monotonic() >= self._unhealthy_until[url]
+        return self.servers.is_healthy(url)
 
     def mark_unhealthy(self, url: str, cooldown_s: float | None = None) -> None:
-        cooldown = self.cooldown_s if cooldown_s is None else cooldown_s
-        self._unhealthy_until[url] = time.monotonic() + cooldown
+        self.servers.mark_unhealthy(url, cooldown_s)
 
     def mark_healthy(self, url: str) -> None:
-        self._unhealthy_until[url] = 0.0
+        self.servers.mark_healthy(url)
+
+    def _why_no_server(self) -> str:
+        why = f"all {len(self.urls)} servers are in their unhealthy cool-down"
+        not_met = "; ".join(self.servers.not_met.values())
+        return f"{why}; not met: {not_met}" if not_met else why
 
     # -- load ---------------------------------------------------------------------------------------
     def load(self, url: str) -> int:
-        """Requests on `url`: this client's open ones now, plus the other clients' at the last reading.
-
-        vLLM's running + waiting already include the requests this client had open when /metrics was
-        read; counting them again beside in_flight would make every busy-with-us server look twice as
-        busy. So the reading minus our share at that moment is the others' load, and ours is counted
-        live. (Our requests sent but not yet queued by vLLM can make the difference negative: 0 then.)
-        """
+        """Requests on `url`: this client's open ones now, plus the other clients' at the last reading."""
         reading = self.server_load[url]
-        others = 0 if reading is None else max(0, reading.running + reading.waiting - reading.own_in_flight)
-        return self.in_flight[url] + others
+        return self.in_flight[url] + (0 if reading is None else reading.others())
 
     def kv_cache_is_full(self, url: str) -> bool:
         reading = self.server_load[url]
@@ -238,7 +233,11 @@ class FleetClient:
     async def refresh_load(self) -> dict[str, ServerLoad | None]:
         """Read every server's /metrics; a server that does not answer (or answers garbage) keeps its
         last reading. Returns the readings routing now uses."""
-        await asyncio.gather(*(self._refresh_server_load(u) for u in self.urls))
+        readings = await asyncio.gather(
+            *(read_server_load(self._http, url, self.metrics_timeout_s, self.in_flight) for url in self.urls))
+        for url, reading in zip(self.urls, readings, strict=True):
+            if reading is not None:
+                self.server_load[url] = reading
         return dict(self.server_load)
 
     def start_load_refresh(self, interval_s: float) -> None:
@@ -252,42 +251,18 @@ class FleetClient:
             await self.refresh_load()
             await asyncio.sleep(interval_s)
 
-    async def _refresh_server_load(self, url: str) -> None:
-        try:
-            response = await self._http.get(f"{url}/metrics", timeout=self.metrics_timeout_s)
-            if response.status_code != 200:
-                return
-            # vLLM's whole exposition (histograms and all) takes 15-30 ms to parse: not on the event loop
-            running, waiting, kv_usages = await asyncio.to_thread(_read_load_metrics, response.text)
-        except (httpx.HTTPError, ValueError):
-            return
-        self.server_load[url] = reading = ServerLoad(
-            running=running,
-            waiting=waiting,
-            kv_cache_usage=sum(kv_usages) / len(kv_usages) if kv_usages else 0.0,
-            own_in_flight=self.in_flight[url],
-        )
-        SERVER_REQUESTS.labels(url, "running").set(reading.running)
-        SERVER_REQUESTS.labels(url, "waiting").set(reading.waiting)
-        SERVER_KV_CACHE.labels(url).set(reading.kv_cache_usage)
-
     # -- routing ------------------------------------------------------------------------------------
     def route(self, session_id: str, tokens: int = 0) -> list[str]:
         """Healthy servers in the order this session should try them (first: the one to use now); when some
         servers' context holds `tokens` (prompt and answer) and others' does not, only those that hold it."""
-        healthy = [u for u in self.urls if self.is_healthy(u)]
-        holding = [u for u in healthy if self.contexts.get(u, tokens) >= tokens]
-        healthy = holding or healthy
-        if not healthy:
-            return []
-        ranked = sorted(healthy, key=lambda u: _rank(session_id, u), reverse=True)
-        # Bounded load: capacity is (1 + eps) x the average load including this request. With equal
-        # loads every server is within it, so a session keeps its own server.
-        loads = {u: self.load(u) for u in healthy}
-        total = sum(loads.values()) + 1
-        capacity = math.ceil((1 + self.epsilon) * total / len(healthy))
-        with_room = [u for u in ranked if loads[u] + 1 <= capacity and not self.kv_cache_is_full(u)]
-        return with_room + [u for u in ranked if u not in with_room]
+        healthy = [u for u in self.urls if self.servers.is_healthy(u)]
+        return bounded_load_order(session_id, holding(healthy, self.servers.contexts, tokens), self.load,
+                                  self.kv_cache_is_full, self.epsilon)
+
+    async def _route_meeting_new_servers(self, session_id: str, tokens: int) -> list[str]:
+        if self.servers.not_met:
+            await self.meet_servers()
+        return self.route(session_id, tokens)
 
     # -- generation ---------------------------------------------------------------------------------
     async def complete(
@@ -301,13 +276,14 @@ class FleetClient:
         seed: int | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> Completion:
-        """Sample up to max_tokens after prompt_ids on the session's server; ids and logprobs as vLLM gave them."""
+        """Sample up to max_tokens after prompt_ids on the session's server; ids and logprobs as vLLM gave
+        them."""
         body = self._completion_body(prompt_ids, max_tokens, temperature, stop_token_ids, seed, extra)
         headers = {name: session_id for name in self.session_headers}
 
-        candidates = self.route(session_id, len(prompt_ids) + max_tokens)
+        candidates = await self._route_meeting_new_servers(session_id, len(prompt_ids) + max_tokens)
         if not candidates:
-            raise FleetUnavailable(f"all {len(self.urls)} servers are in their unhealthy cool-down")
+            raise FleetUnavailable(self._why_no_server())
         failures: list[str] = []
         for url in candidates:
             self.in_flight[url] += 1
@@ -332,10 +308,11 @@ class FleetClient:
                 continue
             if response.status_code != 200:
                 REQUESTS.labels(url, "rejected").inc()
-                raise FleetRequestError(f"{url} rejected the request: HTTP {response.status_code}: {response.text}")
+                raise FleetRequestError(f"{url} rejected the request: HTTP {response.status_code}: "
+                                        f"{response.text}")
             REQUESTS.labels(url, "ok").inc()
             REQUEST_SECONDS.labels(url).observe(time.perf_counter() - started)
-            return _parse_completion(response.json(), url)
+            return parse_completion(response.json(), url)
         raise FleetUnavailable("no server could serve the request: " + "; ".join(failures))
 
     async def stream(
@@ -370,9 +347,10 @@ class FleetClient:
             if tried and remaining <= 0:  # the failed server had sent every allowed token, not the last chunk
                 yield StreamDelta(token_ids=[], logprobs=[], server_url=tried[-1], finish_reason="length")
                 return
-            candidates = [u for u in self.route(session_id, len(prompt_ids) + max_tokens) if u not in tried]
+            route = await self._route_meeting_new_servers(session_id, len(prompt_ids) + max_tokens)
+            candidates = [u for u in route if u not in tried]
             if not candidates:
-                why = "; ".join(failures) or f"all {len(self.urls)} servers are in their unhealthy cool-down"
+                why = "; ".join(failures) or self._why_no_server()
                 done = f"{len(yielded)} of {max_tokens} tokens"
                 raise FleetUnavailable(f"no server left to stream from after {done}: {why}")
             url = candidates[0]
@@ -388,7 +366,7 @@ class FleetClient:
                         yield delta
                         if delta.finish_reason is not None:
                             return
-            except (httpx.RequestError, _StreamBroken) as exc:
+            except (httpx.RequestError, StreamBroken) as exc:
                 failures.append(f"{url} after {len(yielded)} tokens: {type(exc).__name__}: {exc}")
                 self.mark_unhealthy(url)
             finally:
@@ -410,7 +388,7 @@ class FleetClient:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 if response.status_code >= 500:
-                    raise _StreamBroken(f"HTTP {response.status_code}: {text[:300]}")
+                    raise StreamBroken(f"HTTP {response.status_code}: {text[:300]}")
                 raise FleetRequestError(f"{url} rejected the request: HTTP {response.status_code}: {text}")
             lines = response.aiter_lines()
             async for line in lines:
@@ -419,7 +397,7 @@ class FleetClient:
                 payload = line[len("data:") :].strip()
                 if payload == "[DONE]":
                     break
-                delta = _parse_stream_chunk(payload, url)
+                delta = parse_stream_chunk(payload, url)
                 if delta is None:
                     continue
                 if delta.finish_reason is None:
@@ -432,7 +410,7 @@ class FleetClient:
                         pass
                 yield delta
                 return
-            raise _StreamBroken("the stream ended without a finish_reason")
+            raise StreamBroken("the stream ended without a finish_reason")
 
     def _completion_body(
         self,
@@ -498,7 +476,7 @@ class FleetClient:
             await self._sync_step(url, "reset_prefix_cache", "/reset_prefix_cache")
         except BaseException as exc:
             if isinstance(exc, WeightSyncError):
-                self.mark_unhealthy(url, cooldown_s=max(self.cooldown_s, 60.0))
+                self.mark_unhealthy(url, cooldown_s=max(self.servers.cooldown_s, 60.0))
             try:  # resume anyway; the first error is the one to report
                 await self._sync_step(url, "resume", "/resume")
             except WeightSyncError:
@@ -515,64 +493,14 @@ class FleetClient:
             raise WeightSyncError(f"{url}: {step} failed: HTTP {response.status_code}: {response.text}")
 
 
-def _parse_completion(body: dict[str, Any], url: str) -> Completion:
-    try:
-        choice = body["choices"][0]
-        token_ids = [int(t) for t in choice["token_ids"]]
-        logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
-        finish_reason = str(choice["finish_reason"])
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise FleetRequestError(f"{url} answered without token ids / logprobs: {str(body)[:500]}") from exc
-    if len(token_ids) != len(logprobs):
-        raise FleetRequestError(f"{url} returned {len(token_ids)} token ids but {len(logprobs)} logprobs")
-    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason, server_url=url)
-
-
-def _parse_stream_chunk(payload: str, url: str) -> StreamDelta | None:
-    """One `data:` payload of a stream as a delta; None for a chunk without a choice (the usage chunk)."""
-    try:
-        chunk = json.loads(payload)
-    except json.JSONDecodeError as exc:
-        raise _StreamBroken(f"malformed chunk: {payload[:300]}") from exc
-    if not isinstance(chunk, dict):
-        raise _StreamBroken(f"malformed chunk: {payload[:300]}")
-    if "error" in chunk:
-        error = chunk["error"] if isinstance(chunk["error"], dict) else {}
-        code = error.get("code")
-        if isinstance(code, int) and 400 <= code < 500:
-            raise FleetRequestError(f"{url} failed the request mid-stream: {payload[:500]}")
-        raise _StreamBroken(f"error chunk: {payload[:300]}")
-    try:
-        if not chunk["choices"]:
-            return None
-        choice = chunk["choices"][0]
-        token_ids = [int(t) for t in choice.get("token_ids") or []]
-        logprobs = [float(lp) for lp in (choice.get("logprobs") or {}).get("token_logprobs") or []]
-        finish_reason = choice.get("finish_reason")
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-        raise _StreamBroken(f"malformed chunk: {payload[:300]}") from exc
-    if len(token_ids) != len(logprobs):
-        raise _StreamBroken(f"{len(token_ids)} ids but {len(logprobs)} logprobs in chunk: {payload[:300]}")
-    if finish_reason == _SERVER_DROPPED:
-        raise _StreamBroken("the server aborted the request")
-    return StreamDelta(
-        token_ids=token_ids,
-        logprobs=logprobs,
-        server_url=url,
-        finish_reason=None if finish_reason is None else str(finish_reason),
-    )
-
-
-def _read_load_metrics(text: str) -> tuple[int, int, list[float]]:
-    """(running, waiting, KV cache usage per engine) from Prometheus text; ValueError if unreadable or
-    without the request counts (then it is no reading, rather than a reading of an idle server)."""
-    values: dict[str, list[float]] = {RUNNING_METRIC: [], WAITING_METRIC: [], KV_CACHE_METRIC: []}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in values:
-                if not math.isfinite(sample.value):
-                    raise ValueError(f"{sample.name} is {sample.value}")
-                values[sample.name].append(sample.value)
-    if not values[RUNNING_METRIC] or not values[WAITING_METRIC]:
-        raise ValueError(f"no {RUNNING_METRIC} / {WAITING_METRIC} in the metrics")
-    return round(sum(values[RUNNING_METRIC])), round(sum(values[WAITING_METRIC])), values[KV_CACHE_METRIC]
+def _grouped(urls: list[str], groups: Sequence[ServerGroup] | None) -> list[ServerGroup]:
+    """`groups`, checked to hold each of `urls` once; without groups, the servers are one group."""
+    if groups is None:
+        return [ServerGroup("the fleet client's servers", tuple(urls))]
+    listed = [url.rstrip("/") for group in groups for url in group.urls]
+    twice = sorted({url for url in listed if listed.count(url) > 1})
+    if twice:
+        raise ValueError(f"a server is in more than one group: {', '.join(twice)}")
+    if sorted(listed) != sorted(urls):
+        raise ValueError(f"the groups' servers ({listed}) are not the client's ({urls})")
+    return [dataclasses.replace(group, urls=tuple(url.rstrip("/") for url in group.urls)) for group in groups]

@@ -1,5 +1,6 @@
 """FleetClient routing against fake servers (httpx.MockTransport); the real vLLM API is tested in
-tests/integration/test_vllm_fleet.py."""
+tests/integration/test_vllm_fleet.py, what the client reads of a server before its first turn in
+test_fleet_servers.py."""
 
 from __future__ import annotations
 
@@ -17,16 +18,20 @@ from rollstream.shared.inference.fleet import (
     FleetClient,
     FleetRequestError,
     FleetUnavailable,
+    ServerGroup,
     WeightSyncError,
 )
+from tests.unit.shared.inference.served_models import answering_models, models_body
 
 URLS = [f"http://vllm-{i}:8000" for i in range(4)]
 
 
 class FakeFleet:
-    """Answers /v1/completions like vLLM; per-server failure modes; records every request."""
+    """Answers /v1/completions like vLLM; per-server failure modes; records every request but GET /v1/models,
+    which every server answers with its context (`contexts`, 1024 tokens unless set)."""
 
     def __init__(self) -> None:
+        self.contexts: dict[str, int] = {}
         self.down: set[str] = set()  # connection refused
         self.status: dict[str, int] = {}  # answer with this HTTP status instead
         self.requests: list[httpx.Request] = []
@@ -39,6 +44,8 @@ class FakeFleet:
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         server = _server(request)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=models_body(max_model_len=self.contexts.get(server, 1024)))
         self.requests.append(request)
         if server in self.down:
             raise httpx.ConnectError("connection refused", request=request)
@@ -125,7 +132,7 @@ def test_same_session_same_server_and_sessions_spread():
     async def go():
         async with make_client(fake) as fleet:
             first = {}
-            for turn in range(3):
+            for _ in range(3):  # turns
                 for s in range(200):
                     out = await fleet.complete([1], max_tokens=1, session_id=f"s{s}")
                     assert first.setdefault(s, out.server_url) == out.server_url
@@ -285,7 +292,7 @@ def test_reload_weights_failure_in_rpc_still_resumes():
         return httpx.Response(200, json={})
 
     async def go():
-        async with FleetClient(URLS, transport=httpx.MockTransport(handler)) as fleet:
+        async with FleetClient(URLS, transport=httpx.MockTransport(answering_models(handler))) as fleet:
             with pytest.raises(WeightSyncError, match="reload_weights failed: HTTP 500.*Cannot find any model weights"):
                 await fleet.reload_weights(URLS[2], "/ckpt/v2")
             assert not fleet.is_healthy(URLS[2])  # vLLM's engine dies on a failed reload
@@ -316,11 +323,13 @@ def test_cooldown_expires_by_time():
 
 def test_a_turn_longer_than_a_servers_context_goes_to_a_server_of_a_longer_context_group():
     fake = FakeFleet()
-    # vllm-0 and vllm-1 hold 1024 tokens, vllm-2 and vllm-3 (a long-context group) 8192
-    contexts = {url: 1024 if i < 2 else 8192 for i, url in enumerate(URLS)}
+    # vllm-0 and vllm-1 hold 1024 tokens, vllm-2 and vllm-3 (a long-context group) 8192, as they report
+    fake.contexts = {url: 1024 if i < 2 else 8192 for i, url in enumerate(URLS)}
+    groups = [ServerGroup("fleet.urls", tuple(URLS[:2])), ServerGroup("fleet.groups.long", tuple(URLS[2:]))]
 
     async def go():
-        async with make_client(fake, contexts=contexts) as fleet:
+        async with make_client(fake, groups=groups) as fleet:
+            assert await fleet.longest_context() == 8192
             sessions = [f"s{i}" for i in range(40)]
             assert {fleet.route(s)[0] for s in sessions} == set(URLS)  # short turns: every server
             for session in sessions:

@@ -21,6 +21,7 @@ from rollstream.shared.inference.fleet import (
     ServerLoad,
     StreamDelta,
 )
+from tests.unit.shared.inference.served_models import answering_models, models_body
 
 URLS = [f"http://vllm-{i}:8000" for i in range(4)]
 PROMPT = [1, 2, 3]
@@ -98,6 +99,8 @@ class StreamingFleet:
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         server = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=models_body())
         if request.url.path == "/metrics":
             self.metrics_requests += 1
             answer = self.metrics.get(server, "")
@@ -224,7 +227,7 @@ def test_stream_reads_vllm_chunk_shapes_split_anywhere():
         return httpx.Response(200, stream=Events(pieces(), lambda: None))
 
     async def go():
-        async with FleetClient(URLS[:1], transport=httpx.MockTransport(handler)) as fleet:
+        async with FleetClient(URLS[:1], transport=httpx.MockTransport(answering_models(handler))) as fleet:
             return await collect(fleet, max_tokens=10)
 
     assert run(go()) == [
@@ -335,7 +338,7 @@ def test_a_server_that_sent_every_allowed_token_but_not_the_end_needs_no_success
         return httpx.Response(200, content=sse(vllm_chunk([5, 6], [-0.5, -0.25], None)))  # then it died
 
     async def go():
-        async with FleetClient(URLS, transport=httpx.MockTransport(handler)) as fleet:
+        async with FleetClient(URLS, transport=httpx.MockTransport(answering_models(handler))) as fleet:
             return fleet.route("sess")[0], await collect(fleet, 2)
 
     home, deltas = run(go())
@@ -363,7 +366,7 @@ def test_an_error_chunk_blaming_the_request_is_not_retried():
         return httpx.Response(200, content=sse(vllm_chunk([5], [-0.1], None)) + sse(error) + sse("[DONE]"))
 
     async def go():
-        async with FleetClient(URLS, transport=httpx.MockTransport(handler)) as fleet:
+        async with FleetClient(URLS, transport=httpx.MockTransport(answering_models(handler))) as fleet:
             with pytest.raises(FleetRequestError, match="bad logits processor"):
                 await collect(fleet, 5)
             assert all(fleet.is_healthy(u) for u in URLS)

@@ -1,0 +1,199 @@
+"""The fleet's servers: the group each belongs to, what each serves (read from its /v1/models when the fleet
+client first meets it), the context a turn may use there, and whether it is in its unhealthy cool-down.
+
+A server says what it serves on GET /v1/models (vLLM 0.32: one card per served name, `id` the name requests
+ask for, `root` the model directory, `max_model_len` the context it was started with; a LoRA adapter's card
+names its base model's card as its `parent`). That, not a setting, is what a turn is held to:
+
+- a setting that disagrees with a server is a FleetSettingsError, which names the server, what it reports,
+  the setting and how to fix it: a model name (model.served_name) it does not serve, or a context length
+  (model.max_model_len, a policy group's max_model_len) longer than the one it reports. A server that
+  reports a longer context than the setting is taken at its word (the setting is what `rollstream run`
+  starts its own servers with; a server started elsewhere knows its own).
+- a server that does not answer /v1/models (or answers it without its model's context) is the machinery
+  failure it is: it is put in its cool-down, takes no turn, and is asked again once the cool-down is over;
+  its context is never assumed.
+- servers of one group (fleet.urls, a policy group) that report different contexts are held to the
+  smallest: the servers of a group are interchangeable, and a session's turn fails over from one to another
+  in the middle of a generation, so a turn the group takes must fit every server of it. (An error would stop
+  a run for a difference that only costs context; a warning names the servers.)
+
+Library module, not run directly (FleetClient.meet_servers uses it):
+    python -m pytest tests/unit/shared/inference/test_fleet_servers.py -q
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from rollstream.shared.errors import RollstreamError
+
+if TYPE_CHECKING:
+    from rollstream.shared.runtime.config import Settings
+
+MODELS_TIMEOUT_S = 5.0
+log = logging.getLogger(__name__)
+
+
+class FleetSettingsError(RollstreamError, ValueError):
+    """A server of the fleet disagrees with the settings: it does not serve the configured model name, or
+    reports a shorter context than the configured one. The message says which server, what it reports,
+    which setting, and how to fix it."""
+
+
+class ServerNotMet(RollstreamError, RuntimeError):
+    """A server did not say what it serves: /v1/models did not answer, or answered without a usable card."""
+
+
+@dataclass(frozen=True)
+class ServerGroup:
+    """Servers that serve alike, as the settings list them: a session's turns may go to any of them."""
+
+    name: str
+    """Where the settings list them, for messages: "fleet.urls", "fleet.groups.long"."""
+    urls: tuple[str, ...]
+    max_model_len: int | None = None
+    """The context length the settings give them: a server reporting a shorter one is a FleetSettingsError.
+    None: whatever they report."""
+    max_model_len_setting: str = "max_model_len"
+    """The setting max_model_len comes from, for messages."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model a server serves the fleet's requests with, as its /v1/models card says."""
+
+    name: str
+    root: str
+    max_model_len: int
+
+
+def policy_server_groups(settings: Settings) -> list[ServerGroup]:
+    """The run's policy servers by group, each with the context its settings give it: fleet.urls (with
+    model.max_model_len), then each policy group of fleet.groups with servers."""
+    groups = []
+    if settings.fleet.urls:
+        groups.append(ServerGroup("fleet.urls", tuple(url.rstrip("/") for url in settings.fleet.urls),
+                                  settings.model.max_model_len, "model.max_model_len"))
+    for name, group in settings.fleet.groups.items():
+        if group.policy and group.urls:
+            groups.append(ServerGroup(f"fleet.groups.{name}", tuple(url.rstrip("/") for url in group.urls),
+                                      group.max_model_len, f"fleet.groups.{name}.max_model_len"))
+    return groups
+
+
+async def read_served_model(http: httpx.AsyncClient, url: str, model: str | None,
+                            model_setting: str) -> ServedModel:
+    """What `url` serves `model` as (None: its base model, which vLLM uses for a request naming none).
+    ServerNotMet when it does not say; FleetSettingsError when it does not serve `model`."""
+    try:
+        response = await http.get(f"{url}/v1/models", timeout=MODELS_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise ServerNotMet(f"{url} did not answer GET /v1/models: {type(exc).__name__}: {exc}") from exc
+    if response.status_code != 200:
+        raise ServerNotMet(f"{url} answered GET /v1/models with HTTP {response.status_code}: "
+                           f"{response.text[:300]}")
+    try:
+        cards = {str(card["id"]): card for card in response.json()["data"] if isinstance(card, dict)}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ServerNotMet(f"{url} answered GET /v1/models with no list of models: "
+                           f"{response.text[:300]}") from exc
+    return served_model(cards, url, model, model_setting)
+
+
+def served_model(cards: dict[str, dict[str, Any]], url: str, model: str | None,
+                 model_setting: str) -> ServedModel:
+    """The card of `model` among a server's cards (by name), its context from its own card or, for a LoRA
+    adapter, its base model's."""
+    bases = [name for name, card in cards.items() if not card.get("parent")]
+    if not bases:
+        raise ServerNotMet(f"{url} lists no model on GET /v1/models: {list(cards)}")
+    name = bases[0] if model is None else model
+    if name not in cards:
+        raise FleetSettingsError(
+            f"{url} does not serve {name!r}, which {model_setting} names: it serves "
+            f"{', '.join(cards)} (GET {url}/v1/models). Set {model_setting} to the name it serves, or start "
+            f"the server with --served-model-name {name}")
+    card = cards[name]
+    length = card.get("max_model_len") or cards.get(str(card.get("parent")), {}).get("max_model_len")
+    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+        raise ServerNotMet(f"{url} does not report the context length of {name!r} on GET /v1/models "
+                           f"(max_model_len: {length!r}); the fleet takes each server's context from there")
+    return ServedModel(name=name, root=str(card.get("root") or ""), max_model_len=length)
+
+
+class FleetServers:
+    """The fleet's servers by group, what each serves once met, the context a turn may use on it (its
+    group's smallest), and each one's unhealthy cool-down."""
+
+    def __init__(self, groups: Sequence[ServerGroup], cooldown_s: float) -> None:
+        self.group_of = {url: group for group in groups for url in group.urls}
+        self.cooldown_s = cooldown_s
+        self.served: dict[str, ServedModel] = {}
+        """Each server met so far: what its /v1/models says it serves."""
+        self.contexts: dict[str, int] = {}
+        """Each server met so far: the context a turn may use on it, its group's smallest."""
+        self.not_met: dict[str, str] = dict.fromkeys(self.group_of, "not asked yet")
+        """Each server not met yet: why (it did not answer /v1/models, ...)."""
+        self.longest_context: int | None = None
+        """The longest context of a server met so far; None before one is."""
+        self._unhealthy_until = dict.fromkeys(self.group_of, 0.0)
+
+    # -- health -------------------------------------------------------------------------------------
+    def is_healthy(self, url: str) -> bool:
+        return time.monotonic() >= self._unhealthy_until[url]
+
+    def mark_unhealthy(self, url: str, cooldown_s: float | None = None) -> None:
+        cooldown = self.cooldown_s if cooldown_s is None else cooldown_s
+        self._unhealthy_until[url] = time.monotonic() + cooldown
+
+    def mark_healthy(self, url: str) -> None:
+        self._unhealthy_until[url] = 0.0
+
+    # -- membership ---------------------------------------------------------------------------------
+    def to_meet(self) -> list[str]:
+        """The servers not met yet that are not cooling down: those to ask what they serve now."""
+        return [url for url in self.not_met if self.is_healthy(url)]
+
+    def did_not_answer(self, url: str, why: str) -> None:
+        """`url` did not say what it serves: it takes no turn, and is asked again after its cool-down."""
+        if self.not_met.get(url) != why:
+            log.warning("a vLLM server did not say what it serves; it takes no turn until it does",
+                        extra={"server": url, "error": why})
+        self.not_met[url] = why
+        self.mark_unhealthy(url)
+
+    def meet(self, url: str, served: ServedModel) -> None:
+        """Records what `url` serves, once it agrees with its group's setting; FleetSettingsError if not."""
+        group = self.group_of[url]
+        setting = group.max_model_len
+        if setting is not None and setting > served.max_model_len:
+            raise FleetSettingsError(
+                f"{url} ({group.name}) serves {served.name!r} with a context of {served.max_model_len} "
+                f"tokens (its --max-model-len), shorter than {group.max_model_len_setting}, {setting}: set "
+                f"{group.max_model_len_setting} to {served.max_model_len} or less, or start the server with "
+                f"--max-model-len {setting}")
+        if setting is not None and setting < served.max_model_len:
+            log.info("a vLLM server holds a longer context than its setting; its turns may use it",
+                     extra={"server": url, "max_model_len": served.max_model_len,
+                            "setting": f"{group.max_model_len_setting}={setting}"})
+        self.served[url] = served
+        self.not_met.pop(url, None)
+        self._hold_group_to_its_smallest_context(group)
+
+    def _hold_group_to_its_smallest_context(self, group: ServerGroup) -> None:
+        reported = {url: self.served[url].max_model_len for url in group.urls if url in self.served}
+        smallest = min(reported.values())
+        if len(set(reported.values())) > 1:
+            log.warning(f"the servers of {group.name} report different context lengths: each of its turns is "
+                        f"held to the smallest, {smallest} tokens, so that any of them can take a session's "
+                        "turn over", extra={"contexts": reported})
+        for url in reported:
+            self.contexts[url] = smallest
+        self.longest_context = max(self.contexts.values())
