@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,10 +40,15 @@ from typing import NoReturn
 
 import httpx
 
+from rollstream.cli.cpu_cores import CoreLease, StartSlot, lease_cores, wait_for_start_slot
+from rollstream.cli.vllm_neighbours import describe_machine
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.runtime.config import Settings
 
+START_SLOT_HOLD_S = 600
+"""The longest a starting server holds its start slot (cli/cpu_cores.py): the suite's longest health wait; a
+server that has not answered by then waits no more than the others do."""
 
 COMPILATION_ARGS = ("--enforce-eager", "--compilation-config", "-cc", "--optimization-level", "-O")
 """Extra arguments that choose vLLM's compilation (`-O2`, `-cc.mode=3`, ...): given one, the server adds no
@@ -71,6 +77,12 @@ def free_port() -> int:
 
 class VllmServer:
     """One vLLM server process: start(), wait_healthy(), stop(); also a context manager."""
+
+    cores: tuple[int, ...] | None = None
+    """The cores its OpenMP threads are bound to (cli/cpu_cores.py); None where the environment chose
+    (VLLM_CPU_OMP_THREADS_BIND set) or vLLM is not its CPU build."""
+    _core_lease: CoreLease | None = None
+    """Leased by environment(), held here until start() has handed it to the server's process."""
 
     def __init__(
         self,
@@ -159,22 +171,76 @@ class VllmServer:
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
-        self._proc = subprocess.Popen(
-            self.command(),
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.environment(),
-            start_new_session=True,  # own process group: stop() signals vLLM's children too
-        )
+        slot = wait_for_start_slot()  # while as many servers start as the machine has cores, wait
+        try:
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                pass_fds=self._core_lease.fds if self._core_lease else (),  # the server holds its cores
+                start_new_session=True,  # own process group: stop() signals vLLM's children too
+            )
+        finally:
+            self._hand_over(slot)
         return self
 
     def environment(self) -> dict[str, str]:
+        """The server's environment: the caller's, `extra_env`, vLLM's settings, its cores (_bind_cores)."""
         env = {**os.environ, **self.extra_env}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")  # a weights path that is not a local dir must not hit the hub
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+        env.update(self._bind_cores(env))
         return env
+
+    def _bind_cores(self, env: Mapping[str, str]) -> dict[str, str]:
+        """On the CPU build, the variables that bind the server's OpenMP threads to a core leased to it (the
+        least-leased of the machine's, cli/cpu_cores.py) instead of vLLM's automatic binding, which puts all
+        servers on the same cores; none where the environment binds them: VLLM_CPU_OMP_THREADS_BIND is set."""
+        if not cpu_build() or "VLLM_CPU_OMP_THREADS_BIND" in env:
+            self.cores = None
+            return {}
+        if self._core_lease is None:
+            self._core_lease = lease_cores()
+        self.cores = self._core_lease.cores
+        return self._core_lease.environment()
+
+    def _hand_over(self, slot: StartSlot) -> None:
+        """After the server's process started (or failed to): the server alone holds its cores from now on,
+        and its start slot is released once it answers /health (or exits, or START_SLOT_HOLD_S pass), whether
+        or not anyone waits for it: a local run starts all its server groups before it waits for the first."""
+        if self._core_lease is not None:
+            self._core_lease.close()
+            self._core_lease = None
+        if self._proc is None:
+            slot.release()
+            return
+        threading.Thread(target=self._release_once_started, args=(slot, self._proc), daemon=True,
+                         name=f"vllm-start-slot-{self.port}").start()
+
+    def _release_once_started(self, slot: StartSlot, proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + START_SLOT_HOLD_S
+        with httpx.Client(timeout=5.0) as client:
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        slot.release()
+
+    def keep_cores_across_exec(self) -> None:
+        """Before an os.exec* into the server (exec_newest_policy): the process it becomes keeps the lease."""
+        if self._core_lease is not None:
+            self._core_lease.keep_across_exec()
+
+    def _starting_beside(self) -> str:
+        """What a failed start reports besides the log: its cores, the load, the other vLLM servers."""
+        cores = ",".join(map(str, self.cores)) if self.cores else "as its environment or vLLM chose"
+        return f"its cores: {cores}; {describe_machine(exclude_pid=self.pid)}"
 
     def log_tail(self, n_lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -193,7 +259,8 @@ class VllmServer:
                 code = self._proc.poll()
                 if code is not None:
                     raise VllmStartError(
-                        f"vLLM exited with code {code} during start-up; log {self.log_path}:\n{self.log_tail()}"
+                        f"vLLM exited with code {code} during start-up; {self._starting_beside()}\n"
+                        f"log {self.log_path}:\n{self.log_tail()}"
                     )
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
@@ -201,10 +268,10 @@ class VllmServer:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    tail = self.log_tail()
+                    tail, beside = self.log_tail(), self._starting_beside()  # before stop(): as it was
                     self.stop()
                     raise VllmStartError(
-                        f"vLLM not healthy after {timeout_s:.0f} s; log {self.log_path}:\n{tail}"
+                        f"vLLM not healthy after {timeout_s:.0f} s; {beside}\nlog {self.log_path}:\n{tail}"
                     )
                 time.sleep(0.5)
 
@@ -258,8 +325,9 @@ def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] 
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     model, version = newest_policy(bus, settings)
     if not (model / "config.json").is_file():
-        raise VllmStartError(f"policy version {version} of run {settings.run_id!r} is {model}, which holds no model "
-                             f"here: mount the run's storage at the trainer's path ({settings.storage_uri})")
+        raise VllmStartError(f"policy version {version} of run {settings.run_id!r} is {model}, which holds "
+                             "no model here: mount the run's storage at the trainer's path "
+                             f"({settings.storage_uri})")
     if group is None:
         server = VllmServer.for_run(settings, model, port, extra_args=extra_args, host=settings.listen_host)
     else:
@@ -267,8 +335,10 @@ def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] 
                                       host=settings.listen_host)
     print(json.dumps({"message": "serving the newest policy", "run_id": settings.run_id, "version": version,
                       "model": str(model)}), file=sys.stderr, flush=True)
-    command = server.command()
-    os.execve(command[0], command, server.environment())
+    command, env = server.command(), server.environment()
+    # No start slot here: once this process is the server, nothing is left to release one when it answers.
+    server.keep_cores_across_exec()
+    os.execve(command[0], command, env)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
