@@ -109,6 +109,7 @@ BENCHMARKS = (
     Benchmark("encoding", "bench_encoding.py"),
     Benchmark("bus", "bench_bus.py", redis_option="--redis"),
     Benchmark("redis-round-trips", "bench_redis_round_trips.py", redis_option="--redis"),
+    Benchmark("reward-book", "bench_reward_book.py", redis_option="--redis"),
     Benchmark("data-path", "bench_data_path.py"),
     Benchmark("weight-sync", "bench_weight_sync.py"),
     Benchmark("checkpoint-sync", "bench_checkpoint_sync.py", ("--shapes", "128x2", "1024x4", "2048x4")),
