@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import subprocess
 import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rollstream.cli import cpu_cores
 from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.services.recorder.archive_writer import ArchiveWriter
 from rollstream.shared.contract.bus import STREAMS, Bus
@@ -48,14 +49,15 @@ def skip_does_not_apply(reason: str) -> None:
 
 def prompt(i: int, group_size: int = 1) -> PromptIssued:
     """A small PromptIssued event: sample i of a group of `group_size`."""
-    return PromptIssued(sample_index=i, group_size=group_size, messages=[{"role": "user", "content": f"q{i}"}],
-                        policy_version=0)
+    return PromptIssued(sample_index=i, group_size=group_size,
+                        messages=[{"role": "user", "content": f"q{i}"}], policy_version=0)
 
 
 def turn(i: int) -> TrajectoryTurn:
     """A small TrajectoryTurn event whose sampled ids depend on i."""
-    return TrajectoryTurn(turn=i, offset=3, appended_ids=[1, 2, 3], response_ids=[7, 8 + i], logprobs=[-0.5, -1.25],
-                          policy_version=0, policy_version_end=0, finish_reason="stop", server_url="http://s")
+    return TrajectoryTurn(turn=i, offset=3, appended_ids=[1, 2, 3], response_ids=[7, 8 + i],
+                          logprobs=[-0.5, -1.25], policy_version=0, policy_version_end=0,
+                          finish_reason="stop", server_url="http://s")
 
 
 def archive_all(bus: Bus, root: Path) -> ArchiveWriter:
@@ -83,12 +85,13 @@ def docker_client():
         client = docker.from_env()
         client.ping()
     except DockerException as exc:
-        pytest.skip(f"no Docker engine answers (DOCKER_HOST={os.environ.get('DOCKER_HOST', 'unset')}): {exc}; "
+        host = os.environ.get("DOCKER_HOST", "unset")
+        pytest.skip(f"no Docker engine answers (DOCKER_HOST={host}): {exc}; "
                     "infra/docker-engine.sh starts one")
     return client
 
-__all__ = ["DOES_NOT_APPLY", "FIXTURES", "MODELS", "REPO", "archive_all", "docker_client", "free_port", "prompt",
-           "sandbox_uid_processes", "skip_does_not_apply", "turn"]
+__all__ = ["DOES_NOT_APPLY", "FIXTURES", "MODELS", "REPO", "archive_all", "docker_client", "free_port",
+           "prompt", "sandbox_uid_processes", "skip_does_not_apply", "turn"]
 
 
 def health(port: int) -> tuple[int, dict] | None:
@@ -141,8 +144,8 @@ def wait_for(condition, timeout_s: float, what: str):
 
 BWRAP_NO_USERNS = ("bwrap: No permissions to create new namespace, likely because the kernel does not allow "
                    "non-privileged user namespaces.")
-"""What bwrap says where it may not create its namespaces (user namespaces off, Ubuntu 24.04's AppArmor default,
-a container without the security options)."""
+"""What bwrap says where it may not create its namespaces (user namespaces off, Ubuntu 24.04's AppArmor
+default, a container without the security options)."""
 REAL_BWRAP = shutil.which("bwrap")
 """The host's bubblewrap, found before any test put a bwrap of its own first on PATH."""
 
@@ -156,8 +159,9 @@ def sandbox_bin_dir() -> Path:
 
 
 def break_bwrap(bin_dir: Path) -> None:
-    """Make bin_dir's `bwrap` one that cannot create its namespaces: BWRAP_NO_USERNS on stderr, exit 1, nothing
-    run. Swapped in by rename, so that a process looking it up meanwhile finds the old one or this one."""
+    """Make bin_dir's `bwrap` one that cannot create its namespaces: BWRAP_NO_USERNS on stderr, exit 1,
+    nothing run. Swapped in by rename, so that a process looking it up meanwhile finds the old one or this
+    one."""
     shim = bin_dir / ".bwrap-broken"
     shim.write_text(f"#!/bin/sh\necho '{BWRAP_NO_USERNS}' >&2\nexit 1\n")
     shim.chmod(0o755)
@@ -277,11 +281,39 @@ def vllm_servers(model: Path, log_dir: Path, count: int = 2):
         started = time.monotonic()
         for server in servers:
             server.wait_healthy(timeout_s=600)
-        print(f"\n{count} vLLM servers healthy after {time.monotonic() - started:.1f} s")
+        print(f"\n{count} vLLM servers healthy after {time.monotonic() - started:.1f} s, on cores "
+              f"{[server.cores for server in servers]}")
         yield servers
     finally:
         for server in servers:
             server.stop()
+
+
+def held_core_leases(pid: int) -> list[int]:
+    """The cores whose lease files (cli/cpu_cores.py) process `pid` holds open, in order."""
+    directory = cpu_cores.lease_dir()
+    cores = []
+    for fd in (Path("/proc") / str(pid) / "fd").iterdir():
+        try:
+            target = Path(os.readlink(fd))
+        except OSError:  # closed since the listing
+            continue
+        if target.parent == directory and target.name.startswith("core-"):
+            cores.append(int(target.name.split("-")[1].split(".")[0]))
+    return sorted(cores)
+
+
+def vllm_workers(server_pid: int) -> list[int]:
+    """The pids of a vLLM server's workers (the processes that run the model, below its engine core)."""
+    found, pending = [], [server_pid]
+    while pending:
+        pid = pending.pop()
+        for task in (Path("/proc") / str(pid) / "task").iterdir():
+            children = (task / "children").read_text().split()
+            pending.extend(int(child) for child in children)
+        if (Path("/proc") / str(pid) / "comm").read_text().startswith("VLLM::Worker"):
+            found.append(pid)
+    return sorted(found)
 
 
 def redis_passwords() -> dict[str, str]:
@@ -303,8 +335,8 @@ def reload_weights(urls: list[str], weights: Path) -> None:
 
 
 def revive(servers: list[VllmServer]) -> list[VllmServer]:
-    """The servers (tests/integration/conftest.py's vllm_pair), with any that exited started again on its port,
-    in its place."""
+    """The servers (tests/integration/conftest.py's vllm_pair), with any that exited started again on its
+    port, in its place."""
     for index, server in enumerate(servers):
         if server.exit_code() is None:
             continue

@@ -11,7 +11,14 @@ fault tests cut a server off behind a proxy instead of killing it (test_fleet_st
 tokens; tests/integration/deployed.py), read by the pipeline's tests (test_local_run.py) and the security
 tests (test_security.py).
 
-Under pytest-xdist the modules that use one of these stay on one worker (tests/conftest.py), so each starts once.
+Under pytest-xdist the modules that use one of these stay on one worker (tests/conftest.py), so each starts
+once.
+
+Every vLLM server the suite starts, here, in a local run or in a benchmark, leases a core (cli/cpu_cores.py):
+the pair's two take cores of their own where no other server holds them, and the servers of both workers
+spread over the machine instead of all binding core 0. Only as many servers start at once as the machine has
+cores; a further one waits for a start slot rather than starve the starting ones into their health
+timeouts, and a timeout lists the vLLM servers that ran beside it (test_vllm_cores.py).
 """
 
 from __future__ import annotations

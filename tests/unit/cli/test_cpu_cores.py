@@ -16,7 +16,7 @@ import pytest
 from rollstream.cli import cpu_cores, vllm_server
 from rollstream.cli.cpu_cores import LEASE_DIR_VARIABLE, lease_cores, leases_per_core, wait_for_start_slot
 from rollstream.cli.vllm_server import VllmServer
-from tests.support import REPO, skip_does_not_apply
+from tests.support import REPO, held_core_leases, skip_does_not_apply
 
 HOLDER = """
 import os, sys
@@ -101,6 +101,32 @@ def test_a_lease_stays_within_the_cores_the_process_may_use(tmp_path):
     finally:
         end(process)
         busy.close()
+
+
+EXECS = """
+import os, sys
+from rollstream.cli import cpu_cores
+lease = cpu_cores.lease_cores()
+if sys.argv[1] == "keep":
+    lease.keep_across_exec()
+os.execv(sys.executable, [sys.executable, "-c", "import sys; print('exec', flush=True); sys.stdin.read()"])
+"""
+"""A process that leases a core, then becomes another program (as `rollstream serve-policy` becomes vLLM)."""
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_lease_kept_across_exec_is_held_by_the_program_the_process_becomes(tmp_path, monkeypatch, keep):
+    monkeypatch.setenv(LEASE_DIR_VARIABLE, str(tmp_path))
+    process = subprocess.Popen([sys.executable, "-c", EXECS, "keep" if keep else "drop"], cwd=REPO,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "exec\n"
+        core = cpu_cores.allowed_cores()[0]
+        assert held_core_leases(process.pid) == ([core] if keep else [])
+        assert leases_per_core([core], tmp_path) == {core: 1 if keep else 0}
+    finally:
+        end(process)
+    assert leases_per_core([core], tmp_path) == {core: 0}
 
 
 def test_a_start_waits_for_a_slot_and_a_killed_holders_slot_frees(tmp_path):
