@@ -41,7 +41,7 @@ def test_unknown_keys_are_errors(tmp_path, monkeypatch):
 
 def test_missing_redis_is_a_clear_error():
     with pytest.raises(RuntimeError, match="set RS_REDIS_URL"):
-        Settings().redis
+        _ = Settings().redis
 
 
 def test_reference_lists_every_field_with_its_doc():
@@ -50,10 +50,9 @@ def test_reference_lists_every_field_with_its_doc():
     assert "`RS_BUS__RECLAIM_IDLE_MS`" in table
 
 
-def test_readme_configuration_reference_is_current():
-
-    readme = (REPO / "README.md").read_text()
-    assert reference_markdown() in readme, "regenerate it: rollstream config --markdown"
+def test_the_configuration_pages_reference_is_current():
+    page = (REPO / "docs" / "configuration.md").read_text()
+    assert reference_markdown() in page, "regenerate its table: rollstream config --markdown"
 
 
 # ------------------------------------------------------------------------------------------------- secrets
@@ -69,8 +68,8 @@ def test_credentials_in_the_url_move_to_their_fields_and_the_url_keeps_where_red
     assert settings.redis_username == "reward" and settings.redis_password.get_secret_value() == PASSWORD
     # the connection URL carries them again, quoted so that redis-py reads them back as they were
     from redis.connection import parse_url
-    assert parse_url(settings.redis) == {"username": "reward", "password": PASSWORD, "host": "redis", "port": 6379,
-                                         "db": 0}
+    assert parse_url(settings.redis) == {"username": "reward", "password": PASSWORD, "host": "redis",
+                                         "port": 6379, "db": 0}
 
 
 def test_credentials_set_twice_are_an_error():
@@ -82,7 +81,8 @@ def test_secrets_are_masked_in_every_dump_and_repr(monkeypatch):
     monkeypatch.setenv("RS_REDIS_PASSWORD", PASSWORD)
     monkeypatch.setenv("RS_SECURITY__HTTP_TOKEN", TOKEN)
     settings = Settings(redis_url="redis://redis:6379/0")
-    for shown in (settings.model_dump_json(), str(settings.model_dump(mode="json")), repr(settings), str(settings)):
+    for shown in (settings.model_dump_json(), str(settings.model_dump(mode="json")), repr(settings),
+                  str(settings)):
         assert PASSWORD not in shown and TOKEN not in shown
 
 
@@ -105,7 +105,8 @@ def test_an_empty_secret_is_none():
     assert settings.redis_password is None and settings.security.http_token is None
 
 
-def test_a_config_file_without_secrets_and_the_secret_environment_give_back_the_settings(tmp_path, monkeypatch):
+def test_a_config_file_without_secrets_and_the_secret_environment_give_back_the_settings(
+        tmp_path, monkeypatch):
     from rollstream.shared.runtime.config import secret_environment, settings_json_without_secrets
 
     settings = Settings(redis_url="redis://redis:6379/0", redis_username="reward", redis_password=PASSWORD,
@@ -134,7 +135,8 @@ def test_services_listen_on_loopback_unless_told_otherwise_and_only_on_an_ip_add
     assert Settings().listen_host == "127.0.0.1"
     monkeypatch.setenv("RS_LISTEN_HOST", "0.0.0.0")
     assert Settings().listen_host == "0.0.0.0" and Settings().url_host == "127.0.0.1"
-    assert Settings(listen_host="::").url_host == "[::1]" and Settings(listen_host="10.1.2.3").url_host == "10.1.2.3"
+    assert Settings(listen_host="::").url_host == "[::1]"
+    assert Settings(listen_host="10.1.2.3").url_host == "10.1.2.3"
     for wrong in ("localhost", "", "0.0.0.0:80", "*"):
         with pytest.raises(ValidationError, match="is not an IP address"):
             Settings(listen_host=wrong)
