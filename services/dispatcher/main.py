@@ -80,7 +80,8 @@ def main() -> None:
                               capacity=gate.capacity(version))
         CAPACITY.set(gate.capacity(version))
         ADMITTED_IN_RUN.set(admitted)
-        step = next_step(gate, admitted=admitted, filtered=filtered, group_size=n, policy_version=version, total=total)
+        step = next_step(gate, admitted=admitted, filtered=filtered, group_size=n, policy_version=version,
+                         total=total)
         if step == "done":
             # Not final: samples still in flight may yet be filtered out and need replacing.
             runtime.status["state"] = "done"
