@@ -82,15 +82,8 @@ def lead(settings: Settings, ranks: Ranks) -> None:
     """Rank 0: the run's lock, the `batches` stream, the fleet and the published versions."""
     runtime = ServiceRuntime("trainer", settings)
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
-    lock = RunLock(bus, "trainer", TRAINER_LOCK_TTL_MS)
-    standby = "standby: another trainer of this run is training"
-
-    def stand_by() -> None:
-        runtime.status["state"] = standby
-        ranks.share(Command("standby"))
-
-    if not lock.acquire(runtime.should_stop, stand_by):
-        ranks.share(Command("stop", "stopped before holding the run's lock"))
+    lock = hold_run_lock(runtime, bus, ranks)
+    if lock is None:
         runtime.close()
         return
     runtime.status.update(state="training", ranks=ranks.world_size)
@@ -122,7 +115,8 @@ def lead(settings: Settings, ranks: Ranks) -> None:
         runtime.status["policy_version"] = update.version
         runtime.log.info("policy updated", extra={"version": update.version, "loss": round(update.loss, 5),
                                                   "parity_max_abs_diff": update.parity_max_abs_diff,
-                                                  "trained": update.trained_samples, "dropped": update.dropped})
+                                                  "trained": update.trained_samples,
+                                                  "dropped": update.dropped})
 
     try:
         run_consumer(bus, GROUP, CONSUMER, handle, runtime.should_stop, take_over_pending=True,
@@ -136,6 +130,22 @@ def lead(settings: Settings, ranks: Ranks) -> None:
         trainer.close()
         lock.release()
         runtime.close()
+
+
+def hold_run_lock(runtime: ServiceRuntime, bus: Bus, ranks: Ranks) -> RunLock | None:
+    """The run's lock, once this trainer holds it (standing by, and the other ranks with it, while another
+    trainer of the run holds it); None when asked to stop first, and the other ranks are told to stop."""
+    lock = RunLock(bus, "trainer", TRAINER_LOCK_TTL_MS)
+    standby = "standby: another trainer of this run is training"
+
+    def stand_by() -> None:
+        runtime.status["state"] = standby
+        ranks.share(Command("standby"))
+
+    if not lock.acquire(runtime.should_stop, stand_by):
+        ranks.share(Command("stop", "stopped before holding the run's lock"))
+        return None
+    return lock
 
 
 def follow(settings: Settings, ranks: Ranks) -> None:

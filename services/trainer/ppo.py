@@ -133,7 +133,8 @@ def token_weights(rows: list[BatchRow], aggregation: str) -> list[list[float]]:
 
 
 def _trainable(row: BatchRow) -> list[int]:
-    # A sample's first token has no context to be scored in, so it cannot be trained on even if marked sampled.
+    # A sample's first token has no context to be scored in, so it cannot be trained on even if marked
+    # sampled.
     return [0] + [1 if m else 0 for m in row.loss_mask[1:]]
 
 
@@ -182,8 +183,8 @@ def _micro_batch(rows: list[BatchRow], weights: list[list[float]], layout: list[
             token_weight[r, span] = torch.tensor(weights[index], dtype=torch.float32)
             offset += len(sample.tokens)
     if all(len(row) == 1 for row in layout):
-        # A T x T mask is T^2 bytes, and with one the attention kernel materialises T^2 scores per head (a 60k-token
-        # coding-agent sample: tens of GB); without one it attends causally in memory linear in T.
+        # A T x T mask is T^2 bytes, and with one the attention kernel materialises T^2 scores per head (a
+        # 60k-token coding-agent sample: tens of GB); without one it attends causally in memory linear in T.
         attention_mask = None
     else:
         same_sample = sample_ids[:, :, None] == sample_ids[:, None, :]
@@ -205,7 +206,8 @@ def _model_attention_mask(model, mask: torch.Tensor | None) -> torch.Tensor | No
     if implementation == "eager":
         # eager attention adds the mask to its scores
         dtype = getattr(model, "dtype", torch.float32)
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return zeros.masked_fill(~mask, torch.finfo(dtype).min)
     # flash and flex attention take no 4D mask: transformers reads the packing from the position ids
     return None
 
@@ -347,7 +349,8 @@ def merge_stats(stats: list[dict[str, float]]) -> dict[str, float]:
     tokens = sum(s["tokens"] for s in stats)
     weight = sum(s["weight"] for s in stats)
     merged = {key: sum(s[key] for s in stats) / weight if weight else 0.0 for key in WEIGHTED_STATS}
-    merged.update({key: sum(s[key] * s["tokens"] for s in stats) / tokens if tokens else 0.0 for key in MEAN_STATS})
+    merged.update({key: sum(s[key] * s["tokens"] for s in stats) / tokens if tokens else 0.0
+                   for key in MEAN_STATS})
     merged["importance_weight_max"] = max(s["importance_weight_max"] for s in stats)
     merged["tokens"] = tokens
     merged["weight"] = weight

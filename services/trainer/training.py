@@ -122,7 +122,8 @@ def row_problem(row: BatchRow, vocab_size: int, max_positions: int | None, versi
     so any of these means the file was not written by the reward service from such segments."""
     n = len(row.tokens)
     if not n or len(row.loss_mask) != n or len(row.rollout_logprobs) != n:
-        return f"tokens ({n}), loss_mask ({len(row.loss_mask)}) and rollout_logprobs ({len(row.rollout_logprobs)}) differ"
+        return (f"tokens ({n}), loss_mask ({len(row.loss_mask)}) and rollout_logprobs "
+                f"({len(row.rollout_logprobs)}) differ")
     if max_positions is not None and n > max_positions:
         return f"{n} tokens, the model has {max_positions} positions"
     if min(row.tokens) < 0 or max(row.tokens) >= vocab_size:
@@ -147,7 +148,9 @@ def last_own_update(bus: Bus, trained_key: str, storage_uri: str | None = None) 
             event = decode(fields).payload
         except ValueError:
             return None
-        return event if isinstance(event, PolicyUpdated) and bus.redis.sismember(trained_key, event.batch_id) else None
+        if isinstance(event, PolicyUpdated) and bus.redis.sismember(trained_key, event.batch_id):
+            return event
+        return None
 
     key, end = bus.keys.stream("policy"), "+"
     while True:
@@ -174,7 +177,8 @@ def is_stale(row: BatchRow, version: int, max_staleness: int) -> bool:
     return row.min_policy_version < version - max_staleness
 
 
-def select_fresh(rows: list[BatchRow], version: int, max_staleness: int) -> tuple[list[BatchRow], dict[str, int]]:
+def select_fresh(rows: list[BatchRow], version: int,
+                 max_staleness: int) -> tuple[list[BatchRow], dict[str, int]]:
     """The rows the policy after `version` may learn from (none is_stale). Returns them and the count left
     out per reason."""
     fresh = [r for r in rows if not is_stale(r, version, max_staleness)]
@@ -239,12 +243,13 @@ class Trainer:
         if Path(batch.uri).name != f"{batch.batch_id}.parquet":
             # The reward service names every batch file after its batch id: anything else is another
             # batch (trained under its own id) or no batch at all.
-            raise BatchRejected(f"batch {batch.batch_id} announces {batch.uri}, which is not its file", retryable=False)
+            raise BatchRejected(f"batch {batch.batch_id} announces {batch.uri}, which is not its file",
+                                retryable=False)
         try:
             rows = read_batch(self.storage, batch.uri)
         except Exception as exc:  # missing, unreadable, not Parquet, another schema: whatever the file is
-            raise BatchRejected(f"batch {batch.batch_id}: cannot read {batch.uri}: {type(exc).__name__}: {exc}",
-                                retryable=True) from exc
+            raise BatchRejected(f"batch {batch.batch_id}: cannot read {batch.uri}: "
+                                f"{type(exc).__name__}: {exc}", retryable=True) from exc
         groups = {row.group_id for row in rows}
         if len(rows) != batch.sample_count or groups != set(batch.group_ids):
             raise BatchRejected(f"batch {batch.batch_id}: {batch.uri} holds {len(rows)} rows of groups "
@@ -261,7 +266,8 @@ class Trainer:
                 usable.append(row)
             else:
                 log.warning("batch row left out", extra={"rollout_id": row.rollout_id,
-                                                         "segment_index": row.segment_index, "problem": problem})
+                                                         "segment_index": row.segment_index,
+                                                         "problem": problem})
         return usable, len(rows) - len(usable)
 
     def train(self, batch: BatchReady, rows: list[BatchRow]) -> TrainedStep:
@@ -309,22 +315,14 @@ class Trainer:
             token_logprobs,
         )
 
-        torch, cfg, backend = self.torch, self.settings.train, self.backend
+        cfg, backend = self.settings.train, self.backend
         # each rank runs its share of every minibatch's micro-batches; only the real ones count in the stats
         parts = split_minibatches(rows, cfg.minibatches)
         plan = [self.ranks.own_share(make_micro_batches(part, cfg.loss_aggregation, cfg.micro_batch_tokens,
                                                         self.pad_id, backend.device))
                 for part in parts]
         before: dict[tuple[str, int], list[float]] = {}
-        with torch.no_grad():  # every minibatch is clipped against the policy before the first update
-            for index, (micros, _) in enumerate(plan):
-                for micro in micros:
-                    # the first minibatch's own forward runs before any update: its detached logprobs are it
-                    if cfg.decoupled and index > 0:
-                        micro.prox_logprobs = token_logprobs(backend.model, micro)
-                        keep_logprobs(before, parts[index], micro, micro.prox_logprobs)
-                    if self.reference is not None:
-                        micro.ref_logprobs = token_logprobs(self.reference, micro)
+        self.score_before_update(plan, parts, before)
         per_step: list[dict[str, float]] = []
         for index, (micros, real) in enumerate(plan):
             stats = []
@@ -335,7 +333,8 @@ class Trainer:
                 if cfg.decoupled and micro.prox_logprobs is None:
                     micro.prox_logprobs = logprobs.detach()
                 loss, micro_stats = policy_loss(logprobs, micro, clip_eps=cfg.clip_eps,
-                                                decoupled=cfg.decoupled, importance_weight_cap=cfg.importance_weight_cap,
+                                                decoupled=cfg.decoupled,
+                                                importance_weight_cap=cfg.importance_weight_cap,
                                                 kl_coef=cfg.kl_coef)
                 backend.backward(loss)
                 stats.append(micro_stats)
@@ -351,6 +350,24 @@ class Trainer:
             return {}
         return {f"train/{key}": sum(step[key] for step in per_step) / len(per_step) for key in per_step[0]
                 if key != "weight"}
+
+    def score_before_update(self, plan: list[tuple[list, int]], parts: list[list[BatchRow]],
+                            before: dict[tuple[str, int], list[float]]) -> None:
+        """Set, on each micro-batch of the plan, the logprobs its loss compares with that must come before
+        the batch's first update: the proximal ones (decoupled PPO, kept in `before`) and the reference
+        model's (with a KL term)."""
+        from rollstream.services.trainer.ppo import token_logprobs
+
+        cfg, backend = self.settings.train, self.backend
+        with self.torch.no_grad():  # every minibatch is clipped against the policy before the first update
+            for index, (micros, _) in enumerate(plan):
+                for micro in micros:
+                    # the first minibatch's own forward runs before any update: its detached logprobs are it
+                    if cfg.decoupled and index > 0:
+                        micro.prox_logprobs = token_logprobs(backend.model, micro)
+                        keep_logprobs(before, parts[index], micro, micro.prox_logprobs)
+                    if self.reference is not None:
+                        micro.ref_logprobs = token_logprobs(self.reference, micro)
 
     def record_logprobs(self, batch: BatchReady, rows: list[BatchRow],
                         before: dict[tuple[str, int], list[float]]) -> float:
@@ -369,7 +386,8 @@ class Trainer:
         return sum(gaps) / len(gaps) if gaps else 0.0
 
     def save_checkpoint(self, version: int) -> Path:
-        """Write the training state of `version`: every rank its part, the leader the files the fleet loads."""
+        """Write the training state of `version`: every rank its part, the leader the files the fleet
+        loads."""
         final = self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
         temp = final.with_name(final.name + ".tmp")
         if self.ranks.leader:
@@ -420,7 +438,8 @@ class Trainer:
             if time.monotonic() > deadline:
                 raise StopConsuming(f"fleet servers not answering for {FLEET_WAIT_S:.0f}s: {', '.join(down)}")
             if not waiting:
-                log.warning("waiting for fleet servers to answer before the weight sync", extra={"servers": down})
+                log.warning("waiting for fleet servers to answer before the weight sync",
+                            extra={"servers": down})
                 waiting = True
             time.sleep(FLEET_RECHECK_S)
 
@@ -492,10 +511,10 @@ class Trainer:
         if not still_held():
             raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not published")
         assert self.bus is not None and self.tracker is not None
-        update = PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint), batch_id=batch.batch_id,
-                               servers=list(self.fleet.urls) if self.fleet else [], parity_max_abs_diff=parity,
-                               loss=step.metrics.get("train/loss", 0.0), trained_samples=step.trained,
-                               dropped=step.dropped, metrics=step.metrics)
+        update = PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint),
+                               batch_id=batch.batch_id, servers=list(self.fleet.urls) if self.fleet else [],
+                               parity_max_abs_diff=parity, loss=step.metrics.get("train/loss", 0.0),
+                               trained_samples=step.trained, dropped=step.dropped, metrics=step.metrics)
         pipe = self.bus.redis.pipeline(transaction=True)
         self.bus.publish("policy", update, pipe=pipe, event_id=f"policy:v{update.version}")
         pipe.sadd(trained_key, batch.batch_id)

@@ -5,5 +5,6 @@
     deepspeed_backend.py  DeepSpeed ZeRO stage 2 or 3
     factory.py            make_backend: the backend train.backend names
 
-Tests: tests/unit/services/trainer/test_trainer_backends.py (the DeepSpeed runs go through tests/unit/services/trainer/deepspeed_step.py).
+Tests: tests/unit/services/trainer/test_trainer_backends.py (the DeepSpeed runs go through
+tests/unit/services/trainer/deepspeed_step.py).
 """

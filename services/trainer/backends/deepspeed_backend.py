@@ -16,8 +16,9 @@ from all ranks, so forwards too must be run by all ranks together.
 A saved directory holds the full model as HF safetensors (gathered from the partitions under ZeRO-3),
 DeepSpeed's own checkpoint of the partitioned optimizer state under `deepspeed/`, and the RNG state.
 
-Tests: tests/unit/services/trainer/test_trainer_backends.py, which runs tests/unit/services/trainer/deepspeed_step.py in processes of
-their own (on the CPU, gloo) and compares their steps with the torch backend's.
+Tests: tests/unit/services/trainer/test_trainer_backends.py, which runs
+tests/unit/services/trainer/deepspeed_step.py in processes of their own (on the CPU, gloo) and compares
+their steps with the torch backend's.
 """
 
 from __future__ import annotations
@@ -235,10 +236,12 @@ class DeepSpeedBackend:
         if self.rank == 0:
             self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
             tied = tied_head_names(self.engine.module)
-            if tied is not None:  # the fleet's reload needs the head written out (shared/inference/serving_weights.py)
+            # the fleet's reload needs the head written out (shared/inference/serving_weights.py)
+            if tied is not None:
                 add_tensor_copy(directory, source=tied[0], target=tied[1])
             for path in directory.glob("*.safetensors"):
-                path.chmod(0o644)  # safetensors is written 0600; the servers loading it may run as another user
+                # safetensors is written 0600; the servers loading it may run as another user
+                path.chmod(0o644)
             torch.save(rng_state(), directory / RNG_FILE)
         self.engine.save_checkpoint(str(directory / ENGINE_DIR), tag=ENGINE_TAG)  # collective
         dist.barrier()

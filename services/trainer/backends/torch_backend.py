@@ -1,7 +1,8 @@
 """The plain PyTorch trainer backend, on the CPU or one GPU: Adam, gradient clipping to
 train.grad_clip, the optimizer state saved with torch.save beside the model and the RNG state.
 
-Tests: tests/unit/services/trainer/test_trainer_backends.py (the DeepSpeed backend's steps are compared with this one's).
+Tests: tests/unit/services/trainer/test_trainer_backends.py (the DeepSpeed backend's steps are compared
+with this one's).
 """
 
 from __future__ import annotations
