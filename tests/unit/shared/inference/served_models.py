@@ -1,5 +1,5 @@
-"""A vLLM server's GET /v1/models answer, for the fake fleets of the fleet client's unit tests (the client reads
-it before a server's first turn: shared/inference/fleet_servers.py)."""
+"""A vLLM server's GET /v1/models answer, for the fake fleets of the fleet client's unit tests (the client
+reads it before a server's first turn: shared/inference/fleet_servers.py)."""
 
 from __future__ import annotations
 

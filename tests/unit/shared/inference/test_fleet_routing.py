@@ -227,7 +227,8 @@ def test_bounded_load_spills_a_hot_session(epsilon):
         fake.gate = asyncio.Event()
         async with make_client(fake, epsilon=epsilon) as fleet:
             home = fleet.route("hot")[0]
-            tasks = [asyncio.create_task(fleet.complete([1], max_tokens=1, session_id="hot")) for _ in range(n_requests)]
+            tasks = [asyncio.create_task(fleet.complete([1], max_tokens=1, session_id="hot"))
+                     for _ in range(n_requests)]
             while sum(fake.active.values()) < n_requests:
                 await asyncio.sleep(0.001)
             assert sum(fleet.in_flight.values()) == n_requests
@@ -248,7 +249,8 @@ def test_without_bound_a_hot_session_stays_home():
     async def go():
         fake.gate = asyncio.Event()
         async with make_client(fake, epsilon=1000.0) as fleet:
-            tasks = [asyncio.create_task(fleet.complete([1], max_tokens=1, session_id="hot")) for _ in range(12)]
+            tasks = [asyncio.create_task(fleet.complete([1], max_tokens=1, session_id="hot"))
+                     for _ in range(12)]
             await asyncio.sleep(0.05)
             fake.gate.set()
             return {o.server_url for o in await asyncio.gather(*tasks)}
@@ -293,7 +295,8 @@ def test_reload_weights_failure_in_rpc_still_resumes():
 
     async def go():
         async with FleetClient(URLS, transport=httpx.MockTransport(answering_models(handler))) as fleet:
-            with pytest.raises(WeightSyncError, match="reload_weights failed: HTTP 500.*Cannot find any model weights"):
+            with pytest.raises(WeightSyncError,
+                               match="reload_weights failed: HTTP 500.*Cannot find any model weights"):
                 await fleet.reload_weights(URLS[2], "/ckpt/v2")
             assert not fleet.is_healthy(URLS[2])  # vLLM's engine dies on a failed reload
 
