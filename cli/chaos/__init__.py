@@ -1,1 +1,2 @@
-"""Fault injection against a live run: kills, restarts and poison entries, then an audit of what the run kept."""
+"""Fault injection against a live run: kills, restarts and poison entries, then an audit of what the run
+kept."""

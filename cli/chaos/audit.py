@@ -22,8 +22,9 @@ gateway.finish_grace_s: its keys must expire by then, finished or not).
     report = audit_run(bus, storage_uri, max_staleness, limits=RowLimits.of_model(path))
     report.check_drops(drop_bound(faults, settings, replicas)); report.problems()   # what is wrong
 
-`rollstream chaos run` (cli/chaos/harness.py) prints it after a run under fault injection; `rollstream chaos
-poison` (cli/chaos/poison_report.py) reads a poisoned run's own rollouts with it, leaving out the entries it wrote.
+`rollstream chaos run` (cli/chaos/harness.py) prints it after a run under fault injection;
+`rollstream chaos poison` (cli/chaos/poison_report.py) reads a poisoned run's own rollouts with it, leaving
+out the entries it wrote.
 
     python -m pytest tests/unit/cli/test_chaos_audit.py -q
 """
@@ -41,6 +42,7 @@ from rollstream.services.trainer.training import is_stale, row_problem
 from rollstream.shared.contract.archive import ArchiveReader, archived_id, parse_id, read_history
 from rollstream.shared.contract.batches import BatchRow, read_batch
 from rollstream.shared.contract.bus import STREAMS, Bus, Delivery, StreamName
+from rollstream.shared.contract.consumers import stream_groups
 from rollstream.shared.contract.events import (
     BatchReady,
     DeadLettered,
@@ -49,7 +51,6 @@ from rollstream.shared.contract.events import (
     RolloutDropped,
     TrajectoryFinished,
 )
-from rollstream.shared.contract.consumers import stream_groups
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox.docker import DockerBackend
@@ -60,7 +61,8 @@ CONSUMER_GROUPS: tuple[tuple[StreamName, str], ...] = stream_groups()
 EXPIRY_ROUNDING_S = 0.001
 """Keys expire at whole milliseconds."""
 DROP_CAUSES: tuple[tuple[str, ...], ...] = (
-    ("grading_failed", "grade_timeout"), ("stale",), ("dead_lettered",), ("batch_dead_lettered",), ("filtered",))
+    ("grading_failed", "grade_timeout"), ("stale",), ("dead_lettered",), ("batch_dead_lettered",),
+    ("filtered",))
 """Drop causes bounded together (a lost grade ends as one or the other of the first two)."""
 BATCHED_DROP_CAUSES = ("stale", "batch_dead_lettered")
 """Drop causes of rollouts whose rows are in a batch: the trainer left them out as too old, or dead-lettered
@@ -148,7 +150,8 @@ def _grades_cut_short(faults: list[tuple[str, str]], graders: int) -> int:
     return cut
 
 
-def _rollouts_held_back(faults: list[tuple[str, str]], settings: Settings, runners: int, largest_batch: int) -> int:
+def _rollouts_held_back(faults: list[tuple[str, str]], settings: Settings, runners: int,
+                        largest_batch: int) -> int:
     """Rollouts the faults can hold back past train.max_staleness (drop_bound)."""
     group, concurrency = settings.data.samples_per_prompt, settings.rollout.concurrency
     held = 0
@@ -196,7 +199,8 @@ class AuditReport:
     dropped: dict[str, int]
     """Admitted rollouts accounted for as left out, by cause (`stale`: a row of it was too old to train)."""
     drop_reasons: dict[str, list[str]] = field(default_factory=dict)
-    """The reward service's reasons for the drops it announced, by cause: '<rollout>: <reason>', the first few."""
+    """The reward service's reasons for the drops it announced, by cause: '<rollout>: <reason>', the first
+    few."""
     left_out_invalid: int = 0
     """Admitted rollouts with a row the trainer left out as invalid (row_problem): never trained."""
     rows: dict[str, int] = field(default_factory=dict)
@@ -221,7 +225,8 @@ class AuditReport:
     trainer_disagrees: list[str] = field(default_factory=list)
     """Batches whose rows trained, stale and invalid differ from the trainer's PolicyUpdated counts."""
     pending: dict[str, int] = field(default_factory=dict)
-    """Work left: '<stream>/<group>' -> entries undelivered or unacknowledged; 'sandbox jobs' -> queued jobs."""
+    """Work left: '<stream>/<group>' -> entries undelivered or unacknowledged; 'sandbox jobs' -> queued
+    jobs."""
     archive_mismatches: dict[str, str] = field(default_factory=dict)
     longest_stall_s: float = 0.0
     """Longest time without a new policy version (from the first admitted sample to the last version)."""
@@ -231,7 +236,8 @@ class AuditReport:
     """Drops the run's faults can explain, per cause (drop_bound); empty: not checked."""
     drops_over_bound: list[str] = field(default_factory=list)
     unexpected_exits: list[ProcessExit] = field(default_factory=list)
-    """Process exits the harness did not bring about (the supervisor restarted them, or saw them at the end)."""
+    """Process exits the harness did not bring about (the supervisor restarted them, or saw them at the
+    end)."""
     blackbox: BlackBoxAudit | None = None
     """What black-box agents left behind; None: the run had none (its agent is no command)."""
 
@@ -255,7 +261,8 @@ class AuditReport:
     def problems(self) -> list[str]:
         out = []
         for name in ("lost", "duplicated", "admitted_twice", "never_admitted", "batches_trained_twice",
-                     "versions_published_twice", "versions_missing", "batches_not_trained", "trainer_disagrees"):
+                     "versions_published_twice", "versions_missing", "batches_not_trained",
+                     "trainer_disagrees"):
             values = getattr(self, name)
             if values:
                 out.append(f"{name.replace('_', ' ')}: {len(values)} ({', '.join(map(str, values[:5]))})")
@@ -263,13 +270,15 @@ class AuditReport:
             out.append(f"left pending: {self.pending}")
         out.extend(f"archive of {stream}: {why}" for stream, why in self.archive_mismatches.items())
         out.extend(f"more drops than the faults explain: {why}" for why in self.drops_over_bound)
-        out.extend(f"a process exited that the harness did not stop: {e.describe()}" for e in self.unexpected_exits)
+        out.extend(f"a process exited that the harness did not stop: {e.describe()}"
+                   for e in self.unexpected_exits)
         if self.blackbox is not None:
             left, past_end = self.blackbox.agents_left, self.blackbox.sessions_past_end
             if left:
                 out.append(f"black-box agents left running: {len(left)} ({', '.join(left[:5])})")
             if past_end:
-                out.append(f"gateway sessions open past their end: {len(past_end)} ({'; '.join(past_end[:5])})")
+                out.append(f"gateway sessions open past their end: {len(past_end)} "
+                           f"({'; '.join(past_end[:5])})")
         return out
 
 
@@ -315,8 +324,9 @@ def _check_versions(report: AuditReport, updates: list[PolicyUpdated]) -> None:
     report.batches_trained_twice = sorted(b for b, n in trained_batches.items() if n > 1)
 
 
-def _batch_row_fates(report: AuditReport, history: dict[StreamName, list[Delivery]], updates: list[PolicyUpdated],
-                     storage: Storage, max_staleness: int, limits: RowLimits) -> RowFates:
+def _batch_row_fates(report: AuditReport, history: dict[StreamName, list[Delivery]],
+                     updates: list[PolicyUpdated], storage: Storage, max_staleness: int,
+                     limits: RowLimits) -> RowFates:
     """The fate of every row of every announced batch; notes the batches no PolicyUpdated trained, those the
     trainer counted otherwise, and the trained batches' rows by fate."""
     update_of = {u.batch_id: u for u in updates}
@@ -388,7 +398,8 @@ def _finished_attempts(history: dict[StreamName, list[Delivery]]) -> tuple[dict[
 
 def _account_admitted(report: AuditReport, admitted: Iterable[str], row_fates: RowFates,
                       drops: dict[str, list[RolloutDropped]], segment_counts: dict[str, set[int]]) -> None:
-    """Each admitted rollout, once: duplicated, dropped (with its cause), lost, left out as invalid or trained."""
+    """Each admitted rollout, once: duplicated, dropped (with its cause), lost, left out as invalid or
+    trained."""
     dropped: Counter[str] = Counter()
     for rollout in admitted:
         segments, causes = row_fates.get(rollout, {}), drops.get(rollout, [])
@@ -407,7 +418,8 @@ def _account_admitted(report: AuditReport, admitted: Iterable[str], row_fates: R
             continue
         counts = segment_counts.get(rollout, set())
         if counts and not any(set(segments) == set(range(n)) for n in counts):
-            report.lost.append(f"{rollout} (segments {sorted(segments)} batched, its attempts had {sorted(counts)})")
+            report.lost.append(f"{rollout} (segments {sorted(segments)} batched, "
+                               f"its attempts had {sorted(counts)})")
             continue
         fates = {fate for fates in segments.values() for fate in fates}
         if "invalid" in fates:
@@ -437,9 +449,11 @@ def audit_blackbox(bus: Bus, settings: Settings, agent_runner_pids: set[int]) ->
         name = f"{session.spec.session_id} (rollout {session.spec.rollout_id})"
         expires = expires_at(bus, session.spec.session_id)
         if session.ends_at is None:
-            report.sessions_past_end.append(f"{name}: it has no end (time budget: {session.spec.time_budget_s})")
+            report.sessions_past_end.append(f"{name}: it has no end "
+                                            f"(time budget: {session.spec.time_budget_s})")
         elif expires is None:
-            report.sessions_past_end.append(f"{name}: its keys never expire (its end is {session.ends_at:.3f})")
+            report.sessions_past_end.append(f"{name}: its keys never expire "
+                                            f"(its end is {session.ends_at:.3f})")
         elif expires > session.ends_at + EXPIRY_ROUNDING_S:
             report.sessions_past_end.append(f"{name}: its keys expire at {expires:.3f}, "
                                             f"{expires - session.ends_at:.3f} s after its end")
@@ -488,10 +502,11 @@ def _archive_mismatches(bus: Bus, storage_uri: str, added: dict[str, int]) -> di
                 for k, fields in bus.redis.xrange(bus.keys.stream(stream))}
         newer_than_archive = [i for i in live if position is None or parse_id(i) > parse_id(position)]
         if len(archived) + len(newer_than_archive) != added[stream]:
-            out[stream] = (f"{len(archived)} archived + {len(newer_than_archive)} live after the archived position, "
-                           f"but {added[stream]} entries were added")
+            out[stream] = (f"{len(archived)} archived + {len(newer_than_archive)} live after the archived "
+                           f"position, but {added[stream]} entries were added")
             continue
-        differing = [i for i in archived.keys() & live.keys() if _normalized(archived[i]) != _normalized(live[i])]
+        differing = [i for i in archived.keys() & live.keys()
+                     if _normalized(archived[i]) != _normalized(live[i])]
         if differing:
             out[stream] = f"{len(differing)} entries differ from Redis (first {sorted(differing)[0]})"
     return out

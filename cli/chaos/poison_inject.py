@@ -37,8 +37,10 @@ def real_batches(bus: Bus, injected_ids: set[tuple[str, str]]) -> list[BatchRead
             if ("batches", d.entry_id) not in injected_ids and isinstance(d.event, BatchReady)]
 
 
-def write_poison(bus: Bus, storage: Storage, poison: Poison, injected_ids: set[tuple[str, str]]) -> Injected | None:
-    """XADD one poison (writing its batch file first); None when it needs a real batch and there is none yet."""
+def write_poison(bus: Bus, storage: Storage, poison: Poison,
+                 injected_ids: set[tuple[str, str]]) -> Injected | None:
+    """XADD one poison (writing its batch file first); None when it needs a real batch and there is none
+    yet."""
     fields = poison.fields
     if poison.needs_real_batch:
         batches = real_batches(bus, injected_ids)
@@ -47,8 +49,8 @@ def write_poison(bus: Bus, storage: Storage, poison: Poison, injected_ids: set[t
         real = batches[-1]
         copy = real.model_copy(update={"batch_id": f"{real.batch_id}-again"})
         fields = as_entry_fields(encode(Envelope(type=copy.TYPE, schema_version=copy.VERSION,
-                                                 event_id=f"{real.batch_id}-again", run_id=bus.keys.run_id, time=EPOCH,
-                                                 payload=copy)))
+                                                 event_id=f"{real.batch_id}-again", run_id=bus.keys.run_id,
+                                                 time=EPOCH, payload=copy)))
     if poison.batch_rows:
         batch = decode(fields).payload
         write_batch(storage, bus.keys.run_id, batch.batch_id, list(poison.batch_rows))
@@ -56,10 +58,10 @@ def write_poison(bus: Bus, storage: Storage, poison: Poison, injected_ids: set[t
     return Injected(poison, entry_id.decode(), fields)
 
 
-def inject_at_rate(bus: Bus, storage: Storage, plan: list[Poison], rate: float, *, started: float, timeout_s: float,
-                   between: Callable[[], None]) -> list[Injected]:
-    """Write `plan`, in its order, at `rate` entries a second, calling `between` before each try (the session's
-    look at the run); PoisonError when entries are left timeout_s after `started` (monotonic)."""
+def inject_at_rate(bus: Bus, storage: Storage, plan: list[Poison], rate: float, *, started: float,
+                   timeout_s: float, between: Callable[[], None]) -> list[Injected]:
+    """Write `plan`, in its order, at `rate` entries a second, calling `between` before each try (the
+    session's look at the run); PoisonError when entries are left timeout_s after `started` (monotonic)."""
     pending = list(plan)
     injected: list[Injected] = []
     injected_ids: set[tuple[str, str]] = set()

@@ -87,7 +87,8 @@ class PoisonReport:
     """Forged rollouts in a batch the trainer trained on."""
     seconds: float = 0.0
     unexpected_exits: list[ProcessExit] = field(default_factory=list)
-    """Process exits the local run's supervisor saw while it was fuzzed (no fault is injected here: any is one)."""
+    """Process exits the local run's supervisor saw while it was fuzzed (no fault is injected here: any is
+    one)."""
 
     @property
     def healthy(self) -> bool:
@@ -108,9 +109,10 @@ def trainer_version(bus: Bus, storage_uri: str, injected_ids: set[tuple[str, str
     return max(updates, default=0)
 
 
-def audit(bus: Bus, storage_uri: str, injected: list[Injected], *, seed: int, rate: float, target_version: int,
-          health: dict[str, str], unhealthy_moments: list[str], dispatcher_version_seen: int, max_staleness: int,
-          limits: RowLimits, sandbox_queue: str = "sandbox") -> PoisonReport:
+def audit(bus: Bus, storage_uri: str, injected: list[Injected], *, seed: int, rate: float,
+          target_version: int, health: dict[str, str], unhealthy_moments: list[str],
+          dispatcher_version_seen: int, max_staleness: int, limits: RowLimits,
+          sandbox_queue: str = "sandbox") -> PoisonReport:
     """What the run did with every injected entry, and with its own samples: audit_run, whose max_staleness,
     limits and sandbox_queue these are, with the injected entries left out."""
     injected_ids = {(i.poison.stream, i.entry_id) for i in injected}
@@ -129,7 +131,8 @@ def audit(bus: Bus, storage_uri: str, injected: list[Injected], *, seed: int, ra
     return PoisonReport(
         seed=seed, rate=rate, streams=figures, injected=injected, dead_letters=dead_letters, health=health,
         unhealthy_moments=unhealthy_moments, target_version=target_version,
-        version=max((update.version for update in updates), default=0), dispatcher_version_seen=dispatcher_version_seen,
+        version=max((update.version for update in updates), default=0),
+        dispatcher_version_seen=dispatcher_version_seen,
         run=audit_run(bus, storage_uri, max_staleness, sandbox_queue, limits=limits, leave_out=injected_ids),
         forged_rollouts=forged_rollouts, forged_batched=forged_batched, forged_trained=forged_trained)
 
@@ -151,7 +154,8 @@ def _stream_figures(bus: Bus, storage_uri: str, injected: list[Injected], inject
     verdicts = {d.envelope.rollout_id for d in run_events(bus, "grades", storage_uri, injected_ids)
                 if isinstance(d.event, GradingFailed)}
     archive = ArchiveReader(storage_uri, bus.keys.run_id)
-    archived_ids = {stream: {entry.entry_id for entry in archive.entries(stream)} for stream in archive.streams()}
+    archived_ids = {stream: {entry.entry_id for entry in archive.entries(stream)}
+                    for stream in archive.streams()}
     figures = {stream: StreamFigures(stream, consumer_groups(bus, stream)) for stream in STREAMS}
     for item in injected:
         poison, figure = item.poison, figures[item.poison.stream]
@@ -196,8 +200,8 @@ def _forged_rollouts(injected: list[Injected]) -> set[str]:
     return forged
 
 
-def _forged_in_batches(bus: Bus, storage_uri: str, injected_ids: set[tuple[str, str]], forged_rollouts: set[str],
-                       trained: list[str]) -> tuple[set[str], set[str]]:
+def _forged_in_batches(bus: Bus, storage_uri: str, injected_ids: set[tuple[str, str]],
+                       forged_rollouts: set[str], trained: list[str]) -> tuple[set[str], set[str]]:
     """Forged rollouts in a batch the reward service wrote, and in a batch the trainer trained (its own or
     one injected)."""
     storage = Storage(storage_uri)
@@ -238,8 +242,8 @@ def figures_rows(report: PoisonReport) -> list[tuple[str, ...]]:
             other.append(f"{f.forged} forged")
         if f.dead_lettered_other:
             other.append(f"{f.dead_lettered_other} other dead-lettered")
-        rows.append((stream, ", ".join(f.groups) or "(none)", str(f.tried), f"{f.bytes_written / 1e6:.1f} MB", dead,
-                     "; ".join(other) or "-", f"{f.archived}/{f.tried}"))
+        rows.append((stream, ", ".join(f.groups) or "(none)", str(f.tried), f"{f.bytes_written / 1e6:.1f} MB",
+                     dead, "; ".join(other) or "-", f"{f.archived}/{f.tried}"))
     return rows
 
 
@@ -247,16 +251,12 @@ def figures_rows(report: PoisonReport) -> list[tuple[str, ...]]:
 def checks(report: PoisonReport) -> list[tuple[str, bool, str]]:
     """What a poisoned run must show: (check, passed, the figures behind it)."""
     streams = report.streams.values()
-    must = sum(f.must_dead_letter for f in streams)
-    dead = sum(f.dead_lettered for f in streams)
-    missed = [m for f in streams for m in f.missed]
     verdicts, batches = report.streams["trajectories"], report.streams["batches"]
     owed = sum(i.poison.kind == "missing_file" and _is_finish(i.fields) for i in report.injected)
     archived, tried = sum(f.archived for f in streams), sum(f.tried for f in streams)
+    exits = "; ".join(f"{e.process} code {e.exit_code} at {e.at_s:.0f}s" for e in report.unexpected_exits)
     return [
-        ("every undeliverable entry dead-lettered by every group reading its stream, with its error",
-         not missed, f"{dead}/{must}" + (f"; missing: {', '.join(missed[:6])}" + (" ..." if len(missed) > 6 else "")
-                                         if missed else "")),
+        dead_letter_check(report),
         ("every rollout with a missing diff artifact got its verdict (GradingFailed)",
          verdicts.verdicts == owed, f"{verdicts.verdicts}/{owed}"),
         ("every service healthy at the end (every /healthz 200, no process exited)",
@@ -264,27 +264,43 @@ def checks(report: PoisonReport) -> list[tuple[str, bool, str]]:
         ("no /healthz answered anything but 200 during the run", not report.unhealthy_moments,
          "; ".join(report.unhealthy_moments[:4]) or "none"),
         ("no process exited, not even one the supervisor restarted (the drain and the end included)",
-         not report.unexpected_exits,
-         "; ".join(f"{e.process} code {e.exit_code} at {e.at_s:.0f}s" for e in report.unexpected_exits) or "none"),
-        ("the trainer left out every row no model can train on", batches.rows_left_out == batches.untrainable_rows,
+         not report.unexpected_exits, exits or "none"),
+        ("the trainer left out every row no model can train on",
+         batches.rows_left_out == batches.untrainable_rows,
          f"{batches.rows_left_out}/{batches.untrainable_rows}"),
         ("the trainer reached the target version", report.version >= report.target_version,
          f"{report.version}/{report.target_version}"),
         admitted_check(report.run),
         batches_check(report.run),
-        ("no forged sample in a batch of the run, none trained", not report.forged_batched and not report.forged_trained,
+        ("no forged sample in a batch of the run, none trained",
+         not report.forged_batched and not report.forged_trained,
          f"{len(report.forged_batched)}/{len(report.forged_rollouts)} forged rollouts batched, "
          f"{len(report.forged_trained)} trained"),
-        ("the dispatcher's policy version never ahead of the trainer's", report.dispatcher_version_seen <= report.version,
+        ("the dispatcher's policy version never ahead of the trainer's",
+         report.dispatcher_version_seen <= report.version,
          f"dispatcher saw {report.dispatcher_version_seen}, trainer at {report.version}"),
         ("the recorder archived every poison entry", archived == tried, f"{archived}/{tried}"),
     ]
 
 
+def dead_letter_check(report: PoisonReport) -> tuple[str, bool, str]:
+    """Every entry no consumer can handle dead-lettered, with its error, by every group reading its stream."""
+    streams = report.streams.values()
+    must = sum(f.must_dead_letter for f in streams)
+    dead = sum(f.dead_lettered for f in streams)
+    missed = [m for f in streams for m in f.missed]
+    figures = f"{dead}/{must}"
+    if missed:
+        figures += f"; missing: {', '.join(missed[:6])}" + (" ..." if len(missed) > 6 else "")
+    return ("every undeliverable entry dead-lettered by every group reading its stream, with its error",
+            not missed, figures)
+
+
 def admitted_check(run: AuditReport) -> tuple[str, bool, str]:
     """Every admitted sample batched once, each of its segments in one row (the trainer may leave rows out):
     nothing in a poisoned run explains a sample lost, or dropped by the reward service."""
-    in_a_batch = run.trained + run.left_out_invalid + sum(run.dropped.get(cause, 0) for cause in BATCHED_DROP_CAUSES)
+    in_a_batch = (run.trained + run.left_out_invalid
+                  + sum(run.dropped.get(cause, 0) for cause in BATCHED_DROP_CAUSES))
     by_reward = {cause: n for cause, n in sorted(run.dropped.items()) if cause not in BATCHED_DROP_CAUSES}
     figures = f"{in_a_batch}/{run.admitted} in one batch, {len(run.lost)} lost"
     if by_reward:
@@ -313,15 +329,16 @@ def report_tables(report: PoisonReport):
     from rich.table import Table
     from rich.text import Text
 
-    per_stream = Table(title=f"poison fuzz: seed {report.seed}, {report.rate:g} entries/s, {len(report.injected)} "
-                             f"entries, {report.seconds:.0f}s")
-    for column in ("stream", "consumer groups", "tried", "written", "dead-lettered", "other outcomes", "archived"):
-        per_stream.add_column(column, justify="left" if column in ("stream", "consumer groups", "other outcomes")
-                              else "right")
+    per_stream = Table(title=f"poison fuzz: seed {report.seed}, {report.rate:g} entries/s, "
+                             f"{len(report.injected)} entries, {report.seconds:.0f}s")
+    left_aligned = ("stream", "consumer groups", "other outcomes")
+    for column in ("stream", "consumer groups", "tried", "written", "dead-lettered", "other outcomes",
+                   "archived"):
+        per_stream.add_column(column, justify="left" if column in left_aligned else "right")
     for row in figures_rows(report):
         per_stream.add_row(*row)
-    per_stream.caption = ("dead-lettered: entries every consumer group of the stream dead-lettered / entries that "
-                          "cannot be handled (a stream no group reads keeps them); kinds per stream: "
+    per_stream.caption = ("dead-lettered: entries every consumer group of the stream dead-lettered / entries "
+                          "that cannot be handled (a stream no group reads keeps them); kinds per stream: "
                           + "; ".join(f"{s}: {', '.join(f'{k} {n}' for k, n in sorted(f.kinds.items()))}"
                                       for s, f in report.streams.items() if f.kinds))
     verdict = Table(title="what the run kept")
@@ -329,5 +346,6 @@ def report_tables(report: PoisonReport):
     verdict.add_column("", justify="center")
     verdict.add_column("figures")
     for name, passed, figures in checks(report):
-        verdict.add_row(name, Text("ok", style="green") if passed else Text("FAILED", style="bold red"), Text(figures))
+        verdict.add_row(name, Text("ok", style="green") if passed else Text("FAILED", style="bold red"),
+                        Text(figures))
     return per_stream, verdict
