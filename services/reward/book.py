@@ -2,14 +2,25 @@
 its rewards and advantages (RewardAssigned), the order in which complete groups go into batches, and
 the batches themselves (Parquet, announced with BatchReady). main.py feeds it deliveries.
 
-record stores an event in its group; complete_if_ready scores a group once all its rollouts, segments
-and grades are in, or are accounted for as dropped (a dead letter of one of the rollout's events, a
-failed grading, or expire_overdue: no grade within reward.grade_timeout_s); seal and release keep reward.batch_order "finished" (complete groups batched in
-the order their last rollout finished); flush_batches writes every full batch. Every step is idempotent, so a
-redelivery or a restart changes nothing (see main.py for the rules).
+record stores an event in its group and accounts for its rollout; complete_if_ready scores a group once
+all its rollouts, segments and grades are in, or are accounted for as dropped (a dead letter of one of the
+rollout's events, a failed grading, or expire_overdue: no grade within reward.grade_timeout_s); seal and
+release keep reward.batch_order "finished" (complete groups batched in the order their last rollout
+finished); flush_batches writes every full batch. Every step is idempotent, so a redelivery or a restart
+changes nothing (see main.py for the rules).
 
-Tests: tests/unit/services/reward/test_reward_book.py, tests/unit/services/dispatcher/test_staleness_gate.py (filtered groups and the
-dispatcher's gate) against the local Redis.
+What an arrival costs does not depend on its group's size. A group keeps its rollouts' finishes, grades and
+drops in one hash (its ledger) and its segments in another, read only to batch the group. Each rollout is
+`ended` once it finished or was dropped, and `resolved` once nothing more is needed of it: dropped, or
+finished with every segment of its attempt and the grade it needs. An arrival marks its own rollout from
+what is stored of it (never from a count kept per arrival, so that an event handled twice, or again after a
+crash, changes nothing), and the two sets' sizes say when the group is complete. The ledger is read whole
+once, to score the group, and the segments once, to batch it; each stored event is kept with the `type`
+and `v` a stream entry has, so it decodes on decode()'s fast path.
+
+Tests: tests/unit/services/reward/test_reward_book.py, tests/unit/services/dispatcher/test_staleness_gate.py
+(filtered groups and the dispatcher's gate) against the local Redis;
+tests/unit/services/reward/test_replay_of_a_recorded_run.py (a run recorded by an earlier book).
 """
 
 from __future__ import annotations
@@ -48,6 +59,16 @@ from rollstream.shared.runtime.storage import Storage
 BATCH_ORDERS = ("finished", "completed")
 _DEFAULTS = RewardSettings()
 DROPPING_STREAMS = ("prompts", "trajectories", "grades")
+"""A dead letter of an event on these streams means its rollout can never complete: it is dropped."""
+LEDGER_EVENTS = {"finished": TrajectoryFinished, "grade": GradeReported, "grading-failed": GradingFailed}
+"""The events a group's ledger keeps, by the kind its fields name (`<kind>:<rollout>`); besides them it keeps
+each dropped rollout's cause and reason (`dropped:<rollout>`) and the group's size (GROUP_SIZE_FIELD)."""
+ROLLOUT_FIELDS = (*LEDGER_EVENTS, "dropped")
+GROUP_SIZE_FIELD = "group-size"
+"""The group's size as its first TrajectoryFinished says (a group known only from dead letters has none)."""
+_WIRE_FIELDS = {cls: (cls.TYPE.encode(), str(cls.VERSION).encode())
+                for cls in (TrajectorySegment, *LEDGER_EVENTS.values())}
+"""The `type` and `v` fields, as redis-py reads them, of each event the book keeps only the body of."""
 
 GROUPS = Counter("rollstream_reward_groups_completed_total",
                  "Prompt groups scored, by what became of them: batched, or filtered (no learning signal, or "
@@ -71,7 +92,6 @@ BATCH_MEAN = Gauge("rollstream_reward_batch_mean",
                    "reward histogram has no _sum to average).")
 BATCH_SAMPLES = Histogram("rollstream_reward_batch_samples", "Samples (segments) in each batch written.",
                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
-"""A dead letter of an event on these streams means its rollout can never complete: it is dropped."""
 
 
 @dataclass(frozen=True)
@@ -89,8 +109,9 @@ class GroupScore:
 
 
 class RewardBook:
-    """The reward service's state in Redis: one hash per open group, a list of complete groups ready
-    for batching and, in batch_order "finished", the sealed groups waiting for their turn."""
+    """The reward service's state in Redis: per open group its ledger, its segments and its ended and
+    resolved rollouts; a list of complete groups ready for batching and, in batch_order "finished", the
+    sealed groups waiting for their turn."""
 
     def __init__(self, bus: Bus, storage: Storage, batch_size: int, advantage_estimator: str = "grpo",
                  filter_zero_variance: bool = False, batch_order: str = _DEFAULTS.batch_order,
@@ -120,11 +141,25 @@ class RewardBook:
         self.held_key = bus.keys.state("reward", "held-groups")
         # hash: reason -> rollouts left out of their group's batch
         self.dropped_key = bus.keys.state("reward", "dropped")
-        # sorted set: group whose every rollout finished (or was dropped) -> when it got there; left at completion
+        # sorted set: group whose every rollout finished (or was dropped) -> when it got there; left at
+        # completion
         self.awaiting_key = bus.keys.state("reward", "awaiting-grades")
 
     def group_key(self, group_id: str) -> str:
+        """Hash: the group's ledger (LEDGER_EVENTS)."""
         return self.bus.keys.state("reward", "group", group_id)
+
+    def segments_key(self, group_id: str) -> str:
+        """Hash: segment_field(rollout, attempt, index) -> the segment's body, of every attempt."""
+        return self.bus.keys.state("reward", "segments", group_id)
+
+    def ended_key(self, group_id: str) -> str:
+        """Set: the group's rollouts that finished or were dropped."""
+        return self.bus.keys.state("reward", "ended", group_id)
+
+    def resolved_key(self, group_id: str) -> str:
+        """Set: the group's rollouts of which nothing more is needed (dropped, or all in)."""
+        return self.bus.keys.state("reward", "resolved", group_id)
 
     def assigned_key(self, group_id: str) -> str:
         return self.bus.keys.state("reward", "assigned", group_id)
@@ -133,69 +168,93 @@ class RewardBook:
         """Marker of a completed group; expires after done_ttl_s."""
         return self.bus.keys.state("reward", "done", group_id)
 
+    # ------------------------------------------------------------------------------------ arrivals
     def record(self, delivery: Delivery) -> str | None:
-        """Store the event in its group; returns the group id to check for completion."""
+        """Store the event in its group and account for its rollout; returns the group id to check for
+        completion (None: the event is none of the book's, or its group is done)."""
         envelope, event = delivery.envelope, delivery.event
-        group_id = envelope.group_id
+        group_id, rollout = envelope.group_id, envelope.rollout_id
         if group_id is None or self.bus.redis.exists(self.done_key(group_id)):
             return None
-        body = encode(envelope)["body"]
-        if isinstance(event, TrajectorySegment):
-            field = f"segment:{envelope.rollout_id}:{event.attempt}:{event.segment_index}"
-        elif isinstance(event, TrajectoryFinished):
-            field = f"finished:{envelope.rollout_id}"
-        elif isinstance(event, GradeReported):
-            field = f"grade:{envelope.rollout_id}"
-        elif isinstance(event, GradingFailed):
-            field = f"grading-failed:{envelope.rollout_id}"
-        elif isinstance(event, DeadLettered) and envelope.rollout_id and event.stream in DROPPING_STREAMS:
-            field = f"dropped:{envelope.rollout_id}"
-            body = (f"dead_lettered|{event.fields.get('type', 'an event')} dead-lettered on {event.stream} "
-                    f"by {event.group}: {event.error}")
-        else:
+        kept = self.kept_as(envelope, event)
+        if kept is None:
             return None
-        # hsetnx: the first finished attempt of a rollout wins; segments of other attempts are ignored.
-        self.bus.redis.hsetnx(self.group_key(group_id), field, body)
+        key, field, body = kept
+        pipe = self.bus.redis.pipeline(transaction=True)
+        # hsetnx: the first finished attempt of a rollout wins; segments of other attempts are never read.
+        pipe.hsetnx(key, field, body)
+        if isinstance(event, TrajectoryFinished):
+            pipe.hsetnx(self.group_key(group_id), GROUP_SIZE_FIELD, event.group_size)
+        pipe.hmget(self.group_key(group_id), [f"{kind}:{rollout}" for kind in ROLLOUT_FIELDS])
+        self.account(group_id, rollout, *pipe.execute()[-1])
         return group_id
 
+    def kept_as(self, envelope: Envelope, event: object) -> tuple[str, str, bytes | str] | None:
+        """(hash, field, value) the event is kept as in its group; None for one the book does not keep."""
+        group_id, rollout = envelope.group_id, envelope.rollout_id
+        if isinstance(event, TrajectorySegment):
+            field = segment_field(rollout, event.attempt, event.segment_index)
+            return self.segments_key(group_id), field, encode(envelope)["body"]
+        for kind, event_type in LEDGER_EVENTS.items():
+            if isinstance(event, event_type):
+                return self.group_key(group_id), f"{kind}:{rollout}", encode(envelope)["body"]
+        if isinstance(event, DeadLettered) and rollout and event.stream in DROPPING_STREAMS:
+            reason = (f"{event.fields.get('type', 'an event')} dead-lettered on {event.stream} by "
+                      f"{event.group}: {event.error}")
+            return self.group_key(group_id), f"dropped:{rollout}", f"dead_lettered|{reason}"
+        return None
+
+    def account(self, group_id: str, rollout: str, finished: bytes | None, grade: bytes | None,
+                grading_failed: bytes | None, dropped: bytes | None) -> None:
+        """Mark the rollout ended once it finished or was dropped, and resolved once nothing more is needed
+        of it, from what the ledger holds of it (its ROLLOUT_FIELDS)."""
+        if finished is None and dropped is None:
+            return  # still running: what came of it waits for its TrajectoryFinished
+        resolved = dropped is not None or self.lacking(
+            group_id, rollout, decode_stored(TrajectoryFinished, finished).payload,
+            judged=grade is not None or grading_failed is not None) is None
+        pipe = self.bus.redis.pipeline(transaction=True)
+        pipe.sadd(self.ended_key(group_id), rollout)
+        if resolved:
+            pipe.sadd(self.resolved_key(group_id), rollout)
+        pipe.execute()
+
+    def lacking(self, group_id: str, rollout: str, finished: TrajectoryFinished, judged: bool) -> str | None:
+        """What a finished rollout still lacks (segments of its attempt, or the grade it needs: `judged` says
+        whether a grade or a grading failure came); None once nothing."""
+        pipe = self.bus.redis.pipeline(transaction=False)
+        for index in range(finished.segment_count):
+            pipe.hexists(self.segments_key(group_id), segment_field(rollout, finished.attempt, index))
+        segments = sum(pipe.execute())
+        if segments < finished.segment_count:
+            return f"{finished.segment_count - segments} of its {finished.segment_count} segments"
+        if finished.needs_grade and self.score is None and not judged:
+            return "its grade"
+        return None
+
     def load(self, group_id: str) -> dict[str, dict]:
-        """{'segment': {(rollout, index): envelope}, 'finished': {rollout: envelope}, 'grade': {rollout: ...},
-        'grading-failed': {rollout: ...}, 'dropped': {rollout: (cause, reason)}}, keeping only the segments of
-        each rollout's finished attempt."""
-        out: dict[str, dict] = {"segment": {}, "finished": {}, "grade": {}, "grading-failed": {}, "dropped": {}}
-        segments = {}
+        """The group's ledger: {'finished': {rollout: envelope}, 'grade': {rollout: ...}, 'grading-failed':
+        {rollout: ...}, 'dropped': {rollout: (cause, reason)}}."""
+        out: dict[str, dict] = {kind: {} for kind in ROLLOUT_FIELDS}
         for field, body in self.bus.redis.hgetall(self.group_key(group_id)).items():
-            kind, rollout, *rest = field.decode().split(":")
+            kind, _, rollout = field.decode().partition(":")
             if kind == "dropped":
                 cause, _, reason = body.decode(errors="replace").partition("|")
                 out[kind][rollout] = (cause, reason)
-                continue
-            event_type = {"segment": TrajectorySegment, "finished": TrajectoryFinished, "grade": GradeReported,
-                          "grading-failed": GradingFailed}[kind]
-            envelope = decode({"type": event_type.TYPE, "v": str(event_type.VERSION), "body": body})
-            if kind == "segment":
-                segments[(rollout, rest[0], int(rest[1]))] = envelope
-            else:
-                out[kind][rollout] = envelope
-        for (rollout, attempt, index), envelope in segments.items():
-            finished = out["finished"].get(rollout)
-            if finished is not None and finished.payload.attempt == attempt:
-                out["segment"][(rollout, index)] = envelope
+            elif kind in LEDGER_EVENTS:  # not GROUP_SIZE_FIELD
+                out[kind][rollout] = decode_stored(LEDGER_EVENTS[kind], body)
         return out
 
-    def missing(self, state: dict[str, dict]) -> dict[str, str]:
-        """Rollouts that finished and were not dropped but still lack segments or a grade -> what they lack."""
+    def missing(self, group_id: str, state: dict[str, dict]) -> dict[str, str]:
+        """Finished rollouts not dropped but still lack segments or a grade -> what they lack."""
         out = {}
         for rollout, envelope in state["finished"].items():
             if rollout in state["dropped"]:
                 continue
-            event: TrajectoryFinished = envelope.payload
-            segments = sum(1 for key in state["segment"] if key[0] == rollout)
-            if segments < event.segment_count:
-                out[rollout] = f"{event.segment_count - segments} of its {event.segment_count} segments"
-            elif event.needs_grade and self.score is None and rollout not in state["grade"] \
-                    and rollout not in state["grading-failed"]:
-                out[rollout] = "its grade"
+            judged = rollout in state["grade"] or rollout in state["grading-failed"]
+            lacking = self.lacking(group_id, rollout, envelope.payload, judged)
+            if lacking is not None:
+                out[rollout] = lacking
         return out
 
     def expire_overdue(self, now: float | None = None) -> list[str]:
@@ -203,19 +262,24 @@ class RewardBook:
         the rollouts still missing a grade or segments are dropped with the reason (grade_timeout), the rest
         are scored as usual. Returns the groups completed."""
         now = time.time() if now is None else now
-        overdue = [g.decode() for g in self.bus.redis.zrangebyscore(self.awaiting_key, "-inf", now - self.grade_timeout_s)]
+        overdue = [g.decode() for g in
+                   self.bus.redis.zrangebyscore(self.awaiting_key, "-inf", now - self.grade_timeout_s)]
         completed = []
         for group_id in overdue:
             if self.bus.redis.exists(self.done_key(group_id)):
                 self.bus.redis.zrem(self.awaiting_key, group_id)
                 continue
-            for rollout, lacking in self.missing(self.load(group_id)).items():
-                self.bus.redis.hsetnx(self.group_key(group_id), f"dropped:{rollout}",
-                                      f"grade_timeout|{lacking} did not come within {self.grade_timeout_s:g} s")
+            for rollout, lacking in self.missing(group_id, self.load(group_id)).items():
+                pipe = self.bus.redis.pipeline(transaction=True)
+                pipe.hsetnx(self.group_key(group_id), f"dropped:{rollout}",
+                            f"grade_timeout|{lacking} did not come within {self.grade_timeout_s:g} s")
+                pipe.sadd(self.resolved_key(group_id), rollout)
+                pipe.execute()
             if self.complete_if_ready(group_id):
                 completed.append(group_id)
         return completed
 
+    # ---------------------------------------------------------------------------------- completion
     def seal(self, group_id: str) -> None:
         """Give the group the next place in batch order, once: a redelivered event keeps its place."""
         if self.bus.redis.zscore(self.sealed_key, group_id) is not None:
@@ -228,9 +292,13 @@ class RewardBook:
         """Score the group once each of its rollouts has finished or was dropped and none lacks segments
         or a grade: rewards and drops published, the group done and queued for batching, in one
         transaction. Returns whether it completed now."""
-        state = self.load(group_id)
-        group_size = self.known_group_size(state)
-        if group_size is None or len(set(state["finished"]) | set(state["dropped"])) < group_size:
+        pipe = self.bus.redis.pipeline(transaction=True)
+        pipe.scard(self.ended_key(group_id))
+        pipe.scard(self.resolved_key(group_id))
+        pipe.hget(self.group_key(group_id), GROUP_SIZE_FIELD)
+        ended, resolved, size = pipe.execute()
+        group_size = int(size) if size is not None else self.group_size if ended else None
+        if not group_size or ended < group_size:
             return False
         # Every rollout has finished or was dropped: from now on only grades (or segments) can be missing,
         # and expire_overdue resolves the group if they do not come.
@@ -239,8 +307,9 @@ class RewardBook:
             # Here rather than in record(): sealed before it can complete, even if the process died
             # between storing the last TrajectoryFinished and sealing.
             self.seal(group_id)
-        if self.missing(state):
+        if resolved < ended:
             return False
+        state = self.load(group_id)
         scored = self.score_group(state)
         all_finished_at = self.bus.redis.zscore(self.awaiting_key, group_id)
         self.commit_group(group_id, state["finished"], group_size, scored)
@@ -249,14 +318,6 @@ class RewardBook:
         if self.batch_order == "finished":
             self.release()
         return True
-
-    def known_group_size(self, state: dict[str, dict]) -> int | None:
-        """The group's size as its finished rollouts say, else as configured; None while unknown."""
-        if state["finished"]:
-            return next(iter(state["finished"].values())).payload.group_size
-        if state["dropped"] and self.group_size:
-            return self.group_size
-        return None
 
     def score_group(self, state: dict[str, dict]) -> GroupScore:
         """Rewards and advantages of the rollouts that count, and why each of the others is left out."""
@@ -276,8 +337,8 @@ class RewardBook:
         group_advantages = advantages(rewards, self.advantage_estimator) if rewards else []
         filtered = not rollouts or (self.filter_zero_variance and min(rewards) == max(rewards))
         if filtered and rollouts:
-            drops.update((rollout, ("filtered", "every rollout of its group got the same reward: no learning signal"))
-                         for rollout in rollouts)
+            no_signal = ("filtered", "every rollout of its group got the same reward: no learning signal")
+            drops.update((rollout, no_signal) for rollout in rollouts)
         sources = [source for _, source in rewarded]
         return GroupScore(rollouts, rewards, group_advantages, sources, drops, filtered)
 
@@ -302,8 +363,8 @@ class RewardBook:
         kept = zip(score.rollouts, score.rewards, score.advantages, score.sources)
         for rollout, reward, advantage, source in kept:
             ids = finished[rollout]
-            self.bus.publish("rewards", RewardAssigned(reward=reward, advantage=advantage, source=source), pipe=pipe,
-                             event_id=f"{rollout}:reward", rollout_id=rollout, group_id=group_id,
+            self.bus.publish("rewards", RewardAssigned(reward=reward, advantage=advantage, source=source),
+                             pipe=pipe, event_id=f"{rollout}:reward", rollout_id=rollout, group_id=group_id,
                              trajectory_id=ids.trajectory_id, session_id=ids.session_id)
             if not score.filtered:
                 pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
@@ -314,14 +375,16 @@ class RewardBook:
                 pipe.hincrby(self.dropped_key, cause, 1)
         pipe.set(self.done_key(group_id), 1, ex=self.done_ttl_s)
         pipe.zrem(self.awaiting_key, group_id)
-        # The dispatcher counts admitted samples, group_size per group: it admits as many again as were left out.
+        pipe.delete(self.ended_key(group_id), self.resolved_key(group_id))
+        # The dispatcher counts admitted samples, group_size per group: it admits as many again as were left
+        # out.
         given_back = group_size if score.filtered else len(score.drops)
         if given_back:
             pipe.incrby(self.bus.keys.filtered, given_back)
         if score.filtered:
             if score.rollouts:
                 pipe.incr(self.filtered_groups_key)
-            pipe.delete(self.group_key(group_id))
+            pipe.delete(self.group_key(group_id), self.segments_key(group_id))
         if self.batch_order == "finished":
             pipe.hset(self.held_key, group_id, 0 if score.filtered else len(score.rollouts))
         elif not score.filtered:
@@ -330,6 +393,7 @@ class RewardBook:
         pipe.execute()
         count_group(score)
 
+    # ------------------------------------------------------------------------------------ batching
     def release(self) -> int:
         """Move the complete groups at the head of the sealed set to the ready list, in seal order,
         stopping at the first group that is not complete; filtered groups leave the set without
@@ -344,7 +408,8 @@ class RewardBook:
                     pipe.watch(self.sealed_key)
                     sealed = [g.decode() for g in pipe.zrange(self.sealed_key, 0, -1)]
                     held = pipe.hmget(self.held_key, sealed) if sealed else []
-                    head = [(g, int(n)) for g, n in takewhile(lambda pair: pair[1] is not None, zip(sealed, held))]
+                    head = [(g, int(n)) for g, n in takewhile(lambda pair: pair[1] is not None,
+                                                              zip(sealed, held))]
                     if not head:
                         pipe.unwatch()
                         return 0
@@ -365,24 +430,36 @@ class RewardBook:
         return int(self.bus.redis.get(self.filtered_groups_key) or 0)
 
     def dropped(self) -> dict[str, int]:
-        """Rollouts left out of their group's batch, by cause (grading_failed, dead_lettered, grade_timeout)."""
+        """Rollouts left out of their group's batch, by cause (grading_failed, dead_lettered,
+        grade_timeout)."""
         return {k.decode(): int(v) for k, v in self.bus.redis.hgetall(self.dropped_key).items()}
 
     def batch_rows(self, group_id: str) -> list[BatchRow]:
-        segments = self.load(group_id)["segment"]
-        assigned = {k.decode(): v.decode().split(",") for k, v in self.bus.redis.hgetall(self.assigned_key(group_id)).items()}
+        """The group's rows: each segment of the finished attempt of each rollout that counts, in order."""
+        finished = self.load(group_id)["finished"]
+        assigned = {k.decode(): v.decode().split(",")
+                    for k, v in self.bus.redis.hgetall(self.assigned_key(group_id)).items()}
+        # dropped from the group (see RolloutDropped): not assigned
+        wanted = [(rollout, index) for rollout in sorted(assigned)
+                  for index in range(finished[rollout].payload.segment_count)]
+        bodies = self.bus.redis.hmget(self.segments_key(group_id), [
+            segment_field(rollout, finished[rollout].payload.attempt, index) for rollout, index in wanted])
         rows = []
-        for (rollout, index), envelope in sorted(segments.items()):
-            if rollout not in assigned:
-                continue  # dropped from the group (see RolloutDropped)
+        for (rollout, index), body in zip(wanted, bodies):
+            if body is None:
+                raise RuntimeError(f"segment {index} of rollout {rollout!r} of complete group {group_id!r} "
+                                   "is not in the book: its state in Redis was changed outside the reward "
+                                   "service")
+            envelope = decode_stored(TrajectorySegment, body)
             seg: TrajectorySegment = envelope.payload
             reward, advantage = (float(x) for x in assigned[rollout])
             rows.append(BatchRow(
-                sample_index=seg.sample_index, trajectory_id=envelope.trajectory_id or rollout, rollout_id=rollout,
-                group_id=group_id, session_id=envelope.session_id or rollout, segment_index=index,
-                tokens=seg.tokens, response_length=seg.response_length, loss_mask=seg.loss_mask,
-                rollout_logprobs=seg.rollout_logprobs, turn_policy_versions=seg.turn_policy_versions,
-                status=seg.status, reward=reward, advantage=advantage, metadata=seg.metadata,
+                sample_index=seg.sample_index, trajectory_id=envelope.trajectory_id or rollout,
+                rollout_id=rollout, group_id=group_id, session_id=envelope.session_id or rollout,
+                segment_index=index, tokens=seg.tokens, response_length=seg.response_length,
+                loss_mask=seg.loss_mask, rollout_logprobs=seg.rollout_logprobs,
+                turn_policy_versions=seg.turn_policy_versions, status=seg.status, reward=reward,
+                advantage=advantage, metadata=seg.metadata,
             ))
         return rows
 
@@ -404,8 +481,8 @@ class RewardBook:
                     groups_needed = len(taken)
                     break
             if groups_needed is None:
-                raise RuntimeError(f"ready-rollouts counter says {self.batch_size}+ but the ready groups hold "
-                                   f"{len(rollouts)} rollouts")
+                raise RuntimeError(f"ready-rollouts counter says {self.batch_size}+ but the ready groups "
+                                   f"hold {len(rollouts)} rollouts")
             batch_id = "b-" + hashlib.sha1(",".join(taken).encode()).hexdigest()[:16]
             uri = write_batch(self.storage, run_id, batch_id, rows)
             rewards = {r.rollout_id: r.reward for r in rows}
@@ -417,11 +494,12 @@ class RewardBook:
             pipe.ltrim(self.ready_key, groups_needed, -1)
             pipe.decrby(self.ready_rollouts_key, len(rollouts))
             if len(rollouts) > self.batch_size:
-                # Whole groups overshoot B when a group lost rollouts; the dispatcher counts B per batch, so the
-                # surplus goes back like a drop, or the last batch would wait for samples never admitted.
+                # Whole groups overshoot B when a group lost rollouts; the dispatcher counts B per batch, so
+                # the surplus goes back like a drop, or the last batch would wait for samples never admitted.
                 pipe.incrby(self.bus.keys.filtered, len(rollouts) - self.batch_size)
             for group_id in taken:
-                pipe.delete(self.group_key(group_id), self.assigned_key(group_id))
+                pipe.delete(self.group_key(group_id), self.segments_key(group_id),
+                            self.assigned_key(group_id))
             pipe.execute()
             BATCH_SAMPLES.observe(len(rows))
             BATCH_MEAN.set(event.mean_reward)
@@ -436,3 +514,14 @@ def count_group(score: GroupScore) -> None:
         ADVANTAGES.observe(advantage)
     for cause, _ in score.drops.values():
         DROPPED.labels(cause).inc()
+
+
+def segment_field(rollout: str, attempt: str, index: int) -> str:
+    """A segment's field in its group's segments hash."""
+    return f"{rollout}:{attempt}:{index}"
+
+
+def decode_stored(event_type: type, body: bytes) -> Envelope:
+    """The envelope of an event the book kept the body of, decoded as the stream entry it came in as."""
+    type_field, version_field = _WIRE_FIELDS[event_type]
+    return decode({b"type": type_field, b"v": version_field, b"body": body})

@@ -1,8 +1,8 @@
 """Reward: scores finished rollouts, computes group advantages, writes reward-complete batches.
 
 Consumes `trajectories` (segments and finished rollouts), `grades` (sandbox results) and `dead` (a
-dead-lettered event of a rollout means the rollout can never complete: it is dropped from its group). When every
-rollout of a prompt group has finished, with all its segments and, where the task asks for one, its
+dead-lettered event of a rollout means the rollout can never complete: it is dropped from its group). When
+every rollout of a prompt group has finished, with all its segments and, where the task asks for one, its
 sandbox grade, it assigns rewards (the grade, or a built-in rule), computes advantages
 (train.advantage_estimator) over the group's rollouts (not its segments) and publishes RewardAssigned.
 Whole groups are then packed into Parquet batches of train.batch_size rollouts, written atomically,
@@ -63,7 +63,8 @@ def main() -> None:
     book = RewardBook(bus, storage, settings.train.batch_size, settings.train.advantage_estimator,
                       settings.train.filter_zero_variance, batch_order=settings.reward.batch_order,
                       reward_function=settings.reward.function, done_ttl_s=settings.reward.done_ttl_s,
-                      group_size=settings.data.samples_per_prompt, grade_timeout_s=settings.reward.grade_timeout_s)
+                      group_size=settings.data.samples_per_prompt,
+                      grade_timeout_s=settings.reward.grade_timeout_s)
     consumer = consumer_name(GROUP.name)
     counts = {"groups_completed": 0, "batches": 0, "groups_filtered": book.filtered_groups(),
               "rollouts_dropped": book.dropped()}

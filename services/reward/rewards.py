@@ -19,7 +19,8 @@ def reward_for(name: str, response: str, label: str | None) -> float:
     try:
         fn = REWARD_FUNCTIONS[name]
     except KeyError:
-        raise ValueError(f"unknown reward function {name!r}; built in: {', '.join(REWARD_FUNCTIONS)}") from None
+        raise ValueError(f"unknown reward function {name!r}; built in: "
+                         f"{', '.join(REWARD_FUNCTIONS)}") from None
     return fn(response, label)
 
 
@@ -42,7 +43,8 @@ def resolve_reward_function(spec: str) -> RewardFunction:
     try:
         fn = getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+        raise ValueError(f"reward function {spec!r}: module {module_name!r} has no attribute "
+                         f"{attr!r}") from None
     if not callable(fn):
         raise ValueError(f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not callable")
     return fn
@@ -59,7 +61,8 @@ def advantages(rewards: list[float], estimator: str, eps: float = 1e-6) -> list[
     all wrong, a bias towards too easy and too hard prompts.
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+        raise ValueError(f"unknown advantage estimator {estimator!r}; use one of "
+                         f"{', '.join(ADVANTAGE_ESTIMATORS)}")
     if not rewards:
         raise ValueError("a group needs at least one reward to compute advantages")
     values = np.asarray(rewards, dtype=np.float64)

@@ -1,10 +1,13 @@
 """The reward service's group bookkeeping and batching, on real Redis."""
 
+import sys
 import time
 
 import pytest
 
+from rollstream.services.reward import book as book_module
 from rollstream.services.reward.book import RewardBook
+from rollstream.shared.contract import events
 from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import (
@@ -25,14 +28,14 @@ def deliveries_for(run_id, group, rollout, sample_index, answer, label="7", chec
     ids = dict(run_id=run_id, group_id=group, rollout_id=rollout, trajectory_id=rollout, session_id=rollout)
     out = []
     for index in range(segments):
-        segment = TrajectorySegment(segment_index=index, attempt=attempt, tokens=[1, 2, 3 + index], response_length=1,
-                                    loss_mask=[0, 0, 1], rollout_logprobs=[0.0, 0.0, -0.3], turn_policy_versions=[0],
-                                    status=status, response_text=answer, sample_index=sample_index,
-                                    group_size=group_size)
+        segment = TrajectorySegment(segment_index=index, attempt=attempt, tokens=[1, 2, 3 + index],
+                                    response_length=1, loss_mask=[0, 0, 1], rollout_logprobs=[0.0, 0.0, -0.3],
+                                    turn_policy_versions=[0], status=status, response_text=answer,
+                                    sample_index=sample_index, group_size=group_size)
         out.append(Delivery("trajectories", "0-1", make_envelope(segment, **ids)))
-    finished = TrajectoryFinished(status=status, attempt=attempt, segment_count=segments, group_size=group_size,
-                                  sample_index=sample_index, response_text=answer, label=label, sandbox_check=check,
-                                  reward=reward)
+    finished = TrajectoryFinished(status=status, attempt=attempt, segment_count=segments,
+                                  group_size=group_size, sample_index=sample_index, response_text=answer,
+                                  label=label, sandbox_check=check, reward=reward)
     return out + [Delivery("trajectories", "0-2", make_envelope(finished, **ids))]
 
 
@@ -43,12 +46,14 @@ def pair(run_id, group, first, answers, check=None):
 
 
 def grade(run_id, group, rollout, score):
-    event = GradeReported(score=score, passed=score == 1.0, reason="exit 0" if score else "exit 1", duration_s=0.1)
+    event = GradeReported(score=score, passed=score == 1.0, reason="exit 0" if score else "exit 1",
+                          duration_s=0.1)
     return Delivery("grades", "0-3", make_envelope(event, run_id=run_id, group_id=group, rollout_id=rollout))
 
 
 def grading_failed(run_id, group, rollout):
-    event = GradingFailed(reason="grading failed and no retry is left: BackendUnavailable: no engine", attempts=4)
+    event = GradingFailed(reason="grading failed and no retry is left: BackendUnavailable: no engine",
+                          attempts=4)
     return Delivery("grades", "0-3", make_envelope(event, run_id=run_id, group_id=group, rollout_id=rollout))
 
 
@@ -72,9 +77,14 @@ def serve(book, deliveries):
     return batches
 
 
-def assigned(bus):
-    return {d.envelope.rollout_id: (d.event.reward, d.event.advantage, d.event.source) for d in bus.read_all("rewards")
+def assigned_events(bus):
+    return {d.envelope.rollout_id: d.event for d in bus.read_all("rewards")
             if isinstance(d.event, RewardAssigned)}
+
+
+def assigned(bus):
+    return {d.envelope.rollout_id: (d.event.reward, d.event.advantage, d.event.source)
+            for d in bus.read_all("rewards") if isinstance(d.event, RewardAssigned)}
 
 
 def answer_length(response: str, label: str | None) -> float:
@@ -91,7 +101,8 @@ def replay_bus(bus):
 
 
 def four_groups(run):
-    """(trajectories, grades): four groups finishing in the order g1..g4; g1 and g3 are graded in a sandbox."""
+    """(trajectories, grades): four groups finishing in the order g1..g4; g1 and g3 are graded in a
+    sandbox."""
     trajectories = (pair(run, "g1", 1, ("3", "4"), check="test") + pair(run, "g2", 3, ("7", "nope"))
                     + pair(run, "g3", 5, ("5", "6"), check="test") + pair(run, "g4", 7, ("x", "7")))
     grades = {"g1": [grade(run, "g1", "r1", 1.0), grade(run, "g1", "r2", 0.0)],
@@ -116,12 +127,13 @@ def test_group_completes_once_with_grpo_advantages_and_batches_whole_groups(bus,
     assert feed(book, first[:3]) == []  # r2 not finished yet
     assert feed(book, first[3:]) == ["g1"]
     assert feed(book, first) == []  # a re-delivery changes nothing
-    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards") if isinstance(d.event, RewardAssigned)}
+    rewards = assigned_events(bus)
     assert rewards["r1"].reward == 1.0 and rewards["r2"].reward == 0.0
     assert rewards["r1"].advantage > 0 > rewards["r2"].advantage
     assert book.flush_batches(run) == []  # 2 of 4 rollouts
 
-    second = deliveries_for(run, "g2", "r3", 2, "3", check="test 1") + deliveries_for(run, "g2", "r4", 3, "x", check="x")
+    second = (deliveries_for(run, "g2", "r3", 2, "3", check="test 1")
+              + deliveries_for(run, "g2", "r4", 3, "x", check="x"))
     assert feed(book, second) == []  # waits for the sandbox grades
     assert feed(book, [grade(run, "g2", "r3", 1.0), grade(run, "g2", "r4", 0.0)]) == ["g2"]
     (batch,) = book.flush_batches(run)
@@ -173,12 +185,13 @@ def test_dr_grpo_advantages_are_reward_minus_the_group_mean(bus, tmp_path):
                   + deliveries_for(run, "g", "r2", 1, "8", group_size=3)
                   + deliveries_for(run, "g", "r3", 2, "none", group_size=3))
     assert feed(book, deliveries) == ["g"]
-    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards") if isinstance(d.event, RewardAssigned)}
+    rewards = assigned_events(bus)
     mean = (1.0 + 0.1 + 0.0) / 3
     assert {r: e.advantage for r, e in rewards.items()} == pytest.approx({"r1": 1 - mean, "r2": 0.1 - mean,
                                                                           "r3": -mean})
     (batch,) = book.flush_batches(run)
-    assert [r.advantage for r in read_batch(book.storage, batch.uri)] == pytest.approx([1 - mean, 0.1 - mean, -mean])
+    assert [r.advantage for r in read_batch(book.storage, batch.uri)] == pytest.approx(
+        [1 - mean, 0.1 - mean, -mean])
 
 
 def test_a_group_with_one_reward_for_all_is_recorded_but_not_batched_when_filtering(bus, tmp_path):
@@ -187,7 +200,7 @@ def test_a_group_with_one_reward_for_all_is_recorded_but_not_batched_when_filter
     same = deliveries_for(run, "g1", "r1", 0, "7") + deliveries_for(run, "g1", "r2", 1, "the answer is 7")
     assert feed(book, same) == ["g1"]
     assert feed(book, same) == []  # a re-delivery neither completes nor counts it again
-    rewards = {d.envelope.rollout_id: d.event for d in bus.read_all("rewards") if isinstance(d.event, RewardAssigned)}
+    rewards = assigned_events(bus)
     assert {r: (e.reward, e.advantage, e.source) for r, e in rewards.items()} == {
         "r1": (1.0, 0.0, "exact_match"), "r2": (1.0, 0.0, "exact_match")}
     assert book.flush_batches(run) == []
@@ -205,7 +218,8 @@ def test_a_group_with_one_reward_for_all_is_recorded_but_not_batched_when_filter
 def test_without_filtering_a_group_with_one_reward_for_all_is_batched(bus, tmp_path):
     run = bus.keys.run_id
     book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2)
-    assert feed(book, deliveries_for(run, "g", "r1", 0, "1") + deliveries_for(run, "g", "r2", 1, "2")) == ["g"]
+    both = deliveries_for(run, "g", "r1", 0, "1") + deliveries_for(run, "g", "r2", 1, "2")
+    assert feed(book, both) == ["g"]
     (batch,) = book.flush_batches(run)
     assert [r.advantage for r in read_batch(book.storage, batch.uri)] == [0.0, 0.0]
     assert bus.redis.get(bus.keys.filtered) is None and book.filtered_groups() == 0
@@ -346,7 +360,8 @@ def test_a_batch_that_overshoots_b_gives_the_surplus_back_so_the_last_batch_can_
     waits for samples that are never admitted."""
     run = bus.keys.run_id
     book = RewardBook(bus, Storage(str(tmp_path)), batch_size=4)
-    short = pair(run, "g1", 1, ("3", "7"), check="test") + [grading_failed(run, "g1", "r1"), grade(run, "g1", "r2", 1.0)]
+    short = (pair(run, "g1", 1, ("3", "7"), check="test")
+             + [grading_failed(run, "g1", "r1"), grade(run, "g1", "r2", 1.0)])
     (batch,) = serve(book, short + pair(run, "g2", 3, ("7", "nope")) + pair(run, "g3", 5, ("x", "7")))
     assert batch.group_ids == ["g1", "g2", "g3"] and batch.sample_count == 5
     admitted, given_back = 6, int(bus.redis.get(bus.keys.filtered))
@@ -360,7 +375,8 @@ def test_a_reward_the_episode_was_finished_with_is_used_when_no_sandbox_grades_i
     run = bus.keys.run_id
     book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2)
     given = [d for index, reward in enumerate((0.25, 1.0))
-             for d in deliveries_for(run, "g1", f"r{index + 1}", index, "no label to match", label=None, reward=reward)]
+             for d in deliveries_for(run, "g1", f"r{index + 1}", index, "no label to match", label=None,
+                                     reward=reward)]
     (batch,) = serve(book, given)
     rewards = assigned(bus)
     assert {r: (reward, source) for r, (reward, _, source) in rewards.items()} == {"r1": (0.25, "given"),
@@ -368,8 +384,10 @@ def test_a_reward_the_episode_was_finished_with_is_used_when_no_sandbox_grades_i
     assert batch.mean_reward == 0.625
 
 
-def dead_letter(run, group, rollout, stream="prompts", consumer_group="agent-runner", event_type="PromptIssued"):
-    """The dead letter of one of a rollout's events, as Bus.dead_letter publishes it (with the entry's ids)."""
+def dead_letter(run, group, rollout, stream="prompts", consumer_group="agent-runner",
+                event_type="PromptIssued"):
+    """The dead letter of one of a rollout's events, as Bus.dead_letter publishes it (with the entry's
+    ids)."""
     event = DeadLettered(stream=stream, entry_id="1-0", group=consumer_group, deliveries=6,
                          error="gave up after 5 failed deliveries; last error: ValueError: bad tool spec",
                          fields={"type": event_type})
@@ -377,19 +395,22 @@ def dead_letter(run, group, rollout, stream="prompts", consumer_group="agent-run
 
 
 def dropped_events(bus):
-    return {d.envelope.rollout_id: d.event for d in bus.read_all("rewards") if isinstance(d.event, RolloutDropped)}
+    return {d.envelope.rollout_id: d.event for d in bus.read_all("rewards")
+            if isinstance(d.event, RolloutDropped)}
 
 
 def test_a_rollout_whose_prompt_was_dead_lettered_is_dropped_and_its_group_completes(bus, tmp_path):
     run = bus.keys.run_id
     book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2, group_size=3)
-    group = [d for i, answer in enumerate(("7", "4")) for d in deliveries_for(run, "g1", f"r{i + 1}", i, answer, group_size=3)]
+    group = [d for i, answer in enumerate(("7", "4"))
+             for d in deliveries_for(run, "g1", f"r{i + 1}", i, answer, group_size=3)]
     later = pair(run, "g2", 4, ("7", "nope"))
     assert [b.group_ids for b in serve(book, group + later)] == [["g2"]]  # g1 waits for r3
     assert [b.group_ids for b in serve(book, [dead_letter(run, "g1", "r3")])] == [["g1"]]
     assert set(assigned(bus)) == {"r1", "r2", "r4", "r5"}
     (drop,) = dropped_events(bus).values()
-    assert drop.cause == "dead_lettered" and "PromptIssued dead-lettered on prompts by agent-runner" in drop.reason
+    assert drop.cause == "dead_lettered"
+    assert "PromptIssued dead-lettered on prompts by agent-runner" in drop.reason
     assert book.dropped() == {"dead_lettered": 1} and int(bus.redis.get(bus.keys.filtered)) == 1
 
 
@@ -408,8 +429,9 @@ def test_a_dead_letter_of_an_event_the_pipeline_does_not_wait_for_drops_nothing(
     assert book.record(dead_letter(run, "g1", "r1", stream="batches", consumer_group="trainer",
                                    event_type="BatchReady")) is None
     assert book.record(Delivery("dead", "0-5", make_envelope(
-        DeadLettered(stream="prompts", entry_id="1-0", group="agent-runner", deliveries=1, error="not msgpack",
-                     fields={"type": "PromptIssued", "body": "b'\\x80'"}), run_id=run))) is None  # no ids: nothing to drop
+        DeadLettered(stream="prompts", entry_id="1-0", group="agent-runner", deliveries=1,
+                     error="not msgpack", fields={"type": "PromptIssued", "body": "b'\\x80'"}),
+        run_id=run))) is None  # no ids: nothing to drop
 
 
 def test_a_grade_that_never_comes_is_dropped_after_the_timeout_and_releases_the_groups_behind(bus, tmp_path):
@@ -426,3 +448,82 @@ def test_a_grade_that_never_comes_is_dropped_after_the_timeout_and_releases_the_
     assert [b.group_ids for b in book.flush_batches(run)] == [["g1", "g2"]]
     assert feed(book, [grade(run, "g1", "r2", 1.0)]) == []  # the late grade changes nothing
     assert book.expire_overdue(now=time.time() + 6000) == []
+
+
+def test_an_arrival_decodes_no_other_event_of_its_group_whatever_the_groups_size(bus, tmp_path,
+                                                                                 monkeypatch):
+    """What a group member's arrival costs does not grow with its group: it decodes at most its rollout's
+    TrajectoryFinished, never an earlier segment; the group's events are decoded once to score it and its
+    segments once to batch it, each on decode()'s fast path."""
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=8)
+    group = [d for i in range(8) for d in deliveries_for(run, "g", f"r{i}", i, str(i % 2 * 7), group_size=8,
+                                                          segments=2)]
+    decoded = []
+    counted = events.decode
+
+    def counting(fields):
+        decoded.append(fields[b"type"].decode())
+        return counted(fields)
+
+    def slow_path(fields):
+        raise AssertionError(f"{fields} decoded on the slow path")
+
+    monkeypatch.setattr(book_module, "decode", counting)
+    monkeypatch.setattr(sys.modules[events.decode.__module__], "_checked_decode", slow_path)
+    per_arrival = []
+    for delivery in group:
+        decoded.clear()
+        assert feed(book, [delivery]) == ([] if delivery is not group[-1] else ["g"])
+        per_arrival.append(list(decoded))
+    # each rollout's two segments, then its TrajectoryFinished; the last arrival reads the ledger to score
+    assert per_arrival[:-1] == [[], [], ["TrajectoryFinished"]] * 7 + [[], []]
+    assert sorted(per_arrival[-1]) == ["TrajectoryFinished"] * 9
+    decoded.clear()
+    (batch,) = book.flush_batches(run)
+    assert sorted(decoded) == ["TrajectoryFinished"] * 8 + ["TrajectorySegment"] * 16
+    monkeypatch.undo()
+    assert len(read_batch(book.storage, batch.uri)) == 16
+
+
+def test_a_crash_between_storing_an_event_and_accounting_for_it_loses_nothing(bus, tmp_path, monkeypatch):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2)
+    first, second = deliveries_for(run, "g", "r1", 0, "7"), deliveries_for(run, "g", "r2", 1, "3")
+    assert feed(book, first + second[:1]) == []
+
+    def crash(*args):
+        raise ConnectionError("the reward service died here")
+
+    monkeypatch.setattr(book, "account", crash)
+    with pytest.raises(ConnectionError):
+        feed(book, second[1:])  # r2's TrajectoryFinished is stored, not accounted for
+    monkeypatch.undo()
+    assert feed(book, second[1:]) == ["g"]  # its redelivery
+    (batch,) = book.flush_batches(run)
+    assert [r.rollout_id for r in read_batch(book.storage, batch.uri)] == ["r1", "r2"]
+
+
+def test_segments_and_grades_that_come_after_their_rollouts_finish_complete_the_group(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=2)
+    r1 = deliveries_for(run, "g", "r1", 0, "7", check="test", segments=2)
+    r2 = deliveries_for(run, "g", "r2", 1, "3", check="test")
+    early_grade = grade(run, "g", "r2", 0.0)
+    assert feed(book, [early_grade, r1[-1], r2[-1], r1[1], grade(run, "g", "r1", 1.0), r2[0]]) == []
+    assert feed(book, [r1[0]]) == ["g"]
+    (batch,) = book.flush_batches(run)
+    rows = read_batch(book.storage, batch.uri)
+    assert [(r.rollout_id, r.segment_index, r.reward) for r in rows] == [("r1", 0, 1.0), ("r1", 1, 1.0),
+                                                                          ("r2", 0, 0.0)]
+
+
+def test_a_rollout_still_missing_segments_at_the_timeout_is_dropped_saying_how_many(bus, tmp_path):
+    run = bus.keys.run_id
+    book = RewardBook(bus, Storage(str(tmp_path)), batch_size=1, grade_timeout_s=600)
+    short = deliveries_for(run, "g", "r1", 0, "7", segments=3)
+    assert serve(book, short[1:2] + short[3:] + deliveries_for(run, "g", "r2", 1, "3")) == []
+    assert book.expire_overdue(now=time.time() + 601) == ["g"]
+    (drop,) = dropped_events(bus).values()
+    assert drop.cause == "grade_timeout" and drop.reason == "2 of its 3 segments did not come within 600 s"
+    assert [b.group_ids for b in book.flush_batches(run)] == [["g"]]

@@ -32,10 +32,14 @@ def test_a_reward_function_is_a_built_in_name_or_an_import_path():
 @pytest.mark.parametrize("spec, error", [
     ("bleu", "unknown reward function 'bleu'; built in: exact_match; or give an import path module:function"),
     ("no_such_module:score", "reward function 'no_such_module:score': cannot import module 'no_such_module'"),
-    ("rollstream.shared.tasks.scoring:bleu", "reward function 'rollstream.shared.tasks.scoring:bleu': module 'rollstream.shared.tasks.scoring' has no attribute 'bleu'"),
+    ("rollstream.shared.tasks.scoring:bleu",
+     "reward function 'rollstream.shared.tasks.scoring:bleu': module 'rollstream.shared.tasks.scoring' has "
+     "no attribute 'bleu'"),
     ("rollstream.services.reward.rewards:REWARD_FUNCTIONS",
-     "reward function 'rollstream.services.reward.rewards:REWARD_FUNCTIONS': 'REWARD_FUNCTIONS' is a dict, not callable"),
-    ("rollstream.shared.tasks.scoring:", "reward function 'rollstream.shared.tasks.scoring:': an import path needs both parts, module:function"),
+     "reward function 'rollstream.services.reward.rewards:REWARD_FUNCTIONS': 'REWARD_FUNCTIONS' is a dict, "
+     "not callable"),
+    ("rollstream.shared.tasks.scoring:",
+     "reward function 'rollstream.shared.tasks.scoring:': an import path needs both parts, module:function"),
 ])
 def test_a_bad_reward_function_says_what_is_wrong(spec, error):
     with pytest.raises(ValueError, match=re.escape(error)):
