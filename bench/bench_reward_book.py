@@ -1,7 +1,7 @@
 """The reward service's CPU time per arriving trajectory segment as its prompt groups grow: groups of 2 to 32
-rollouts, each one 512-token segment and its TrajectoryFinished, published onto `trajectories` of a real
-Redis and handled by a real reward service (`rollstream-reward`, started by the local run), which records
-each event in its group, scores the complete groups and writes their batches.
+rollouts, each its 512-token segments (one, or --segments) and its TrajectoryFinished, published onto
+`trajectories` of a real Redis and handled by a real reward service (`rollstream-reward`, started by the
+local run), which records each event in its group, scores the complete groups and writes their batches.
 
 A group size's figure is the service's CPU time (the scheduler's count, /proc/<pid>/schedstat) spent while
 it handled that size's entries, over the segments among them: what one more segment costs the service,
@@ -11,7 +11,7 @@ stream entry in this process, as redis-py hands it back (what a delivery costs a
 run in turns, --repeats times, in one service; a figure is the median of its runs.
 
     python bench/bench_reward_book.py [--redis redis://127.0.0.1:6379/0] [--sizes 2 4 8 16 32]
-        [--rollouts 256] [--tokens 512] [--repeats 3] [--json PATH] [--smoke]
+        [--rollouts 256] [--segments 1] [--tokens 512] [--repeats 3] [--json PATH] [--smoke]
 """
 
 from __future__ import annotations
@@ -33,19 +33,19 @@ DRAIN_TIMEOUT_S = 600
 DRAIN_POLL_S = 0.02
 
 
-def segment(tokens: int, sample_index: int, group_size: int) -> TrajectorySegment:
-    """A rollout's one segment: `tokens` ids, the second half sampled, as an agent-runner publishes it."""
+def segment(tokens: int, sample_index: int, group_size: int, index: int = 0) -> TrajectorySegment:
+    """A rollout's segment: `tokens` ids, the second half sampled, as an agent-runner publishes it."""
     prompt = tokens // 2
     return TrajectorySegment(
-        segment_index=0, attempt="a1", tokens=[(i * 7919) % 151_000 for i in range(tokens)],
+        segment_index=index, attempt="a1", tokens=[(i * 7919) % 151_000 for i in range(tokens)],
         response_length=tokens - prompt, loss_mask=[0] * prompt + [1] * (tokens - prompt),
         rollout_logprobs=[0.0] * prompt + [-0.123456 * (i % 17) for i in range(tokens - prompt)],
         turn_policy_versions=[0], status="completed", response_text="7", sample_index=sample_index,
         group_size=group_size)
 
 
-def publish_groups(bus: Bus, phase: str, size: int, rollouts: int, tokens: int) -> int:
-    """`rollouts` rollouts in groups of `size`, each its segment and then its TrajectoryFinished (half of
+def publish_groups(bus: Bus, phase: str, size: int, rollouts: int, segments: int, tokens: int) -> int:
+    """`rollouts` rollouts in groups of `size`, each its segments and then its TrajectoryFinished (half of
     each group answers right: a reward to learn from), in one pipeline; returns the segments published."""
     pipe = bus.redis.pipeline(transaction=False)
     for group_index in range(rollouts // size):
@@ -53,13 +53,14 @@ def publish_groups(bus: Bus, phase: str, size: int, rollouts: int, tokens: int) 
         for member in range(size):
             rollout, sample_index = f"{group}-r{member}", group_index * size + member
             ids = {"rollout_id": rollout, "group_id": group, "trajectory_id": rollout, "session_id": rollout}
-            bus.publish("trajectories", segment(tokens, sample_index, size), pipe=pipe, **ids)
-            finished = TrajectoryFinished(status="completed", attempt="a1", segment_count=1, group_size=size,
-                                          sample_index=sample_index, response_text=str(member % 2 * 7),
-                                          label="7")
+            for index in range(segments):
+                bus.publish("trajectories", segment(tokens, sample_index, size, index), pipe=pipe, **ids)
+            finished = TrajectoryFinished(status="completed", attempt="a1", segment_count=segments,
+                                          group_size=size, sample_index=sample_index,
+                                          response_text=str(member % 2 * 7), label="7")
             bus.publish("trajectories", finished, pipe=pipe, **ids)
     pipe.execute()
-    return rollouts // size * size
+    return rollouts // size * size * segments
 
 
 def cpu_seconds(pid: int) -> float:
@@ -80,10 +81,11 @@ def wait_handled(local: LocalRun) -> None:
         time.sleep(DRAIN_POLL_S)
 
 
-def service_us_per_segment(local: LocalRun, phase: str, size: int, rollouts: int, tokens: int) -> float:
+def service_us_per_segment(local: LocalRun, phase: str, size: int, args: argparse.Namespace,
+                           rollouts: int | None = None) -> float:
     service = local.processes["reward"].pid
     before = cpu_seconds(service)
-    segments = publish_groups(local.bus, phase, size, rollouts, tokens)
+    segments = publish_groups(local.bus, phase, size, rollouts or args.rollouts, args.segments, args.tokens)
     wait_handled(local)
     return (cpu_seconds(service) - before) / segments * 1e6
 
@@ -114,11 +116,10 @@ def measure(args: argparse.Namespace, root: Path) -> dict[int, list[float]]:
     try:
         local.start()
         # a first pass that is not counted: the service's code paths warm, its connections open
-        service_us_per_segment(local, "warm", args.sizes[0], args.batch_size, args.tokens)
+        service_us_per_segment(local, "warm", args.sizes[0], args, rollouts=args.batch_size)
         for repeat in range(args.repeats):
             for size in args.sizes:
-                runs[size].append(service_us_per_segment(local, f"p{repeat}-{size}", size, args.rollouts,
-                                                         args.tokens))
+                runs[size].append(service_us_per_segment(local, f"p{repeat}-{size}", size, args))
             print("  ".join(f"groups of {size}: {runs[size][-1]:.0f} us" for size in args.sizes), flush=True)
     finally:
         local.stop()
@@ -132,6 +133,7 @@ def main() -> None:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32], help="group sizes")
     parser.add_argument("--rollouts", type=int, default=256, help="rollouts per size and run")
+    parser.add_argument("--segments", type=int, default=1, help="segments per rollout")
     parser.add_argument("--batch-size", type=int, default=64, help="the service's train.batch_size")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per segment")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each size; figures are their medians")
@@ -142,8 +144,8 @@ def main() -> None:
     if bad:
         parser.error(f"--rollouts ({args.rollouts}) and --batch-size ({args.batch_size}) must be multiples "
                      f"of every group size; not of {bad}")
-    print(f"{args.rollouts} rollouts of one {args.tokens}-token segment per size and run, {args.repeats} "
-          f"runs, {args.redis}")
+    print(f"{args.rollouts} rollouts of {args.segments} {args.tokens}-token segments per size and run, "
+          f"{args.repeats} runs, {args.redis}")
     with tempfile.TemporaryDirectory(prefix="bench-reward-") as root:
         runs = measure(args, Path(root))
     fast, slow = decode_us(args.tokens, args.decode_repeat)
@@ -159,8 +161,8 @@ def main() -> None:
     for figure in figures:
         print(f"{figure.what} against {figure.baseline_what}: {figure.value:.1f} / {figure.baseline:.1f} us "
               f"= {figure.ratio:.2f}")
-    notes = [f"{args.rollouts} rollouts per size and run, median of {args.repeats} runs; batch size "
-             f"{args.batch_size}",
+    notes = [f"{args.rollouts} rollouts of {args.segments} segments per size and run, median of "
+             f"{args.repeats} runs; batch size {args.batch_size}",
              f"{decoded}: {fast:.1f} us as redis-py hands it back, {slow:.1f} us with str keys "
              "(no fast path)"]
     print(notes[-1])
