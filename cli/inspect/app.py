@@ -2,8 +2,8 @@
 
     rollstream inspect runs                          # every run in Redis and in storage, entries per stream
     rollstream inspect streams RUN                   # per stream: length, ids, archive position, groups' lag
-    rollstream inspect trajectory RUN ROLLOUT [--json]   # one rollout turn by turn, tokens coloured by logprob
-    rollstream inspect diff RUN_A RUN_B [--streams S]    # two runs or replays compared event by event
+    rollstream inspect trajectory RUN ROLLOUT [--json]  # one rollout turn by turn, tokens coloured by logprob
+    rollstream inspect diff RUN_A RUN_B [--streams S]   # two runs or replays compared event by event
 
 cli/main.py mounts `inspect_app` as `rollstream inspect`.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -46,9 +46,9 @@ inspect_app = typer.Typer(add_completion=False, no_args_is_help=True,
 PIPED_WIDTH = 250
 """Width of the output when it goes to a file or a pipe (and COLUMNS is unset): tables are not cut."""
 
-RedisUrl = Annotated[Optional[str], typer.Option("--redis-url", help="Redis of the runs (default: RS_REDIS_URL, "
+RedisUrl = Annotated[str | None, typer.Option("--redis-url", help="Redis of the runs (default: RS_REDIS_URL, "
                                                  f"else {DEFAULT_REDIS_URL}).")]
-StorageOpt = Annotated[Optional[str], typer.Option("--storage", help="Run storage holding the archives "
+StorageOpt = Annotated[str | None, typer.Option("--storage", help="Run storage holding the archives "
                                                    "(default: RS_STORAGE_URI, else runs).")]
 
 
@@ -92,8 +92,9 @@ def streams_command(run: Annotated[str, typer.Argument(help="Run id.")], redis_u
 def trajectory_command(
     run: Annotated[str, typer.Argument(help="Run id.")],
     rollout_id: Annotated[str, typer.Argument(help="Rollout id (envelope rollout_id).")],
-    model: Annotated[Optional[Path], typer.Option(help="Model directory whose tokenizer decodes the tokens "
-                                                  "(default: the run's config.json model, else RS_MODEL__PATH).")] = None,
+    model: Annotated[Path | None, typer.Option(help="Model directory whose tokenizer decodes the tokens "
+                                                    "(default: the run's config.json model, else "
+                                                    "RS_MODEL__PATH).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead.")] = False,
     redis_url: RedisUrl = None,
     storage: StorageOpt = None,
@@ -124,17 +125,18 @@ def trajectory_command(
 def diff_command(
     run_a: Annotated[str, typer.Argument(help="Run A.")],
     run_b: Annotated[str, typer.Argument(help="Run B (a replay, or another run).")],
-    streams: Annotated[Optional[list[str]], typer.Option("--streams", help="Streams to compare (repeat, or "
+    streams: Annotated[list[str] | None, typer.Option("--streams", help="Streams to compare (repeat, or "
                                                          "comma-separated; default: all).")] = None,
     limit: Annotated[int, typer.Option(help="Events (and batch rows) listed per stream.")] = 10,
     normalize: Annotated[bool, typer.Option(help="Match across runs: run ids, storage roots, attempt ids and "
                                             "batch ids of the same groups are made alike.")] = True,
-    exact: Annotated[bool, typer.Option(help="Compare wall-clock measurements too (" + ", ".join(MEASURED_FIELDS)
+    exact: Annotated[bool, typer.Option(help="Compare wall-clock measurements too ("
+                                        + ", ".join(MEASURED_FIELDS)
                                         + "); by default they are left out.")] = False,
     redis_url: RedisUrl = None,
     storage: StorageOpt = None,
-    redis_url_b: Annotated[Optional[str], typer.Option(help="Redis of run B (default: --redis-url).")] = None,
-    storage_b: Annotated[Optional[str], typer.Option(help="Storage of run B (default: --storage).")] = None,
+    redis_url_b: Annotated[str | None, typer.Option(help="Redis of run B (default: --redis-url).")] = None,
+    storage_b: Annotated[str | None, typer.Option(help="Storage of run B (default: --storage).")] = None,
 ) -> None:
     """Compare two runs (or a run and its replay) event by event; exit 0 identical, 1 different.
 

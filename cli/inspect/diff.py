@@ -48,16 +48,18 @@ class Normalizer:
     def __init__(self, runs: Iterable[str], roots: Iterable[str], enabled: bool = True) -> None:
         self.enabled = enabled
         runs = sorted({r for r in runs if r}, key=len, reverse=True)
-        self.run_re = re.compile(r"(?<![A-Za-z0-9_])(?:" + "|".join(map(re.escape, runs)) + r")(?![A-Za-z0-9_])") \
-            if runs else None
+        self.run_re = (re.compile(r"(?<![A-Za-z0-9_])(?:" + "|".join(map(re.escape, runs))
+                                  + r")(?![A-Za-z0-9_])")
+                       if runs else None)
         self.roots = sorted({r.rstrip("/") for r in roots if r and r.rstrip("/")}, key=len, reverse=True)
         self.exact: dict[str, str] = {}
         self.exact_re: re.Pattern | None = None
         self.attempts: dict[str, str] = {}
 
-    def with_batches(self, mapping: dict[str, str]) -> "Normalizer":
+    def with_batches(self, mapping: dict[str, str]) -> Normalizer:
         self.exact = dict(mapping)
-        self.exact_re = re.compile("|".join(map(re.escape, sorted(mapping, key=len, reverse=True)))) if mapping else None
+        self.exact_re = (re.compile("|".join(map(re.escape, sorted(mapping, key=len, reverse=True))))
+                         if mapping else None)
         return self
 
     def text(self, value: str) -> str:
@@ -225,7 +227,8 @@ def _batch_groups(side: SideEvents, normalizer: Normalizer) -> dict[tuple[str, .
     out = {}
     for envelope in side.events.get("batches", []):
         if isinstance(envelope.payload, BatchReady):
-            out.setdefault(tuple(normalizer.text(g) for g in envelope.payload.group_ids), envelope.payload.batch_id)
+            groups = tuple(normalizer.text(g) for g in envelope.payload.group_ids)
+            out.setdefault(groups, envelope.payload.batch_id)
     return out
 
 
@@ -251,7 +254,8 @@ def compare_batch_rows(a: SideEvents, b: SideEvents, event_a: BatchReady, event_
         except Exception as exc:
             rows.append(exc)
     if isinstance(rows[0], Exception) or isinstance(rows[1], Exception):
-        problems = [f"{side.label}: {type(r).__name__}: {r}" for side, r in zip((a, b), rows) if isinstance(r, Exception)]
+        problems = [f"{side.label}: {type(r).__name__}: {r}" for side, r in zip((a, b), rows)
+                    if isinstance(r, Exception)]
         diff.error = "; ".join(problems)
         if len(problems) == 1:  # one file there, the other not: they differ
             missing = diff.only_a if isinstance(rows[1], Exception) else diff.only_b
@@ -268,7 +272,8 @@ def compare_batch_rows(a: SideEvents, b: SideEvents, event_a: BatchReady, event_
         changes = [FieldChange(name, fa[name], fb[name]) for name in fa if fa[name] != fb[name]]
         if changes:
             diff.changed.append((shown, changes))
-    diff.only_b.extend(f"({r.rollout_id}, {r.segment_index})" for key, r in keyed_b.items() if key not in keyed_a)
+    diff.only_b.extend(f"({r.rollout_id}, {r.segment_index})" for key, r in keyed_b.items()
+                       if key not in keyed_a)
     return diff
 
 
@@ -286,7 +291,8 @@ def compare_stream(stream: str, a: SideEvents, b: SideEvents, na: Normalizer, nb
     result = StreamDiff(stream)
     for side in (a, b):
         if side.undecodable.get(stream):
-            result.notes.append(f"{side.label}: {side.undecodable[stream]} entries do not decode (not compared)")
+            result.notes.append(f"{side.label}: {side.undecodable[stream]} entries do not decode "
+                                "(not compared)")
     events_a, events_b = keyed(a.events[stream], na), keyed(b.events[stream], nb)
     for key, env_a in events_a.items():
         env_b = events_b.get(key)
@@ -341,14 +347,15 @@ def render_diff(report: DiffReport, limit: int = 10) -> Group:
         table.add_column(column, justify="left" if column == "stream" else "right")
     for s in report.streams:
         style = "red" if s.differs else None
-        table.add_row(s.stream, str(s.identical), str(len(s.only_a)), str(len(s.only_b)), str(len(s.different)),
-                      style=style)
+        table.add_row(s.stream, str(s.identical), str(len(s.only_a)), str(len(s.only_b)),
+                      str(len(s.different)), style=style)
     out: list[Any] = [table]
     for s in report.streams:
         for note in s.notes:
             out.append(Text(f"{s.stream}: note: {note}", style="yellow"))
         for event in s.different[:limit]:
-            line = f"{s.stream} {event.key}: " + (", ".join(map(str, event.changes)) if event.changes else "event identical")
+            changes = ", ".join(map(str, event.changes)) if event.changes else "event identical"
+            line = f"{s.stream} {event.key}: " + changes
             out.append(Text(line))
             if event.rows is not None and event.rows.differs:
                 rows = event.rows

@@ -62,7 +62,8 @@ def latest_policy_version(bus: Bus | None, reader: ArchiveReader | None) -> int 
     return None
 
 
-def summarize_run(client: redis.Redis | None, storage_uri: str, run: str, in_redis: bool, in_archive: bool) -> RunSummary:
+def summarize_run(client: redis.Redis | None, storage_uri: str, run: str, in_redis: bool,
+                  in_archive: bool) -> RunSummary:
     bus = Bus(client, run) if in_redis and client is not None else None
     reader = ArchiveReader(storage_uri, run) if in_archive else None
     archived_streams = set(reader.streams()) if reader is not None else set()
@@ -85,7 +86,8 @@ def collect_runs(client: redis.Redis | None, storage_uri: str) -> list[RunSummar
     """Every run in Redis or with an archive in storage, sorted by name."""
     live = set(redis_runs(client))
     archived = set(archive_runs(storage_uri))
-    return [summarize_run(client, storage_uri, run, run in live, run in archived) for run in sorted(live | archived)]
+    return [summarize_run(client, storage_uri, run, run in live, run in archived)
+            for run in sorted(live | archived)]
 
 
 def runs_table(summaries: list[RunSummary], storage_uri: str = "") -> Table:
@@ -98,7 +100,8 @@ def runs_table(summaries: list[RunSummary], storage_uri: str = "") -> Table:
     for s in summaries:
         table.add_row(s.run, s.where, *(str(s.entries[stream]) for stream in STREAMS),
                       "-" if s.policy_version is None else f"v{s.policy_version}")
-    table.caption = "entries ever added per stream (XINFO STREAM entries-added when live, else the archive's count)"
+    table.caption = ("entries ever added per stream (XINFO STREAM entries-added when live, else the "
+                     "archive's count)")
     return table
 
 
@@ -106,8 +109,9 @@ def runs_table(summaries: list[RunSummary], storage_uri: str = "") -> Table:
 def streams_table(run: str, states: list[StreamState], where: str = "") -> Table:
     table = Table(title=f"run {run}: streams" + (f" ({where})" if where else ""))
     for column, justify in (("stream", "left"), ("length", "right"), ("added", "right"), ("first id", "left"),
-                            ("last id", "left"), ("archived to", "left"), ("archived", "right"), ("group", "left"),
-                            ("consumers", "right"), ("lag", "right"), ("pending", "right")):
+                            ("last id", "left"), ("archived to", "left"), ("archived", "right"),
+                            ("group", "left"), ("consumers", "right"), ("lag", "right"),
+                            ("pending", "right")):
         table.add_column(column, justify=justify, no_wrap=True)
 
     def show(value) -> str:
@@ -125,6 +129,7 @@ def streams_table(run: str, states: list[StreamState], where: str = "") -> Table
             cells = stream_cells if i == 0 else [""] * len(stream_cells)
             table.add_row(*cells, group.name, str(group.consumers), lag, str(group.pending))
         table.add_section()
-    table.caption = ("lag: entries not yet delivered to the group (* counted after its last-delivered id: Redis "
-                     "could not tell); pending: delivered, not acknowledged; archived: entries in the archive")
+    table.caption = ("lag: entries not yet delivered to the group (* counted after its last-delivered id: "
+                     "Redis could not tell); pending: delivered, not acknowledged; archived: entries in the "
+                     "archive")
     return table

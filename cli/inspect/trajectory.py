@@ -35,13 +35,15 @@ def tokens_text(tokens: Iterable[dict[str, Any]]) -> Text:
     """Tokens as rich Text: context (mask 0) dim, sampled ones coloured by their logprob."""
     text = Text()
     for token in tokens:
-        text.append(token["text"], style=CONTEXT_STYLE if not token["mask"] else logprob_style(token["logprob"]))
+        text.append(token["text"],
+                    style=CONTEXT_STYLE if not token["mask"] else logprob_style(token["logprob"]))
     return text
 
 
 def logprob_legend() -> Text:
-    return Text.assemble("tokens: ", ("sampled, logprob >= -0.5", "green"), "  ", ("sampled, >= -2", "yellow"), "  ",
-                         ("sampled, < -2", "red"), "  ", ("context: prompt, tool results (not sampled, mask 0)", CONTEXT_STYLE))
+    return Text.assemble("tokens: ", ("sampled, logprob >= -0.5", "green"), "  ",
+                         ("sampled, >= -2", "yellow"), "  ", ("sampled, < -2", "red"), "  ",
+                         ("context: prompt, tool results (not sampled, mask 0)", CONTEXT_STYLE))
 
 
 def _shorten(text: str, limit: int = 300) -> str:
@@ -54,10 +56,11 @@ def _indented(renderable: Any) -> Padding:
 
 def render_rollout(doc: dict[str, Any]) -> Group:
     """The rollout turn by turn, from rollout_document's data."""
-    out: list[Any] = [Text.assemble(("rollout ", "bold"), (doc["rollout_id"], "bold cyan"), f"  run {doc['run']}  group ",
-                                    doc["group_id"] or "-"),
-                      logprob_legend() if doc["tokenizer"] else
-                      Text("no tokenizer: token ids shown (coloured by logprob, context dim)", style="italic")]
+    header = Text.assemble(("rollout ", "bold"), (doc["rollout_id"], "bold cyan"),
+                           f"  run {doc['run']}  group ", doc["group_id"] or "-")
+    legend = (logprob_legend() if doc["tokenizer"] else
+              Text("no tokenizer: token ids shown (coloured by logprob, context dim)", style="italic"))
+    out: list[Any] = [header, legend]
     out += _render_prompt(doc["prompt"])
     for attempt in doc["attempts"]:
         out += _render_attempt(attempt)
@@ -79,9 +82,11 @@ def render_rollout(doc: dict[str, Any]) -> Group:
 def _render_prompt(prompt: dict[str, Any] | None) -> list[Any]:
     if prompt is None:
         return [Text("PromptIssued: not found", style="yellow")]
-    out: list[Any] = [Text.assemble(("PromptIssued", "bold"), f"  sample {prompt['sample_index']} of a group of "
-                                    f"{prompt['group_size']}, label {prompt['label']!r}, reward_fn {prompt['reward_fn']}",
-                                    f", sandbox check {prompt['sandbox_check']!r}" if prompt["sandbox_check"] else "",
+    check = f", sandbox check {prompt['sandbox_check']!r}" if prompt["sandbox_check"] else ""
+    out: list[Any] = [Text.assemble(("PromptIssued", "bold"),
+                                    f"  sample {prompt['sample_index']} of a group of "
+                                    f"{prompt['group_size']}, label {prompt['label']!r}, "
+                                    f"reward_fn {prompt['reward_fn']}", check,
                                     f", admitted at policy v{prompt['policy_version']}")]
     for message in prompt["messages"]:
         out.append(_indented(Text.assemble((f"{message.get('role', '?')}: ", "bold"),
@@ -91,12 +96,14 @@ def _render_prompt(prompt: dict[str, Any] | None) -> list[Any]:
 
 def _render_attempt(attempt: dict[str, Any]) -> list[Any]:
     label = attempt["attempt"] or "(unnamed)"
-    out: list[Any] = [Text.assemble(("\nattempt ", "bold"), label, f"  server {attempt['server_url'] or '-'}")]
+    out: list[Any] = [Text.assemble(("\nattempt ", "bold"), label,
+                                    f"  server {attempt['server_url'] or '-'}")]
     for turn in attempt["turns"]:
         out += _render_turn(turn)
     for segment in attempt["segments"]:
-        out.append(Text(f"segment {segment['segment_index']}: {segment['status']}, {segment['tokens']} tokens "
-                        f"({segment['sampled_tokens']} sampled), turn versions {segment['turn_policy_versions']}"))
+        out.append(Text(f"segment {segment['segment_index']}: {segment['status']}, {segment['tokens']} "
+                        f"tokens ({segment['sampled_tokens']} sampled), turn versions "
+                        f"{segment['turn_policy_versions']}"))
     finished = attempt["finished"]
     if finished is None:
         out.append(Text("TrajectoryFinished: not found (still running, or lost)", style="yellow"))
@@ -114,16 +121,19 @@ def _render_turn(turn: dict[str, Any]) -> list[Any]:
                         "(weights synced mid-turn)", style=SYNC_STYLE)
     else:
         versions = Text(f"policy v{turn['policy_version']}")
-    out: list[Any] = [Text.assemble((f"segment {turn['segment_index']} turn {turn['turn']}", "bold"), "  ", versions,
+    out: list[Any] = [Text.assemble((f"segment {turn['segment_index']} turn {turn['turn']}", "bold"), "  ",
+                                    versions,
                                     f"  finish {turn['finish_reason']}  server {turn['server_url']}")]
     context = [t for t in turn["tokens"] if not t["mask"]]
     response = [t for t in turn["tokens"] if t["mask"]]
     if context:
-        out.append(_indented(Text.assemble((f"context ({len(context)} tokens): ", "italic"), tokens_text(context))))
-    out.append(_indented(Text.assemble((f"response ({len(response)} tokens): ", "italic"), tokens_text(response))))
+        out.append(_indented(Text.assemble((f"context ({len(context)} tokens): ", "italic"),
+                                           tokens_text(context))))
+    out.append(_indented(Text.assemble((f"response ({len(response)} tokens): ", "italic"),
+                                       tokens_text(response))))
     for tool in turn["tools"]:
-        outcome = Text("ok", style="green") if tool["ok"] else Text(f"error ({tool['error_kind'] or 'unknown'})",
-                                                                    style="red")
+        outcome = (Text("ok", style="green") if tool["ok"]
+                   else Text(f"error ({tool['error_kind'] or 'unknown'})", style="red"))
         out.append(_indented(Text.assemble(("tool ", "bold"), (tool["name"], "bold cyan"),
                                            f"({json.dumps(tool['arguments'])}) -> ", outcome, ": ",
                                            _shorten(tool["content"]))))
@@ -141,9 +151,10 @@ def _render_grade(grade: dict[str, Any]) -> Text:
 
 
 def _render_batch(batch: dict[str, Any]) -> list[Any]:
-    trained = (", trained into " + ", ".join(f"v{v}" for v in batch["trained_in"])) if batch["trained_in"] else \
-        ", not trained yet"
-    out: list[Any] = [Text.assemble(("BatchReady", "bold"), f"  {batch['batch_id']}: {batch['sample_count']} samples, "
+    trained = ((", trained into " + ", ".join(f"v{v}" for v in batch["trained_in"])) if batch["trained_in"]
+               else ", not trained yet")
+    out: list[Any] = [Text.assemble(("BatchReady", "bold"),
+                                    f"  {batch['batch_id']}: {batch['sample_count']} samples, "
                                     f"min policy v{batch['min_policy_version']}, mean reward "
                                     f"{batch['mean_reward']:.4g}{trained}")]
     if batch["rows_error"]:
