@@ -9,13 +9,14 @@ model.safetensors, tokenizer.json, tokenizer_config.json). vLLM on the CPU serve
 The same seed gives the same bytes in every file. The seed only changes the weights: the tokenizer
 and chat template are the same for every seed, so checkpoints built with different seeds share ids.
 
-Facts measured on vLLM 0.32's CPU build that shaped it: head_dim 16 is rejected by vLLM's CPU attention kernel, so 64;
-tied embeddings leave vLLM's output head stale after a weight reload of a plain save_pretrained
-checkpoint, so the default is untied. tie_embeddings=True builds the tied variant real models use
-(small Qwen etc.), to exercise shared/inference/serving_weights.py, which makes reloads of tied models exact.
+Facts measured on vLLM 0.32's CPU build that shaped it: head_dim 16 is rejected by vLLM's CPU attention
+kernel, so 64; tied embeddings leave vLLM's output head stale after a weight reload of a plain
+save_pretrained checkpoint, so the default is untied. tie_embeddings=True builds the tied variant real
+models use (small Qwen etc.), to exercise shared/inference/serving_weights.py, which makes reloads of tied
+models exact.
 
-Run it through the CLI (`rollstream build-model --out DIR`) or directly:
-    python -c "from pathlib import Path; from rollstream.cli.model.tiny_model import build_tiny_model; build_tiny_model(Path('tiny'))"
+Run it through the CLI (`rollstream build-model --out DIR`) or directly, from Python:
+    from rollstream.cli.model.tiny_model import build_tiny_model; build_tiny_model(Path("tiny"))
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ CHAT_TEMPLATE = r"""{%- macro turn(role, content) -%}
     {%- for tool in tools -%}
         {%- set ns.text = ns.text + '\n' + (tool | tojson) -%}
     {%- endfor -%}
-    {%- set ns.text = ns.text + '\n</tools>\nTo call one, write <tool_call>{"name": <name>, "arguments": <json object>}</tool_call>' -%}
+    {%- set ns.text = ns.text + '\n</tools>\nTo call one, write '
+        + '<tool_call>{"name": <name>, "arguments": <json object>}</tool_call>' -%}
     {{- turn('system', ns.text) -}}
 {%- elif messages and messages[0].role == 'system' -%}
     {{- turn('system', messages[0].content) -}}
@@ -76,7 +78,8 @@ CHAT_TEMPLATE = r"""{%- macro turn(role, content) -%}
             {%- else -%}
                 {%- set args = tool_call.arguments | tojson -%}
             {%- endif -%}
-            {%- set ns2.text = ns2.text + '<tool_call>{"name": ' + (tool_call.name | tojson) + ', "arguments": ' + args + '}</tool_call>' -%}
+            {%- set ns2.text = ns2.text + '<tool_call>{"name": ' + (tool_call.name | tojson)
+                + ', "arguments": ' + args + '}</tool_call>' -%}
         {%- endfor -%}
         {{- turn('assistant', ns2.text) -}}
     {%- else -%}

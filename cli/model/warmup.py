@@ -29,7 +29,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,8 @@ DEFAULT_LR = 1e-3
 # beta2 0.95 rather than 0.999: the copying skill arrives ~100 steps sooner; 2e-3 and up stalls.
 BETAS = (0.9, 0.95)
 EVAL_SEED = 1_000_003  # far from the training seeds people pick (0, 1, 2...)
-CHECK_SEED = EVAL_SEED + 1  # warm-up's stopping checks: a final evaluation on EVAL_SEED is not the one it stopped on
+# warm-up's stopping checks: a final evaluation on EVAL_SEED is not the one it stopped on
+CHECK_SEED = EVAL_SEED + 1
 
 
 def calculator_schemas() -> list[dict]:
@@ -119,7 +120,24 @@ def render_episode(tokenizer, messages: Sequence[dict[str, Any]], tools: list[di
 
 
 def gold_episode(tokenizer, a: int, b: int, style: int = 0, tools: list[dict] | None = None) -> GoldEpisode:
-    return render_episode(tokenizer, gold_messages(a, b, style), tools if tools is not None else calculator_schemas())
+    return render_episode(tokenizer, gold_messages(a, b, style),
+                          tools if tools is not None else calculator_schemas())
+
+
+def gold_episode_drawer(tokenizer, seed: int) -> Callable[[], GoldEpisode]:
+    """Draws gold episodes of random operands and answer styles from `seed`; each one drawn again is
+    rendered only once (rendering costs about a third of a step)."""
+    tools = calculator_schemas()
+    rng = random.Random(seed)
+    cache: dict[tuple[int, int, int], GoldEpisode] = {}
+
+    def draw() -> GoldEpisode:
+        key = (rng.randint(0, OPERAND_MAX), rng.randint(0, OPERAND_MAX), rng.randrange(len(ANSWER_STYLES)))
+        if key not in cache:
+            cache[key] = gold_episode(tokenizer, *key, tools=tools)
+        return cache[key]
+
+    return draw
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -153,8 +171,8 @@ def supervised_loss(model, episodes: Sequence[GoldEpisode]):
     positions = torch.arange(shared, shared + width).expand(len(episodes), -1)
     logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=prefix,
                    use_cache=True).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets[:, 1:].reshape(-1),
-                                             ignore_index=-100)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                             targets[:, 1:].reshape(-1), ignore_index=-100)
 
 
 def warmup(model_path: Path, out_path: Path, steps: int, batch_size: int = 32, lr: float = DEFAULT_LR,
@@ -175,16 +193,7 @@ def warmup(model_path: Path, out_path: Path, steps: int, batch_size: int = 32, l
     model_path, out_path = Path(model_path), Path(out_path)
     started = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tools = calculator_schemas()
-    rng = random.Random(seed)
-    cache: dict[tuple[int, int, int], GoldEpisode] = {}  # rendering costs about a third of a step
-
-    def draw() -> GoldEpisode:
-        key = (rng.randint(0, OPERAND_MAX), rng.randint(0, OPERAND_MAX), rng.randrange(len(ANSWER_STYLES)))
-        if key not in cache:
-            cache[key] = gold_episode(tokenizer, *key, tools=tools)
-        return cache[key]
-
+    draw = gold_episode_drawer(tokenizer, seed)
     losses: list[float] = []
     checks: list[dict[str, Any]] = []
     with torch.random.fork_rng(devices=[]):
@@ -205,8 +214,9 @@ def warmup(model_path: Path, out_path: Path, steps: int, batch_size: int = 32, l
                 checks.append({"step": step, "exact": result["exact"], "mean_reward": result["mean_reward"]})
                 if result["exact"] >= target_exact:
                     break
-    stats = {"source": str(model_path), "steps": len(losses), "batch_size": batch_size, "lr": lr, "seed": seed,
-             "first_loss": losses[0], "final_loss": losses[-1], "seconds": round(time.monotonic() - started, 2)}
+    stats = {"source": str(model_path), "steps": len(losses), "batch_size": batch_size, "lr": lr,
+             "seed": seed, "first_loss": losses[0], "final_loss": losses[-1],
+             "seconds": round(time.monotonic() - started, 2)}
     if target_exact is not None:
         stats.update(target_exact=target_exact, reached=checks[-1]["exact"] >= target_exact, checks=checks)
     save_checkpoint(model, model_path, out_path, stats)
@@ -286,15 +296,16 @@ class LocalFleet:
         width = max(len(ids) for ids, *_ in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p, *_ in batch])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, *_ in batch])
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
-            else {"do_sample": False}
+        sampling = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+                    if temperature > 0 else {"do_sample": False})
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=attention,
                                       max_new_tokens=max(limit for _, limit, _, _ in batch),
                                       eos_token_id=eos, pad_token_id=pad, output_logits=True,
                                       return_dict_in_generate=True, **sampling)
         new = out.sequences[:, width:]
-        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        vocab_logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)
+        logprobs = vocab_logprobs.gather(-1, new.unsqueeze(-1)).squeeze(-1)
         completions = []
         for row, (_, limit, _, _) in enumerate(batch):
             tokens = new[row, :limit].tolist()
@@ -316,8 +327,8 @@ def evaluate(model_path: Path, prompts: int, seed: int = EVAL_SEED, temperature:
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    return evaluate_policy(model, tokenizer, prompts, seed=seed, temperature=temperature, max_tokens=max_tokens,
-                           max_turns=max_turns)
+    return evaluate_policy(model, tokenizer, prompts, seed=seed, temperature=temperature,
+                           max_tokens=max_tokens, max_turns=max_turns)
 
 
 def evaluate_policy(model, tokenizer, prompts: int, seed: int = EVAL_SEED, temperature: float = 1.0,
@@ -347,7 +358,8 @@ def evaluate_policy(model, tokenizer, prompts: int, seed: int = EVAL_SEED, tempe
                            tool_format=hermes, limits=limits, episode=Episode(episode_id=f"eval-{index}"),
                            session_id=f"eval-{index}", temperature=temperature)
         try:
-            return await tool_agent(Task(messages=row.messages, label=row.label, metadata=dict(row.metadata)), ctx)
+            task = Task(messages=row.messages, label=row.label, metadata=dict(row.metadata))
+            return await tool_agent(task, ctx)
         finally:
             fleet.episode_finished()
 
@@ -358,8 +370,8 @@ def evaluate_policy(model, tokenizer, prompts: int, seed: int = EVAL_SEED, tempe
         torch.manual_seed(seed)
         segments = asyncio.run(run_all())
     rewards = [exact_match(s.response_text, row.label) for s, row in zip(segments, rows)]
-    right_calls = sum(
-        any(t.ok and t.name == TOOL_NAME and t.content == row.label for t in s.tools) for s, row in zip(segments, rows))
+    right_calls = sum(any(t.ok and t.name == TOOL_NAME and t.content == row.label for t in s.tools)
+                      for s, row in zip(segments, rows))
     longest = max(len(t.response_ids) for s in segments for t in s.turns)
     return {
         "prompts": len(rows),
