@@ -134,6 +134,7 @@ BENCHMARKS = (
               redis_option="--redis", read_figures=gateway_figures),
     Benchmark("gateway-cost", "gateway_latency.py", ("--upstream", "fake"), redis_option="--redis"),
     Benchmark("vllm-start", "bench_vllm_start.py"),
+    Benchmark("vllm-binding", "bench_vllm_binding.py"),
     Benchmark("learning", "bench_learning.py", ("--versions", "20", "--window", "5"), takes_fleet=True),
 )
 

@@ -1,0 +1,146 @@
+"""Two vLLM CPU servers on one machine: each bound to the same core (what vLLM's automatic binding does on a
+2-core machine, core 0 for every server) against each on the core rollstream leases it (cli/cpu_cores.py).
+
+Per way, --servers (2) servers of the tiny model start at once; measured are the seconds from each one's
+start to its /health answering, then the generated tokens per second of all of them serving at once: on each
+server --requests (32) concurrent completions of --tokens (128) sampled tokens, --loads (3) times (the
+median). Then the servers stop and the other way starts. Prints both ways, the ratios (leased / same core),
+and the load average before and after: the machine's other work moves these figures, so run it when the load
+is low. `--unbound` adds vLLM with no binding at all (VLLM_CPU_OMP_THREADS_BIND=nobind).
+
+    python bench/bench_vllm_binding.py [--model models/tiny-llama] [--servers 2] [--rounds 1] [--requests 32]
+                                       [--tokens 128] [--loads 3] [--unbound] [--smoke] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+from results import Figure, parse_args, write_result
+
+from rollstream.cli.cpu_cores import allowed_cores
+from rollstream.cli.vllm_server import VllmServer, free_port
+
+Seen = dict[str, list[tuple[list[float], float]]]
+"""Way -> per round: (each server's seconds to healthy, tokens/s of them all serving)."""
+
+
+def ways(unbound: bool) -> dict[str, dict[str, str]]:
+    """Each way's environment for its servers: an explicit VLLM_CPU_OMP_THREADS_BIND wins over the lease."""
+    same_core = {"VLLM_CPU_OMP_THREADS_BIND": str(allowed_cores()[0])}
+    chosen = {f"all on core {same_core['VLLM_CPU_OMP_THREADS_BIND']}": same_core, "leased cores": {}}
+    if unbound:
+        chosen["unbound"] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    return chosen
+
+
+async def generated_per_s(urls: list[str], requests: int, tokens: int) -> float:
+    """Tokens per second that `requests` concurrent completions on every server at once generate together."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def complete(url: str, index: int) -> int:
+            response = await client.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": f"{index} + {index} =", "max_tokens": tokens, "temperature": 1.0,
+                "ignore_eos": True})
+            response.raise_for_status()
+            return response.json()["usage"]["completion_tokens"]
+
+        await asyncio.gather(*(complete(url, -1) for url in urls))  # one-off first-request costs left out
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(complete(url, index) for url in urls for index in range(requests)))
+        return sum(counts) / (time.perf_counter() - started)
+
+
+def start_to_healthy(servers: list[VllmServer]) -> list[float]:
+    """Start the servers together; each one's seconds from its start to its /health answering."""
+    started = {}
+    for server in servers:
+        started[server.port] = time.perf_counter()
+        server.start()
+
+    def healthy(server: VllmServer) -> float:
+        server.wait_healthy(timeout_s=900)
+        return time.perf_counter() - started[server.port]
+
+    with ThreadPoolExecutor(len(servers)) as pool:
+        return list(pool.map(healthy, servers))
+
+
+def measure(args: argparse.Namespace, log_dir: Path, env: dict[str, str]) -> tuple[list[float], float]:
+    """(seconds to healthy of each server, median tokens/s of them all serving) of one way."""
+    servers = [VllmServer(args.model, free_port(), log_path=log_dir / f"vllm-{index}.log", extra_env=env)
+               for index in range(args.servers)]
+    with ExitStack() as stack:
+        for server in servers:
+            stack.callback(server.stop)
+        healthy = start_to_healthy(servers)
+        print(f"  cores {[server.cores or env['VLLM_CPU_OMP_THREADS_BIND'] for server in servers]}, "
+              f"healthy after {', '.join(f'{seconds:.1f}' for seconds in healthy)} s", flush=True)
+        urls = [server.url for server in servers]
+        rates = [asyncio.run(generated_per_s(urls, args.requests, args.tokens)) for _ in range(args.loads)]
+    return healthy, statistics.median(rates)
+
+
+def load_average() -> str:
+    return ", ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=Path("models/tiny-llama"))
+    parser.add_argument("--servers", type=int, default=2, help="servers started and serving at once")
+    parser.add_argument("--rounds", type=int, default=1, help="each way this many times, alternately")
+    parser.add_argument("--requests", type=int, default=32, help="concurrent completions on each server")
+    parser.add_argument("--tokens", type=int, default=128, help="sampled tokens of each")
+    parser.add_argument("--loads", type=int, default=3, help="loads per way and round (the median counts)")
+    parser.add_argument("--unbound", action="store_true", help="also vLLM with no binding (nobind)")
+    args = parse_args(parser, smoke={"servers": 1, "requests": 2, "tokens": 8, "loads": 1})
+    load_before = load_average()
+    print(f"load average before: {load_before} (1, 5, 15 min) on cores {allowed_cores()}", flush=True)
+    seen: Seen = {way: [] for way in ways(args.unbound)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):
+            for way, env in ways(args.unbound).items():
+                print(f"{way}:", flush=True)
+                seen[way].append(measure(args, Path(tmp), env))
+    load_after = load_average()
+    report(args, seen, [f"load average before {load_before}, after {load_after} (1, 5, 15 min)"])
+
+
+def report(args: argparse.Namespace, seen: Seen, notes: list[str]) -> None:
+    """Each way's median start and rate, the ratios of the leased way to the first, and the --json figures."""
+    starts = {way: [seconds for healthy, _ in runs for seconds in healthy] for way, runs in seen.items()}
+    rates = {way: [rate for _, rate in runs] for way, runs in seen.items()}
+    start, rate = ({way: statistics.median(values) for way, values in figures.items()}
+                   for figures in (starts, rates))
+    for way in seen:
+        each = ", ".join(f"{seconds:.1f}" for seconds in starts[way])
+        print(f"{way:15s} start to healthy {start[way]:6.1f} s (each: {each})   "
+              f"generated, all serving: {rate[way]:7.0f} tokens/s")
+    same, leased = list(seen)[:2]
+    print(f"{leased} / {same}: start to healthy {start[leased] / start[same]:.2f}x, "
+          f"tokens/s {rate[leased] / rate[same]:.2f}x")
+    print(notes[0])
+    load = (f"{args.servers} servers serving at once, {args.requests} concurrent completions of "
+            f"{args.tokens} tokens each")
+    figures = [Figure.repeated(f"{leased}: a server's start to healthy, {args.servers} starting at once",
+                               starts[leased], f"{same} (vLLM's automatic binding)", starts[same], "s"),
+               Figure.repeated(f"{leased}: generated tokens/s, {load}", rates[leased], same, rates[same],
+                               "tokens/s")]
+    if "unbound" in seen:
+        figures.append(Figure.repeated(f"{leased}: generated tokens/s, {load}", rates[leased],
+                                       "unbound (nobind)", rates["unbound"], "tokens/s"))
+    write_result(args.json, figures, [*notes, f"{args.rounds} rounds of each way, alternately; tokens/s the "
+                                      f"median of {args.loads} loads per round"])
+
+
+if __name__ == "__main__":
+    main()
