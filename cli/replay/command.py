@@ -18,7 +18,7 @@ replay produced; the target run is left in Redis and storage for `rollstream ins
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -53,8 +53,8 @@ class ReplayResult:
 
 
 def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] = DEFAULT_STREAMS,
-               finished_only: bool = False, skip_dead_lettered: bool = False, pace: Pace = Pace(None), source: str = "auto",
-               source_redis_url: str | None = None, services: tuple[str, ...] = (),
+               finished_only: bool = False, skip_dead_lettered: bool = False, pace: Pace = Pace(None),
+               source: str = "auto", source_redis_url: str | None = None, services: tuple[str, ...] = (),
                timeout_s: float = 1800.0, quiet_s: float = 3.0, on_step=lambda message: None) -> ReplayResult:
     """Replay `source_run` into `settings.run_id`; see the module docstring."""
     from rollstream.cli.local_run import LocalRun
@@ -66,8 +66,8 @@ def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] 
         raise ReplayError("the target run id must differ from the source run id")
     source_bus = _source_bus(source, source_redis_url or (settings.redis if settings.redis_url else None),
                              source_run, settings)
-    plan = ReplayPlan(source_run, settings.storage_uri, source_bus, tuple(streams), finished_only=finished_only,
-                      skip_dead_lettered=skip_dead_lettered)
+    plan = ReplayPlan(source_run, settings.storage_uri, source_bus, tuple(streams),
+                      finished_only=finished_only, skip_dead_lettered=skip_dead_lettered)
     on_step(f"reading {source_run} ({'Redis and its archive' if source_bus else 'archive'})")
     plan.validate()
 
@@ -75,7 +75,8 @@ def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] 
         target = Bus.connect(settings.redis, settings.run_id, settings.bus)
         check_fresh(target, settings.storage_uri)
         on_step(f"publishing into {settings.run_id}")
-        return ReplayResult(settings.run_id, publish(plan, target, pace), undecodable_dead=plan.undecodable_dead)
+        return ReplayResult(settings.run_id, publish(plan, target, pace),
+                            undecodable_dead=plan.undecodable_dead)
 
     if settings.redis_url:
         check_fresh(Bus.connect(settings.redis, settings.run_id, settings.bus), settings.storage_uri)
@@ -89,11 +90,12 @@ def replay_run(settings: Settings, source_run: str, *, streams: tuple[str, ...] 
         before = {stream: local.progress_reader.entries_added(stream) for stream in STREAMS}
         on_step("waiting for the services to handle everything")
         local.wait_drained(timeout_s, quiet_s)
-        produced = {stream: local.progress_reader.entries_added(stream) - before[stream] for stream in STREAMS}
+        produced = {stream: local.progress_reader.entries_added(stream) - before[stream]
+                    for stream in STREAMS}
     finally:
         codes = local.stop()
-    return ReplayResult(settings.run_id, published, {s: n for s, n in produced.items() if n}, local.services, codes,
-                        plan.undecodable_dead)
+    return ReplayResult(settings.run_id, published, {s: n for s, n in produced.items() if n}, local.services,
+                        codes, plan.undecodable_dead)
 
 
 def _source_bus(source: str, redis_url: str | None, run_id: str, settings: Settings) -> Bus | None:
@@ -116,18 +118,24 @@ def _source_bus(source: str, redis_url: str | None, run_id: str, settings: Setti
 def replay(
     source_run: Annotated[str, typer.Argument(help="The recorded run to replay.")],
     to: Annotated[str, typer.Option(help="The new run id to replay into (must be unused).")],
-    streams: Annotated[str, typer.Option(help="Comma-separated streams to replay.")] = ",".join(DEFAULT_STREAMS),
+    streams: Annotated[str, typer.Option(
+        help="Comma-separated streams to replay.")] = ",".join(DEFAULT_STREAMS),
     finished_only: Annotated[bool, typer.Option(help="Only entries of rollouts that finished.")] = False,
-    skip_dead_lettered: Annotated[bool, typer.Option(help="Leave out the entries the source run dead-lettered.")] = False,
+    skip_dead_lettered: Annotated[bool, typer.Option(
+        help="Leave out the entries the source run dead-lettered.")] = False,
     pace: Annotated[str, typer.Option(help="fast, original, or a speed-up factor (10 or 10x).")] = "fast",
-    source: Annotated[str, typer.Option("--from", help="auto: the live Redis namespace if it exists (its trimmed "
-                                        "part from the archive), else the archive; or archive / redis.")] = "auto",
-    source_redis_url: Annotated[Optional[str], typer.Option(help="Redis of the source run; default RS_REDIS_URL.")] = None,
+    source: Annotated[str, typer.Option("--from", help="auto: the live Redis namespace if it exists (its "
+                                        "trimmed part from the archive), else the archive; or archive / "
+                                        "redis.")] = "auto",
+    source_redis_url: Annotated[str | None, typer.Option(
+        help="Redis of the source run; default RS_REDIS_URL.")] = None,
     services: Annotated[str, typer.Option(help=f"Comma-separated services to run on the replay "
                                           f"({', '.join(REPLAY_SERVICES)}); none: publish only.")] = "",
-    timeout: Annotated[float, typer.Option(help="Give up waiting for the services after this many seconds.")] = 1800.0,
+    timeout: Annotated[float, typer.Option(
+        help="Give up waiting for the services after this many seconds.")] = 1800.0,
 ) -> None:
-    """Replay a recorded run into a fresh run namespace (all streams or a subset), optionally with services."""
+    """Replay a recorded run into a fresh run namespace (all streams or a subset), optionally with
+    services."""
     settings = Settings(run_id=to)
     try:
         chosen = tuple(s.strip() for s in streams.split(",") if s.strip())

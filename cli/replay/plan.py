@@ -76,7 +76,7 @@ class Pace:
     speed: float | None
 
     @classmethod
-    def parse(cls, text: str) -> "Pace":
+    def parse(cls, text: str) -> Pace:
         if text == "fast":
             return cls(None)
         if text == "original":
@@ -106,7 +106,8 @@ class ReplayPlan:
     """The source run's Redis; None: the archive alone."""
     streams: tuple[StreamName, ...] = DEFAULT_STREAMS
     finished_only: bool = False
-    """Only the entries of rollouts that have a TrajectoryFinished (plus entries that belong to no rollout)."""
+    """Only the entries of rollouts that have a TrajectoryFinished (plus entries that belong to no
+    rollout)."""
     skip_dead_lettered: bool = False
     """Leave out the entries the source run's services dead-lettered (they would fail again, or fail the
     validation: an unknown schema version there is the source's own bad input, not archive damage)."""
@@ -132,7 +133,8 @@ class ReplayPlan:
             entries: Iterator = ((e.entry_id, e.fields, e.path) for e in reader.entries(stream))
         else:
             key = self.source_bus.keys.stream(stream)
-            entries = ((entry_id, fields, key) for entry_id, fields in _pages(StreamHistory(self.source_bus, stream, reader)))
+            history = StreamHistory(self.source_bus, stream, reader)
+            entries = ((entry_id, fields, key) for entry_id, fields in _pages(history))
         for entry_id, fields, origin in entries:
             if until is not None and parse_id(entry_id) > parse_id(until):
                 return
@@ -185,8 +187,10 @@ class ReplayPlan:
                     self.finished_rollouts.add(envelope.rollout_id)
             self.last_ids[stream] = last
         if not any(counts.values()):
-            where = f"{self.storage_uri}/{self.source_run}/archive" + (" or in Redis" if self.source_bus else "")
-            raise ReplayError(f"run {self.source_run!r} has no entries in {', '.join(self.streams)} ({where})")
+            where = (f"{self.storage_uri}/{self.source_run}/archive"
+                     + (" or in Redis" if self.source_bus else ""))
+            raise ReplayError(f"run {self.source_run!r} has no entries in {', '.join(self.streams)} "
+                              f"({where})")
         if self.finished_only:  # which rollouts finished is known only now
             counts = {stream: 0 for stream in self.streams}
             for entry in self.entries():
@@ -214,7 +218,8 @@ def check_fresh(target: Bus, storage_uri: str) -> None:
 
 
 def publish(plan: ReplayPlan, target: Bus, pace: Pace, *, batch: int = 256,
-            sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> dict[StreamName, int]:
+            sleep: Callable[[float], None] = time.sleep,
+            clock: Callable[[], float] = time.monotonic) -> dict[StreamName, int]:
     """Publish the plan's entries (validate() first) into `target`, fields byte for byte, new entry ids,
     the original order across streams. Returns how many entries went to each stream."""
     if not plan.last_ids:
