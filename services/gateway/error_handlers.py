@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from rollstream.services.gateway.apis.errors import RequestError, anthropic_error, openai_error
 from rollstream.shared.errors import FleetRequestError, FleetUnavailable, TemplateError
+from rollstream.shared.inference.fleet_servers import FleetSettingsError
 
 
 def api_of(path: str) -> str:
@@ -49,6 +50,13 @@ async def refused(request: Request, exc: FleetRequestError) -> JSONResponse:
     return error_response(api_of(request.url.path), 400, f"vLLM refused the turn: {exc}")
 
 
+async def misconfigured(request: Request, exc: FleetSettingsError) -> JSONResponse:
+    # A server met after the start (it did not answer then) that disagrees with the settings: the fault is
+    # the deployment's, not the request's.
+    return error_response(api_of(request.url.path), 500,
+                          f"the gateway's settings disagree with a vLLM server: {exc}")
+
+
 async def unrenderable(request: Request, exc: TemplateError) -> JSONResponse:
     return error_response(api_of(request.url.path), 400, f"the chat template cannot render this: {exc}")
 
@@ -58,4 +66,5 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, invalid_body)
     app.add_exception_handler(FleetUnavailable, no_server)
     app.add_exception_handler(FleetRequestError, refused)
+    app.add_exception_handler(FleetSettingsError, misconfigured)
     app.add_exception_handler(TemplateError, unrenderable)

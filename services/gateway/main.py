@@ -1,4 +1,5 @@
-"""Gateway: OpenAI- and Anthropic-compatible endpoints through which agents rollstream did not write are trained.
+"""Gateway: OpenAI- and Anthropic-compatible endpoints through which agents rollstream did not write are
+trained.
 
 A session is one rollout. Whoever runs the agent (the agent-runner's black-box mode, or a user's own
 harness) creates it with the rollout's ids and grader, gives the agent only the session's base URL and
@@ -21,10 +22,13 @@ them.
 
 Every turn is rendered with the served model's chat template and generated token-in/token-out; the prompt
 continues the session's earlier turns with their exact ids (prompts.py), and the tokens go to the client as
-vLLM produces them (turns.py). Session state is in Redis (sessions.py): replicas are stateless and any
-replica serves any turn. Errors come in each API's own shape; bad input is a 4xx that says why. Tools the
-model cannot be shown (hosted tools: web search, code execution, ...) are left out, logged, and named in the
-response's x-rollstream-ignored-tools header (gateway.strict_tools refuses them instead).
+vLLM produces them (turns.py), within the context the servers report on /v1/models: the gateway reads it
+as it starts, and a setting that disagrees with a server (a model name it does not serve, a longer context
+than its own) stops it there with an error that says how to fix it. Session state is in Redis
+(sessions.py): replicas are stateless and any replica serves any turn. Errors come in each API's own shape;
+bad input is a 4xx that says why. Tools the model cannot be shown (hosted tools: web search, code
+execution, ...) are left out, logged, and named in the response's x-rollstream-ignored-tools header
+(gateway.strict_tools refuses them instead).
 
 The routes are grouped by whom they serve: sessions_api.py (whoever runs the agent), agent_api.py (the
 agent, under its session's base URL); error_handlers.py answers every failure in its API's shape, and
@@ -110,8 +114,8 @@ def load_gateway(settings: Settings) -> Gateway:
 
 async def serve_until_stopped(app: FastAPI, settings: Settings, runtime: ServiceRuntime) -> None:
     """Serves `app` until the runtime is asked to stop (or the server ends), then drains it."""
-    server = _Server(uvicorn.Config(app, host=settings.listen_host, port=settings.gateway.port, log_config=None,
-                                    access_log=False, timeout_graceful_shutdown=30))
+    server = _Server(uvicorn.Config(app, host=settings.listen_host, port=settings.gateway.port,
+                                    log_config=None, access_log=False, timeout_graceful_shutdown=30))
     watcher = asyncio.create_task(watch_event_loop())
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
@@ -125,21 +129,38 @@ async def serve_until_stopped(app: FastAPI, settings: Settings, runtime: Service
     watcher.cancel()
 
 
+async def meet_the_fleet(gateway: Gateway, runtime: ServiceRuntime) -> None:
+    """Reads what each vLLM server serves (its /v1/models: the model's name and context length) before the
+    first turn. A setting that disagrees with a server raises FleetSettingsError here, so the gateway does
+    not start; a server that does not answer is logged (by the fleet client) and takes no turn until it
+    does (/healthz shows the contexts found here)."""
+    not_met = await gateway.fleet.meet_servers()
+    runtime.status["vllm_contexts"] = dict(gateway.fleet.contexts)
+    runtime.log.info("the vLLM servers say what they serve", extra={
+        "contexts": gateway.fleet.contexts, "not_answering": sorted(not_met),
+        "models": {url: served.name for url, served in gateway.fleet.servers.served.items()}})
+
+
 async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
     gateway = load_gateway(settings)
-    app = build_app(gateway, runtime)
-    # What start-up loaded (transformers, torch, the tokenizer: some 400k objects) lives as long as the process.
-    # Left to the collector, each full collection walks all of it on the event loop (0.2 s on an idle core).
-    gc.freeze()
-    await serve_until_stopped(app, settings, runtime)
-    await gateway.fleet.aclose()
-    await gateway.store.aclose()
+    try:
+        await meet_the_fleet(gateway, runtime)
+        app = build_app(gateway, runtime)
+        # What start-up loaded (transformers, torch, the tokenizer: some 400k objects) lives as long as the
+        # process. Left to the collector, each full collection walks all of it on the event loop (0.2 s on
+        # an idle core).
+        gc.freeze()
+        await serve_until_stopped(app, settings, runtime)
+    finally:
+        await gateway.fleet.aclose()
+        await gateway.store.aclose()
 
 
 def main() -> None:
     settings = Settings()
     runtime = ServiceRuntime("gateway", settings)
-    runtime.not_ready = "starting: loading the tokenizer, then the API server"
+    runtime.not_ready = ("starting: loading the tokenizer, reading what the vLLM servers serve, then the API "
+                         "server")
     # uvloop's loop: every turn's sockets (agent, Redis, vLLM) are served by it, at a fraction of asyncio's
     # own loop's CPU time per event.
     uvloop.run(serve(settings, runtime))

@@ -13,9 +13,10 @@ The policy versions are read from the fleet version record before and after the 
 agent-runner does for its own turns, so a turn sampled across a weight sync says so: before, with the
 session (SessionStore.get), after, as the turn is recorded (SessionStore.add_turn).
 
-A request asks for at most what is left of the model's context after its prompt (`model.max_model_len`, or
-the longest a policy group's servers hold): agents ask for a fixed 32000 whatever the model, which vLLM would
-refuse.
+A request asks for at most what is left of the model's context after its prompt: agents ask for a fixed 32000
+whatever the model, which vLLM would refuse. The context is the longest a vLLM server of the fleet reports on
+its /v1/models (FleetClient.longest_context), not a setting: a server started with a longer --max-model-len
+than model.max_model_len takes the longer prompts it holds.
 """
 
 from __future__ import annotations
@@ -104,14 +105,14 @@ class Gateway:
     """rollstream.shared.inference.fleet.FleetClient"""
 
 
-def sampling_for(session: Session, request: ChatRequest, settings: Settings,
-                 prompt_tokens: int) -> dict[str, Any]:
+def sampling_for(session: Session, request: ChatRequest, settings: Settings, prompt_tokens: int,
+                 context: int) -> dict[str, Any]:
     """The turn's sampling: the request's values, else the session's defaults, else the run's; max_tokens
-    no more than the context leaves after the prompt, nor than gateway.max_tokens_per_turn."""
+    no more than the `context` (the model's, as the servers report it) leaves after the prompt, nor than
+    gateway.max_tokens_per_turn."""
     defaults = session.spec.sampling
     temperature = request.temperature if request.temperature is not None else defaults.get(
         "temperature", settings.rollout.temperature)
-    context = settings.longest_policy_context()
     if prompt_tokens >= context:
         raise RequestError(400, f"the prompt is {prompt_tokens} tokens; the model's context is {context}, "
                                 "which leaves no room for an answer", param="messages")
@@ -180,29 +181,39 @@ async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, his
     return Turn(len(planned.prompt_ids), events)
 
 
+@dataclass
+class SampledTurn:
+    """What the fleet sampled for a turn, as its deltas arrive."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    servers: list[str] = field(default_factory=list)
+    """Each server that sampled some of it, in order (more than one after a failover mid-stream)."""
+    finish_reason: str = "length"
+
+    def add(self, delta: StreamDelta) -> None:
+        self.ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.server_url not in self.servers:
+            self.servers.append(delta.server_url)
+        if delta.finish_reason:
+            self.finish_reason = delta.finish_reason
+
+
 async def _generation(gateway: Gateway, session: Session, request: ChatRequest, api: str,
                       planned: PlannedTurn, started: float,
                       answer_out: Answer | None) -> AsyncIterator[StreamEvent]:
-    session_id = session.spec.session_id
-    sampling = sampling_for(session, request, gateway.settings, len(planned.prompt_ids))
+    context = await gateway.fleet.longest_context()
+    sampling = sampling_for(session, request, gateway.settings, len(planned.prompt_ids), context)
     text = IncrementalText(gateway.template.tokenizer)
     reasoning_open = prompt_opens_reasoning(gateway.template, planned.prompt_ids)
     parser = TurnStreamParser(turn=session.turns, reasoning_open=reasoning_open)
-    ids: list[int] = []
-    logprobs: list[float] = []
-    servers: list[str] = []
-    finish_reason = "length"
-    before = session.fleet_versions
+    sampled = SampledTurn()
     generate_with = gateway.fleet.stream if request.stream else whole_generation(gateway.fleet)
     async for delta in generate_with(planned.prompt_ids, max_tokens=sampling["max_tokens"],
-                                     temperature=sampling["temperature"], session_id=session_id,
+                                     temperature=sampling["temperature"], session_id=session.spec.session_id,
                                      seed=sampling["seed"], extra=sampling["extra"]):
-        ids.extend(delta.token_ids)
-        logprobs.extend(delta.logprobs)
-        if delta.server_url not in servers:
-            servers.append(delta.server_url)
-        if delta.finish_reason:
-            finish_reason = delta.finish_reason
+        sampled.add(delta)
         for event in parser.feed(text.push(list(delta.token_ids))):
             yield event
     for event in parser.feed(text.flush()) + parser.finish():
@@ -211,26 +222,35 @@ async def _generation(gateway: Gateway, session: Session, request: ChatRequest, 
     reasoning, content, calls = split_turn(text.emitted, session.turns, reasoning_open)
     if request.thinking and not reasoning:
         log.info("the request asks the model to reason, but it wrote no reasoning block: the reasoning "
-                 "parameters are ignored", extra={"session_id": session_id})
+                 "parameters are ignored", extra={"session_id": session.spec.session_id})
     if answer_out is not None:
         answer_out.content, answer_out.calls, answer_out.reasoning = content, calls, reasoning
     answer = assistant_message(content, calls, reasoning)
-    # A failover mid-stream: the versions of the first server before, of the last one after (add_turn).
-    version = before.get(servers[0], 0) if servers else 0
-    node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=ids, logprobs=logprobs,
-                    policy_version=version, policy_version_end=version, finish_reason=finish_reason,
-                    server_url=servers[-1] if servers else "", response_text=content, created_at=time.time(),
-                    history_rewritten=planned.history_rewritten)
-    recorded = await gateway.store.add_turn(session_id, answer_key(request, planned, answer), node)
-    if not recorded:
-        raise RequestError(410, f"session {session_id} was finished while this turn ran; the turn is not recorded")
+    await _record_turn(gateway, session, planned, sampled, answer_key(request, planned, answer), content)
     TURNS.labels(api=api, stream=str(request.stream).lower()).inc()
-    SAMPLED_TOKENS.inc(len(ids))
+    SAMPLED_TOKENS.inc(len(sampled.ids))
     if not planned.prefix_ids:
         FORKS.labels("first_turn" if session.turns == 0 else "history_changed").inc()
     TURN_SECONDS.observe(time.monotonic() - started)
-    yield StreamEnd(finish_reason=final_finish_reason("length" if finish_reason == "length" else "stop", bool(calls)),
-                    prompt_tokens=len(planned.prompt_ids), completion_tokens=len(ids))
+    finish = "length" if sampled.finish_reason == "length" else "stop"
+    yield StreamEnd(finish_reason=final_finish_reason(finish, bool(calls)),
+                    prompt_tokens=len(planned.prompt_ids), completion_tokens=len(sampled.ids))
+
+
+async def _record_turn(gateway: Gateway, session: Session, planned: PlannedTurn, sampled: SampledTurn,
+                       key: str, content: str) -> None:
+    """Records the turn in its session as its node; 410 when the session was finished meanwhile."""
+    # A failover mid-stream: the versions of the first server before, of the last one after (add_turn).
+    version = session.fleet_versions.get(sampled.servers[0], 0) if sampled.servers else 0
+    node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=sampled.ids,
+                    logprobs=sampled.logprobs, policy_version=version, policy_version_end=version,
+                    finish_reason=sampled.finish_reason,
+                    server_url=sampled.servers[-1] if sampled.servers else "", response_text=content,
+                    created_at=time.time(), history_rewritten=planned.history_rewritten)
+    session_id = session.spec.session_id
+    if not await gateway.store.add_turn(session_id, key, node):
+        raise RequestError(410, f"session {session_id} was finished while this turn ran; the turn is not "
+                                "recorded")
 
 
 async def generate(gateway: Gateway, session: Session, request: ChatRequest, history: History,

@@ -31,6 +31,7 @@ MODEL = Path(__file__).resolve().parents[4] / "models" / "tiny-llama-warm"
 pytestmark = pytest.mark.skipif(not (MODEL / "tokenizer.json").exists(),
                                 reason="the tiny model is built by make setup")
 CONTEXT = 4096
+"""The context the scripted fleet's servers report: model.max_model_len (1024) does not limit a turn."""
 SCHEMA = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
           "properties": {"path": {"type": "string"}}, "required": ["path"], "additionalProperties": False}
 
@@ -45,10 +46,11 @@ def template():
 class ScriptedFleet:
     """Stands in for the vLLM fleet: each generation samples the next of `texts`, tokenized with the served
     tokenizer and closed with the end-of-turn token, a few ids a delta; `asked` keeps each request, `during`
-    runs while it samples."""
+    runs while it samples. Its servers hold `context` tokens."""
 
     def __init__(self, template: ChatTemplate) -> None:
         self.template = template
+        self.context = CONTEXT
         self.texts: list[str] = []
         self.asked: list[dict[str, Any]] = []
         self.during: Callable[[], object] = lambda: None
@@ -58,6 +60,9 @@ class ScriptedFleet:
         ids = self.template.encode(self.texts.pop(0)) + [self.template.tokenizer.eos_token_id]
         self.asked.append({"prompt_ids": list(prompt_ids), "max_tokens": max_tokens, "response_ids": ids})
         return ids
+
+    async def longest_context(self) -> int:
+        return self.context
 
     async def stream(self, prompt_ids: list[int], *, max_tokens: int, **sampling: Any):
         ids = self._sample(prompt_ids, max_tokens)
@@ -78,11 +83,11 @@ def gateway_app(bus, template, redis_url):
     as uvicorn's does, and it holds the store's asyncio Redis client."""
     with contextlib.ExitStack() as stack:
         def make(**overrides: Any) -> tuple[TestClient, ScriptedFleet, SessionStore]:
-            settings = Settings(model={"path": str(MODEL), "max_model_len": CONTEXT}, **overrides)
+            settings = Settings(model={"path": str(MODEL)}, **overrides)
             fleet = ScriptedFleet(template)
             limits = settings.gateway
-            store = SessionStore(bus, connect_round_trips(redis_url, ride_out_outages=False), limits.session_ttl_s,
-                                 limits.finish_grace_s)
+            store = SessionStore(bus, connect_round_trips(redis_url, ride_out_outages=False),
+                                 limits.session_ttl_s, limits.finish_grace_s)
             gateway = Gateway(settings=settings, store=store, template=template, fleet=fleet)
             app = build_app(gateway, SimpleNamespace(log=logging.getLogger("gateway-test")))
             client = stack.enter_context(TestClient(app))
@@ -265,8 +270,9 @@ def test_a_malformed_request_gets_the_sessions_refusal_first(gateway_app):
     client, _, _ = gateway_app()
     session_id, key = open_session(client)
     malformed = {"model": "m", "messages": "not a list"}
+    askers = (("nobody", key), (session_id, {"x-api-key": "wrong"}), (session_id, key))
     refused = [client.post(f"/s/{session}/v1/chat/completions", json=malformed, headers=headers).status_code
-               for session, headers in (("nobody", key), (session_id, {"x-api-key": "wrong"}), (session_id, key))]
+               for session, headers in askers]
     assert refused == [404, 401, 400]
 
 
@@ -276,8 +282,9 @@ def test_a_body_that_is_not_json_is_refused_in_the_apis_shape_after_the_sessions
     client, _, _ = gateway_app()
     session_id, key = open_session(client)
     not_json = b'{"model": "m", "messages": ['
+    askers = (("nobody", key), (session_id, {"x-api-key": "wrong"}), (session_id, key))
     refused = [client.post(f"/s/{session}/{path}", content=not_json, headers=headers)
-               for session, headers in (("nobody", key), (session_id, {"x-api-key": "wrong"}), (session_id, key))]
+               for session, headers in askers]
     assert [answer.status_code for answer in refused] == [404, 401, 400]
     error = refused[-1].json()
     assert (error.get("type") == "error") == anthropic  # Anthropic's errors say so; OpenAI's have no type
@@ -299,7 +306,8 @@ def test_a_prompt_that_fills_the_context_is_refused_with_both_sizes(gateway_app)
 
 def test_a_session_refuses_turns_from_its_deadline_and_ends_its_grace_later(bus, gateway_app):
     client, fleet, _ = gateway_app(gateway={"finish_grace_s": 0.5})
-    created = client.post("/v1/sessions", json={"rollout_id": "r1", "group_id": "g1", "time_budget_s": 0.5}).json()
+    created = client.post("/v1/sessions",
+                          json={"rollout_id": "r1", "group_id": "g1", "time_budget_s": 0.5}).json()
     assert created["ends_at"] == created["deadline"] + 0.5
     session_id, key = created["session_id"], {"x-api-key": created["api_key"]}
     chat = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
@@ -414,7 +422,8 @@ def test_claude_codes_sub_agent_and_compaction_become_samples_of_one_rollout(bus
     sub_task = [{"role": "user", "content": [{"type": "text", "text": "Find the median bug"}]}]
     read = claude_turn(client, session_id, key, "You are a search agent.", sub_task, sub_tools)
     report = claude_turn(client, session_id, key, "You are a search agent.",
-                         sub_task + [read, tool_result(read, "def median(x): return x[len(x) // 2]")], sub_tools)
+                         sub_task + [read, tool_result(read, "def median(x): return x[len(x) // 2]")],
+                         sub_tools)
 
     main = task + [delegate, tool_result(delegate, report["content"][0]["text"])]
     fixed = claude_turn(client, session_id, key, "You are the main agent.", main, main_tools)

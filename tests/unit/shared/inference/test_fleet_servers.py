@@ -10,59 +10,13 @@ tests/integration/test_vllm_fleet.py.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from rollstream.shared.inference.fleet import FleetClient, FleetSettingsError, FleetUnavailable
 from rollstream.shared.runtime.config import Settings
-from tests.unit.shared.inference.served_models import models_body
-
-
-class VllmLikeServer:
-    """Answers GET /v1/models with `models` (or the HTTP status `models_status`) and POST /v1/completions
-    with one token per request; counts the requests of each path."""
-
-    def __init__(self, max_model_len: int = 1024, served_name: str = "tiny") -> None:
-        self.models = models_body(served_name=served_name, max_model_len=max_model_len)
-        self.models_status = 200
-        self.requests: dict[str, int] = {}
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                server.requests[self.path] = server.requests.get(self.path, 0) + 1
-                if self.path != "/v1/models":
-                    return self._answer(404, {"error": "no such route"})
-                self._answer(server.models_status, server.models if server.models_status == 200 else {})
-
-            def do_POST(self) -> None:
-                server.requests[self.path] = server.requests.get(self.path, 0) + 1
-                self.rfile.read(int(self.headers["content-length"]))
-                choice = {"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}
-                self._answer(200, {"choices": [choice]})
-
-            def _answer(self, status: int, body: dict) -> None:
-                content = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(content)))
-                self.end_headers()
-                self.wfile.write(content)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, args=(0.05,), daemon=True).start()
-
-    def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+from tests.unit.shared.inference.served_models import VllmLikeServer
 
 
 @pytest.fixture
