@@ -21,7 +21,12 @@ import msgspec
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
-from rollstream.services.gateway.apis import anthropic_messages, openai_chat, openai_responses
+from rollstream.services.gateway.apis import (
+    anthropic_messages,
+    openai_chat,
+    openai_responses,
+    openai_responses_output,
+)
 from rollstream.services.gateway.apis.canonical import ChatRequest, Generation, StreamEvent
 from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.app_state import AppState, app_state
@@ -187,9 +192,10 @@ async def responses(session_id: str, request: Request) -> Response:
     response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())
     return await answer(
         incoming.state, session, chat, history, "responses",
-        lambda g: openai_responses.responses_response(g, chat, response_id=response_id, created=created),
-        lambda turn: openai_responses.responses_sse(turn.events, chat, response_id=response_id,
-                                                    created=created))
+        lambda g: openai_responses_output.responses_response(g, chat, response_id=response_id,
+                                                             created=created),
+        lambda turn: openai_responses_output.responses_sse(turn.events, chat, response_id=response_id,
+                                                           created=created))
 
 
 @turn_route("/s/{session_id}/v1/messages", "messages")

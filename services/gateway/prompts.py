@@ -49,7 +49,8 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.template_kwargs: dict[str, Any] = {}
         """Variables the template is rendered with besides messages and tools (see `with_thinking`)."""
-        turn_close = self._after_probe([{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE}])
+        turn_close = self._after_probe([{"role": "user", "content": "u"},
+                                        {"role": "assistant", "content": PROBE}])
         if turn_close is None:
             raise TemplateError("the chat template does not render an assistant message's content as given")
         self.turn_close = turn_close
@@ -60,12 +61,14 @@ class ChatTemplate:
         self.end_of_turn_ids = {eos} if isinstance(eos, int) else set(eos or ())
 
     def _after_probe(self, messages: list[dict[str, Any]]) -> str | None:
-        """What the template writes after the last message's content, PROBE; None when it does not render it."""
+        """What the template writes after the last message's content, PROBE; None when it does not render
+        it."""
         rendered = self.render(messages, None, add_generation_prompt=False)
         at = rendered.find(PROBE)
         return None if at < 0 else rendered[at + len(PROBE):]
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+               add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt,
                                                   **self.template_kwargs)
@@ -102,7 +105,8 @@ class ChatTemplate:
 
     def glue_after(self, node: TurnNode) -> str:
         """The template text between the model's last sampled id and the next message."""
-        if node.finish_reason == "stop" and node.response_ids and node.response_ids[-1] in self.end_of_turn_ids:
+        ended_its_turn = node.response_ids and node.response_ids[-1] in self.end_of_turn_ids
+        if node.finish_reason == "stop" and ended_its_turn:
             end = self.tokenizer.decode(node.response_ids[-1:], skip_special_tokens=False)
             if self.turn_close.startswith(end):
                 return self.turn_close[len(end):]
@@ -182,8 +186,8 @@ async def plan_turn(template: ChatTemplate, store: SessionStore, session: Sessio
         planned = await asyncio.to_thread(_render_turn, *work)
     length = len(planned.prompt_ids)
     if length > max_prompt_tokens:
-        raise RequestError(400, f"the prompt is {length} tokens; this gateway takes at most {max_prompt_tokens}",
-                           param="messages")
+        raise RequestError(400, f"the prompt is {length} tokens; this gateway takes at most "
+                                f"{max_prompt_tokens}", param="messages")
     return planned
 
 

@@ -1,12 +1,12 @@
 """A finished session's training samples, as the same events an agent-runner publishes for its episodes.
 
-Every leaf of the session's turn tree (sessions.py) is one segment: the chain's tokens from the conversation's
-root, loss_mask 1 exactly on the ids vLLM sampled, their logprobs, the policy version of each turn, and in its
-metadata `history_rewritten_turns`: the turns whose prompt continued recorded ids the chat template renders
-differently (prompts.py). The segments share the session's rollout id, so the reward service gives them one
-reward and one advantage (the fan-out rule). Then TrajectoryFinished, with the grader, label and artifacts the
-session was created or finished with; a grader or a check sends the rollout to the sandbox-grader as usual. The
-events are published as every rollout's are (shared/contract/rollouts.py).
+Every leaf of the session's turn tree (sessions.py) is one segment: the chain's tokens from the
+conversation's root, loss_mask 1 exactly on the ids vLLM sampled, their logprobs, the policy version of each
+turn, and in its metadata `history_rewritten_turns`: the turns whose prompt continued recorded ids the chat
+template renders differently (prompts.py). The segments share the session's rollout id, so the reward service
+gives them one reward and one advantage (the fan-out rule). Then TrajectoryFinished, with the grader, label
+and artifacts the session was created or finished with; a grader or a check sends the rollout to the
+sandbox-grader as usual. The events are published as every rollout's are (shared/contract/rollouts.py).
 
     python -m pytest tests/unit/services/gateway/test_samples.py -q
 """
@@ -51,7 +51,8 @@ def publish_samples(bus: Bus, pipe, session: Session, samples: list[list[TurnNod
     if spec.sampling.get("seed") is not None:
         metadata["sampling_seed"] = spec.sampling["seed"]
     final_text = response_text if response_text is not None else segments[-1].response_text
-    finish = RolloutFinish(status=status, response_text=final_text, reward=reward, artifacts=artifacts, error=error)
+    finish = RolloutFinish(status=status, response_text=final_text, reward=reward, artifacts=artifacts,
+                           error=error)
     first_server = samples[0][0].server_url if samples and samples[0] else None
     publish_rollout(bus, pipe, {name: getattr(spec, name) for name in ENVELOPE_IDS}, spec, segments, finish,
                     metadata=metadata, server_url=first_server or None)

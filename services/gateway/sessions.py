@@ -125,10 +125,11 @@ class TurnNode(msgspec.Struct, frozen=True):
     def as_turn(self, number: int, segment_index: int, offset: int) -> TrajectoryTurn:
         """This node as turn `number` of a sample (segment `segment_index`) whose tokens have its response
         from `offset` on."""
-        return TrajectoryTurn(turn=number, segment_index=segment_index, offset=offset, appended_ids=self.appended_ids,
-                              response_ids=self.response_ids, logprobs=self.logprobs,
-                              policy_version=self.policy_version, policy_version_end=self.policy_version_end,
-                              finish_reason=self.finish_reason, server_url=self.server_url)
+        return TrajectoryTurn(turn=number, segment_index=segment_index, offset=offset,
+                              appended_ids=self.appended_ids, response_ids=self.response_ids,
+                              logprobs=self.logprobs, policy_version=self.policy_version,
+                              policy_version_end=self.policy_version_end, finish_reason=self.finish_reason,
+                              server_url=self.server_url)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -179,8 +180,8 @@ if redis.call('HGET', KEYS[1], 'status') == 'open' and redis.call('HGET', KEYS[2
 end
 return 1
 """
-"""KEYS: the session, its nodes; ARGV: a node's key, the node as recorded, the node to record instead: while the
-session is open and the node is still the one recorded."""
+"""KEYS: the session, its nodes; ARGV: a node's key, the node as recorded, the node to record instead: while
+the session is open and the node is still the one recorded."""
 
 
 def _session_key(keys: Keys, session_id: str, *parts: str) -> str:
@@ -331,7 +332,8 @@ class SessionStore:
     def samples(self, session_id: str, client=None) -> list[list[TurnNode]]:
         """The chain of every leaf (a node without a child), oldest leaf first: the session's samples."""
         client = client or self.bus.redis
-        nodes = {k.decode(): _node_decoder.decode(v) for k, v in client.hgetall(self._key(session_id, "nodes")).items()}
+        recorded = client.hgetall(self._key(session_id, "nodes"))
+        nodes = {k.decode(): _node_decoder.decode(v) for k, v in recorded.items()}
         parents = {p.decode() for p in client.smembers(self._key(session_id, "parents"))}
         leaves = sorted((k for k in nodes if k not in parents), key=lambda k: (nodes[k].created_at, k))
         chains = []

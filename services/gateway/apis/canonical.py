@@ -103,7 +103,8 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class Generation:
-    """One sampled assistant turn: `text` without the reasoning and the tool-call markup (see `split_turn`)."""
+    """One sampled assistant turn: `text` without the reasoning and the tool-call markup (see
+    `split_turn`)."""
 
     text: str
     tool_calls: list[ToolCall]

@@ -73,6 +73,6 @@ async def render_sse(events: AsyncIterator[StreamEvent], renderer: EventRenderer
             if isinstance(event, StreamEnd):
                 return
         raise RuntimeError("the generation ended without a finish reason")
-    except Exception as e:  # noqa: BLE001 - the 200 is out: every failure must reach the client as an event
+    except Exception as e:  # the 200 is out: every failure must reach the client as an event
         for line in renderer.fail(request_error_of(e)):
             yield line

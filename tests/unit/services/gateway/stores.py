@@ -20,8 +20,8 @@ from rollstream.shared.contract.redis_round_trips import connect_round_trips
 @contextlib.asynccontextmanager
 async def session_store(bus: Bus, redis_url: str, *, ttl_s: int = 600,
                         finish_grace_s: float = 60) -> AsyncIterator[SessionStore]:
-    store = SessionStore(bus, connect_round_trips(redis_url, ride_out_outages=False, cluster=bus.settings.cluster),
-                         ttl_s, finish_grace_s)
+    round_trips = connect_round_trips(redis_url, ride_out_outages=False, cluster=bus.settings.cluster)
+    store = SessionStore(bus, round_trips, ttl_s, finish_grace_s)
     try:
         yield store
     finally:
@@ -30,7 +30,8 @@ async def session_store(bus: Bus, redis_url: str, *, ttl_s: int = 600,
 
 async def plan(template: ChatTemplate, store: SessionStore, session_id: str, request: ChatRequest,
                max_prompt_tokens: int, **options) -> PlannedTurn:
-    """A turn's prompt as the gateway plans it: the session read with the turns the request's history holds."""
+    """A turn's prompt as the gateway plans it: the session read with the turns the request's history
+    holds."""
     history = History.of(request)
     session = await store.get(session_id, history.answered)
     return await plan_turn(template, store, session, request, history, max_prompt_tokens, **options)

@@ -7,10 +7,10 @@ import pytest
 
 from rollstream.services.gateway.apis.canonical import Generation, ToolCall
 from rollstream.services.gateway.apis.errors import RequestError
-from rollstream.services.gateway.apis.openai_responses import (
+from rollstream.services.gateway.apis.openai_responses import parse_responses
+from rollstream.services.gateway.apis.openai_responses_output import (
     decode_reasoning,
     encode_reasoning,
-    parse_responses,
     responses_response,
 )
 
@@ -105,7 +105,8 @@ def test_a_first_request_shaped_like_codexs():
     assert [tool["function"]["name"] for tool in request.tools] == \
         ["shell", "multi_agent_v1.spawn_agent", "multi_agent_v1.wait_agent", "get_goal"]
     assert request.tools[1]["function"] == {
-        "name": "multi_agent_v1.spawn_agent", "description": "Start a sub-agent.", "parameters": SPAWN["parameters"]}
+        "name": "multi_agent_v1.spawn_agent", "description": "Start a sub-agent.",
+        "parameters": SPAWN["parameters"]}
     assert request.tool_namespaces == {"multi_agent_v1.spawn_agent": ("multi_agent_v1", "spawn_agent"),
                                        "multi_agent_v1.wait_agent": ("multi_agent_v1", "wait_agent")}
     assert request.ignored_tools == ["web_search"]

@@ -42,11 +42,8 @@ from rollstream.services.gateway.apis.openai_chat import (
     chat_completion_sse,
     parse_chat_completions,
 )
-from rollstream.services.gateway.apis.openai_responses import (
-    parse_responses,
-    responses_response,
-    responses_sse,
-)
+from rollstream.services.gateway.apis.openai_responses import parse_responses
+from rollstream.services.gateway.apis.openai_responses_output import responses_response, responses_sse
 from rollstream.services.gateway.apis.streaming import ToolCallStreamParser, TurnStreamParser
 from rollstream.shared.errors import RollstreamError
 
@@ -435,7 +432,8 @@ def test_openai_responses_reasoning_and_a_namespaced_call_round_trip_as_codex_se
 
 
 PATCH = "*** Begin Patch\n*** Update File: calc.py\n-    return a - b\n+    return a + b\n*** End Patch"
-PATCHED = f'Patching.\n<tool_call>{json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}})}</tool_call>'
+PATCHED = ("Patching.\n"
+           f'<tool_call>{json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}})}</tool_call>')
 PATCH_GRAMMAR = {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)+/'}
 
 
@@ -450,7 +448,8 @@ def test_openai_responses_custom_tool_is_a_function_of_its_input_and_its_call_ro
     (shown,) = gateway.requests[0].tools
     assert shown["function"]["name"] == "apply_patch"
     assert shown["function"]["parameters"]["required"] == ["input"]
-    assert PATCH_GRAMMAR["definition"] in shown["function"]["parameters"]["properties"]["input"]["description"]
+    shown_input = shown["function"]["parameters"]["properties"]["input"]
+    assert PATCH_GRAMMAR["definition"] in shown_input["description"]
     message, call = final.output
     assert (call.type, call.name, call.input) == ("custom_tool_call", "apply_patch", PATCH)
     assert "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta") == PATCH
@@ -471,7 +470,8 @@ def test_openai_chat_custom_tool_call_comes_back_as_a_custom_call_and_round_trip
     tools = [{"type": "custom", "custom": {"name": "apply_patch", "description": "Edit files.",
                                            "format": {"type": "text"}}}]
     messages = [{"role": "user", "content": "Fix add."}]
-    message = client.chat.completions.create(model="policy", messages=messages, tools=tools).choices[0].message
+    completion = client.chat.completions.create(model="policy", messages=messages, tools=tools)
+    message = completion.choices[0].message
     (call,) = message.tool_calls
     assert (call.type, call.custom.name, call.custom.input) == ("custom", "apply_patch", PATCH)
     chunks = list(client.chat.completions.create(model="policy", messages=messages, tools=tools, stream=True))
@@ -635,7 +635,8 @@ def test_anthropic_failure_inside_the_stream_raises_in_the_sdk():
 
 
 def test_anthropic_client_tools_are_shown_with_the_schemas_anthropic_defines():
-    gateway = anthropic_gateway('<tool_call>{"name": "bash", "arguments": {"command": "pytest -q"}}</tool_call>')
+    gateway = anthropic_gateway(
+        '<tool_call>{"name": "bash", "arguments": {"command": "pytest -q"}}</tool_call>')
     message = gateway.anthropic().messages.create(
         model="policy", max_tokens=300, messages=[{"role": "user", "content": "Run the tests."}],
         tools=[{"type": "bash_20250124", "name": "bash"},
@@ -645,11 +646,13 @@ def test_anthropic_client_tools_are_shown_with_the_schemas_anthropic_defines():
     bash, editor = (tool["function"] for tool in request.tools)
     assert (bash["name"], list(bash["parameters"]["properties"])) == ("bash", ["command", "restart"])
     assert editor["name"] == "str_replace_based_edit_tool"
-    assert editor["parameters"]["properties"]["command"]["enum"] == ["view", "create", "str_replace", "insert"]
+    assert editor["parameters"]["properties"]["command"]["enum"] == \
+        ["view", "create", "str_replace", "insert"]
     assert editor["parameters"]["required"] == ["command", "path"]
     assert request.ignored_tools == ["web_search_20250305"]
     assert tool_uses(message.content) == [("call_3_0", "bash", {"command": "pytest -q"})]
 
-    older = parse_messages({"model": "policy", "max_tokens": 10, "messages": [{"role": "user", "content": "Hi"}],
+    older = parse_messages({"model": "policy", "max_tokens": 10,
+                            "messages": [{"role": "user", "content": "Hi"}],
                             "tools": [{"type": "text_editor_20250124", "name": "str_replace_editor"}]})
     assert "undo_edit" in older.tools[0]["function"]["parameters"]["properties"]["command"]["enum"]

@@ -20,23 +20,30 @@ from rollstream.shared.contract.events import TrajectorySegment
 from tests.unit.services.gateway.stores import plan, session_store
 
 MODEL = Path(__file__).resolve().parents[4] / "models" / "tiny-llama-warm"
-pytestmark = pytest.mark.skipif(not (MODEL / "tokenizer.json").exists(), reason="the tiny model is built by make setup")
+pytestmark = pytest.mark.skipif(not (MODEL / "tokenizer.json").exists(),
+                                reason="the tiny model is built by make setup")
 
 # Reasoning is shown only for answers after the last user message, as Qwen3's template does; an answer there
 # without reasoning still gets an empty think block.
 REASONING_TEMPLATE = r"""{%- set ns = namespace(last_user=-1) -%}
-{%- for message in messages -%}{%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for message in messages -%}
+    {%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
 {%- if tools -%}
-    {{- '<|im_start|>system\n<tools>' -}}{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}{{- '\n</tools><|im_end|>\n' -}}
+    {{- '<|im_start|>system\n<tools>' -}}
+    {%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
+    {{- '\n</tools><|im_end|>\n' -}}
 {%- endif -%}
 {%- for message in messages -%}
     {%- if message.role == 'assistant' -%}
         {%- set ns2 = namespace(text=message.content or '') -%}
         {%- for call in (message.tool_calls or []) -%}
-            {%- set ns2.text = ns2.text + '<tool_call>{"name": ' + (call.function.name | tojson) + ', "arguments": ' + (call.function.arguments | tojson) + '}</tool_call>' -%}
+            {%- set ns2.text = ns2.text + '<tool_call>{"name": ' + (call.function.name | tojson)
+                + ', "arguments": ' + (call.function.arguments | tojson) + '}</tool_call>' -%}
         {%- endfor -%}
         {%- if loop.index0 > ns.last_user -%}
-            {%- set ns2.text = '<think>\n' + (message.reasoning_content or '') + '\n</think>\n\n' + ns2.text -%}
+            {%- set ns2.text = '<think>\n' + (message.reasoning_content or '') + '\n</think>\n\n'
+                + ns2.text -%}
         {%- endif -%}
         {{- '<|im_start|>assistant\n' + ns2.text + '<|im_end|>\n' -}}
     {%- elif message.role == 'tool' -%}
@@ -46,8 +53,9 @@ REASONING_TEMPLATE = r"""{%- set ns = namespace(last_user=-1) -%}
     {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"""
-TOOLS = [{"type": "function", "function": {"name": "run", "description": "run a shell command",
-                                           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "run", "description": "run a shell command",
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +74,9 @@ async def turn(template, store, messages, sampled_text, answer, **planning):
     planned = await plan(template, store, "s1", request, max_prompt_tokens=8192, **planning)
     sampled = template.encode(sampled_text + "<|im_end|>")
     node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=sampled,
-                    logprobs=[-0.5] * len(sampled), policy_version=1, policy_version_end=1, finish_reason="stop",
-                    server_url="http://vllm", response_text=answer["content"], created_at=time.time(),
-                    history_rewritten=planned.history_rewritten)
+                    logprobs=[-0.5] * len(sampled), policy_version=1, policy_version_end=1,
+                    finish_reason="stop", server_url="http://vllm", response_text=answer["content"],
+                    created_at=time.time(), history_rewritten=planned.history_rewritten)
     assert await store.add_turn("s1", answer_key(request, planned, answer), node)
     return planned, sampled
 
@@ -79,7 +87,8 @@ def call_answer(reasoning: str, cmd: str) -> dict:
 
 
 def tool_call_text(reasoning: str, cmd: str) -> str:
-    return f'<think>\n{reasoning}\n</think>\n\n<tool_call>{{"name": "run", "arguments": {{"cmd": "{cmd}"}}}}</tool_call>'
+    return (f'<think>\n{reasoning}\n</think>\n\n'
+            f'<tool_call>{{"name": "run", "arguments": {{"cmd": "{cmd}"}}}}</tool_call>')
 
 
 async def session_of_three_turns(template, store, **planning):
@@ -93,7 +102,8 @@ async def session_of_three_turns(template, store, **planning):
         plan, sampled = await turn(template, store, history, tool_call_text(reasoning, cmd),
                              call_answer(reasoning, cmd), **planning)
         planned.append((plan, sampled))
-        history += [call_answer(reasoning, cmd), {"role": "tool", "tool_call_id": f"call-{cmd}", "content": "ok"}]
+        history += [call_answer(reasoning, cmd),
+                    {"role": "tool", "tool_call_id": f"call-{cmd}", "content": "ok"}]
     history += [{"role": "user", "content": "and now?"}]
     planned.append(await turn(template, store, history, "<think>\ndone\n</think>\n\nFixed.",
                         {"role": "assistant", "content": "Fixed.", "reasoning_content": "done"}, **planning))
@@ -109,7 +119,8 @@ def test_the_template_does_rewrite_the_history_and_the_session_stays_one_exact_s
 
     history, planned, session, samples = asyncio.run(scenario())
     rendered = template.render(history, TOOLS, add_generation_prompt=True)
-    assert "I should run ls" not in rendered, "the template drops earlier reasoning once a user message follows"
+    assert "I should run ls" not in rendered, \
+        "the template drops earlier reasoning once a user message follows"
 
     (first, first_ids), (second, second_ids), (third, _) = planned
     assert first.parent == ROOT and second.parent != ROOT and third.parent != ROOT

@@ -23,9 +23,10 @@ GRADER = {"kind": "swebench", "instance_id": "x__y-1"}
 
 def node(parent: str, appended: list[int], response: list[int], text: str, created_at: float, *,
          server: str = "http://vllm-a", rewritten: bool = False) -> TurnNode:
-    return TurnNode(parent=parent, appended_ids=appended, response_ids=response, logprobs=[-0.25] * len(response),
-                    policy_version=4, policy_version_end=5, finish_reason="stop", server_url=server,
-                    response_text=text, created_at=created_at, history_rewritten=rewritten)
+    return TurnNode(parent=parent, appended_ids=appended, response_ids=response,
+                    logprobs=[-0.25] * len(response), policy_version=4, policy_version_end=5,
+                    finish_reason="stop", server_url=server, response_text=text, created_at=created_at,
+                    history_rewritten=rewritten)
 
 
 def finish(bus, redis_url, **finished) -> tuple[list, str]:
@@ -67,28 +68,33 @@ def test_a_finished_session_publishes_its_leaves_as_one_rollout_with_idempotency
     assert [d.event for d in published] == [
         TrajectoryStarted(sample_index=6, server_url=None),  # the first node's server, where it has one
         first,
-        TrajectoryTurn(turn=1, segment_index=0, offset=5, appended_ids=[5], response_ids=[6], logprobs=[-0.25],
-                       policy_version=4, policy_version_end=5, finish_reason="stop", server_url="http://vllm-a"),
+        TrajectoryTurn(turn=1, segment_index=0, offset=5, appended_ids=[5], response_ids=[6],
+                       logprobs=[-0.25], policy_version=4, policy_version_end=5, finish_reason="stop",
+                       server_url="http://vllm-a"),
         TrajectorySegment(segment_index=0, attempt=attempt, tokens=[1, 2, 3, 4, 5, 6], response_length=4,
-                          loss_mask=[0, 0, 1, 1, 0, 1], rollout_logprobs=[0.0, 0.0, -0.25, -0.25, 0.0, -0.25],
-                          turn_policy_versions=[4, 4], status="completed", response_text="second", sample_index=6,
-                          group_size=2, metadata={**metadata, "history_rewritten_turns": [1]}),
+                          loss_mask=[0, 0, 1, 1, 0, 1],
+                          rollout_logprobs=[0.0, 0.0, -0.25, -0.25, 0.0, -0.25], turn_policy_versions=[4, 4],
+                          status="completed", response_text="second", sample_index=6, group_size=2,
+                          metadata={**metadata, "history_rewritten_turns": [1]}),
         first.model_copy(update={"segment_index": 1}),
-        TrajectoryTurn(turn=1, segment_index=1, offset=6, appended_ids=[7, 8], response_ids=[9], logprobs=[-0.25],
-                       policy_version=4, policy_version_end=5, finish_reason="stop", server_url="http://vllm-b"),
+        TrajectoryTurn(turn=1, segment_index=1, offset=6, appended_ids=[7, 8], response_ids=[9],
+                       logprobs=[-0.25], policy_version=4, policy_version_end=5, finish_reason="stop",
+                       server_url="http://vllm-b"),
         TrajectorySegment(segment_index=1, attempt=attempt, tokens=[1, 2, 3, 4, 7, 8, 9], response_length=5,
-                          loss_mask=[0, 0, 1, 1, 0, 0, 1], rollout_logprobs=[0.0, 0.0, -0.25, -0.25, 0.0, 0.0, -0.25],
-                          turn_policy_versions=[4, 4], status="truncated", response_text="forked", sample_index=6,
-                          group_size=2, metadata=metadata),
+                          loss_mask=[0, 0, 1, 1, 0, 0, 1],
+                          rollout_logprobs=[0.0, 0.0, -0.25, -0.25, 0.0, 0.0, -0.25],
+                          turn_policy_versions=[4, 4], status="truncated", response_text="forked",
+                          sample_index=6, group_size=2, metadata=metadata),
         TrajectoryFinished(status="truncated", attempt=attempt, segment_count=2, group_size=2, sample_index=6,
                            sandbox_check=None, grader=GRADER, response_text="forked", label="42",
-                           reward_fn="numeric_match", reward=0.5, artifacts={"diff": "runs/r3.diff"}, error=None),
+                           reward_fn="numeric_match", reward=0.5, artifacts={"diff": "runs/r3.diff"},
+                           error=None),
     ]
 
 
 def test_the_finish_may_name_the_final_answer_and_the_error(bus, redis_url):
-    published, _ = finish(bus, redis_url, status="failed", reward=None, response_text="the answer", artifacts={},
-                          error="boom")
+    published, _ = finish(bus, redis_url, status="failed", reward=None, response_text="the answer",
+                          artifacts={}, error="boom")
     finished = published[-1].event
     assert isinstance(finished, TrajectoryFinished)
     assert (finished.status, finished.response_text, finished.error, finished.reward) == (

@@ -21,7 +21,8 @@ GRACE_S = 0.6
 
 @pytest.fixture(params=["redis", "cluster"])
 def redis_url(request):
-    return request.getfixturevalue({"redis": "machine_redis_url", "cluster": "redis_cluster_url"}[request.param])
+    fixture = {"redis": "machine_redis_url", "cluster": "redis_cluster_url"}[request.param]
+    return request.getfixturevalue(fixture)
 
 
 async def open_session(store, session_id: str = "s1", budget_s: float | None = BUDGET_S):

@@ -1,6 +1,7 @@
-"""The gateway's session store rides out a Redis restart as every service's client does: a turn's reads and its
-record wait, on the event loop, for the restarted Redis, whose append-only file kept the session, and go on
-(its scripts loaded again: a restarted Redis has none). Against a redis-server the test starts and restarts.
+"""The gateway's session store rides out a Redis restart as every service's client does: a turn's reads and
+its record wait, on the event loop, for the restarted Redis, whose append-only file kept the session, and go
+on (its scripts loaded again: a restarted Redis has none). Against a redis-server the test starts and
+restarts.
 
     python -m pytest tests/unit/services/gateway/test_session_outage.py -q
 """
@@ -34,7 +35,8 @@ def test_a_turn_waits_for_a_restarted_redis_and_goes_on(tmp_path):
     async def scenario() -> None:
         store = SessionStore(bus, connect_round_trips(server.url), ttl_s=600, finish_grace_s=60)
         try:
-            await store.create(SessionSpec(rollout_id="r1", group_id="g1", trajectory_id="r1", session_id="s1"))
+            await store.create(SessionSpec(rollout_id="r1", group_id="g1", trajectory_id="r1",
+                                           session_id="s1"))
             assert await store.add_turn("s1", "a", node(ROOT))
             server.kill()
             restart = threading.Timer(1.5, server.start)

@@ -18,9 +18,11 @@ from rollstream.shared.contract.events import TrajectoryFinished, TrajectorySegm
 from tests.unit.services.gateway.stores import plan, session_store
 
 MODEL = Path(__file__).resolve().parents[4] / "models" / "tiny-llama-warm"
-pytestmark = pytest.mark.skipif(not (MODEL / "tokenizer.json").exists(), reason="the tiny model is built by make setup")
-TOOLS = [{"type": "function", "function": {"name": "calc", "description": "arithmetic",
-                                           "parameters": {"type": "object", "properties": {"e": {"type": "string"}}}}}]
+pytestmark = pytest.mark.skipif(not (MODEL / "tokenizer.json").exists(),
+                                reason="the tiny model is built by make setup")
+TOOLS = [{"type": "function", "function": {
+    "name": "calc", "description": "arithmetic",
+    "parameters": {"type": "object", "properties": {"e": {"type": "string"}}}}}]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,9 @@ async def sample(template, store, messages, answer_text, *, tools=None, finish="
     content, calls = turn.content, turn.calls
     answer = assistant_message(content, calls)
     node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=sampled,
-                    logprobs=[-0.5] * len(sampled), policy_version=3, policy_version_end=3, finish_reason=finish,
-                    server_url="http://vllm-a", response_text=content, created_at=time.time())
+                    logprobs=[-0.5] * len(sampled), policy_version=3, policy_version_end=3,
+                    finish_reason=finish, server_url="http://vllm-a", response_text=content,
+                    created_at=time.time())
     assert await store.add_turn("s1", answer_key(request, planned, answer), node)
     return planned, sampled, answer
 
@@ -145,8 +148,8 @@ def test_branches_and_compactions_fork_and_every_leaf_becomes_a_sample(template,
         assert segment.loss_mask[start:start + len(sampled_1)] == [1] * len(sampled_1)
     for segment in segments:
         trainable = [t for t, m in zip(segment.tokens, segment.loss_mask) if m]
-        assert sum(segment.loss_mask) == len(trainable) and all(lp == -0.5 for lp, m in
-                                                                 zip(segment.rollout_logprobs, segment.loss_mask) if m)
+        sampled_logprobs = [lp for lp, m in zip(segment.rollout_logprobs, segment.loss_mask) if m]
+        assert sum(segment.loss_mask) == len(trainable) and all(lp == -0.5 for lp in sampled_logprobs)
     assert summary.turn_policy_versions == [3]
 
 
