@@ -96,7 +96,7 @@ def fast_decoder(event: type[BaseModel], envelope: type[msgspec.Struct]) -> Call
             _force_setattr(decoded, "payload", make(decoded.payload))
         # Whatever the Struct, a packed array's check or an after validator raises: the model's validation
         # decides, so that no entry can make the fast path raise what decode() did not raise before it
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None
         return decoded
 

@@ -8,9 +8,9 @@ import msgspec
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollstream.shared.contract import events
+from rollstream.shared.contract import codec
 from rollstream.shared.contract.event_structs import fast_decoder
-from rollstream.shared.contract.events import EventDecodeError, decode, encode, encode_event
+from rollstream.shared.contract.events import Envelope, Event, EventDecodeError, decode, encode, encode_event
 from tests.unit.shared.contract.test_events import one_of_every_event_type
 
 ODD_VALUES = [None, -1, 0, 1, 2.5, -0.0, float("nan"), float("inf"), True, "", "7", b"\x00\x01\x02\x03",
@@ -19,7 +19,7 @@ ODD_VALUES = [None, -1, 0, 1, 2.5, -0.0, float("nan"), float("inf"), True, "", "
 
 
 def pydantic_only(monkeypatch):
-    monkeypatch.setattr(events, "_FAST_DECODE_OF_WIRE", {})
+    monkeypatch.setattr(codec, "_FAST_DECODE_OF_WIRE", {})
 
 
 def outcome(fields: dict) -> tuple[str, Any]:
@@ -53,7 +53,7 @@ def bodies_with_one_field_changed():
 
 
 def test_every_event_type_but_one_with_a_before_validator_has_a_fast_path():
-    without = {cls.TYPE for cls, fast in events._FAST_DECODE_ENVELOPE_OF.items() if fast is None}
+    without = {cls.TYPE for cls, fast in codec._FAST_DECODE_ENVELOPE_OF.items() if fast is None}
     # Its validator drops a field that old runs recorded, before the fields are checked
     assert without == {"PolicyUpdated"}
 
@@ -64,7 +64,7 @@ def test_the_fast_path_decodes_every_event_type_as_its_model_validates_it(monkey
                for event in examples]
     fast = [outcome(fields) for fields in encoded]
     for event, fields in zip(examples, encoded):
-        fast_decode = events._FAST_DECODE_ENVELOPE_OF[type(event)]
+        fast_decode = codec._FAST_DECODE_ENVELOPE_OF[type(event)]
         if fast_decode is not None:  # decoded by the fast path itself, not by its fallback
             assert fast_decode(fields["body"]).payload == event
     with monkeypatch.context() as patch:
@@ -142,19 +142,19 @@ def test_a_model_with_a_check_no_struct_expresses_has_no_fast_path(payload_model
               "unknown constraint": WithMaxLength, "extra allowed": ExtraAllowed, "alias": Aliased,
               "not frozen": NotFrozen}
     model = models[payload_model]
-    assert fast_decoder(model, events.Envelope) is None
+    assert fast_decoder(model, Envelope) is None
 
 
 def test_a_frozen_event_that_forbids_extra_fields_has_one():
-    class Plain(events.Event):
+    class Plain(Event):
         TYPE = "Plain"
         n: Annotated[int, Field(ge=0)]
         names: list[str] = Field(default_factory=list)
 
-    fast = fast_decoder(Plain, events.Envelope)
+    fast = fast_decoder(Plain, Envelope)
     head = {"type": "Plain", "schema_version": 1, "event_id": "e", "run_id": "r", "time": 1.5}
     decoded = fast(msgspec.msgpack.encode({**head, "payload": {"n": 3}}))
-    assert decoded == events.Envelope(**head, payload=Plain(n=3))
+    assert decoded == Envelope(**head, payload=Plain(n=3))
     for refused in ({**head, "payload": {"n": -1}}, {**head, "type": "Other", "payload": {"n": 3}},
                     {**head, "schema_version": 2, "payload": {"n": 3}}):
         assert fast(msgspec.msgpack.encode(refused)) is None  # the model's validation or decode() says why
