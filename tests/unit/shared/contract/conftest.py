@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+SERVER_URL_FIXTURES = {"redis": "machine_redis_url", "valkey": "valkey_url", "cluster": "redis_cluster_url"}
+
 
 @pytest.fixture(params=["redis", "valkey"])
 def redis_url(request):
-    return request.getfixturevalue("machine_redis_url" if request.param == "redis" else "valkey_url")
+    """The URL of a Redis 7.0 and of a Valkey; of a Redis Cluster too in a module that parametrizes it with
+    `cluster` (the bus fixture then makes a cluster client)."""
+    return request.getfixturevalue(SERVER_URL_FIXTURES[request.param])

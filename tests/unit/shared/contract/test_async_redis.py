@@ -1,5 +1,6 @@
-"""connect_async_redis: a service's asyncio client, on the machine's Redis. More commands at once than it has
-connections wait for a free one rather than fail (a gateway serving hundreds of sessions sends that many).
+"""connect_async_redis (redis_clients.py): a service's asyncio client, on the machine's Redis. More commands
+at once than it has connections wait for a free one rather than fail (a gateway serving hundreds of sessions
+sends that many).
 
     python -m pytest tests/unit/shared/contract/test_async_redis.py -q
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from rollstream.shared.contract.bus import ASYNC_MAX_CONNECTIONS, connect_async_redis
+from rollstream.shared.contract.redis_clients import ASYNC_MAX_CONNECTIONS, connect_async_redis
 
 
 def test_more_commands_at_once_than_connections_wait_for_one(machine_redis_url):
