@@ -189,7 +189,12 @@ def start_slots() -> int:
     """How many vLLM servers may start at once: one per core this process may use. A start is about one core's
     work (three processes import torch and vLLM, then the weights load and the KV cache is allocated), so
     with a core each the starts take about what each takes alone; with more starts than cores they stretch
-    together, and all of them near their health timeouts at once."""
+    together, and all of them near their health timeouts at once.
+
+    The slots bound the starts, not the servers' lives: a server that answers and idles costs next to nothing
+    (the tiny model's: 0.07 CPU-seconds in 10 s), one that serves is on its leased core, and a bound on
+    lives would make a test wait for the whole module that holds the shared pair, or two workers each
+    holding some servers wait on each other for good."""
     return len(allowed_cores())
 
 
