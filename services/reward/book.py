@@ -131,42 +131,8 @@ class RewardBook:
         self.group_size = group_size
         """Rollouts per group, for a group known only from dead letters (no TrajectoryFinished says it)."""
         self.grade_timeout_s = grade_timeout_s
-        self.ready_key = bus.keys.state("reward", "ready-groups")
-        self.ready_rollouts_key = bus.keys.state("reward", "ready-rollouts")
-        self.filtered_groups_key = bus.keys.state("reward", "filtered-groups")
-        self.seal_counter_key = bus.keys.state("reward", "seal-counter")
-        # sorted set: group -> seal number, for every sealed group not yet released
-        self.sealed_key = bus.keys.state("reward", "sealed-groups")
-        # hash: complete group still in the sealed set -> rollouts it adds to the ready list (0: filtered)
-        self.held_key = bus.keys.state("reward", "held-groups")
-        # hash: reason -> rollouts left out of their group's batch
-        self.dropped_key = bus.keys.state("reward", "dropped")
-        # sorted set: group whose every rollout finished (or was dropped) -> when it got there; left at
-        # completion
-        self.awaiting_key = bus.keys.state("reward", "awaiting-grades")
-
-    def group_key(self, group_id: str) -> str:
-        """Hash: the group's ledger (LEDGER_EVENTS)."""
-        return self.bus.keys.state("reward", "group", group_id)
-
-    def segments_key(self, group_id: str) -> str:
-        """Hash: segment_field(rollout, attempt, index) -> the segment's body, of every attempt."""
-        return self.bus.keys.state("reward", "segments", group_id)
-
-    def ended_key(self, group_id: str) -> str:
-        """Set: the group's rollouts that finished or were dropped."""
-        return self.bus.keys.state("reward", "ended", group_id)
-
-    def resolved_key(self, group_id: str) -> str:
-        """Set: the group's rollouts of which nothing more is needed (dropped, or all in)."""
-        return self.bus.keys.state("reward", "resolved", group_id)
-
-    def assigned_key(self, group_id: str) -> str:
-        return self.bus.keys.state("reward", "assigned", group_id)
-
-    def done_key(self, group_id: str) -> str:
-        """Marker of a completed group; expires after done_ttl_s."""
-        return self.bus.keys.state("reward", "done", group_id)
+        self.keys = bus.keys.reward
+        """Every key of the book (Keys.reward)."""
 
     # ------------------------------------------------------------------------------------ arrivals
     def record(self, delivery: Delivery) -> str | None:
@@ -174,7 +140,7 @@ class RewardBook:
         completion (None: the event is none of the book's, or its group is done)."""
         envelope, event = delivery.envelope, delivery.event
         group_id, rollout = envelope.group_id, envelope.rollout_id
-        if group_id is None or self.bus.redis.exists(self.done_key(group_id)):
+        if group_id is None or self.bus.redis.exists(self.keys.done(group_id)):
             return None
         kept = self.kept_as(envelope, event)
         if kept is None:
@@ -184,8 +150,8 @@ class RewardBook:
         # hsetnx: the first finished attempt of a rollout wins; segments of other attempts are never read.
         pipe.hsetnx(key, field, body)
         if isinstance(event, TrajectoryFinished):
-            pipe.hsetnx(self.group_key(group_id), GROUP_SIZE_FIELD, event.group_size)
-        pipe.hmget(self.group_key(group_id), [f"{kind}:{rollout}" for kind in ROLLOUT_FIELDS])
+            pipe.hsetnx(self.keys.group(group_id), GROUP_SIZE_FIELD, event.group_size)
+        pipe.hmget(self.keys.group(group_id), [f"{kind}:{rollout}" for kind in ROLLOUT_FIELDS])
         self.account(group_id, rollout, *pipe.execute()[-1])
         return group_id
 
@@ -194,14 +160,14 @@ class RewardBook:
         group_id, rollout = envelope.group_id, envelope.rollout_id
         if isinstance(event, TrajectorySegment):
             field = segment_field(rollout, event.attempt, event.segment_index)
-            return self.segments_key(group_id), field, encode(envelope)["body"]
+            return self.keys.segments(group_id), field, encode(envelope)["body"]
         for kind, event_type in LEDGER_EVENTS.items():
             if isinstance(event, event_type):
-                return self.group_key(group_id), f"{kind}:{rollout}", encode(envelope)["body"]
+                return self.keys.group(group_id), f"{kind}:{rollout}", encode(envelope)["body"]
         if isinstance(event, DeadLettered) and rollout and event.stream in DROPPING_STREAMS:
             reason = (f"{event.fields.get('type', 'an event')} dead-lettered on {event.stream} by "
                       f"{event.group}: {event.error}")
-            return self.group_key(group_id), f"dropped:{rollout}", f"dead_lettered|{reason}"
+            return self.keys.group(group_id), f"dropped:{rollout}", f"dead_lettered|{reason}"
         return None
 
     def account(self, group_id: str, rollout: str, finished: bytes | None, grade: bytes | None,
@@ -214,9 +180,9 @@ class RewardBook:
             group_id, rollout, decode_stored(TrajectoryFinished, finished).payload,
             judged=grade is not None or grading_failed is not None) is None
         pipe = self.bus.redis.pipeline(transaction=True)
-        pipe.sadd(self.ended_key(group_id), rollout)
+        pipe.sadd(self.keys.ended(group_id), rollout)
         if resolved:
-            pipe.sadd(self.resolved_key(group_id), rollout)
+            pipe.sadd(self.keys.resolved(group_id), rollout)
         pipe.execute()
 
     def lacking(self, group_id: str, rollout: str, finished: TrajectoryFinished, judged: bool) -> str | None:
@@ -224,7 +190,7 @@ class RewardBook:
         whether a grade or a grading failure came); None once nothing."""
         pipe = self.bus.redis.pipeline(transaction=False)
         for index in range(finished.segment_count):
-            pipe.hexists(self.segments_key(group_id), segment_field(rollout, finished.attempt, index))
+            pipe.hexists(self.keys.segments(group_id), segment_field(rollout, finished.attempt, index))
         segments = sum(pipe.execute())
         if segments < finished.segment_count:
             return f"{finished.segment_count - segments} of its {finished.segment_count} segments"
@@ -236,7 +202,7 @@ class RewardBook:
         """The group's ledger: {'finished': {rollout: envelope}, 'grade': {rollout: ...}, 'grading-failed':
         {rollout: ...}, 'dropped': {rollout: (cause, reason)}}."""
         out: dict[str, dict] = {kind: {} for kind in ROLLOUT_FIELDS}
-        for field, body in self.bus.redis.hgetall(self.group_key(group_id)).items():
+        for field, body in self.bus.redis.hgetall(self.keys.group(group_id)).items():
             kind, _, rollout = field.decode().partition(":")
             if kind == "dropped":
                 cause, _, reason = body.decode(errors="replace").partition("|")
@@ -262,18 +228,18 @@ class RewardBook:
         the rollouts still missing a grade or segments are dropped with the reason (grade_timeout), the rest
         are scored as usual. Returns the groups completed."""
         now = time.time() if now is None else now
-        overdue = [g.decode() for g in
-                   self.bus.redis.zrangebyscore(self.awaiting_key, "-inf", now - self.grade_timeout_s)]
+        overdue = [g.decode() for g in self.bus.redis.zrangebyscore(self.keys.awaiting_grades, "-inf",
+                                                                    now - self.grade_timeout_s)]
         completed = []
         for group_id in overdue:
-            if self.bus.redis.exists(self.done_key(group_id)):
-                self.bus.redis.zrem(self.awaiting_key, group_id)
+            if self.bus.redis.exists(self.keys.done(group_id)):
+                self.bus.redis.zrem(self.keys.awaiting_grades, group_id)
                 continue
             for rollout, lacking in self.missing(group_id, self.load(group_id)).items():
                 pipe = self.bus.redis.pipeline(transaction=True)
-                pipe.hsetnx(self.group_key(group_id), f"dropped:{rollout}",
+                pipe.hsetnx(self.keys.group(group_id), f"dropped:{rollout}",
                             f"grade_timeout|{lacking} did not come within {self.grade_timeout_s:g} s")
-                pipe.sadd(self.resolved_key(group_id), rollout)
+                pipe.sadd(self.keys.resolved(group_id), rollout)
                 pipe.execute()
             if self.complete_if_ready(group_id):
                 completed.append(group_id)
@@ -282,27 +248,27 @@ class RewardBook:
     # ---------------------------------------------------------------------------------- completion
     def seal(self, group_id: str) -> None:
         """Give the group the next place in batch order, once: a redelivered event keeps its place."""
-        if self.bus.redis.zscore(self.sealed_key, group_id) is not None:
+        if self.bus.redis.zscore(self.keys.sealed_groups, group_id) is not None:
             return
-        number = self.bus.redis.incr(self.seal_counter_key)
+        number = self.bus.redis.incr(self.keys.seal_counter)
         # NX: a crash between the two steps costs a number, never a second place
-        self.bus.redis.zadd(self.sealed_key, {group_id: number}, nx=True)
+        self.bus.redis.zadd(self.keys.sealed_groups, {group_id: number}, nx=True)
 
     def complete_if_ready(self, group_id: str) -> bool:
         """Score the group once each of its rollouts has finished or was dropped and none lacks segments
         or a grade: rewards and drops published, the group done and queued for batching, in one
         transaction. Returns whether it completed now."""
         pipe = self.bus.redis.pipeline(transaction=True)
-        pipe.scard(self.ended_key(group_id))
-        pipe.scard(self.resolved_key(group_id))
-        pipe.hget(self.group_key(group_id), GROUP_SIZE_FIELD)
+        pipe.scard(self.keys.ended(group_id))
+        pipe.scard(self.keys.resolved(group_id))
+        pipe.hget(self.keys.group(group_id), GROUP_SIZE_FIELD)
         ended, resolved, size = pipe.execute()
         group_size = int(size) if size is not None else self.group_size if ended else None
         if not group_size or ended < group_size:
             return False
         # Every rollout has finished or was dropped: from now on only grades (or segments) can be missing,
         # and expire_overdue resolves the group if they do not come.
-        self.bus.redis.zadd(self.awaiting_key, {group_id: time.time()}, nx=True)
+        self.bus.redis.zadd(self.keys.awaiting_grades, {group_id: time.time()}, nx=True)
         if self.batch_order == "finished":
             # Here rather than in record(): sealed before it can complete, even if the process died
             # between storing the last TrajectoryFinished and sealing.
@@ -311,7 +277,7 @@ class RewardBook:
             return False
         state = self.load(group_id)
         scored = self.score_group(state)
-        all_finished_at = self.bus.redis.zscore(self.awaiting_key, group_id)
+        all_finished_at = self.bus.redis.zscore(self.keys.awaiting_grades, group_id)
         self.commit_group(group_id, state["finished"], group_size, scored)
         if all_finished_at is not None:
             GRADE_WAIT_SECONDS.observe(max(0.0, time.time() - all_finished_at))
@@ -367,15 +333,15 @@ class RewardBook:
                              pipe=pipe, event_id=f"{rollout}:reward", rollout_id=rollout, group_id=group_id,
                              trajectory_id=ids.trajectory_id, session_id=ids.session_id)
             if not score.filtered:
-                pipe.hset(self.assigned_key(group_id), rollout, f"{reward!r},{advantage!r}")
+                pipe.hset(self.keys.assigned(group_id), rollout, f"{reward!r},{advantage!r}")
         for rollout, (cause, reason) in sorted(score.drops.items()):
             self.bus.publish("rewards", RolloutDropped(reason=reason, cause=cause), pipe=pipe,
                              event_id=f"{rollout}:dropped", rollout_id=rollout, group_id=group_id)
             if cause != "filtered":
-                pipe.hincrby(self.dropped_key, cause, 1)
-        pipe.set(self.done_key(group_id), 1, ex=self.done_ttl_s)
-        pipe.zrem(self.awaiting_key, group_id)
-        pipe.delete(self.ended_key(group_id), self.resolved_key(group_id))
+                pipe.hincrby(self.keys.dropped, cause, 1)
+        pipe.set(self.keys.done(group_id), 1, ex=self.done_ttl_s)
+        pipe.zrem(self.keys.awaiting_grades, group_id)
+        pipe.delete(self.keys.ended(group_id), self.keys.resolved(group_id))
         # The dispatcher counts admitted samples, group_size per group: it admits as many again as were left
         # out.
         given_back = group_size if score.filtered else len(score.drops)
@@ -383,13 +349,13 @@ class RewardBook:
             pipe.incrby(self.bus.keys.filtered, given_back)
         if score.filtered:
             if score.rollouts:
-                pipe.incr(self.filtered_groups_key)
-            pipe.delete(self.group_key(group_id), self.segments_key(group_id))
+                pipe.incr(self.keys.filtered_groups)
+            pipe.delete(self.keys.group(group_id), self.keys.segments(group_id))
         if self.batch_order == "finished":
-            pipe.hset(self.held_key, group_id, 0 if score.filtered else len(score.rollouts))
+            pipe.hset(self.keys.held_groups, group_id, 0 if score.filtered else len(score.rollouts))
         elif not score.filtered:
-            pipe.rpush(self.ready_key, group_id)
-            pipe.incrby(self.ready_rollouts_key, len(score.rollouts))
+            pipe.rpush(self.keys.ready_groups, group_id)
+            pipe.incrby(self.keys.ready_rollouts, len(score.rollouts))
         pipe.execute()
         count_group(score)
 
@@ -405,9 +371,9 @@ class RewardBook:
         with self.bus.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(self.sealed_key)
-                    sealed = [g.decode() for g in pipe.zrange(self.sealed_key, 0, -1)]
-                    held = pipe.hmget(self.held_key, sealed) if sealed else []
+                    pipe.watch(self.keys.sealed_groups)
+                    sealed = [g.decode() for g in pipe.zrange(self.keys.sealed_groups, 0, -1)]
+                    held = pipe.hmget(self.keys.held_groups, sealed) if sealed else []
                     head = [(g, int(n)) for g, n in takewhile(lambda pair: pair[1] is not None,
                                                               zip(sealed, held))]
                     if not head:
@@ -416,33 +382,33 @@ class RewardBook:
                     pipe.multi()
                     for group_id, rollouts in head:
                         if rollouts:
-                            pipe.rpush(self.ready_key, group_id)
-                            pipe.incrby(self.ready_rollouts_key, rollouts)
+                            pipe.rpush(self.keys.ready_groups, group_id)
+                            pipe.incrby(self.keys.ready_rollouts, rollouts)
                     groups = [group_id for group_id, _ in head]
-                    pipe.zrem(self.sealed_key, *groups)
-                    pipe.hdel(self.held_key, *groups)
+                    pipe.zrem(self.keys.sealed_groups, *groups)
+                    pipe.hdel(self.keys.held_groups, *groups)
                     pipe.execute()
                     return len(head)
                 except redis.WatchError:
                     continue
 
     def filtered_groups(self) -> int:
-        return int(self.bus.redis.get(self.filtered_groups_key) or 0)
+        return int(self.bus.redis.get(self.keys.filtered_groups) or 0)
 
     def dropped(self) -> dict[str, int]:
         """Rollouts left out of their group's batch, by cause (grading_failed, dead_lettered,
         grade_timeout)."""
-        return {k.decode(): int(v) for k, v in self.bus.redis.hgetall(self.dropped_key).items()}
+        return {k.decode(): int(v) for k, v in self.bus.redis.hgetall(self.keys.dropped).items()}
 
     def batch_rows(self, group_id: str) -> list[BatchRow]:
         """The group's rows: each segment of the finished attempt of each rollout that counts, in order."""
         finished = self.load(group_id)["finished"]
         assigned = {k.decode(): v.decode().split(",")
-                    for k, v in self.bus.redis.hgetall(self.assigned_key(group_id)).items()}
+                    for k, v in self.bus.redis.hgetall(self.keys.assigned(group_id)).items()}
         # dropped from the group (see RolloutDropped): not assigned
         wanted = [(rollout, index) for rollout in sorted(assigned)
                   for index in range(finished[rollout].payload.segment_count)]
-        bodies = self.bus.redis.hmget(self.segments_key(group_id), [
+        bodies = self.bus.redis.hmget(self.keys.segments(group_id), [
             segment_field(rollout, finished[rollout].payload.attempt, index) for rollout, index in wanted])
         rows = []
         for (rollout, index), body in zip(wanted, bodies):
@@ -466,9 +432,9 @@ class RewardBook:
     def flush_batches(self, run_id: str) -> list[BatchReady]:
         """Write every full batch of complete groups; returns what was announced."""
         announced = []
-        while int(self.bus.redis.get(self.ready_rollouts_key) or 0) >= self.batch_size:
+        while int(self.bus.redis.get(self.keys.ready_rollouts) or 0) >= self.batch_size:
             groups_needed = None
-            ready = [g.decode() for g in self.bus.redis.lrange(self.ready_key, 0, -1)]
+            ready = [g.decode() for g in self.bus.redis.lrange(self.keys.ready_groups, 0, -1)]
             rows: list[BatchRow] = []
             taken: list[str] = []
             rollouts: set[str] = set()
@@ -491,15 +457,15 @@ class RewardBook:
                                mean_reward=sum(rewards.values()) / len(rewards))
             pipe = self.bus.redis.pipeline(transaction=True)
             self.bus.publish("batches", event, pipe=pipe, event_id=f"{batch_id}:ready")
-            pipe.ltrim(self.ready_key, groups_needed, -1)
-            pipe.decrby(self.ready_rollouts_key, len(rollouts))
+            pipe.ltrim(self.keys.ready_groups, groups_needed, -1)
+            pipe.decrby(self.keys.ready_rollouts, len(rollouts))
             if len(rollouts) > self.batch_size:
                 # Whole groups overshoot B when a group lost rollouts; the dispatcher counts B per batch, so
                 # the surplus goes back like a drop, or the last batch would wait for samples never admitted.
                 pipe.incrby(self.bus.keys.filtered, len(rollouts) - self.batch_size)
             for group_id in taken:
-                pipe.delete(self.group_key(group_id), self.segments_key(group_id),
-                            self.assigned_key(group_id))
+                pipe.delete(self.keys.group(group_id), self.keys.segments(group_id),
+                            self.keys.assigned(group_id))
             pipe.execute()
             BATCH_SAMPLES.observe(len(rows))
             BATCH_MEAN.set(event.mean_reward)

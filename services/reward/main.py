@@ -81,8 +81,8 @@ def main() -> None:
         counts["rollouts_dropped"] = book.dropped()
         flush()
         # sealed, not yet batched: groups held back by an earlier one that waits for its grades
-        counts["groups_waiting_in_order"] = bus.redis.zcard(book.sealed_key)
-        counts["groups_awaiting_grades"] = bus.redis.zcard(book.awaiting_key)
+        counts["groups_waiting_in_order"] = bus.redis.zcard(book.keys.sealed_groups)
+        counts["groups_awaiting_grades"] = bus.redis.zcard(book.keys.awaiting_grades)
         runtime.status.update(counts)
 
     def handle(delivery: Delivery) -> None:

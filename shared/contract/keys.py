@@ -63,6 +63,11 @@ class Keys:
     def lock(self, name: str) -> str:
         return f"{self.prefix}:lock:{name}"
 
+    @cached_property
+    def reward(self) -> RewardKeys:
+        """The reward service's keys (its state, `state('reward', ...)`)."""
+        return RewardKeys(self.state("reward"))
+
     @property
     def incarnation(self) -> str:
         """String: a random id of this incarnation of the run (Bus.incarnation). Deleted with the run's other
@@ -111,3 +116,80 @@ class Keys:
         groups, dropped rollouts) or trained beyond a batch's B (whole groups overshoot it when one lost
         rollouts)."""
         return f"{self.prefix}:filtered"
+
+
+@dataclass(frozen=True)
+class RewardKeys:
+    """The reward service's keys (services/reward/book.py): each open group's book and the order and queue
+    of the complete ones, under `<run>:state:reward`."""
+
+    base: str
+
+    def group(self, group_id: str) -> str:
+        """Hash: the group's ledger: each rollout's TrajectoryFinished, grade or grading failure, and drop
+        (`<kind>:<rollout>`), and the group's size."""
+        return f"{self.base}:group:{group_id}"
+
+    def segments(self, group_id: str) -> str:
+        """Hash: `<rollout>:<attempt>:<index>` -> a segment of the group, of any attempt."""
+        return f"{self.base}:segments:{group_id}"
+
+    def ended(self, group_id: str) -> str:
+        """Set: the group's rollouts that finished or were dropped; deleted when the group completes."""
+        return f"{self.base}:ended:{group_id}"
+
+    def resolved(self, group_id: str) -> str:
+        """Set: the group's rollouts of which nothing more is needed (dropped, or finished with every
+        segment and the grade it needs); deleted when the group completes."""
+        return f"{self.base}:resolved:{group_id}"
+
+    def assigned(self, group_id: str) -> str:
+        """Hash: each rollout of a complete group that counts -> `<reward>,<advantage>`, until the group is
+        batched."""
+        return f"{self.base}:assigned:{group_id}"
+
+    def done(self, group_id: str) -> str:
+        """String: the marker of a completed group, which expires after reward.done_ttl_s."""
+        return f"{self.base}:done:{group_id}"
+
+    @property
+    def ready_groups(self) -> str:
+        """List: complete groups waiting to be batched, in batch order."""
+        return f"{self.base}:ready-groups"
+
+    @property
+    def ready_rollouts(self) -> str:
+        """Counter: the rollouts that count in ready_groups."""
+        return f"{self.base}:ready-rollouts"
+
+    @property
+    def filtered_groups(self) -> str:
+        """Counter: groups scored but not batched, for want of a learning signal."""
+        return f"{self.base}:filtered-groups"
+
+    @property
+    def seal_counter(self) -> str:
+        """Counter: the last place in batch order given (reward.batch_order "finished")."""
+        return f"{self.base}:seal-counter"
+
+    @property
+    def sealed_groups(self) -> str:
+        """Sorted set: each group sealed and not yet released -> its place in batch order."""
+        return f"{self.base}:sealed-groups"
+
+    @property
+    def held_groups(self) -> str:
+        """Hash: each complete group still in sealed_groups -> the rollouts it adds to ready_groups (0:
+        filtered)."""
+        return f"{self.base}:held-groups"
+
+    @property
+    def dropped(self) -> str:
+        """Hash: cause -> rollouts left out of their group's batch."""
+        return f"{self.base}:dropped"
+
+    @property
+    def awaiting_grades(self) -> str:
+        """Sorted set: each group whose every rollout finished or was dropped -> when it got there; left
+        when the group completes."""
+        return f"{self.base}:awaiting-grades"

@@ -1,13 +1,12 @@
 """The reward service's group bookkeeping and batching, on real Redis."""
 
-import sys
 import time
 
 import pytest
 
 from rollstream.services.reward import book as book_module
 from rollstream.services.reward.book import RewardBook
-from rollstream.shared.contract import events
+from rollstream.shared.contract import codec
 from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import (
@@ -205,7 +204,7 @@ def test_a_group_with_one_reward_for_all_is_recorded_but_not_batched_when_filter
         "r1": (1.0, 0.0, "exact_match"), "r2": (1.0, 0.0, "exact_match")}
     assert book.flush_batches(run) == []
     assert int(bus.redis.get(bus.keys.filtered)) == 2 and book.filtered_groups() == 1
-    assert not bus.redis.exists(book.group_key("g1"))
+    assert not bus.redis.exists(bus.keys.reward.group("g1"))
 
     mixed = deliveries_for(run, "g2", "r3", 2, "7") + deliveries_for(run, "g2", "r4", 3, "nope")
     assert feed(book, mixed) == ["g2"]
@@ -285,9 +284,9 @@ def test_a_completed_group_is_remembered_by_an_expiring_marker_not_a_growing_set
     g1 = pair(run, "g1", 1, ("7", "3"))
     assert len(serve(book, g1)) == 1
     assert feed(book, g1[-1:]) == []  # a late redelivery of its last TrajectoryFinished ...
-    assert not bus.redis.exists(book.group_key("g1"))  # ... opens no group again
+    assert not bus.redis.exists(bus.keys.reward.group("g1"))  # ... opens no group again
     assert book.flush_batches(run) == [] and len(bus.read_all("rewards")) == 2
-    assert 0 < bus.redis.ttl(book.done_key("g1")) <= 600
+    assert 0 < bus.redis.ttl(bus.keys.reward.done("g1")) <= 600
     kept = without_expiry()
 
     more = (pair(run, "g2", 3, ("7", "3")) + pair(run, "g3", 5, ("7", "3"), check="test")
@@ -460,7 +459,7 @@ def test_an_arrival_decodes_no_other_event_of_its_group_whatever_the_groups_size
     group = [d for i in range(8) for d in deliveries_for(run, "g", f"r{i}", i, str(i % 2 * 7), group_size=8,
                                                           segments=2)]
     decoded = []
-    counted = events.decode
+    counted = codec.decode
 
     def counting(fields):
         decoded.append(fields[b"type"].decode())
@@ -470,7 +469,7 @@ def test_an_arrival_decodes_no_other_event_of_its_group_whatever_the_groups_size
         raise AssertionError(f"{fields} decoded on the slow path")
 
     monkeypatch.setattr(book_module, "decode", counting)
-    monkeypatch.setattr(sys.modules[events.decode.__module__], "_checked_decode", slow_path)
+    monkeypatch.setattr(codec, "_checked_decode", slow_path)
     per_arrival = []
     for delivery in group:
         decoded.clear()

@@ -37,3 +37,16 @@ def test_grade_job_ids_are_ids_rq_takes_whatever_the_run_and_rollout_ids_hold():
     for job_id in [plain, *odd]:
         validate_job_id(job_id)
     assert len(set(odd)) == 3 and odd[0] == Keys("exp.v2/α").grade_job_id("abc", "r:1")
+
+
+def test_the_reward_services_keys_are_its_state_in_the_runs_namespace():
+    reward = Keys("run1").reward
+    assert reward.group("g1") == Keys("run1").state("reward", "group", "g1")  # as its book always named it
+    per_group = [reward.group("g1"), reward.segments("g1"), reward.ended("g1"), reward.resolved("g1"),
+                 reward.assigned("g1"), reward.done("g1")]
+    once = [reward.ready_groups, reward.ready_rollouts, reward.filtered_groups, reward.seal_counter,
+            reward.sealed_groups, reward.held_groups, reward.dropped, reward.awaiting_grades]
+    assert len(set(per_group + once)) == 14
+    # what the reward service's Redis user may write (infra/redis-users.acl: ~rs:*:state:reward:*)
+    assert all(key.startswith("rs:{run1}:state:reward:") for key in per_group + once)
+    assert reward.segments("g1") != reward.segments("g2")
