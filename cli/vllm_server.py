@@ -1,7 +1,8 @@
 """Start a real vLLM OpenAI-compatible server (the CPU build works) as a subprocess, and stop it cleanly.
 
 Used by the local runner and the integration tests. The server runs in its own process group, so
-`stop()` reaches vLLM's engine-core and worker children too and leaves no orphans behind.
+`stop()` reaches vLLM's engine-core and worker children too and leaves no orphans behind; `kill()` forces it.
+When the process that started it dies, the server gets SIGTERM (cli/child_processes.py) and stops them itself.
 
     with VllmServer(Path("tiny"), port=free_port(), log_path=Path("vllm.log")) as server:
         server.wait_healthy()
@@ -40,6 +41,7 @@ from typing import NoReturn
 
 import httpx
 
+from rollstream.cli.child_processes import signal_group, start_child, wait_group_gone
 from rollstream.cli.cpu_cores import CoreLease, StartSlot, lease_cores, wait_for_start_slot
 from rollstream.cli.vllm_neighbours import describe_machine
 from rollstream.shared.contract.bus import Bus
@@ -173,14 +175,17 @@ class VllmServer:
         self._log_file = open(self.log_path, "ab")
         slot = wait_for_start_slot()  # while as many servers start as the machine has cores, wait
         try:
-            self._proc = subprocess.Popen(
+            # A session of its own: stop() signals vLLM's engine core and workers too. SIGTERM when the
+            # process that started it dies: vLLM then stops them itself (a SIGKILLed vLLM leaves them
+            # running).
+            self._proc = start_child(
                 self.command(),
+                parent_death_signal=signal.SIGTERM,
                 stdout=self._log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.environment(),
                 pass_fds=self._core_lease.fds if self._core_lease else (),  # the server holds its cores
-                start_new_session=True,  # own process group: stop() signals vLLM's children too
             )
         finally:
             self._hand_over(slot)
@@ -276,27 +281,40 @@ class VllmServer:
                 time.sleep(0.5)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the whole process group, SIGKILL it after grace_s; idempotent."""
-        proc, self._proc = self._proc, None
+        """SIGTERM the whole process group, SIGKILL it after grace_s; idempotent. The server keeps its pid
+        until the group is gone, so that kill() reaches it during the stop."""
+        proc = self._proc
         if proc is not None:
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_group(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
             # The leader may be gone while children linger: always finish the group off.
-            _signal_group(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-            _wait_group_gone(proc.pid, timeout_s=5)
+            wait_group_gone(proc.pid, timeout_s=5)
+            self._proc = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group now (a forced stop: a stop() under way then finds it gone)."""
+        if self._proc is not None:
+            signal_group(self._proc.pid, signal.SIGKILL)
+
     def __enter__(self) -> VllmServer:
-        return self.start()
+        started_before = self._proc is not None
+        try:
+            return self.start()
+        except BaseException:  # an interrupt once its process started: the `with` block will not stop it
+            if not started_before:
+                self.stop()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -340,19 +358,3 @@ def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] 
     server.keep_cores_across_exec()
     os.execve(command[0], command, env)
 
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _wait_group_gone(pgid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
