@@ -2,6 +2,16 @@
 
     runtime = ServiceRuntime("reward", settings)   # logs, /healthz + /metrics, signal handlers
     while not runtime.stopping: ...                 # SIGTERM/SIGINT set `stopping`; finish, then exit
+
+SIGHUP (what the local run's services get when the run dies, cli/child_processes.py) and SIGQUIT stop a
+service as SIGTERM does, where a service gave SIGTERM to a handler of its own too (the sandbox-grader's RQ
+worker): they raise SIGTERM for it.
+
+A service asked to stop while Redis is unreachable has nothing left to drain to: no acknowledgement or
+hand-back reaches Redis, and what it holds stays pending for another consumer to reclaim. Its Redis client
+would retry for as long as the outage lasts (shared/contract/bus.py rides outages out), so once a stop is
+requested the runtime probes Redis, and after REDIS_GONE_PROBES failed probes in a row it ends the process,
+its children first, saying where the service was waiting.
 """
 
 from __future__ import annotations
@@ -9,15 +19,18 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import signal
 import socket
 import sys
 import threading
 import time
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+import psutil
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -25,6 +38,10 @@ from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.health_api import auth_failure, challenge, openapi_document, required_token
 
 _STANDARD_RECORD_FIELDS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+REDIS_PROBE_INTERVAL_S = 1.0
+REDIS_GONE_PROBES = 3
+"""Failed probes in a row, REDIS_PROBE_INTERVAL_S apart, after which a stopping service takes Redis for gone:
+a Redis that restarts (its append-only file read back) answers again within them."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -78,8 +95,15 @@ class ServiceRuntime:
                              if settings.redis_url else None)
         configure_logging(name, settings.log_level)
         self.log = logging.getLogger(name)
+        self._stop_requested = threading.Event()
+        self._closed = threading.Event()
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
+        signal.signal(signal.SIGHUP, self._stop_as_sigterm_does)
+        signal.signal(signal.SIGQUIT, self._stop_as_sigterm_does)
+        if self._redis_probe is not None:
+            threading.Thread(target=self._exit_once_redis_is_gone_while_stopping, name="stop-watch",
+                             daemon=True).start()
         self.health_server = self._serve_health(settings.health_port)
         self.log.info("service started", extra={"run_id": settings.run_id, "health_port": self.health_port,
                                                 "listen_host": settings.listen_host})
@@ -109,6 +133,52 @@ class ServiceRuntime:
         if not self.stopping:
             self.log.info("stop requested; draining", extra={"signal": signal.Signals(signum).name})
         self.stopping = True
+        self._stop_requested.set()
+
+    def _stop_as_sigterm_does(self, signum: int, frame: Any) -> None:
+        """SIGHUP, SIGQUIT: what SIGTERM does now, whoever handles it."""
+        if signal.getsignal(signal.SIGTERM) == self._request_stop:
+            self._request_stop(signum, frame)
+            return
+        self.log.info("stop requested; raising SIGTERM for its handler",
+                      extra={"signal": signal.Signals(signum).name})
+        self._stop_requested.set()
+        signal.raise_signal(signal.SIGTERM)
+
+    def _exit_once_redis_is_gone_while_stopping(self) -> None:
+        """The stop watch (a thread): from the stop request until close(), end the process once Redis has
+        failed REDIS_GONE_PROBES probes in a row (see the module docstring)."""
+        self._stop_requested.wait()
+        failures = 0
+        while not self._closed.wait(REDIS_PROBE_INTERVAL_S):
+            failures = 0 if self._redis_answers() else failures + 1
+            if failures >= REDIS_GONE_PROBES:
+                self._exit_without_draining()
+
+    def _redis_answers(self) -> bool:
+        assert self._redis_probe is not None
+        try:
+            self._redis_probe.ping()
+        except (redis.AuthenticationError, redis.BusyLoadingError):
+            return True  # a Redis that is there: it refused the login, or reads its append-only file
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        except redis.RedisError:
+            return True
+        return True
+
+    def _exit_without_draining(self) -> None:
+        main = sys._current_frames().get(threading.main_thread().ident or 0)
+        waiting_in = "".join(traceback.format_stack(main))[-4000:] if main is not None else ""
+        self.log.warning("Redis unreachable while stopping: exiting without draining; what this process "
+                         "holds stays pending for another consumer to reclaim",
+                         extra={"waiting_in": waiting_in})
+        for child in psutil.Process().children(recursive=True):  # an RQ work-horse, an agent's command
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        os._exit(1)
 
     def _serve_health(self, port: int) -> ThreadingHTTPServer:
         runtime = self
@@ -116,7 +186,7 @@ class ServiceRuntime:
         openapi = json.dumps(openapi_document(self.name, security)).encode()
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            def do_GET(self) -> None:  # http.server's naming
                 # Exact routes: a prefix match would let /metricsX past /metrics's own token rule.
                 route = urlsplit(self.path).path
                 denied = auth_failure(self.headers.get("Authorization"), required_token(route, security))
@@ -171,5 +241,6 @@ class ServiceRuntime:
         return server
 
     def close(self) -> None:
+        self._closed.set()
         self.health_server.shutdown()
         self.log.info("service stopped")
