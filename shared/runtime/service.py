@@ -9,7 +9,7 @@ worker): they raise SIGTERM for it.
 
 A service asked to stop while Redis is unreachable has nothing left to drain to: no acknowledgement or
 hand-back reaches Redis, and what it holds stays pending for another consumer to reclaim. Its Redis client
-would retry for as long as the outage lasts (shared/contract/bus.py rides outages out), so once a stop is
+would retry for as long as the outage lasts (shared/contract/redis_clients.py), so once a stop is
 requested the runtime probes Redis, and after REDIS_GONE_PROBES failed probes in a row it ends the process,
 its children first, saying where the service was waiting.
 """
@@ -40,8 +40,8 @@ from rollstream.shared.runtime.health_api import auth_failure, challenge, openap
 _STANDARD_RECORD_FIELDS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 REDIS_PROBE_INTERVAL_S = 1.0
 REDIS_GONE_PROBES = 3
-"""Failed probes in a row, REDIS_PROBE_INTERVAL_S apart, after which a stopping service takes Redis for gone:
-a Redis that restarts (its append-only file read back) answers again within them."""
+"""Failed probes in a row, REDIS_PROBE_INTERVAL_S apart, after which a stopping service takes Redis for gone
+(a Redis that reads its append-only file back answers LOADING: no failure)."""
 
 
 class JsonFormatter(logging.Formatter):
