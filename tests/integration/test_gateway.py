@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from rollstream.cli.local_run import LocalRun
 import rollstream.shared.agent.environments.calculator  # noqa: F401  (registers the calculator)
+from rollstream.cli.local_run import LocalRun
 from rollstream.shared.agent.tools import ToolSet, resolve_tools
 from rollstream.shared.contract.events import TrajectoryFinished, TrajectorySegment, TrajectoryTurn
 from rollstream.shared.runtime.config import Settings
@@ -36,15 +36,21 @@ WARM_MODEL = MODELS / "tiny-llama-warm"
 (CALCULATOR,) = [schema["function"] for schema in ToolSet(resolve_tools(["calculator"])).schemas()]
 """The calculator tool exactly as the tiny model was warmed up on it."""
 QUESTION = "What is 24 + 48?"
+SERVER_CONTEXT = 1024
+"""The pair's --max-model-len (tests/support.py vllm_servers: VllmServer's default)."""
+SETTING_CONTEXT = 256
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory, machine_redis_url, tiny_model, vllm_pair):
     """The gateway alone, in front of the shared vLLM pair serving the warmed-up model (it calls its tools)
-    for this module: the pair serves the tiny model's weights again afterwards."""
+    for this module: the pair serves the tiny model's weights again afterwards. Its model.max_model_len,
+    SETTING_CONTEXT, is shorter than the pair's --max-model-len, SERVER_CONTEXT."""
     root = tmp_path_factory.mktemp("gateway")
-    settings = Settings(run_id=f"gw-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url, model={"path": WARM_MODEL},
-                        storage_uri=str(root / "runs"), rollout={"max_tokens": 48}, recorder={"enabled": False})
+    settings = Settings(run_id=f"gw-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url,
+                        model={"path": WARM_MODEL, "max_model_len": SETTING_CONTEXT},
+                        storage_uri=str(root / "runs"), rollout={"max_tokens": 48},
+                        recorder={"enabled": False})
     urls = [server.url for server in revive(vllm_pair)]
     reload_weights(urls, WARM_MODEL)
     try:
@@ -70,7 +76,8 @@ def finish(local: LocalRun, session: dict, **body) -> dict:
     return response.json()
 
 
-def recorded(local: LocalRun, rollout: str) -> tuple[list[TrajectorySegment], list[TrajectoryTurn], TrajectoryFinished]:
+def recorded(local: LocalRun,
+             rollout: str) -> tuple[list[TrajectorySegment], list[TrajectoryTurn], TrajectoryFinished]:
     events = [d.event for d in local.bus.read_all("trajectories") if d.envelope.rollout_id == rollout]
     (finished,) = [e for e in events if isinstance(e, TrajectoryFinished)]
     return ([e for e in events if isinstance(e, TrajectorySegment)],
@@ -103,18 +110,20 @@ def chat_episode(local: LocalRun, stream: bool) -> tuple[str, int]:
                     entry["name"] += call.function.name or ""
                     entry["arguments"] += call.function.arguments or ""
                 finish_reason = choice.finish_reason or finish_reason
-            tool_calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            tool_calls = [{"id": c["id"], "type": "function",
+                           "function": {"name": c["name"], "arguments": c["arguments"]}}
                           for c in calls.values()]
         else:
             response = client.chat.completions.create(model="any-name", messages=messages, tools=tools)
             message = response.choices[0].message
             content, finish_reason = message.content or "", response.choices[0].finish_reason
             tool_calls = [c.model_dump() for c in message.tool_calls or []]
-        messages.append({"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})})
+        messages.append({"role": "assistant", "content": content,
+                         **({"tool_calls": tool_calls} if tool_calls else {})})
         called += len(tool_calls)
         if finish_reason == "tool_calls":
-            messages += [{"role": "tool", "tool_call_id": call["id"], "content": call["function"]["arguments"]}
-                         for call in tool_calls]
+            messages += [{"role": "tool", "tool_call_id": call["id"],
+                          "content": call["function"]["arguments"]} for call in tool_calls]
         else:
             messages.append({"role": "user", "content": "Use the calculator to check it."})
     finish(local, session, reward=1.0)
@@ -129,7 +138,22 @@ def test_chat_completions_streamed_and_not_record_the_ids_vllm_sampled(gateway):
     assert plain_finished.reward == 1.0 and plain_finished.segment_count == 1
     assert_sampled_by_vllm(gateway, plain_segment, plain_turns)
     # same seed, same conversation: the stream recorded the very same ids
-    assert streamed_segment.tokens == plain_segment.tokens and streamed_segment.loss_mask == plain_segment.loss_mask
+    assert streamed_segment.tokens == plain_segment.tokens
+    assert streamed_segment.loss_mask == plain_segment.loss_mask
+
+
+def test_a_turn_is_held_to_the_context_the_servers_report_not_to_the_setting(gateway):
+    session = open_session(gateway, f"long-{uuid.uuid4().hex[:6]}",
+                           sampling={"seed": SEED, "temperature": 1.0, "ignore_eos": True})
+    client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
+    response = client.chat.completions.create(model="any-name", max_tokens=4000,  # what agents ask
+                                              messages=[{"role": "user", "content": "word " * 200}])
+    finish(gateway, session)
+    usage = response.usage
+    assert SETTING_CONTEXT < usage.prompt_tokens < SERVER_CONTEXT  # the setting would have refused it
+    # the room the servers' context leaves, all of it sampled (the session ignores the end of turn)
+    assert usage.prompt_tokens + usage.completion_tokens == SERVER_CONTEXT
+    assert response.choices[0].finish_reason == "length"
 
 
 def test_anthropic_messages_with_tools_streamed_and_not(gateway):
@@ -137,18 +161,23 @@ def test_anthropic_messages_with_tools_streamed_and_not(gateway):
     for stream in (False, True):
         rollout = f"messages-{stream}-{uuid.uuid4().hex[:6]}"
         session = open_session(gateway, rollout)
-        client = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0)
+        client = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["api_key"],
+                                     max_retries=0)
         tools = [{"name": CALCULATOR["name"], "description": CALCULATOR["description"],
                   "input_schema": CALCULATOR["parameters"]}]
         messages: list = [{"role": "user", "content": QUESTION}]
-        counted = client.messages.count_tokens(model="claude-any", messages=messages, tools=tools).input_tokens
+        counted = client.messages.count_tokens(model="claude-any", messages=messages,
+                                               tools=tools).input_tokens
         for _ in range(3):
             if stream:
-                with client.messages.stream(model="claude-any", max_tokens=48, messages=messages, tools=tools) as events:
+                with client.messages.stream(model="claude-any", max_tokens=48, messages=messages,
+                                            tools=tools) as events:
                     message = events.get_final_message()
             else:
-                message = client.messages.create(model="claude-any", max_tokens=48, messages=messages, tools=tools)
-            messages.append({"role": "assistant", "content": [block.model_dump() for block in message.content]})
+                message = client.messages.create(model="claude-any", max_tokens=48, messages=messages,
+                                                 tools=tools)
+            messages.append({"role": "assistant",
+                             "content": [block.model_dump() for block in message.content]})
             if message.stop_reason != "tool_use":
                 break
             messages.append({"role": "user", "content": [
@@ -156,7 +185,8 @@ def test_anthropic_messages_with_tools_streamed_and_not(gateway):
                 for block in message.content if block.type == "tool_use"]})
         finish(gateway, session)
         (segment,), turns, _ = recorded(gateway, rollout)
-        assert len(turns[0].appended_ids) == counted  # count_tokens counts the prompt the first turn was given
+        # count_tokens counts the prompt the first turn was given
+        assert len(turns[0].appended_ids) == counted
         assert_sampled_by_vllm(gateway, segment, turns)
         ids[stream] = segment.tokens
     assert ids[True] == ids[False]
@@ -198,9 +228,11 @@ def test_each_api_says_what_is_wrong_in_its_own_error_shape(gateway):
     unknown = anthropic.Anthropic(base_url=f"{url}/s/no-such-session", api_key="rs-any", max_retries=0)
     with pytest.raises(anthropic.NotFoundError, match="no session"):
         unknown.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
-    client = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0)
+    client = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["api_key"],
+                                 max_retries=0)
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
-        client.post("/v1/messages", cast_to=object, body={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        client.post("/v1/messages", cast_to=object,
+                    body={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     chat = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
     with pytest.raises(openai.BadRequestError, match="the prompt is"):
         chat.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 40_000}])
@@ -222,14 +254,16 @@ def test_a_branched_and_a_compacted_history_become_samples_of_one_rollout(gatewa
     client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
 
     def ask(messages: list) -> dict:
-        message = client.chat.completions.create(model="m", messages=messages, max_tokens=12).choices[0].message
+        completion = client.chat.completions.create(model="m", messages=messages, max_tokens=12)
+        message = completion.choices[0].message
         return {"role": "assistant", "content": message.content or ""}
 
     start = [{"role": "user", "content": QUESTION}]
     first = ask(start)
     for follow_up in ("Check it again.", "Explain it."):
         ask(start + [first, {"role": "user", "content": follow_up}])
-    ask([{"role": "user", "content": f"Summary so far: asked {QUESTION!r}, got {first['content']!r}. Answer now."}])
+    ask([{"role": "user",
+          "content": f"Summary so far: asked {QUESTION!r}, got {first['content']!r}. Answer now."}])
     assert finish(gateway, session)["samples"] == 3
     segments, turns, finished = recorded(gateway, rollout)
     assert len(segments) == 3 and finished.segment_count == 3
@@ -237,8 +271,10 @@ def test_a_branched_and_a_compacted_history_become_samples_of_one_rollout(gatewa
         assert_sampled_by_vllm(gateway, segment, [t for t in turns if t.segment_index == index])
     branch_a, branch_b, compacted = segments
     shared = len(turns[0].appended_ids) + len(turns[0].response_ids)
-    assert branch_a.tokens[:shared] == branch_b.tokens[:shared]  # both branches hold the first turn's exact ids
-    assert len([t for t in turns if t.segment_index == 2]) == 1  # the summary starts a conversation of its own
+    # both branches hold the first turn's exact ids
+    assert branch_a.tokens[:shared] == branch_b.tokens[:shared]
+    # the summary starts a conversation of its own
+    assert len([t for t in turns if t.segment_index == 2]) == 1
 
 
 def test_schemathesis_finds_no_server_error_in_the_gateway(gateway, tmp_path):
@@ -261,9 +297,11 @@ def test_schemathesis_finds_no_server_error_in_the_gateway(gateway, tmp_path):
             capture_output=True, text=True, timeout=900, check=False, cwd=cwd)
         assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
         for entry in json.loads(har.read_text())["log"]["entries"]:
-            path = entry["request"]["url"].removeprefix(url).split("?")[0].replace(session["session_id"], "{live}")
+            path = entry["request"]["url"].removeprefix(url).split("?")[0]
+            path = path.replace(session["session_id"], "{live}")
             statuses[(entry["request"]["method"], path, entry["response"]["status"])] += 1
-    print(f"schemathesis: {sum(statuses.values())} requests; (method, path, status): {dict(sorted(statuses.items()))}")
+    print(f"schemathesis: {sum(statuses.values())} requests; "
+          f"(method, path, status): {dict(sorted(statuses.items()))}")
     assert not [key for key in statuses if key[2] >= 500]
     assert any(key[2] == 200 and key[1].endswith("chat/completions") for key in statuses)  # turns were served
 

