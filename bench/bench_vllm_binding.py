@@ -3,13 +3,13 @@
 
 Per way, --servers (2) servers of the tiny model start at once; measured are the seconds from each one's
 start to its /health answering, then the generated tokens per second of all of them serving at once: on each
-server --requests (32) concurrent completions of --tokens (128) sampled tokens, --loads (3) times (the
+server --requests (64) concurrent completions of --tokens (256) sampled tokens, --loads (3) times (the
 median). Then the servers stop and the other way starts. Prints both ways, the ratios (leased / same core),
 and the load average before and after: the machine's other work moves these figures, so run it when the load
 is low. `--unbound` adds vLLM with no binding at all (VLLM_CPU_OMP_THREADS_BIND=nobind).
 
-    python bench/bench_vllm_binding.py [--model models/tiny-llama] [--servers 2] [--rounds 1] [--requests 32]
-                                       [--tokens 128] [--loads 3] [--unbound] [--smoke] [--json PATH]
+    python bench/bench_vllm_binding.py [--model models/tiny-llama] [--servers 2] [--rounds 1] [--requests 64]
+                                       [--tokens 256] [--loads 3] [--unbound] [--smoke] [--json PATH]
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=Path("models/tiny-llama"))
     parser.add_argument("--servers", type=int, default=2, help="servers started and serving at once")
     parser.add_argument("--rounds", type=int, default=1, help="each way this many times, alternately")
-    parser.add_argument("--requests", type=int, default=32, help="concurrent completions on each server")
-    parser.add_argument("--tokens", type=int, default=128, help="sampled tokens of each")
+    parser.add_argument("--requests", type=int, default=64, help="concurrent completions on each server")
+    parser.add_argument("--tokens", type=int, default=256, help="sampled tokens of each")
     parser.add_argument("--loads", type=int, default=3, help="loads per way and round (the median counts)")
     parser.add_argument("--unbound", action="store_true", help="also vLLM with no binding (nobind)")
     args = parse_args(parser, smoke={"servers": 1, "requests": 2, "tokens": 8, "loads": 1})
