@@ -12,6 +12,7 @@ from typing import Literal
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import PolicyUpdated, PromptIssued
+from rollstream.shared.contract.run_facts import FILTERED_SAMPLES
 from rollstream.shared.tasks.rows import PromptRow
 
 
@@ -31,8 +32,8 @@ class StalenessGate:
 
 
 def filtered_samples(bus: Bus) -> int:
-    """Admitted samples the reward service left out of training."""
-    return int(bus.redis.get(bus.keys.filtered) or 0)
+    """Admitted samples the reward service gave back (FILTERED_SAMPLES): left out of training."""
+    return int(bus.redis.get(FILTERED_SAMPLES.key(bus.keys)) or 0)
 
 
 def next_step(gate: StalenessGate, *, admitted: int, filtered: int, group_size: int, policy_version: int,

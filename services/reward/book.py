@@ -53,6 +53,7 @@ from rollstream.shared.contract.events import (
     decode,
     encode,
 )
+from rollstream.shared.contract.run_facts import FILTERED_SAMPLES
 from rollstream.shared.runtime.config import RewardSettings
 from rollstream.shared.runtime.storage import Storage
 
@@ -346,7 +347,7 @@ class RewardBook:
         # out.
         given_back = group_size if score.filtered else len(score.drops)
         if given_back:
-            pipe.incrby(self.bus.keys.filtered, given_back)
+            pipe.incrby(FILTERED_SAMPLES.key(self.bus.keys), given_back)
         if score.filtered:
             if score.rollouts:
                 pipe.incr(self.keys.filtered_groups)
@@ -462,7 +463,7 @@ class RewardBook:
             if len(rollouts) > self.batch_size:
                 # Whole groups overshoot B when a group lost rollouts; the dispatcher counts B per batch, so
                 # the surplus goes back like a drop, or the last batch would wait for samples never admitted.
-                pipe.incrby(self.bus.keys.filtered, len(rollouts) - self.batch_size)
+                pipe.incrby(FILTERED_SAMPLES.key(self.bus.keys), len(rollouts) - self.batch_size)
             for group_id in taken:
                 pipe.delete(self.keys.group(group_id), self.keys.segments(group_id),
                             self.keys.assigned(group_id))

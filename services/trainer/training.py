@@ -46,6 +46,7 @@ from rollstream.shared.contract.batches import (
 )
 from rollstream.shared.contract.bus import Bus, StopConsuming
 from rollstream.shared.contract.events import BatchReady, PolicyUpdated, decode
+from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.inference.serving_weights import copy_tokenizer_files
 from rollstream.shared.runtime.config import Settings
@@ -226,7 +227,7 @@ class Trainer:
 
             self.fleet = FleetClient.for_run(settings)
             for url in self.fleet.urls:
-                bus.redis.hsetnx(bus.keys.fleet_versions, url, self.version)
+                bus.redis.hsetnx(FLEET_VERSIONS.key(bus.keys), url, self.version)
 
     def load_state(self) -> None:
         """The backend at the published version self.version: weights, optimizer and RNG state."""
@@ -519,7 +520,7 @@ class Trainer:
         self.bus.publish("policy", update, pipe=pipe, event_id=f"policy:v{update.version}")
         pipe.sadd(trained_key, batch.batch_id)
         for url in update.servers:
-            pipe.hset(self.bus.keys.fleet_versions, url, update.version)
+            pipe.hset(FLEET_VERSIONS.key(self.bus.keys), url, update.version)
         pipe.execute()
         self.version, self.checkpoint = update.version, step.checkpoint
         self.tracker.log(step.metrics, update.version)

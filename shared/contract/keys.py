@@ -102,7 +102,8 @@ class Keys:
 
     @property
     def fleet_versions(self) -> str:
-        """Hash: server url -> policy version it serves."""
+        """Hash: server url -> policy version it serves (a run fact: run_facts.FLEET_VERSIONS says who writes
+        and who reads it)."""
         return f"{self.prefix}:fleet:versions"
 
     @property
@@ -114,7 +115,7 @@ class Keys:
     def filtered(self) -> str:
         """Counter of admitted samples given back to the dispatcher: left out of training (zero-variance
         groups, dropped rollouts) or trained beyond a batch's B (whole groups overshoot it when one lost
-        rollouts)."""
+        rollouts). A run fact: run_facts.FILTERED_SAMPLES says who writes and who reads it."""
         return f"{self.prefix}:filtered"
 
 
