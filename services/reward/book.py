@@ -394,12 +394,26 @@ class RewardBook:
                     continue
 
     def filtered_groups(self) -> int:
-        return int(self.bus.redis.get(self.keys.filtered_groups) or 0)
+        return self.status()["groups_filtered"]
 
     def dropped(self) -> dict[str, int]:
         """Rollouts left out of their group's batch, by cause (grading_failed, dead_lettered,
         grade_timeout)."""
-        return {k.decode(): int(v) for k, v in self.bus.redis.hgetall(self.keys.dropped).items()}
+        return self.status()["rollouts_dropped"]
+
+    def status(self) -> dict:
+        """What the service reports of the book, read in one round trip (main.py reads it on every
+        delivery): groups filtered, rollouts dropped by cause, groups sealed but not yet batched (held back
+        by an earlier one that waits for its grades) and groups waiting for their grades."""
+        pipe = self.bus.redis.pipeline(transaction=False)
+        pipe.get(self.keys.filtered_groups)
+        pipe.hgetall(self.keys.dropped)
+        pipe.zcard(self.keys.sealed_groups)
+        pipe.zcard(self.keys.awaiting_grades)
+        filtered, dropped, waiting_in_order, awaiting_grades = pipe.execute()
+        return {"groups_filtered": int(filtered or 0),
+                "rollouts_dropped": {k.decode(): int(v) for k, v in dropped.items()},
+                "groups_waiting_in_order": waiting_in_order, "groups_awaiting_grades": awaiting_grades}
 
     def batch_rows(self, group_id: str) -> list[BatchRow]:
         """The group's rows: each segment of the finished attempt of each rollout that counts, in order."""

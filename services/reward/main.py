@@ -66,8 +66,7 @@ def main() -> None:
                       group_size=settings.data.samples_per_prompt,
                       grade_timeout_s=settings.reward.grade_timeout_s)
     consumer = consumer_name(GROUP.name)
-    counts = {"groups_completed": 0, "batches": 0, "groups_filtered": book.filtered_groups(),
-              "rollouts_dropped": book.dropped()}
+    counts = {"groups_completed": 0, "batches": 0, **book.status()}
 
     def flush() -> None:
         for event in book.flush_batches(settings.run_id):
@@ -77,12 +76,9 @@ def main() -> None:
 
     def completed(groups: int) -> None:
         counts["groups_completed"] += groups
-        counts["groups_filtered"] = book.filtered_groups()
-        counts["rollouts_dropped"] = book.dropped()
+        counts.update(book.status())
+        # on every delivery, not only after a completion: a batch whose writing failed is written again
         flush()
-        # sealed, not yet batched: groups held back by an earlier one that waits for its grades
-        counts["groups_waiting_in_order"] = bus.redis.zcard(book.keys.sealed_groups)
-        counts["groups_awaiting_grades"] = bus.redis.zcard(book.keys.awaiting_grades)
         runtime.status.update(counts)
 
     def handle(delivery: Delivery) -> None:

@@ -256,6 +256,8 @@ def test_a_group_waiting_for_a_grade_holds_back_the_groups_that_finished_after_i
     assert feed(book, waiting + later) == ["g2"]
     assert set(assigned(bus)) == {"r3", "r4"}  # its rewards are out, but it is not batched ahead of g1
     assert book.flush_batches(run) == []
+    assert book.status() == {"groups_filtered": 0, "rollouts_dropped": {}, "groups_waiting_in_order": 2,
+                             "groups_awaiting_grades": 1}
     assert feed(book, [grade(run, "g1", "r1", 0.0)]) == [] and book.flush_batches(run) == []
     assert feed(book, [grade(run, "g1", "r2", 1.0)]) == ["g1"]
     assert [b.group_ids for b in book.flush_batches(run)] == [["g1"], ["g2"]]
