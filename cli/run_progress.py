@@ -1,16 +1,22 @@
-"""What a local run has done so far, read from its streams (LocalRun.progress(), the run's live table).
+"""What a local run has done so far, read from its streams (LocalRun.progress(), the run's live table), the
+work it has left (backlog), and its summary once it is over (run_summary, written as summary.json).
 
 Library of the command line, not run directly: `rollstream run` prints it as it goes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import redis
 
+from rollstream.cli.restart_policy import ProcessExit
 from rollstream.shared.contract.archive import ArchiveReader, StreamHistory
 from rollstream.shared.contract.bus import Bus, StreamName
+from rollstream.shared.contract.consumers import stream_groups
 from rollstream.shared.contract.events import (
     BatchReady,
     DeadLettered,
@@ -38,6 +44,15 @@ class Progress:
     @property
     def version(self) -> int:
         return self.updates[-1].version if self.updates else 0
+
+    def per_version(self) -> list[dict]:
+        """Each policy version's batch mean reward, loss, parity, samples trained and dropped as stale."""
+        # the first BatchReady of an id, should one be published twice
+        rewards = {batch.batch_id: batch.mean_reward for batch in reversed(self.batches)}
+        return [{"version": u.version, "batch_mean_reward": rewards.get(u.batch_id), "loss": u.loss,
+                 "parity_max_abs_diff": u.parity_max_abs_diff, "trained": u.trained_samples,
+                 "dropped_stale": u.dropped.get("stale", 0)}
+                for u in self.updates]
 
 
 class ProgressReader:
@@ -72,3 +87,46 @@ class ProgressReader:
                                      ("dead", DeadLettered, progress.dead_letters)):
             events.extend(d.event for d in self.histories[stream].new_events() if isinstance(d.event, kind))
         return progress
+
+
+def backlog(bus: Bus, services: Iterable[str], job_queue: str) -> dict[str, int]:
+    """Work the run's consumers have not finished: per stream and group of a running service, entries not
+    yet delivered plus delivered and unacknowledged (a group that does not exist yet: all of the stream); and
+    sandbox jobs queued, running or scheduled for a retry."""
+    running = set(services)
+    out: dict[str, int] = {}
+    for stream, group in sorted(pair for pair in stream_groups() if pair[1] in running):
+        undelivered, pending = bus.group_lag(stream, group)
+        if undelivered + pending:
+            out[f"{stream}/{group}"] = undelivered + pending
+    queue = bus.job_queue(job_queue)
+    jobs = queue.count + queue.started_job_registry.count + queue.scheduled_job_registry.count
+    if jobs:
+        out["sandbox jobs"] = jobs
+    return out
+
+
+def run_summary(progress: Progress, *, run_id: str, restarts: dict[str, int], exits: list[ProcessExit],
+                vllm_startup_s: float | None, run_dir: Path) -> dict:
+    """What the run did: its counts, restarts, every exit its supervisor saw, and each version's figures."""
+    return {
+        "run_id": run_id,
+        "samples_admitted": progress.admitted,
+        "trajectories_finished": progress.finished,
+        "grades": progress.graded,
+        "grading_failed": progress.grading_failed,
+        "batches": len(progress.batches),
+        "policy_version": progress.version,
+        "dead_letters": len(progress.dead_letters),
+        "restarts": dict(restarts),
+        "exits": [asdict(e) for e in exits],
+        "vllm_startup_s": None if vllm_startup_s is None else round(vllm_startup_s, 1),
+        "per_version": progress.per_version(),
+        "run_dir": str(run_dir),
+    }
+
+
+def write_summary(run_dir: Path, summary: dict) -> Path:
+    path = run_dir / "summary.json"
+    path.write_text(json.dumps(summary, indent=2))
+    return path

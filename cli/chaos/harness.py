@@ -44,7 +44,8 @@ HORSE_WAIT_S = 60.0
 """How long a work-horse kill waits for a grading job to run: none runs while generation waits out a vLLM or
 Redis restart, which on two loaded cores has taken longer than 20 s."""
 EPISODE_WAIT_S = 30.0
-"""How long a kill meant to land mid-episode waits for a black-box episode to be in the middle of its turns."""
+"""How long a kill meant to land mid-episode waits for a black-box episode to be in the middle of its
+turns."""
 BLACKBOX_SERVICES = ("gateway", "agent-runner")
 """Processes whose kills are timed to land in the middle of black-box episodes."""
 
@@ -75,8 +76,8 @@ class Fault:
     done: bool = True
     note: str = ""
     sessions_under_way: int | None = None
-    """Of a gateway or agent-runner kill in a black-box run: the black-box episodes in the middle of their turns
-    when it landed (None: a kill not timed to episodes)."""
+    """Of a gateway or agent-runner kill in a black-box run: the black-box episodes in the middle of their
+    turns when it landed (None: a kill not timed to episodes)."""
 
 
 @dataclass
@@ -92,13 +93,15 @@ class ChaosResult:
         return sum(1 for f in self.faults if f.done and f.kind in ("crash", "horse"))
 
     def wasted_samples(self) -> int:
-        return self.audit.repeated_attempts + sum(self.audit.dropped.get(cause, 0) for cause in WASTEFUL_CAUSES)
+        wasted_by_cause = sum(self.audit.dropped.get(cause, 0) for cause in WASTEFUL_CAUSES)
+        return self.audit.repeated_attempts + wasted_by_cause
 
 
 def plan_faults(plan: ChaosPlan, processes: dict[str, str]) -> list[tuple[str, str]]:
     """The faults in a seeded order; processes: process name -> its service."""
     rng = random.Random(plan.seed)
-    killed = [name for name, service in sorted(processes.items()) if plan.services is None or service in plan.services]
+    killed = [name for name, service in sorted(processes.items())
+              if plan.services is None or service in plan.services]
     faults = [("crash", name) for name in killed for _ in range(plan.kills_per_service)]
     if plan.services is None or "sandbox-grader" in plan.services:
         faults += [("horse", "sandbox work-horse")] * plan.kills_per_service
@@ -128,8 +131,8 @@ class ChaosRun:
 
     def run(self, timeout_s: float) -> ChaosResult:
         local, started = self.local, time.monotonic()
-        local.start(on_step=self.on_event)
         try:
+            local.start(on_step=self.on_event)  # interrupted or failed, what it started is stopped below
             target = self.settings.train.total_versions
             pending = plan_faults(self.plan, local.service_of)
             retries_left = Counter(kind for kind, _ in pending)  # as many retries per kind as faults of it
@@ -140,7 +143,8 @@ class ChaosRun:
                 if version >= target and not pending:
                     break
                 if time.monotonic() - started > timeout_s:
-                    raise TimeoutError(f"policy version {version} of {target} after {timeout_s:.0f}s of chaos")
+                    raise TimeoutError(f"policy version {version} of {target} "
+                                       f"after {timeout_s:.0f}s of chaos")
                 if pending and time.monotonic() >= next_fault:
                     kind, name = pending.pop(0)
                     fault = self.inject(kind, name, version, time.monotonic() - started)
@@ -160,7 +164,8 @@ class ChaosRun:
                               self.settings.grader.queue, limits=RowLimits.of_model(self.settings.model.path))
             faults = [(f.kind, local.service_of.get(f.target, f.target)) for f in self.faults if f.done]
             audit.check_drops(drop_bound(faults, self.settings, local.replicas))
-            local.check_alive()  # an exit after the last supervision round counts as much as one during the run
+            # an exit after the last supervision round counts as much as one during the run
+            local.check_alive()
             audit.unexpected_exits = local.unexpected_exits()
             if self.blackbox:
                 runner_pids = {pid for name, pids in local.pids.items()
@@ -171,7 +176,8 @@ class ChaosRun:
             for name in list(self.paused):
                 self.resume(name)
             local.stop()
-        by_target = Counter(f.target if f.kind != "horse" else "sandbox work-horse" for f in self.faults if f.done)
+        by_target = Counter(f.target if f.kind != "horse" else "sandbox work-horse"
+                            for f in self.faults if f.done)
         return ChaosResult(self.faults, audit, summary, time.monotonic() - started, dict(by_target))
 
     def tick(self) -> None:
@@ -210,14 +216,15 @@ class ChaosRun:
                 os.killpg(process.pid, signal.SIGSTOP)
                 self.paused[name] = time.monotonic() + self.pause_s
         self.faults.append(fault)
-        self.on_event(f"{fault.at_s:7.1f}s v{version}: {kind} {name}" + (f" ({fault.note})" if fault.note else ""))
+        self.on_event(f"{fault.at_s:7.1f}s v{version}: {kind} {name}"
+                      + (f" ({fault.note})" if fault.note else ""))
         return fault
 
     def wait_for_episode(self) -> int:
-        """Wait up to EPISODE_WAIT_S for black-box episodes in the middle of their turns: open gateway sessions
-        that record a turn while we watch (an agent talking to the model now; a session that only has turns
-        may be one whose agent-runner was killed). How many did; 0: none within the wait, or none can come
-        (the run reached its target and ran every prompt)."""
+        """Wait up to EPISODE_WAIT_S for black-box episodes in the middle of their turns: open gateway
+        sessions that record a turn while we watch (an agent talking to the model now; a session that only
+        has turns may be one whose agent-runner was killed). How many did; 0: none within the wait, or none
+        can come (the run reached its target and ran every prompt)."""
         local = self.local
         turns_seen = {s.spec.session_id: s.turns for s in open_sessions(local.bus)}
         deadline = time.monotonic() + EPISODE_WAIT_S
@@ -278,7 +285,8 @@ def result_tables(result: ChaosResult) -> list:
         faults.add_row(target, str(count))
     skipped = [f for f in result.faults if not f.done]
     if skipped:
-        faults.caption = f"{len(skipped)} not injected: " + "; ".join(sorted({f"{f.kind} {f.target}: {f.note}" for f in skipped}))
+        reasons = sorted({f"{f.kind} {f.target}: {f.note}" for f in skipped})
+        faults.caption = f"{len(skipped)} not injected: " + "; ".join(reasons)
 
     figures = Table(title="audit")
     figures.add_column("figure")
@@ -312,7 +320,8 @@ def audit_figures(result: ChaosResult) -> list[tuple[str, object]]:
         ("batches the trainer counted otherwise (must be 0)", len(audit.trainer_disagrees)),
         *((f"samples dropped: {causes} (the faults explain at most {'any' if most is None else most})",
            audit.drops_of(causes)) for causes, most in audit.drop_bound.items()),
-        *((f"samples dropped: {cause} (no fault explains it)", n) for cause, n in sorted(audit.dropped.items())
+        *((f"samples dropped: {cause} (no fault explains it)", n)
+          for cause, n in sorted(audit.dropped.items())
           if not any(cause in causes.split(" + ") for causes in audit.drop_bound)),
         ("batches trained twice (must be 0)", len(audit.batches_trained_twice)),
         ("versions published twice (must be 0)", len(audit.versions_published_twice)),
@@ -330,7 +339,8 @@ def audit_figures(result: ChaosResult) -> list[tuple[str, object]]:
         rows += [
             ("kills of gateways and agent-runners that landed mid-episode",
              sum(1 for f in result.faults if f.done and f.sessions_under_way)),
-            ("black-box agents left running: processes, containers (must be 0)", len(audit.blackbox.agents_left)),
+            ("black-box agents left running: processes, containers (must be 0)",
+             len(audit.blackbox.agents_left)),
             ("gateway sessions open past their end, deadline + grace (must be 0)",
              len(audit.blackbox.sessions_past_end)),
             ("gateway sessions open at the end (each expires by its end)", audit.blackbox.sessions_open),

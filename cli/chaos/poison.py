@@ -84,7 +84,8 @@ def health_states(local) -> tuple[dict[str, str], dict[str, dict]]:
             bodies[name] = response.json()
         except ValueError:
             bodies[name] = {}
-        states[name] = "ok" if response.status_code == 200 else f"/healthz {response.status_code}: {response.text[:200]}"
+        states[name] = ("ok" if response.status_code == 200
+                        else f"/healthz {response.status_code}: {response.text[:200]}")
     return states, bodies
 
 
@@ -125,21 +126,23 @@ def wait_archived(bus: Bus, injected: list[Injected], timeout_s: float) -> None:
         if not behind:
             return
         if time.monotonic() > deadline:
-            raise PoisonError(f"the recorder has not archived the poison of {', '.join(behind)} after {timeout_s:.0f}s")
+            raise PoisonError(f"the recorder has not archived the poison of {', '.join(behind)} "
+                              f"after {timeout_s:.0f}s")
         time.sleep(0.5)
 
 
 
 def fuzz(local, plan: list[Poison], *, seed: int, rate: float, target_version: int, timeout_s: float,
-         drain_timeout_s: float = 300.0, on_progress: Callable[[str], None] = lambda message: None) -> PoisonReport:
+         drain_timeout_s: float = 300.0,
+         on_progress: Callable[[str], None] = lambda message: None) -> PoisonReport:
     """Inject `plan` into the started LocalRun at `rate` entries a second while it trains, then wait
     until the trainer reaches `target_version`, every consumer has handled everything and the recorder
     has archived it; check every service's health all along, and audit."""
     bus, settings = local.bus, local.settings
     started = time.monotonic()
     watch = HealthWatch(local, started)
-    injected = inject_at_rate(bus, Storage(settings.storage_uri), plan, rate, started=started, timeout_s=timeout_s,
-                              between=watch.look)
+    injected = inject_at_rate(bus, Storage(settings.storage_uri), plan, rate, started=started,
+                              timeout_s=timeout_s, between=watch.look)
     injected_ids = {(item.poison.stream, item.entry_id) for item in injected}
     on_progress(f"{len(injected)} poison entries injected; waiting for version {target_version}")
     while (version := trainer_version(bus, settings.storage_uri, injected_ids)) < target_version:
@@ -153,7 +156,8 @@ def fuzz(local, plan: list[Poison], *, seed: int, rate: float, target_version: i
     watch.look(now=True)
     health, _ = health_states(local)
     report = audit(bus, settings.storage_uri, injected, seed=seed, rate=rate, target_version=target_version,
-                   health=health, unhealthy_moments=watch.unhealthy, dispatcher_version_seen=watch.dispatcher_version,
+                   health=health, unhealthy_moments=watch.unhealthy,
+                   dispatcher_version_seen=watch.dispatcher_version,
                    max_staleness=settings.train.max_staleness, limits=RowLimits.of_model(settings.model.path),
                    sandbox_queue=settings.grader.queue)
     local.check_alive()  # an exit after the last look counts as much as one while the run went on
@@ -174,11 +178,12 @@ def run_poison(settings, *, seed: int, rate: float, timeout_s: float, per_kind: 
     codes: dict[str, int | None] = {}
     try:
         local.start(on_step=on_progress)
-        plan = poison_plan(seed, local.settings.run_id, local.settings.storage_uri, per_kind=per_kind, kinds=kinds,
-                           oversized_bytes=oversized_bytes, huge_tokens=huge_tokens)
-        on_progress(f"services up; injecting {len(plan)} poison entries at {rate:g}/s (logs in {local.log_dir})")
+        plan = poison_plan(seed, local.settings.run_id, local.settings.storage_uri, per_kind=per_kind,
+                           kinds=kinds, oversized_bytes=oversized_bytes, huge_tokens=huge_tokens)
+        on_progress(f"services up; injecting {len(plan)} poison entries at {rate:g}/s "
+                    f"(logs in {local.log_dir})")
         report = fuzz(local, plan, seed=seed, rate=rate, target_version=local.settings.train.total_versions,
                       timeout_s=timeout_s, on_progress=on_progress)
     finally:
-        codes = local.stop() if local.processes or local.vllm or local.redis_server else {}
+        codes = local.stop()  # whatever of the run started: Redis, vLLM, server groups, services
     return report, codes, local

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rollstream.cli import local_run
+from rollstream.cli import restart_policy
 from rollstream.cli.local_run import LocalRun, ServiceDied
 from tests.support import supervised_run
 
@@ -18,7 +18,7 @@ SLEEPING = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 @pytest.fixture
 def supervised(tmp_path, monkeypatch):
-    monkeypatch.setattr(local_run, "RESTART_BACKOFF_S", (0.0, 0.1, 0.2))
+    monkeypatch.setattr(restart_policy, "RESTART_BACKOFF_S", (0.0, 0.1, 0.2))
     with supervised_run(tmp_path, monkeypatch, {"reward": CRASHING, "trainer": SLEEPING}, "sup") as run:
         yield run
 
@@ -34,31 +34,34 @@ def supervise_until(run: LocalRun, done, timeout_s: float = 20.0) -> None:
 def test_a_crashed_service_is_restarted_and_counted_and_one_that_keeps_crashing_stops_the_run(supervised):
     supervise_until(supervised, lambda: supervised.restarts.get("reward", 0) >= 2)
     assert {e.process for e in supervised.exits} == {"reward"}
-    assert all(e.exit_code == 3 and not e.injected and "boom: bad state" in e.log_tail for e in supervised.exits)
+    assert all(e.exit_code == 3 and not e.injected and "boom: bad state" in e.log_tail
+               for e in supervised.exits)
     with pytest.raises(ServiceDied) as died:
         supervise_until(supervised, lambda: False)
-    assert f"reward exited {local_run.MAX_CRASHES + 1} times" in str(died.value)
+    assert f"reward exited {restart_policy.MAX_CRASHES + 1} times" in str(died.value)
     assert "boom: bad state" in str(died.value)  # the log tail says why
     assert supervised.processes["trainer"].poll() is None  # the healthy one was left alone
 
 
-def test_an_injected_crash_is_restarted_without_counting_towards_a_crash_loop_and_a_kill_is_not_restarted(supervised):
+def test_an_injected_crash_is_restarted_without_counting_towards_a_crash_loop_and_a_kill_is_not_restarted(
+        supervised):
     supervised.kill("reward")
     first = supervised.processes["trainer"].pid
     supervised.crash("trainer")
     supervise_until(supervised, lambda: supervised.restarts.get("trainer", 0) == 1)
     assert supervised.processes["trainer"].pid != first and supervised.processes["trainer"].poll() is None
-    for _ in range(local_run.MAX_CRASHES + 2):  # crashes brought about on purpose never stop the run
+    for _ in range(restart_policy.MAX_CRASHES + 2):  # crashes brought about on purpose never stop the run
         supervised.crash("trainer")
         restarts = supervised.restarts["trainer"]
-        supervise_until(supervised, lambda: supervised.restarts["trainer"] == restarts + 1)
+        supervise_until(supervised, lambda restarts=restarts: supervised.restarts["trainer"] == restarts + 1)
     supervised.kill("trainer")
     for _ in range(10):
         supervised.check_alive()
         time.sleep(0.05)
-    assert supervised.processes == {} and supervised.restarts == {"trainer": local_run.MAX_CRASHES + 3}
+    assert supervised.processes == {} and supervised.restarts == {"trainer": restart_policy.MAX_CRASHES + 3}
     # every exit is on record as brought about on purpose: none is a crash a chaos audit would fail on
-    assert [e.process for e in supervised.exits] == ["reward"] + ["trainer"] * (local_run.MAX_CRASHES + 4)
+    assert [e.process for e in supervised.exits] == (["reward"]
+                                                     + ["trainer"] * (restart_policy.MAX_CRASHES + 4))
     assert all(e.injected for e in supervised.exits) and supervised.unexpected_exits() == []
 
 
