@@ -2,12 +2,12 @@
 its rewards and advantages (RewardAssigned), the order in which complete groups go into batches, and
 the batches themselves (Parquet, announced with BatchReady). main.py feeds it deliveries.
 
-record stores an event in its group and accounts for its rollout; complete_if_ready scores a group once
-all its rollouts, segments and grades are in, or are accounted for as dropped (a dead letter of one of the
-rollout's events, a failed grading, or expire_overdue: no grade within reward.grade_timeout_s); seal and
-release keep reward.batch_order "finished" (complete groups batched in the order their last rollout
-finished); flush_batches writes every full batch. Every step is idempotent, so a redelivery or a restart
-changes nothing (see main.py for the rules).
+record stores an event in its group and accounts for its rollout; complete_if_ready scores a group (as
+scoring.py decides) once all its rollouts, segments and grades are in, or are accounted for as dropped (a
+dead letter of one of the rollout's events, a failed grading, or expire_overdue: no grade within
+reward.grade_timeout_s); seal and release keep reward.batch_order "finished" (complete groups batched in
+the order their last rollout finished); flush_batches writes every full batch. Every step is idempotent,
+so a redelivery or a restart changes nothing (see main.py for the rules).
 
 What an arrival costs does not depend on its group's size. A group keeps its rollouts' finishes, grades and
 drops in one hash (its ledger) and its segments in another, read only to batch the group. Each rollout is
@@ -27,17 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
 from itertools import takewhile
 
 import redis
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Gauge, Histogram
 
-from rollstream.services.reward.rewards import (
-    advantages,
-    resolve_reward_function,
-    reward_for,
-)
+from rollstream.services.reward.scoring import GroupScore, GroupScoring, count_group
 from rollstream.shared.contract.batches import BatchRow, write_batch
 from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import (
@@ -71,19 +66,6 @@ _WIRE_FIELDS = {cls: (cls.TYPE.encode(), str(cls.VERSION).encode())
                 for cls in (TrajectorySegment, *LEDGER_EVENTS.values())}
 """The `type` and `v` fields, as redis-py reads them, of each event the book keeps only the body of."""
 
-GROUPS = Counter("rollstream_reward_groups_completed_total",
-                 "Prompt groups scored, by what became of them: batched, or filtered (no learning signal, or "
-                 "every rollout dropped).", ["outcome"])
-REWARDS = Histogram("rollstream_reward_value",
-                    "Rewards assigned to rollouts that count, by where each came from (sandbox, a rule's "
-                    "name, given, failed).", ["source"],
-                    buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2))
-ADVANTAGES = Histogram("rollstream_reward_advantage",
-                       "Advantages of the rollouts that count, over their group.",
-                       buckets=(-2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2))
-DROPPED = Counter("rollstream_reward_rollouts_dropped_total",
-                  "Rollouts left out of their group without a reward, by cause (grading_failed, "
-                  "dead_lettered, grade_timeout, filtered).", ["cause"])
 GRADE_WAIT_SECONDS = Histogram("rollstream_reward_group_grade_wait_seconds",
                                "From the last rollout of a group finishing to the group's scoring: the wait "
                                "for its sandbox grades.",
@@ -93,20 +75,6 @@ BATCH_MEAN = Gauge("rollstream_reward_batch_mean",
                    "reward histogram has no _sum to average).")
 BATCH_SAMPLES = Histogram("rollstream_reward_batch_samples", "Samples (segments) in each batch written.",
                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
-
-
-@dataclass(frozen=True)
-class GroupScore:
-    """What completing a group decided: the rollouts that count (sorted), with their rewards, advantages and
-    reward sources, and the rollouts left out, by id -> (cause, reason)."""
-
-    rollouts: list[str]
-    rewards: list[float]
-    advantages: list[float]
-    sources: list[str]
-    drops: dict[str, tuple[str, str]]
-    filtered: bool
-    """No rollout counts, or (reward.filter_zero_variance) all got the same reward: it is not batched."""
 
 
 class RewardBook:
@@ -123,11 +91,8 @@ class RewardBook:
         self.bus = bus
         self.storage = storage
         self.batch_size = batch_size
-        self.advantage_estimator = advantage_estimator
-        self.filter_zero_variance = filter_zero_variance
         self.batch_order = batch_order
-        self.reward_function = reward_function
-        self.score = resolve_reward_function(reward_function) if reward_function else None
+        self.scoring = GroupScoring(advantage_estimator, filter_zero_variance, reward_function)
         self.done_ttl_s = done_ttl_s
         self.group_size = group_size
         """Rollouts per group, for a group known only from dead letters (no TrajectoryFinished says it)."""
@@ -195,7 +160,7 @@ class RewardBook:
         segments = sum(pipe.execute())
         if segments < finished.segment_count:
             return f"{finished.segment_count - segments} of its {finished.segment_count} segments"
-        if finished.needs_grade and self.score is None and not judged:
+        if finished.needs_grade and self.scoring.uses_grades and not judged:
             return "its grade"
         return None
 
@@ -277,7 +242,7 @@ class RewardBook:
         if resolved < ended:
             return False
         state = self.load(group_id)
-        scored = self.score_group(state)
+        scored = self.scoring.score_group(state)
         all_finished_at = self.bus.redis.zscore(self.keys.awaiting_grades, group_id)
         self.commit_group(group_id, state["finished"], group_size, scored)
         if all_finished_at is not None:
@@ -285,41 +250,6 @@ class RewardBook:
         if self.batch_order == "finished":
             self.release()
         return True
-
-    def score_group(self, state: dict[str, dict]) -> GroupScore:
-        """Rewards and advantages of the rollouts that count, and why each of the others is left out."""
-        finished = state["finished"]
-        # A rollout whose grading failed was never judged: it gets no reward, stays out of the batch and
-        # the group's advantages, and its sample slot goes back to the dispatcher. So does one whose
-        # events were dead-lettered or whose grade never came.
-        drops = dict(state["dropped"])
-        for rollout, envelope in finished.items():
-            if rollout not in drops and self.score is None and envelope.payload.needs_grade \
-                    and rollout not in state["grade"]:
-                drops[rollout] = ("grading_failed", state["grading-failed"][rollout].payload.reason)
-        rollouts = sorted(set(finished) - set(drops))
-        rewarded = [self.reward_of(finished[rollout].payload, state["grade"].get(rollout))
-                    for rollout in rollouts]
-        rewards = [reward for reward, _ in rewarded]
-        group_advantages = advantages(rewards, self.advantage_estimator) if rewards else []
-        filtered = not rollouts or (self.filter_zero_variance and min(rewards) == max(rewards))
-        if filtered and rollouts:
-            no_signal = ("filtered", "every rollout of its group got the same reward: no learning signal")
-            drops.update((rollout, no_signal) for rollout in rollouts)
-        sources = [source for _, source in rewarded]
-        return GroupScore(rollouts, rewards, group_advantages, sources, drops, filtered)
-
-    def reward_of(self, event: TrajectoryFinished, grade: Envelope | None) -> tuple[float, str]:
-        """A rollout's reward and where it came from."""
-        if event.status == "failed":
-            return 0.0, "failed"
-        if self.score is not None:
-            return float(self.score(event.response_text, event.label)), self.reward_function
-        if event.needs_grade:
-            return grade.payload.score, "sandbox"
-        if event.reward is not None:
-            return event.reward, "given"
-        return reward_for(event.reward_fn, event.response_text, event.label), event.reward_fn
 
     def commit_group(self, group_id: str, finished: dict[str, Envelope], group_size: int,
                      score: GroupScore) -> None:
@@ -486,15 +416,6 @@ class RewardBook:
             BATCH_MEAN.set(event.mean_reward)
             announced.append(event)
         return announced
-
-
-def count_group(score: GroupScore) -> None:
-    GROUPS.labels("filtered" if score.filtered else "batched").inc()
-    for reward, advantage, source in zip(score.rewards, score.advantages, score.sources):
-        REWARDS.labels(source).observe(reward)
-        ADVANTAGES.observe(advantage)
-    for cause, _ in score.drops.values():
-        DROPPED.labels(cause).inc()
 
 
 def segment_field(rollout: str, attempt: str, index: int) -> str:
