@@ -106,10 +106,8 @@ class RewardBook:
         completion (None: the event is none of the book's, or its group is done)."""
         envelope, event = delivery.envelope, delivery.event
         group_id, rollout = envelope.group_id, envelope.rollout_id
-        if group_id is None or self.bus.redis.exists(self.keys.done(group_id)):
-            return None
-        kept = self.kept_as(envelope, event)
-        if kept is None:
+        kept = None if group_id is None else self.kept_as(envelope, event)
+        if kept is None or self.bus.redis.exists(self.keys.done(group_id)):
             return None
         key, field, body = kept
         pipe = self.bus.redis.pipeline(transaction=True)
@@ -178,7 +176,7 @@ class RewardBook:
         return out
 
     def missing(self, group_id: str, state: dict[str, dict]) -> dict[str, str]:
-        """Finished rollouts not dropped but still lack segments or a grade -> what they lack."""
+        """Each finished rollout, not dropped, that still lacks segments or a grade -> what it lacks."""
         out = {}
         for rollout, envelope in state["finished"].items():
             if rollout in state["dropped"]:
@@ -229,7 +227,8 @@ class RewardBook:
         pipe.scard(self.keys.resolved(group_id))
         pipe.hget(self.keys.group(group_id), GROUP_SIZE_FIELD)
         ended, resolved, size = pipe.execute()
-        group_size = int(size) if size is not None else self.group_size if ended else None
+        # as its TrajectoryFinished says; as configured for a group known only from dead letters
+        group_size = int(size) if size is not None else (self.group_size if ended else None)
         if not group_size or ended < group_size:
             return False
         # Every rollout has finished or was dropped: from now on only grades (or segments) can be missing,
