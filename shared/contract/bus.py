@@ -42,8 +42,8 @@ from rollstream.shared.contract.redis_clients import (
 )
 from rollstream.shared.contract.streams import STREAMS, StreamName
 from rollstream.shared.errors import EventDecodeError
-from rollstream.shared.runtime.config import BusSettings
 from rollstream.shared.runtime.metrics import EVENTS_HANDLED, HANDLER_SECONDS, watch_consumer_group
+from rollstream.shared.runtime.sections.bus import BusSettings
 
 if TYPE_CHECKING:
     from rollstream.shared.contract.consumers import ConsumerGroup

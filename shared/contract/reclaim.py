@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 import redis
 
-from rollstream.shared.runtime.config import BusSettings
+from rollstream.shared.runtime.sections.bus import BusSettings
 
 TAKE_OVER_PAGE = 1000
 """Entries one XAUTOCLAIM takes over when a lone consumer takes over every pending entry."""

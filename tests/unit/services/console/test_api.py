@@ -25,7 +25,7 @@ from rollstream.shared.contract.events import (
     make_envelope,
 )
 from rollstream.shared.runtime.config import Settings
-from rollstream.shared.runtime.console_settings import ConsoleSettings
+from rollstream.shared.runtime.sections.console import ConsoleSettings
 from tests.support import free_port
 from tests.unit.services.console.conftest import TOKEN
 from tests.unit.services.console.published_run import (

@@ -4,6 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from rollstream.shared.runtime.config import Settings, reference_markdown
+from rollstream.shared.runtime.sections import Section
 from tests.support import REPO
 
 
@@ -42,6 +43,17 @@ def test_unknown_keys_are_errors(tmp_path, monkeypatch):
 def test_missing_redis_is_a_clear_error():
     with pytest.raises(RuntimeError, match="set RS_REDIS_URL"):
         _ = Settings().redis
+
+
+def test_each_section_of_the_settings_is_the_module_of_its_name():
+    """sections/ holds one module per section of Settings, named as its field is: `bus.*` in
+    sections/bus.py."""
+    modules = {path.stem for path in (REPO / "shared" / "runtime" / "sections").glob("*.py")} - {"__init__"}
+    sections = {name: field.annotation for name, field in Settings.model_fields.items()
+                if isinstance(field.annotation, type) and issubclass(field.annotation, Section)}
+    assert modules == set(sections)
+    assert {name: cls.__module__ for name, cls in sections.items()} == {
+        name: f"rollstream.shared.runtime.sections.{name}" for name in sections}
 
 
 def test_reference_lists_every_field_with_its_doc():

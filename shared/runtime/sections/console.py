@@ -1,5 +1,5 @@
-"""The console's settings (`console.*`, RS_CONSOLE__*): a section of the run's settings (config.py), in a
-module of its own because config.py is as long as a module may be.
+"""The console's settings (`console.*`, RS_CONSOLE__*): where its page and JSON API listen, and the health
+APIs of the services it shows.
 
     python -m pytest tests/unit/shared/runtime/test_config.py tests/unit/services/console -q
 """
@@ -20,7 +20,8 @@ class ConsoleSettings(Section):
     health_urls: dict[str, str] = {}
     """Service name -> the base URL of its health API, e.g. {"dispatcher": "http://dispatcher:8080"}: the
     console shows each one's /healthz, asked at every address the host name has (a compose service's
-    replicas). Without them the console shows what Redis knows: consumer groups, their consumers, idle times."""
+    replicas). Without them the console shows what Redis knows: consumer groups, their consumers, idle
+    times."""
 
     @field_validator("health_urls")
     @classmethod
@@ -29,6 +30,7 @@ class ConsoleSettings(Section):
             parts = urlsplit(url)
             if not name or parts.scheme not in ("http", "https") or not parts.hostname \
                     or parts.path not in ("", "/") or parts.query or parts.username:
-                raise ValueError(f"console.health_urls[{name!r}] = {url!r}: give a service's name and the base "
-                                 "URL of its health API, http://host:port, without a path or credentials")
+                raise ValueError(f"console.health_urls[{name!r}] = {url!r}: give a service's name and the "
+                                 "base URL of its health API, http://host:port, without a path or "
+                                 "credentials")
         return urls

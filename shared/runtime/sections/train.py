@@ -1,0 +1,70 @@
+"""The trainer's settings (`train.*`, RS_TRAIN__*): batches and staleness, the loss and its optimizer, the
+backend and its ranks, where metrics go, and the weight sync's parity check.
+
+    python -m pytest tests/unit/shared/runtime/test_config.py -q
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rollstream.shared.runtime.sections import Section
+
+
+class TrainSettings(Section):
+    batch_size: int = Field(32, ge=1)
+    """Samples per train batch (B); a multiple of data.samples_per_prompt."""
+    max_staleness: int = Field(1, ge=0)
+    """eta: samples may be this many policy versions old; 0 is synchronous on-policy training."""
+    total_versions: int = Field(30, ge=1)
+    """Policy versions (train steps) in the run; the dispatcher admits batch_size x this samples."""
+    learning_rate: float = Field(3e-4, ge=0)
+    """Adam learning rate; 0 leaves the weights as they are (a control run: same pipeline, no learning)."""
+    clip_eps: float = Field(0.2, gt=0)
+    """PPO clip range."""
+    loss_aggregation: Literal["token", "rollout"] = "token"
+    """token: every sampled token weighs the same; rollout: every rollout (all its segments) weighs the
+    same."""
+    decoupled: bool = True
+    """Decoupled PPO (AReaL): clip against the trainer's policy before the step (proximal), correct for the
+    rollout policy with an importance weight; off: clip against the rollout logprobs (plain PPO)."""
+    importance_weight_cap: float | None = Field(5.0, gt=0)
+    """Truncation of the proximal/behaviour importance weight; None: no cap."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per batch: the batch's rollouts are split into this many minibatches."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Token budget of one packed micro-batch; gradients accumulate over a minibatch's micro-batches."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference (starting) model; 0: no reference model is loaded."""
+    advantage_estimator: Literal["grpo", "dr_grpo"] = "grpo"
+    """grpo: (r - mean) / std over a group's rollouts; dr_grpo: r - mean (no std scaling)."""
+    filter_zero_variance: bool = False
+    """Leave out groups whose rollouts all got the same reward (no signal); their samples are re-admitted."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient norm clip."""
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Trainer backend: plain torch (CPU or one GPU) or DeepSpeed ZeRO."""
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage when backend is deepspeed."""
+    ranks: int = Field(1, ge=1)
+    """Data-parallel trainer processes on this node (one per GPU): rollstream-trainer starts them under
+    torchrun, which starts them all again when one fails. Several need backend deepspeed. Under a launcher of
+    your own (torchrun or deepspeed over several nodes) its WORLD_SIZE counts instead."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
+    """Where training metrics go; TensorBoard logs to <storage>/<run>/tensorboard. wandb and mlflow need their
+    package installed and are configured by their own environment variables (WANDB_*, MLFLOW_*)."""
+    parity_tolerance: float = Field(1e-3, gt=0)
+    """Max |vLLM - trainer| prompt logprob on the probe after a weight sync."""
+    sync_concurrency: int = Field(16, ge=1)
+    """Servers a weight sync reloads and probes at once (each paused only while it loads); 1: one by one."""
+    seed: int = 0
+    """Seed of the trainer."""
+
+    @model_validator(mode="after")
+    def _several_ranks_need_deepspeed(self) -> TrainSettings:
+        if self.ranks > 1 and self.backend != "deepspeed":
+            raise ValueError(f"train.ranks={self.ranks} needs train.backend='deepspeed': the torch backend "
+                             "trains on one process")
+        return self
