@@ -171,11 +171,6 @@ class Settings(BaseSettings):
                 servers.update(dict.fromkeys(group.urls, group.max_model_len))
         return servers
 
-    def longest_policy_context(self) -> int:
-        """The longest context a policy server holds (model.max_model_len, or a policy group's)."""
-        return max([self.model.max_model_len,
-                    *(group.max_model_len for group in self.fleet.groups.values() if group.policy)])
-
     @property
     def url_host(self) -> str:
         """The host of a URL by which a process on this machine reaches what listens on listen_host: loopback

@@ -20,8 +20,9 @@ class ModelSettings(Section):
     served_name: str = "tiny"
     """Model name the vLLM servers serve it under."""
     max_model_len: int = Field(1024, ge=16)
-    """The served context length, as vLLM's --max-model-len (the local run starts vLLM with it); the gateway
-    asks for no more tokens than the prompt leaves of it."""
+    """The served context length, as vLLM's --max-model-len (the local run starts vLLM with it). A server
+    reports its own on /v1/models, and that is what a turn is held to: a longer one is used, a shorter one
+    is an error at start."""
     vllm_args: list[str] = []
     """Further command-line arguments of every vLLM server rollstream starts (the local run, `rollstream
     serve-policy`, Compose's CPU server), as vLLM spells them: ["--max-num-seqs", "64"]. A compilation

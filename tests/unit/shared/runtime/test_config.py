@@ -173,7 +173,6 @@ def test_a_policy_group_adds_policy_servers_with_their_own_context():
         "long": {"policy": True, "urls": ["http://long:8000"], "max_model_len": 32768},
         "judge": {"urls": ["http://judge:8000"], "max_model_len": 65536}}}, model={"max_model_len": 4096})
     assert settings.policy_servers() == {"http://a:8000": 4096, "http://long:8000": 32768}  # not the judge's
-    assert settings.longest_policy_context() == 32768
     with pytest.raises(ValidationError, match="a policy group serves the run's model"):
         Settings(fleet={"groups": {"long": {"policy": True, "path": "other-model"}}})
 
