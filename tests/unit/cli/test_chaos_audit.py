@@ -62,7 +62,8 @@ def bus(machine_redis_url):
 
 
 def ids(rollout: str) -> dict[str, str]:
-    return {"rollout_id": rollout, "trajectory_id": rollout, "session_id": rollout, "group_id": f"g-{rollout}"}
+    return {"rollout_id": rollout, "trajectory_id": rollout, "session_id": rollout,
+            "group_id": f"g-{rollout}"}
 
 
 def admit(bus: Bus, rollout: str, segments: int = 1) -> None:
@@ -78,8 +79,9 @@ def admit(bus: Bus, rollout: str, segments: int = 1) -> None:
 def row(rollout: str, segment: int = 0, tokens: tuple[int, ...] = (1, 2, 3)) -> BatchRow:
     return BatchRow(sample_index=0, trajectory_id=rollout, rollout_id=rollout, group_id=f"g-{rollout}",
                     session_id=rollout, segment_index=segment, tokens=list(tokens), response_length=1,
-                    loss_mask=[0] * (len(tokens) - 1) + [1], rollout_logprobs=[0.0] * (len(tokens) - 1) + [-0.5],
-                    turn_policy_versions=[0], status="completed", reward=1.0, advantage=0.5)
+                    loss_mask=[0] * (len(tokens) - 1) + [1],
+                    rollout_logprobs=[0.0] * (len(tokens) - 1) + [-0.5], turn_policy_versions=[0],
+                    status="completed", reward=1.0, advantage=0.5)
 
 
 def train(bus: Bus, storage_uri: str, version: int, rows: list[BatchRow], trained: int,
@@ -87,11 +89,12 @@ def train(bus: Bus, storage_uri: str, version: int, rows: list[BatchRow], traine
     """A batch of `rows`, and the trainer's PolicyUpdated for it saying `trained` rows were trained."""
     batch_id = f"b{version}"
     uri = write_batch(Storage(storage_uri), bus.keys.run_id, batch_id, rows)
-    bus.publish("batches", BatchReady(batch_id=batch_id, uri=uri, sample_count=len(rows), min_policy_version=0,
-                                      group_ids=sorted({r.group_id for r in rows}), mean_reward=1.0))
-    bus.publish("policy", PolicyUpdated(version=version, checkpoint_uri=f"/ckpt/v{version}", batch_id=batch_id,
-                                        servers=[], parity_max_abs_diff=0.0, loss=0.0, trained_samples=trained,
-                                        dropped=dropped or {}))
+    bus.publish("batches", BatchReady(batch_id=batch_id, uri=uri, sample_count=len(rows),
+                                      min_policy_version=0, group_ids=sorted({r.group_id for r in rows}),
+                                      mean_reward=1.0))
+    bus.publish("policy", PolicyUpdated(version=version, checkpoint_uri=f"/ckpt/v{version}",
+                                        batch_id=batch_id, servers=[], parity_max_abs_diff=0.0, loss=0.0,
+                                        trained_samples=trained, dropped=dropped or {}))
 
 
 def audit(bus: Bus, storage_uri: str, leave_out: set[tuple[str, str]] = frozenset()):
@@ -101,7 +104,8 @@ def audit(bus: Bus, storage_uri: str, leave_out: set[tuple[str, str]] = frozense
     return audit_run(bus, storage_uri, MAX_STALENESS, limits=LIMITS, leave_out=leave_out)
 
 
-def test_a_segment_in_two_rows_of_one_batch_or_of_two_batches_is_a_duplicate_and_fan_out_is_not(bus, tmp_path):
+def test_a_segment_in_two_rows_of_one_batch_or_of_two_batches_is_a_duplicate_and_fan_out_is_not(bus,
+                                                                                                 tmp_path):
     runs = str(tmp_path)
     for rollout, segments in (("fanned", 2), ("twice-in-one", 1), ("twice-in-two", 1)):
         admit(bus, rollout, segments)
@@ -138,7 +142,8 @@ def test_rows_the_trainer_left_out_as_invalid_are_counted_apart_and_never_as_tra
 def test_a_trainer_that_counts_an_invalid_row_as_trained_fails_the_audit(bus, tmp_path):
     admit(bus, "good")
     admit(bus, "too-long")
-    rows = [row("good"), row("too-long", tokens=tuple(range(1, 31)) * 3)]  # 90 tokens, the model has 64 positions
+    # 90 tokens, the model has 64 positions
+    rows = [row("good"), row("too-long", tokens=tuple(range(1, 31)) * 3)]
     train(bus, str(tmp_path), 1, rows, trained=2)
 
     report = audit(bus, str(tmp_path))
@@ -156,8 +161,9 @@ def test_entries_written_into_the_run_from_outside_are_left_out_of_what_became_o
     prompt = PromptIssued(sample_index=0, group_size=1, policy_version=0, label="2",
                           messages=[{"role": "user", "content": "1+1"}])
     forged = {("prompts", bus.publish("prompts", prompt, **ids("forged"))),
-              ("policy", bus.publish("policy", PolicyUpdated(version=10**6, checkpoint_uri="/ckpt/forged", batch_id="b?",
-                                                             servers=[], parity_max_abs_diff=0.0, loss=0.0,
+              ("policy", bus.publish("policy", PolicyUpdated(version=10**6, checkpoint_uri="/ckpt/forged",
+                                                             batch_id="b?", servers=[],
+                                                             parity_max_abs_diff=0.0, loss=0.0,
                                                              trained_samples=1)))}
 
     report = audit(bus, runs, leave_out=forged)
@@ -181,11 +187,12 @@ def test_a_poisoned_runs_samples_are_checked_by_the_runs_audit_and_none_may_be_d
 
     admit(bus, "dropped")
     bus.publish("rewards", RolloutDropped(reason="no grade", cause="grade_timeout"), **ids("dropped"))
-    bus.publish("batches", BatchReady(batch_id="b-untrained", uri=f"{runs}/b-untrained.parquet", sample_count=1,
-                                      min_policy_version=0, group_ids=["g"], mean_reward=1.0))
+    bus.publish("batches", BatchReady(batch_id="b-untrained", uri=f"{runs}/b-untrained.parquet",
+                                      sample_count=1, min_policy_version=0, group_ids=["g"], mean_reward=1.0))
     report = audit_run(bus, runs, MAX_STALENESS, limits=LIMITS)
     assert admitted_check(report)[1:] == (
-        False, "2/3 in one batch, 0 lost, 1 dropped by the reward service (grade_timeout 1), 0 in several rows")
+        False, "2/3 in one batch, 0 lost, 1 dropped by the reward service (grade_timeout 1), "
+               "0 in several rows")
     assert batches_check(report)[1:] == (False, "2/3 trained")
 
 
@@ -197,13 +204,14 @@ def chaos_settings(**overrides) -> Settings:
 def test_the_drop_bound_follows_the_faults_injected():
     settings = chaos_settings()
     replicas = {"agent-runner": 2, "sandbox-grader": 1}
-    assert drop_bound([], settings, replicas) == {"grading_failed + grade_timeout": 0, "stale": 0, "dead_lettered": 0,
-                                                  "batch_dead_lettered": 0, "filtered": 0}
-    faults = [("horse", "sandbox work-horse"), ("crash", "sandbox-grader"), ("redis", "redis"), ("crash", "reward"),
-              ("crash", "dispatcher"), ("pause", "agent-runner")]
+    assert drop_bound([], settings, replicas) == {"grading_failed + grade_timeout": 0, "stale": 0,
+                                                  "dead_lettered": 0, "batch_dead_lettered": 0, "filtered": 0}
+    faults = [("horse", "sandbox work-horse"), ("crash", "sandbox-grader"), ("redis", "redis"),
+              ("crash", "reward"), ("crash", "dispatcher"), ("pause", "agent-runner")]
     bound = drop_bound(faults, settings, replicas)
     assert bound["grading_failed + grade_timeout"] == 3
-    assert bound["stale"] == 8 * 4 + 2 * 8 * 4  # the paused replica's rollouts, and every replica's during Redis's
+    # the paused replica's rollouts, and every replica's during Redis's
+    assert bound["stale"] == 8 * 4 + 2 * 8 * 4
     assert bound["dead_lettered"] == 0  # no consumer suffered max_deliveries (5) faults
     assert drop_bound([], chaos_settings(filter_zero_variance=True), replicas)["filtered"] is None
 
@@ -225,7 +233,8 @@ def test_the_planned_faults_can_be_kept_to_some_services():
     replicas = ["agent-runner-1", "agent-runner-2", "gateway-1", "gateway-2"]
     assert sorted(plan_faults(plan, processes)) == sorted([("crash", name) for name in replicas] * 2)
     everything = plan_faults(ChaosPlan(seed=3, redis_restarts=0, vllm_restarts=0, pauses=0), processes)
-    assert sorted(everything) == sorted([*(("crash", name) for name in processes), ("horse", "sandbox work-horse")])
+    assert sorted(everything) == sorted([*(("crash", name) for name in processes),
+                                         ("horse", "sandbox work-horse")])
 
 
 def blackbox_settings(tmp_path) -> Settings:
@@ -240,8 +249,8 @@ def test_open_gateway_sessions_must_end_by_their_deadline_plus_the_grace(bus, re
                                  finish_grace_s=settings.gateway.finish_grace_s) as store:
             async def create(session_id: str, budget_s: float | None = 60.0):
                 rollout = f"r-{session_id}"
-                spec = SessionSpec(rollout_id=rollout, group_id="g", trajectory_id=rollout, session_id=session_id,
-                                   time_budget_s=budget_s)
+                spec = SessionSpec(rollout_id=rollout, group_id="g", trajectory_id=rollout,
+                                   session_id=session_id, time_budget_s=budget_s)
                 return (await store.create(spec))[0]
 
             await create("ending")
@@ -293,22 +302,26 @@ def test_drops_beyond_what_the_faults_explain_fail_the_audit(bus, tmp_path):
     assert report.drop_reasons == {"grade_timeout": ["r1: no grade", "r2: no grade", "r3: no grade"]}
 
     report.check_drops(drop_bound([("horse", "sandbox work-horse")], chaos_settings(), {}))
-    assert report.problems() == ["more drops than the faults explain: grading_failed + grade_timeout: 3 dropped, "
-                                 "the faults explain at most 1 (r1: no grade; r2: no grade; r3: no grade)"]
+    assert report.problems() == ["more drops than the faults explain: grading_failed + grade_timeout: "
+                                 "3 dropped, the faults explain at most 1 (r1: no grade; r2: no grade; "
+                                 "r3: no grade)"]
     report.check_drops(drop_bound([("horse", "sandbox work-horse")] * 3, chaos_settings(), {}))
     assert report.problems() == []
 
 
 @pytest.fixture
 def supervised(tmp_path, monkeypatch):
-    """A local run's supervisor over two real processes: a reward that crashes with a message, a trainer that sleeps."""
-    commands = {"reward": [sys.executable, "-c", "print('boom: poison entry', flush=True); raise SystemExit(3)"],
+    """A local run's supervisor over two real processes: a reward that crashes with a message, a trainer
+    that sleeps."""
+    commands = {"reward": [sys.executable, "-c",
+                           "print('boom: poison entry', flush=True); raise SystemExit(3)"],
                 "trainer": [sys.executable, "-c", "import time; time.sleep(60)"]}
     with supervised_run(tmp_path, monkeypatch, commands, "audit") as run:
         yield run
 
 
-def test_an_exit_the_harness_did_not_bring_about_fails_both_audits_with_the_log_tail(supervised, bus, tmp_path):
+def test_an_exit_the_harness_did_not_bring_about_fails_both_audits_with_the_log_tail(supervised, bus,
+                                                                                    tmp_path):
     supervised.crash("trainer")  # fault injection: on record, but no failure
     supervised.processes["reward"].wait()
     supervised.check_alive()  # the end's check: sees the reward's exit, whenever it came
@@ -317,7 +330,8 @@ def test_an_exit_the_harness_did_not_bring_about_fails_both_audits_with_the_log_
     report = audit(bus, str(tmp_path))
     report.unexpected_exits = supervised.unexpected_exits()
     (problem,) = report.problems()
-    assert problem.startswith("a process exited that the harness did not stop: reward exited on its own with code 3")
+    assert problem.startswith("a process exited that the harness did not stop: "
+                              "reward exited on its own with code 3")
     assert "boom: poison entry" in problem
 
     poisoned = poison_audit(bus, str(tmp_path), [], seed=0, rate=1.0, target_version=0, health={},

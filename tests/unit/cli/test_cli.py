@@ -28,7 +28,8 @@ def test_run_with_a_bad_dataset_fails_before_starting_anything(tmp_path, monkeyp
     monkeypatch.setenv("RS_DATA__PATH", str(data))
     monkeypatch.setenv("RS_MODEL__PATH", str(model))
     monkeypatch.setenv("RS_STORAGE_URI", str(tmp_path / "runs"))
-    monkeypatch.setattr(cli_main.console, "width", 400)  # the path on one line, however deep the temporary folder
+    # the path on one line, however deep the temporary folder
+    monkeypatch.setattr(cli_main.console, "width", 400)
     result = runner.invoke(app, ["run", "--run-id", "bad-data"])
     assert result.exit_code == 1
     assert "prompts.jsonl row 1: missing 'prompt'" in " ".join(result.output.split())

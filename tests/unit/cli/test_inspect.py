@@ -82,53 +82,65 @@ def build_run(bus: Bus, storage: str, tokenizer, r1_reward: float = 0.0, r1_adva
         return {"rollout_id": rollout, "group_id": group, "trajectory_id": rollout, "session_id": rollout}
 
     for i, rollout in enumerate((r0, r1)):
-        bus.publish("prompts", PromptIssued(sample_index=i, group_size=2, messages=[{"role": "user", "content": QUESTION}],
-                                            label="42", tools=["calculator"], policy_version=0),
+        bus.publish("prompts", PromptIssued(sample_index=i, group_size=2,
+                                            messages=[{"role": "user", "content": QUESTION}], label="42",
+                                            tools=["calculator"], policy_version=0),
                     event_id=f"{rollout}:prompt", **ids(rollout))
 
     prompt_ids = encode(tokenizer, f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
     call_ids = encode(tokenizer, TOOL_CALL)
-    observation_ids = encode(tokenizer, "<|im_end|>\n<|im_start|>tool\n<tool_response>42</tool_response><|im_end|>\n"
-                                        "<|im_start|>assistant\n")
+    observation_ids = encode(tokenizer,
+                             "<|im_end|>\n<|im_start|>tool\n<tool_response>42</tool_response><|im_end|>\n"
+                             "<|im_start|>assistant\n")
     answer_ids = encode(tokenizer, ANSWER)
     assert len(answer_ids) == len(ANSWER_LOGPROBS)
     attempt = uuid.uuid4().hex[:12]
-    publish = lambda event, suffix: bus.publish("trajectories", event, event_id=f"{r0}:{attempt}:{suffix}", **ids(r0))  # noqa: E731
+
+    def publish(event, suffix):
+        return bus.publish("trajectories", event, event_id=f"{r0}:{attempt}:{suffix}", **ids(r0))
+
     publish(TrajectoryStarted(sample_index=0, server_url=SERVER), "started")
     publish(TrajectoryTurn(turn=0, offset=len(prompt_ids), appended_ids=prompt_ids, response_ids=call_ids,
                            logprobs=[-0.05] * len(call_ids), policy_version=0, policy_version_end=0,
                            finish_reason="stop", server_url=SERVER), "turn:0:0")
     offset = len(prompt_ids) + len(call_ids) + len(observation_ids)
     publish(TrajectoryTurn(turn=1, offset=offset, appended_ids=observation_ids, response_ids=answer_ids,
-                           logprobs=ANSWER_LOGPROBS, policy_version=0, policy_version_end=1, finish_reason="stop",
-                           server_url=SERVER), "turn:0:1")
-    publish(TrajectoryTool(turn=0, call_id="call-0", name="calculator", arguments={"expression": "40+2"}, ok=True,
-                           content="42"), "tool:0:call-0")
+                           logprobs=ANSWER_LOGPROBS, policy_version=0, policy_version_end=1,
+                           finish_reason="stop", server_url=SERVER), "turn:0:1")
+    publish(TrajectoryTool(turn=0, call_id="call-0", name="calculator",
+                           arguments={"expression": "40+2"}, ok=True, content="42"), "tool:0:call-0")
     tokens0 = prompt_ids + call_ids + observation_ids + answer_ids
     mask0 = [0] * len(prompt_ids) + [1] * len(call_ids) + [0] * len(observation_ids) + [1] * len(answer_ids)
-    logprobs0 = [0.0] * len(prompt_ids) + [-0.05] * len(call_ids) + [0.0] * len(observation_ids) + ANSWER_LOGPROBS
-    publish(TrajectorySegment(segment_index=0, attempt=attempt, tokens=tokens0, response_length=len(tokens0) - len(prompt_ids),
-                              loss_mask=mask0, rollout_logprobs=logprobs0, turn_policy_versions=[0, 0],
-                              status="completed", response_text=ANSWER, sample_index=0, group_size=2), "segment:0")
-    publish(TrajectoryFinished(status="completed", attempt=attempt, segment_count=1, group_size=2, sample_index=0,
-                               response_text=ANSWER, label="42"), "finished")
+    logprobs0 = ([0.0] * len(prompt_ids) + [-0.05] * len(call_ids) + [0.0] * len(observation_ids)
+                 + ANSWER_LOGPROBS)
+    publish(TrajectorySegment(segment_index=0, attempt=attempt, tokens=tokens0,
+                              response_length=len(tokens0) - len(prompt_ids), loss_mask=mask0,
+                              rollout_logprobs=logprobs0, turn_policy_versions=[0, 0], status="completed",
+                              response_text=ANSWER, sample_index=0, group_size=2), "segment:0")
+    publish(TrajectoryFinished(status="completed", attempt=attempt, segment_count=1, group_size=2,
+                               sample_index=0, response_text=ANSWER, label="42"), "finished")
 
     attempt1 = uuid.uuid4().hex[:12]
     wrong = encode(tokenizer, "41")
-    publish1 = lambda event, suffix: bus.publish("trajectories", event, event_id=f"{r1}:{attempt1}:{suffix}", **ids(r1))  # noqa: E731
+
+    def publish1(event, suffix):
+        return bus.publish("trajectories", event, event_id=f"{r1}:{attempt1}:{suffix}", **ids(r1))
+
     publish1(TrajectoryStarted(sample_index=1, server_url=SERVER), "started")
     publish1(TrajectoryTurn(turn=0, offset=len(prompt_ids), appended_ids=prompt_ids, response_ids=wrong,
-                            logprobs=[-2.5] * len(wrong), policy_version=1, policy_version_end=1, finish_reason="stop",
-                            server_url=SERVER), "turn:0:0")
+                            logprobs=[-2.5] * len(wrong), policy_version=1, policy_version_end=1,
+                            finish_reason="stop", server_url=SERVER), "turn:0:0")
     tokens1 = prompt_ids + wrong
     publish1(TrajectorySegment(segment_index=0, attempt=attempt1, tokens=tokens1, response_length=len(wrong),
                                loss_mask=[0] * len(prompt_ids) + [1] * len(wrong),
-                               rollout_logprobs=[0.0] * len(prompt_ids) + [-2.5] * len(wrong), turn_policy_versions=[1],
-                               status="completed", response_text="41", sample_index=1, group_size=2), "segment:0")
-    publish1(TrajectoryFinished(status="completed", attempt=attempt1, segment_count=1, group_size=2, sample_index=1,
-                                response_text="41", label="42"), "finished")
+                               rollout_logprobs=[0.0] * len(prompt_ids) + [-2.5] * len(wrong),
+                               turn_policy_versions=[1], status="completed", response_text="41",
+                               sample_index=1, group_size=2), "segment:0")
+    publish1(TrajectoryFinished(status="completed", attempt=attempt1, segment_count=1, group_size=2,
+                                sample_index=1, response_text="41", label="42"), "finished")
 
-    bus.publish("grades", GradeReported(score=1.0, passed=True, reason="exit status 0", duration_s=grade_duration_s),
+    bus.publish("grades",
+                GradeReported(score=1.0, passed=True, reason="exit status 0", duration_s=grade_duration_s),
                 event_id=f"{r0}:grade", **ids(r0))
     rewards = {r0: (1.0, 0.7071), r1: (r1_reward, r1_advantage)}
     for rollout, (reward, advantage) in rewards.items():
@@ -137,19 +149,23 @@ def build_run(bus: Bus, storage: str, tokenizer, r1_reward: float = 0.0, r1_adva
 
     batch_id = "b-" + hashlib.sha1(group.encode()).hexdigest()[:16]
     row_advantage = {r0: 0.7071, r1: r1_advantage if r1_row_advantage is None else r1_row_advantage}
-    rows = [BatchRow(sample_index=i, trajectory_id=rollout, rollout_id=rollout, group_id=group, session_id=rollout,
-                     segment_index=0, tokens=tokens, response_length=len(tokens) - len(prompt_ids), loss_mask=mask,
-                     rollout_logprobs=logprobs, turn_policy_versions=versions, status="completed",
-                     reward=rewards[rollout][0], advantage=row_advantage[rollout])
+    rows = [BatchRow(sample_index=i, trajectory_id=rollout, rollout_id=rollout, group_id=group,
+                     session_id=rollout, segment_index=0, tokens=tokens,
+                     response_length=len(tokens) - len(prompt_ids), loss_mask=mask, rollout_logprobs=logprobs,
+                     turn_policy_versions=versions, status="completed", reward=rewards[rollout][0],
+                     advantage=row_advantage[rollout])
             for i, (rollout, tokens, mask, logprobs, versions) in enumerate((
                 (r0, tokens0, mask0, logprobs0, [0, 0]),
-                (r1, tokens1, [0] * len(prompt_ids) + [1] * len(wrong), [0.0] * len(prompt_ids) + [-2.5] * len(wrong), [1])))]
+                (r1, tokens1, [0] * len(prompt_ids) + [1] * len(wrong),
+                 [0.0] * len(prompt_ids) + [-2.5] * len(wrong), [1])))]
     uri = write_batch(Storage(storage), run, batch_id, rows)
-    bus.publish("batches", BatchReady(batch_id=batch_id, uri=uri, sample_count=2, group_ids=[group], min_policy_version=0,
-                                      mean_reward=(1.0 + r1_reward) / 2), event_id=f"{batch_id}:ready")
-    bus.publish("policy", PolicyUpdated(version=1, checkpoint_uri=f"{Storage(storage).root}/{run}/checkpoints/v1",
-                                        batch_id=batch_id, servers=[SERVER], parity_max_abs_diff=0.0, loss=0.125,
-                                        trained_samples=2), event_id="policy:v1")
+    bus.publish("batches", BatchReady(batch_id=batch_id, uri=uri, sample_count=2, group_ids=[group],
+                                      min_policy_version=0, mean_reward=(1.0 + r1_reward) / 2),
+                event_id=f"{batch_id}:ready")
+    bus.publish("policy", PolicyUpdated(version=1,
+                                        checkpoint_uri=f"{Storage(storage).root}/{run}/checkpoints/v1",
+                                        batch_id=batch_id, servers=[SERVER], parity_max_abs_diff=0.0,
+                                        loss=0.125, trained_samples=2), event_id="policy:v1")
     return Built(run, [r0, r1], group, batch_id, attempt)
 
 
@@ -200,7 +216,8 @@ def base_args(bus: Bus, storage) -> list[str]:
 def test_runs_lists_a_live_run_then_the_same_run_from_its_archive_only(bus, tmp_path, tokenizer):
     built = build_run(bus, str(tmp_path), tokenizer)
     assert set_up_groups_and_trim(bus, str(tmp_path)) == 9
-    expected = ["2", "10", "1", "2", "1", "1", "0", "v1"]  # prompts .. dead: entries ever added; latest policy
+    # prompts .. dead: entries ever added; latest policy
+    expected = ["2", "10", "1", "2", "1", "1", "0", "v1"]
 
     summaries = [s for s in collect_runs(bus.redis, str(tmp_path)) if s.run == built.run]
     assert len(summaries) == 1 and summaries[0].where == "both"
@@ -226,11 +243,13 @@ def test_streams_shows_lengths_archive_position_and_each_groups_lag_and_pending(
 
     states = {s.stream: s for s in collect_streams(open_run(bus.redis, str(tmp_path), bus.keys.run_id))}
     groups = {g.name: g for g in states["prompts"].groups}
-    assert (groups["agent-runner"].lag, groups["agent-runner"].pending, groups["agent-runner"].consumers) == (1, 1, 1)
+    assert (groups["agent-runner"].lag, groups["agent-runner"].pending,
+            groups["agent-runner"].consumers) == (1, 1, 1)
     assert (groups["late"].lag, groups["late"].pending, groups["late"].consumers) == (1, 0, 0)
     (reward,) = states["trajectories"].groups
     assert (reward.name, reward.lag, reward.pending) == ("reward", 0, 0)
-    assert (states["trajectories"].length, states["trajectories"].added, states["trajectories"].archived_entries) == (1, 10, 10)
+    assert (states["trajectories"].length, states["trajectories"].added,
+            states["trajectories"].archived_entries) == (1, 10, 10)
     assert states["trajectories"].archived_to == trajectory_ids[-1] == states["trajectories"].first_id
     assert not states["dead"].live
 
@@ -241,8 +260,9 @@ def test_streams_shows_lengths_archive_position_and_each_groups_lag_and_pending(
                                           "agent-runner", "1", "1", "1"]
     late = row_cells(text, "")  # the second group of prompts, beneath it
     assert late[7:9] == ["late", "0"] and late[9] in ("1", "1*") and late[10] == "0"
-    assert row_cells(text, "trajectories") == ["trajectories", "1", "10", trajectory_ids[0], trajectory_ids[0],
-                                               trajectory_ids[0], "10", "reward", "1", "0", "0"]
+    assert row_cells(text, "trajectories") == ["trajectories", "1", "10", trajectory_ids[0],
+                                               trajectory_ids[0], trajectory_ids[0], "10", "reward",
+                                               "1", "0", "0"]
     assert row_cells(text, "dead")[1] == "not live"
 
 
@@ -256,7 +276,8 @@ def test_streams_of_an_unknown_run_fails_clearly(bus, tmp_path):
 def test_trajectory_renders_a_trimmed_rollout_turn_by_turn(bus, tmp_path, tokenizer):
     built = build_run(bus, str(tmp_path), tokenizer)
     set_up_groups_and_trim(bus, str(tmp_path))
-    assert bus.redis.xlen(bus.keys.stream("trajectories")) == 1  # the rollout's turns are only in the archive now
+    # the rollout's turns are only in the archive now
+    assert bus.redis.xlen(bus.keys.stream("trajectories")) == 1
 
     decoder, _ = load_decoder(MODEL)
     view = load_rollout(open_run(bus.redis, str(tmp_path), built.run), built.rollouts[0])
@@ -295,8 +316,8 @@ def test_trajectory_renders_a_trimmed_rollout_turn_by_turn(bus, tmp_path, tokeni
 def test_trajectory_json_has_per_token_ids_text_logprobs_mask_and_versions(bus, tmp_path, tokenizer):
     built = build_run(bus, str(tmp_path), tokenizer)
     set_up_groups_and_trim(bus, str(tmp_path))
-    result = runner.invoke(inspect_app, ["trajectory", built.run, built.rollouts[0], "--json", "--model", str(MODEL),
-                                         *base_args(bus, tmp_path)])
+    result = runner.invoke(inspect_app, ["trajectory", built.run, built.rollouts[0], "--json",
+                                         "--model", str(MODEL), *base_args(bus, tmp_path)])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     (attempt,) = doc["attempts"]
@@ -309,20 +330,25 @@ def test_trajectory_json_has_per_token_ids_text_logprobs_mask_and_versions(bus, 
     assert [t["logprob"] for t in response] == ANSWER_LOGPROBS
     assert {(t["policy_version"], t["policy_version_end"]) for t in response} == {(0, 1)}
     assert second["synced_mid_turn"] and not first["synced_mid_turn"]
-    assert context and all(t["logprob"] is None for t in context) and second["tokens"][:len(context)] == context
+    assert (context and all(t["logprob"] is None for t in context)
+            and second["tokens"][:len(context)] == context)
     assert "<tool_response>42</tool_response>" in second["context_text"]
     assert first["tools"] == [{"call_id": "call-0", "name": "calculator", "arguments": {"expression": "40+2"},
                                "ok": True, "error_kind": None, "content": "42"}]
-    assert doc["prompt"]["messages"] == [{"role": "user", "content": QUESTION}] and doc["prompt"]["group_size"] == 2
+    assert doc["prompt"]["messages"] == [{"role": "user", "content": QUESTION}]
+    assert doc["prompt"]["group_size"] == 2
     assert attempt["finished"]["response_text"] == ANSWER and attempt["finished"]["segment_count"] == 1
     assert [(g["score"], g["passed"]) for g in doc["grades"]] == [(1.0, True)]
-    assert [(r["reward"], r["advantage"], r["source"]) for r in doc["rewards"]] == [(1.0, 0.7071, "exact_match")]
+    assert [(r["reward"], r["advantage"], r["source"]) for r in doc["rewards"]] == [
+        (1.0, 0.7071, "exact_match")]
     (batch,) = doc["batches"]
-    assert (batch["batch_id"], batch["group_ids"], batch["trained_in"]) == (built.batch_id, [built.group], [1])
+    assert (batch["batch_id"], batch["group_ids"],
+            batch["trained_in"]) == (built.batch_id, [built.group], [1])
     assert [(r["segment_index"], r["advantage"]) for r in batch["rows"]] == [(0, 0.7071)]
 
 
-def test_trajectory_without_a_tokenizer_shows_ids_and_an_unknown_rollout_lists_real_ones(bus, tmp_path, tokenizer):
+def test_trajectory_without_a_tokenizer_shows_ids_and_an_unknown_rollout_lists_real_ones(bus, tmp_path,
+                                                                                         tokenizer):
     built = build_run(bus, str(tmp_path), tokenizer)
     result = runner.invoke(inspect_app, ["trajectory", built.run, built.rollouts[1], "--json", "--model",
                                          str(tmp_path / "no-model"), *base_args(bus, tmp_path)])
@@ -342,8 +368,9 @@ def test_trajectory_without_a_tokenizer_shows_ids_and_an_unknown_rollout_lists_r
 def test_trajectory_shows_a_grading_that_could_not_run_as_such(bus, tmp_path, tokenizer):
     built = build_run(bus, str(tmp_path), tokenizer)
     rollout = built.rollouts[1]
-    bus.publish("grades", GradingFailed(reason="grading failed and no retry is left: WorkspaceError: unreachable",
-                                        attempts=4), event_id=f"{rollout}:grade", rollout_id=rollout,
+    bus.publish("grades", GradingFailed(reason="grading failed and no retry is left: WorkspaceError: "
+                                               "unreachable", attempts=4),
+                event_id=f"{rollout}:grade", rollout_id=rollout,
                 trajectory_id=rollout, session_id=rollout)
     view = load_rollout(open_run(bus.redis, str(tmp_path), built.run), rollout)
     doc = rollout_document(view, None)
@@ -370,7 +397,8 @@ def test_diff_finds_exactly_the_changed_reward_and_batch_row(bus, tmp_path, toke
         others["archived"].delete_run()
 
         def diff(name: str, *extra: str):
-            return runner.invoke(inspect_app, ["diff", a.run, others[name].keys.run_id, *base_args(bus, tmp_path), *extra])
+            return runner.invoke(inspect_app,
+                                 ["diff", a.run, others[name].keys.run_id, *base_args(bus, tmp_path), *extra])
 
         # another run of the same events: other run id, attempts, times, batch id; identical
         for name in ("same", "archived"):
@@ -387,7 +415,8 @@ def test_diff_finds_exactly_the_changed_reward_and_batch_row(bus, tmp_path, toke
         assert [s.stream for s in report.streams if s.differs] == ["rewards", "batches"]
         (reward,) = by_stream["rewards"].different
         assert reward.key == f"{a.rollouts[1]}:reward"
-        assert [(c.name, c.a, c.b) for c in reward.changes] == [("reward", 0.0, 1.0), ("advantage", -0.7071, 0.5)]
+        assert [(c.name, c.a, c.b) for c in reward.changes] == [("reward", 0.0, 1.0),
+                                                                ("advantage", -0.7071, 0.5)]
         assert by_stream["rewards"].identical == 1
         (batch,) = by_stream["batches"].different
         assert [(c.name, c.a, c.b) for c in batch.changes] == [("mean_reward", 0.5, 1.0)]
@@ -409,7 +438,8 @@ def test_diff_finds_exactly_the_changed_reward_and_batch_row(bus, tmp_path, toke
         # only the batch file differs: the event is the same, its rows are not
         result = diff("rows", "--streams", "batches")
         assert result.exit_code == 1, result.output
-        assert ": event identical" in result.stdout and f"row ({a.rollouts[1]}, 0): advantage" in result.stdout
+        assert ": event identical" in result.stdout
+        assert f"row ({a.rollouts[1]}, 0): advantage" in result.stdout
 
         result = diff("changed", "--streams", "prompts,trajectories,grades,policy")
         assert result.exit_code == 0, result.output

@@ -53,15 +53,17 @@ def test_every_stream_gets_every_kind_meant_for_it_and_stalling_kinds_only_when_
         for kind in STREAM_KINDS[stream]:
             expected = 0 if kind in STALLING_KINDS else 4 if (stream, kind) in rollouts else 2
             assert got[(stream, kind)] == expected, (stream, kind)
-    assert set(KINDS) >= {"random_bytes", "truncated", "mutated", "malformed", "unknown_version", "wrong_types",
-                          "invalid_payload", "oversized", "huge_tokens", "foreign_event", "missing_file", "forged"}
+    assert set(KINDS) >= {"random_bytes", "truncated", "mutated", "malformed", "unknown_version",
+                          "wrong_types", "invalid_payload", "oversized", "huge_tokens", "foreign_event",
+                          "missing_file", "forged"}
     stalling = poison_plan(0, "run-a", "/tmp/runs", kinds=STALLING_KINDS, **SMALL)
     assert stalling and {p.kind for p in stalling} == STALLING_KINDS
 
 
 def test_undecodable_kinds_never_decode_and_the_others_are_valid_events_of_their_kind():
     for poison in poison_plan(1, "run-a", "/tmp/runs", per_kind=3, **SMALL):
-        if poison.kind in UNDECODABLE_KINDS or (poison.kind == "huge_tokens" and poison.stream == "trajectories"):
+        if poison.kind in UNDECODABLE_KINDS or (poison.kind == "huge_tokens"
+                                                and poison.stream == "trajectories"):
             with pytest.raises(EventDecodeError):
                 decode(poison.fields)
             assert poison.must_dead_letter
@@ -112,7 +114,8 @@ def test_a_consumer_dead_letters_every_undecodable_entry_and_the_audit_counts_it
 
 def test_a_replayed_batch_re_announces_a_real_batch_of_the_run_under_another_id(bus, tmp_path):
     storage = Storage(str(tmp_path))
-    (replayed,) = [p for p in poison_plan(0, bus.keys.run_id, str(tmp_path), kinds=["replayed_batch"], **SMALL)]
+    (replayed,) = [p for p in poison_plan(0, bus.keys.run_id, str(tmp_path),
+                                          kinds=["replayed_batch"], **SMALL)]
     assert write_poison(bus, storage, replayed, set()) is None  # no batch yet: it waits
     real = BatchReady(batch_id="b-1", uri=str(tmp_path / "b-1.parquet"), sample_count=1, group_ids=["g"],
                       min_policy_version=0, mean_reward=0.5)
@@ -126,7 +129,8 @@ def test_a_forged_batch_writes_its_file_first(bus, tmp_path):
     from rollstream.shared.contract.batches import read_batch
 
     storage = Storage(str(tmp_path))
-    (forged,) = [p for p in poison_plan(0, bus.keys.run_id, str(tmp_path), kinds=["forged"], streams=["batches"], **SMALL)]
+    (forged,) = [p for p in poison_plan(0, bus.keys.run_id, str(tmp_path), kinds=["forged"],
+                                        streams=["batches"], **SMALL)]
     item = write_poison(bus, storage, forged, set())
     batch = decode(item.fields).payload
     rows = read_batch(storage, batch.uri)

@@ -19,14 +19,15 @@ runner = CliRunner()
 
 
 def finished(i: int) -> TrajectoryFinished:
-    return TrajectoryFinished(status="completed", segment_count=1, group_size=2, sample_index=i, response_text=f"{i}",
-                              label="1")
+    return TrajectoryFinished(status="completed", segment_count=1, group_size=2, sample_index=i,
+                              response_text=f"{i}", label="1")
 
 
 def record_a_run(bus, tmp_path: Path) -> None:
     """Two rollouts finish (r0, r1), one does not (r2); then everything is archived."""
     for i in range(3):
-        bus.publish("prompts", prompt(i, group_size=2), rollout_id=f"r{i}", group_id="g0", event_id=f"r{i}:prompt")
+        bus.publish("prompts", prompt(i, group_size=2), rollout_id=f"r{i}", group_id="g0",
+                    event_id=f"r{i}:prompt")
         bus.publish("trajectories", turn(i), rollout_id=f"r{i}", event_id=f"r{i}:turn")
     for i in range(2):
         bus.publish("trajectories", finished(i), rollout_id=f"r{i}", event_id=f"r{i}:finished")
@@ -47,7 +48,8 @@ def raw(bus, stream):
 def test_a_replay_republishes_every_entry_byte_for_byte_in_the_original_order(bus, target, tmp_path):
     record_a_run(bus, tmp_path)
     plan = ReplayPlan(bus.keys.run_id, str(tmp_path))
-    assert plan.validate() == {"prompts": 3, "trajectories": 5, "grades": 0, "rewards": 0, "batches": 0, "policy": 0}
+    assert plan.validate() == {"prompts": 3, "trajectories": 5, "grades": 0, "rewards": 0, "batches": 0,
+                               "policy": 0}
     counts = publish(plan, target, Pace.parse("fast"))
     assert counts["prompts"] == 3 and counts["trajectories"] == 5
     for stream in ("prompts", "trajectories"):
@@ -66,7 +68,8 @@ def test_finished_only_leaves_out_the_rollouts_that_never_finished(bus, target, 
     plan = ReplayPlan(bus.keys.run_id, str(tmp_path), streams=("prompts", "trajectories"), finished_only=True)
     assert plan.validate() == {"prompts": 2, "trajectories": 4}
     publish(plan, target, Pace.parse("fast"))
-    rollouts = {decode(fields).rollout_id for stream in ("prompts", "trajectories") for fields in raw(target, stream)}
+    rollouts = {decode(fields).rollout_id for stream in ("prompts", "trajectories")
+                for fields in raw(target, stream)}
     assert rollouts == {"r0", "r1"}
 
 
@@ -81,8 +84,8 @@ def test_a_live_source_is_read_whole_though_the_recorder_trimmed_it(bus, target,
     history = StreamHistory(bus, "trajectories", None)
     assert len(history.new_entries()) == 2  # Redis alone has lost the trimmed entries...
     whole = read_history(bus, "trajectories", str(tmp_path))
-    assert [d.envelope.event_id for d in whole] == ["r0:turn", "r1:turn", "r2:turn", "r0:finished", "r1:finished",
-                                                    "r2:finished"]
+    assert [d.envelope.event_id for d in whole] == ["r0:turn", "r1:turn", "r2:turn", "r0:finished",
+                                                    "r1:finished", "r2:finished"]
     plan = ReplayPlan(bus.keys.run_id, str(tmp_path), source_bus=bus, streams=("trajectories",))
     assert plan.validate() == {"trajectories": 6}
     publish(plan, target, Pace.parse("fast"))
@@ -163,8 +166,9 @@ def test_an_unknown_event_version_fails_naming_the_file_and_entry(bus, target, t
 
 def test_the_command_publishes_a_subset_and_reports_it(bus, target, tmp_path):
     record_a_run(bus, tmp_path)
-    result = runner.invoke(app, ["replay", bus.keys.run_id, "--to", target.keys.run_id, "--streams", "trajectories",
-                                 "--finished-only", "--from", "archive"], env=env_for(target, tmp_path))
+    result = runner.invoke(app, ["replay", bus.keys.run_id, "--to", target.keys.run_id, "--streams",
+                                 "trajectories", "--finished-only", "--from", "archive"],
+                           env=env_for(target, tmp_path))
     assert result.exit_code == 0, result.output
     assert "trajectories" in result.output and "4" in result.output
     assert len(raw(target, "trajectories")) == 4 and not raw(target, "prompts")
@@ -176,8 +180,8 @@ def test_the_command_publishes_a_subset_and_reports_it(bus, target, tmp_path):
 
 def env_for(target: Bus, storage: Path) -> dict:
     url = target.redis.connection_pool.connection_kwargs
-    return {"RS_REDIS_URL": f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}", "RS_STORAGE_URI": str(storage),
-            "RS_CONFIG_FILE": ""}
+    return {"RS_REDIS_URL": f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}",
+            "RS_STORAGE_URI": str(storage), "RS_CONFIG_FILE": ""}
 
 
 def test_streams_must_exist(tmp_path):
@@ -189,23 +193,27 @@ def test_entries_the_source_dead_lettered_can_be_left_out(bus, target, tmp_path)
     """A malformed entry the original services dead-lettered is the source's own bad input: by default the
     replay refuses it like any damage; with skip_dead_lettered it leaves exactly that entry out."""
     record_a_run(bus, tmp_path)
-    bad = bus.redis.xadd(bus.keys.stream("prompts"), {"type": "PromptIssued", "v": "99", "body": b""}).decode()
+    bad = bus.redis.xadd(bus.keys.stream("prompts"),
+                         {"type": "PromptIssued", "v": "99", "body": b""}).decode()
     bus.ensure_group("prompts", "runner")
-    bus.dead_letter("prompts", "runner", bad, {b"type": b"PromptIssued", b"v": b"99"}, 1, "schema version '99'")
+    bus.dead_letter("prompts", "runner", bad, {b"type": b"PromptIssued", b"v": b"99"}, 1,
+                    "schema version '99'")
     archive_all(bus, tmp_path)
     with pytest.raises(ReplayError, match=f"entry {bad}: PromptIssued schema version '99'"):
         ReplayPlan(bus.keys.run_id, str(tmp_path), streams=("prompts",)).validate()
     plan = ReplayPlan(bus.keys.run_id, str(tmp_path), streams=("prompts",), skip_dead_lettered=True)
     assert plan.validate() == {"prompts": 3} and plan.dead_lettered == {("prompts", bad)}
     publish(plan, target, Pace.parse("fast"))
-    assert raw(target, "prompts") == [fields for entry_id, fields in bus.redis.xrange(bus.keys.stream("prompts"))
+    assert raw(target, "prompts") == [fields
+                                      for entry_id, fields in bus.redis.xrange(bus.keys.stream("prompts"))
                                       if entry_id.decode() != bad]
 
 
 def test_a_run_with_nothing_recorded_is_a_clear_error(bus, target, tmp_path):
     with pytest.raises(ReplayError, match=f"run '{bus.keys.run_id}' has no entries in trajectories"):
         ReplayPlan(bus.keys.run_id, str(tmp_path), streams=("trajectories",)).validate()
-    result = runner.invoke(app, ["replay", bus.keys.run_id, "--to", bus.keys.run_id], env=env_for(target, tmp_path))
+    result = runner.invoke(app, ["replay", bus.keys.run_id, "--to", bus.keys.run_id],
+                           env=env_for(target, tmp_path))
     assert result.exit_code == 1 and "must differ from the source" in result.output
 
 
@@ -216,21 +224,24 @@ def test_entries_of_dead_that_do_not_decode_are_replayed_as_they_are_and_counted
     junk = {b"type": b"Nonsense", b"v": b"1", b"body": b"\x00\xff"}
     handled = bus.redis.xadd(bus.keys.stream("dead"), junk).decode()
     bus.ensure_group("dead", "reward")
-    bus.dead_letter("dead", "reward", handled, junk, 1, "unknown event type 'Nonsense'")  # as the reward service does
+    # as the reward service does
+    bus.dead_letter("dead", "reward", handled, junk, 1, "unknown event type 'Nonsense'")
     bus.redis.xadd(bus.keys.stream("dead"), junk)  # came after the reward service stopped
     archive_all(bus, tmp_path)
 
-    every = runner.invoke(app, ["replay", bus.keys.run_id, "--to", target.keys.run_id, "--streams", "prompts,dead",
-                                "--from", "archive"], env=env_for(target, tmp_path))
+    every = runner.invoke(app, ["replay", bus.keys.run_id, "--to", target.keys.run_id, "--streams",
+                                "prompts,dead", "--from", "archive"], env=env_for(target, tmp_path))
     assert every.exit_code == 0, every.output
     assert "dead: 2 entries that do not decode were replayed as they are" in every.output
     assert raw(target, "dead") == raw(bus, "dead") and len(raw(target, "prompts")) == 3
 
     target.delete_run()
-    skipping = runner.invoke(app, ["replay", bus.keys.run_id, "--to", target.keys.run_id, "--streams", "prompts,dead",
-                                   "--skip-dead-lettered", "--from", "archive"], env=env_for(target, tmp_path))
+    skipping = runner.invoke(app, ["replay", bus.keys.run_id, "--to", target.keys.run_id, "--streams",
+                                   "prompts,dead", "--skip-dead-lettered", "--from", "archive"],
+                             env=env_for(target, tmp_path))
     assert skipping.exit_code == 0, skipping.output
     assert "dead: 1 entries that do not decode were replayed as they are" in skipping.output
-    # the junk the source's reward service dead-lettered is left out; its dead letter and the later junk are not
+    # the junk the source's reward service dead-lettered is left out; its dead letter and the later junk
+    # are not
     assert raw(target, "dead") == [fields for entry_id, fields in bus.redis.xrange(bus.keys.stream("dead"))
                                    if entry_id.decode() != handled]

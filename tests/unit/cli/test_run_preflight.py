@@ -29,7 +29,8 @@ def test_run_refuses_before_starting_anything_when_the_sandbox_cannot_run(tmp_pa
     model.mkdir()
     monkeypatch.setenv("RS_MODEL__PATH", str(model))
     monkeypatch.setenv("RS_STORAGE_URI", str(tmp_path / "runs"))
-    result = runner.invoke(app, ["run", "--run-id", "no-sandbox"])  # the synthetic task: every 4th prompt sandboxed
+    # the synthetic task: every 4th prompt sandboxed
+    result = runner.invoke(app, ["run", "--run-id", "no-sandbox"])
     said = " ".join(result.output.split())
     assert result.exit_code == 1
     assert "250 of the dataset's 1000 prompts are graded in a sandbox" in said

@@ -1,7 +1,7 @@
 """What a (re)started vLLM server loads (`rollstream serve-policy`, which Compose runs): the run's newest
-published policy, found in Redis or, once the recorder trimmed it there, in the run's archive; the starting model
-before the first version. Real Redis 7.0 and Valkey, real Parquet archive; tests/integration/test_serve_policy.py
-starts the real vLLM server."""
+published policy, found in Redis or, once the recorder trimmed it there, in the run's archive; the starting
+model before the first version. Real Redis 7.0 and Valkey, real Parquet archive;
+tests/integration/test_serve_policy.py starts the real vLLM server."""
 
 from pathlib import Path
 
@@ -18,16 +18,19 @@ runner = CliRunner()
 
 
 def publish_version(bus, version: int, checkpoint: Path, trained: bool = True) -> None:
-    """A PolicyUpdated on `policy`; trained: as the run's trainer publishes it, its batch in the trained set."""
+    """A PolicyUpdated on `policy`; trained: as the run's trainer publishes it, its batch in the trained
+    set."""
     batch_id = f"b-{version}" if trained else f"b-forged-{version}"
-    bus.publish("policy", PolicyUpdated(version=version, checkpoint_uri=str(checkpoint), batch_id=batch_id, servers=[],
-                                        parity_max_abs_diff=0.0, loss=0.0, trained_samples=1))
+    bus.publish("policy", PolicyUpdated(version=version, checkpoint_uri=str(checkpoint),
+                                        batch_id=batch_id, servers=[], parity_max_abs_diff=0.0, loss=0.0,
+                                        trained_samples=1))
     if trained:
         bus.redis.sadd(bus.keys.trained_batches, batch_id)
 
 
 def settings_for(bus, tmp_path: Path) -> Settings:
-    return Settings(run_id=bus.keys.run_id, storage_uri=str(tmp_path / "runs"), model={"path": tmp_path / "start"})
+    return Settings(run_id=bus.keys.run_id, storage_uri=str(tmp_path / "runs"),
+                    model={"path": tmp_path / "start"})
 
 
 def test_before_the_first_version_a_server_starts_on_the_starting_model(bus, tmp_path):
@@ -49,11 +52,13 @@ def test_a_server_starts_on_the_newest_version_the_trainer_published_wherever_it
 
 def test_serve_policy_refuses_a_version_whose_checkpoint_it_cannot_see(bus, tmp_path):
     settings = settings_for(bus, tmp_path)
-    publish_version(bus, 3, tmp_path / "runs" / bus.keys.run_id / "checkpoints" / "v00003")  # not on this disk
+    # not on this disk
+    publish_version(bus, 3, tmp_path / "runs" / bus.keys.run_id / "checkpoints" / "v00003")
     url = bus.redis.connection_pool.connection_kwargs
     result = runner.invoke(app, ["serve-policy", "--port", "1"], env={
-        "RS_REDIS_URL": f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}", "RS_RUN_ID": bus.keys.run_id,
-        "RS_STORAGE_URI": settings.storage_uri, "RS_MODEL__PATH": str(tmp_path / "start"), "RS_CONFIG_FILE": ""})
+        "RS_REDIS_URL": f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}",
+        "RS_RUN_ID": bus.keys.run_id, "RS_STORAGE_URI": settings.storage_uri,
+        "RS_MODEL__PATH": str(tmp_path / "start"), "RS_CONFIG_FILE": ""})
     said = " ".join(result.output.split())
     assert result.exit_code == 1
     assert f"policy version 3 of run '{bus.keys.run_id}'" in said and "holds no model here" in said

@@ -12,7 +12,8 @@ import yaml
 
 from tests.support import REPO, redis_passwords
 
-SERVICES = {"dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder", "console"}
+SERVICES = {"dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer",
+            "recorder", "console"}
 
 
 def compose():
@@ -50,7 +51,8 @@ def test_redis_persists_and_services_wait_for_it():
     config_path = services["redis"]["command"][-1]
     mounted = {volume.split(":")[1]: volume.split(":")[0] for volume in services["redis"]["volumes"]}
     redis_conf = (REPO / mounted[config_path]).read_text()
-    assert "appendonly yes" in redis_conf.splitlines() and "maxmemory-policy noeviction" in redis_conf.splitlines()
+    assert "appendonly yes" in redis_conf.splitlines()
+    assert "maxmemory-policy noeviction" in redis_conf.splitlines()
     for name in SERVICES:
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
         assert services[name]["environment"]["RS_REDIS_URL"].startswith("redis://redis:")
@@ -127,7 +129,8 @@ def test_vllm_cpu_has_the_shared_memory_it_needs_and_serves_dev_endpoints():
         assert compose()[vllm]["networks"]["default"]["aliases"] == ["vllm"]
 
 
-@pytest.mark.parametrize("name", ["sandbox-grader", "agent-runner"])  # tests; coding tools and black-box agents
+# tests; coding tools and black-box agents
+@pytest.mark.parametrize("name", ["sandbox-grader", "agent-runner"])
 def test_the_services_that_make_sandboxes_get_what_bubblewrap_needs_and_no_more(name):
     service = compose()[name]
     assert {"seccomp=unconfined", "systempaths=unconfined"} <= set(service["security_opt"])
@@ -210,7 +213,8 @@ def test_agent_runners_open_black_box_sessions_on_the_gateway_service():
 
 def test_the_cpu_vllm_server_starts_on_the_runs_newest_policy():
     # rollstream serve-policy reads the newest PolicyUpdated of the run the services work on, from its Redis,
-    # and loads its checkpoint from the runs volume at the trainer's path (tests/integration/test_serve_policy.py)
+    # and loads its checkpoint from the runs volume at the trainer's path
+    # (tests/integration/test_serve_policy.py)
     services = compose()
     vllm, trainer = services["vllm-cpu"], services["trainer"]
     assert vllm["command"][:2] == ["rollstream", "serve-policy"]

@@ -24,8 +24,8 @@ from tests.support import REPO, free_port
 
 SERVICES = {"dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder"}
 READERS = {"vllm": "vllm-cpu", "console": "console"}
-"""Users that only read, and the compose service that connects as each (the vLLM server finds the newest policy,
-the console shows the run)."""
+"""Users that only read, and the compose service that connects as each (the vLLM server finds the newest
+policy, the console shows the run)."""
 USERS_FILE = REPO / "infra" / "redis-users.acl"
 
 
@@ -65,9 +65,11 @@ def test_no_service_user_has_admin_rights_or_every_key():
             continue
         assert rules[:4] == ["resetkeys", "resetchannels", "-@all", "+@read"], name
         granted = {rule for rule in rules if rule.startswith("+")}
-        assert not granted & {"+@all", "+@admin", "+@dangerous", "+@scripting", "+eval", "+config", "+flushall"}
+        assert not granted & {"+@all", "+@admin", "+@dangerous", "+@scripting", "+eval",
+                              "+config", "+flushall"}
         assert not {"allkeys", "allcommands", "allchannels", "~*", "&*", "nopass"} & set(rules), name
-        assert not any(rule.startswith((">", "#")) for rule in rules), name  # passwords come from the environment
+        # passwords come from the environment
+        assert not any(rule.startswith((">", "#")) for rule in rules), name
 
 
 @pytest.fixture
@@ -82,7 +84,8 @@ def acl_users(machine_redis_url):
             if name != "admin":
                 client.execute_command("ACL", "SETUSER", prefix + name, "on", ">pw", *rules)
                 created[name] = (prefix + name,
-                                 redis.Redis.from_url(machine_redis_url, username=prefix + name, password="pw"))
+                                 redis.Redis.from_url(machine_redis_url, username=prefix + name,
+                                                      password="pw"))
         yield created
     finally:
         for user, _ in created.values():
@@ -91,8 +94,9 @@ def acl_users(machine_redis_url):
 
 DANGEROUS = [("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "SET", "appendonly", "no"), ("KEYS", "*"),
              ("DEBUG", "SLEEP", "0"), ("SHUTDOWN", "NOSAVE"), ("ACL", "SETUSER", "x"), ("MONITOR",),
-             ("CLIENT", "KILL", "ID", "1"), ("CLIENT", "LIST"), ("EVAL", "return 1", "0"), ("FUNCTION", "FLUSH"),
-             ("SAVE",), ("BGREWRITEAOF",), ("MIGRATE", "h", "1", "rs:x:prompts", "0", "1"),
+             ("CLIENT", "KILL", "ID", "1"), ("CLIENT", "LIST"), ("EVAL", "return 1", "0"),
+             ("FUNCTION", "FLUSH"), ("SAVE",), ("BGREWRITEAOF",),
+             ("MIGRATE", "h", "1", "rs:x:prompts", "0", "1"),
              ("RESTORE", "rs:x:prompts", "0", "x"), ("SWAPDB", "0", "1"), ("REPLICAOF", "NO", "ONE"),
              ("SORT", "rs:x:admitted", "BY", "nosort", "STORE", "rs:x:prompts")]
 
@@ -111,10 +115,12 @@ def test_service_users_write_only_what_they_own(acl_users, run_id, machine_redis
 
     keys = {stream: Keys(run_id).stream(stream) for stream in
             ("prompts", "trajectories", "grades", "rewards", "batches", "policy", "dead")}
-    writes = {"dispatcher": {"prompts"}, "gateway": {"trajectories"}, "agent-runner": {"prompts", "trajectories", "dead"},
+    writes = {"dispatcher": {"prompts"}, "gateway": {"trajectories"},
+              "agent-runner": {"prompts", "trajectories", "dead"},
               "sandbox-grader": {"trajectories", "grades", "dead"},
               "reward": {"trajectories", "grades", "dead", "rewards", "batches"},
-              "trainer": {"batches", "dead", "policy"}, "recorder": set(keys), "vllm": set(), "console": set()}
+              "trainer": {"batches", "dead", "policy"}, "recorder": set(keys), "vllm": set(),
+              "console": set()}
     try:
         for name, (_, client) in acl_users.items():
             for stream, key in keys.items():
@@ -158,7 +164,8 @@ def test_the_start_script_gives_each_user_its_password_and_keeps_the_passwords_o
             anonymous.get("rs:x:admitted")
         for user in users():
             assert redis.Redis(port=port, username=user, password=passwords[password_variable(user)]).ping()
-            with pytest.raises(redis.exceptions.AuthenticationError):  # at once: redis-py retries it otherwise
+            # at once: redis-py retries it otherwise
+            with pytest.raises(redis.exceptions.AuthenticationError):
                 redis.Redis(port=port, username=user, password="wrong", retry=Retry(NoBackoff(), 0)).ping()
         admin = redis.Redis(port=port, username="admin", password=passwords[password_variable("admin")])
         environ = (Path("/proc") / str(admin.info("server")["process_id"]) / "environ").read_bytes()
@@ -184,7 +191,8 @@ def test_the_gateway_user_can_keep_sessions_and_publish_their_samples(acl_users,
     async def serve() -> None:  # its asyncio client and its bus's, as the gateway holds them, as its user
         parts = urlsplit(machine_redis_url)
         url = urlunsplit(parts._replace(netloc=f"{user}:pw@{parts.hostname}:{parts.port or 6379}"))
-        store = SessionStore(bus, connect_round_trips(url, ride_out_outages=False), ttl_s=60, finish_grace_s=60)
+        store = SessionStore(bus, connect_round_trips(url, ride_out_outages=False), ttl_s=60,
+                             finish_grace_s=60)
         try:
             session, _ = await store.create(SessionSpec(rollout_id="r", group_id="g", trajectory_id="r",
                                                         session_id="s"))
@@ -208,7 +216,8 @@ def test_the_gateway_user_can_keep_sessions_and_publish_their_samples(acl_users,
         Bus(redis.Redis.from_url(machine_redis_url), run_id).delete_run()
 
 
-def test_the_vllm_user_finds_the_newest_policy_and_writes_nothing(acl_users, run_id, machine_redis_url, tmp_path):
+def test_the_vllm_user_finds_the_newest_policy_and_writes_nothing(acl_users, run_id,
+                                                                  machine_redis_url, tmp_path):
     """What `rollstream serve-policy` does to Redis, as the compose vLLM server's own user."""
     from rollstream.cli.vllm_server import newest_policy
     from rollstream.shared.contract.bus import Bus
@@ -217,8 +226,9 @@ def test_the_vllm_user_finds_the_newest_policy_and_writes_nothing(acl_users, run
 
     admin = Bus(redis.Redis.from_url(machine_redis_url), run_id)
     try:
-        admin.publish("policy", PolicyUpdated(version=1, checkpoint_uri="/ckpt/v1", batch_id="b-1", servers=[],
-                                              parity_max_abs_diff=0.0, loss=0.0, trained_samples=1))
+        admin.publish("policy", PolicyUpdated(version=1, checkpoint_uri="/ckpt/v1",
+                                              batch_id="b-1", servers=[], parity_max_abs_diff=0.0, loss=0.0,
+                                              trained_samples=1))
         admin.redis.sadd(admin.keys.trained_batches, "b-1")
         _, client = acl_users["vllm"]
         settings = Settings(run_id=run_id, storage_uri=str(tmp_path))

@@ -14,12 +14,13 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-import rollstream.services.agent_runner.main  # noqa: F401  (each service module registers its series)
-import rollstream.services.dispatcher.main  # noqa: F401
-import rollstream.services.gateway.main  # noqa: F401
-import rollstream.services.recorder.main  # noqa: F401
-import rollstream.services.reward.main  # noqa: F401
-import rollstream.services.sandbox_grader.main  # noqa: F401
+# each service module registers its series
+import rollstream.services.agent_runner.main
+import rollstream.services.dispatcher.main
+import rollstream.services.gateway.main
+import rollstream.services.recorder.main
+import rollstream.services.reward.main
+import rollstream.services.sandbox_grader.main
 import rollstream.services.trainer.training  # noqa: F401
 from tests.support import REPO
 

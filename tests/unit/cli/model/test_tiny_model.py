@@ -29,7 +29,8 @@ def tokenizer(tiny_dir):
 def test_build_is_deterministic_and_seed_changes_only_weights(tiny_dir, tmp_path):
     again = _hashes(build_tiny_model(tmp_path / "again", seed=0))
     assert again == _hashes(tiny_dir)
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(again)
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= set(again)
     other = _hashes(build_tiny_model(tmp_path / "seed1", seed=1))
     assert other["model.safetensors"] != again["model.safetensors"]
     assert other["tokenizer.json"] == again["tokenizer.json"]
@@ -44,7 +45,8 @@ def test_loads_with_transformers_and_has_the_vllm_friendly_shape(tiny_dir, token
     assert type(model).__name__ == "LlamaForCausalLM"
     assert config.tie_word_embeddings is False
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.head_dim) == (128, 2, 2, 64)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.head_dim) == (128, 2, 2, 64)
     assert config.max_position_embeddings == 1024
     assert model.dtype == torch.float32
     assert 300 <= config.vocab_size <= 400 and config.vocab_size == len(tokenizer)
@@ -74,7 +76,8 @@ def test_digits_are_one_token_each_and_text_round_trips(tokenizer):
         "<|im_start|>user\nhi<|im_end|>\n<tool_call>{}</tool_call>",
     ]:
         assert tokenizer.decode(tokenizer.encode(text)) == text
-    for marker in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]:
+    for marker in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>",
+                   "<tool_response>", "</tool_response>"]:
         assert len(tokenizer.encode(marker)) == 1, marker
     # tool markers survive skip_special_tokens (the hermes parser needs them); chat markers do not
     text = tokenizer.decode(tokenizer.encode("<tool_call>x</tool_call><|im_end|>"), skip_special_tokens=True)
@@ -88,11 +91,13 @@ def test_chat_template_renders_tools_tool_calls_tool_responses_and_generation_pr
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 + 7"}}}],
+            "tool_calls": [{"type": "function",
+                            "function": {"name": "calculator", "arguments": {"expression": "12 + 7"}}}],
         },
         {"role": "tool", "content": "19"},
     ]
-    text = tokenizer.apply_chat_template(messages, tools=[CALCULATOR_TOOL], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tools=[CALCULATOR_TOOL], tokenize=False,
+                                         add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n")
     assert json.dumps(CALCULATOR_TOOL) in text
     assert "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n" in text
@@ -102,11 +107,13 @@ def test_chat_template_renders_tools_tool_calls_tool_responses_and_generation_pr
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
     # arguments given as a JSON string (OpenAI wire format) render the same
-    as_string = [dict(messages[2], tool_calls=[{"function": {"name": "calculator", "arguments": '{"expression": "12 + 7"}'}}])]
+    call_as_string = {"function": {"name": "calculator", "arguments": '{"expression": "12 + 7"}'}}
+    as_string = [dict(messages[2], tool_calls=[call_as_string])]
     assert call in tokenizer.apply_chat_template(as_string, tokenize=False)
 
     # prefix-stable: a shorter conversation renders to a prefix, so only appended text needs tokenizing
-    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "19"}], tools=[CALCULATOR_TOOL], tokenize=False)
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "19"}],
+                                         tools=[CALCULATOR_TOOL], tokenize=False)
     assert full == text + "19<|im_end|>\n"
     no_tools = tokenizer.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=False)
     assert no_tools == "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n"
@@ -118,7 +125,8 @@ def test_tied_variant_shares_the_embedding_with_the_head_and_keeps_the_tokenizer
     from transformers import AutoModelForCausalLM
 
     tied_dir = build_tiny_model(tmp_path / "tied", seed=0, tie_embeddings=True)
-    assert _hashes(build_tiny_model(tmp_path / "tied-again", seed=0, tie_embeddings=True)) == _hashes(tied_dir)
+    again = build_tiny_model(tmp_path / "tied-again", seed=0, tie_embeddings=True)
+    assert _hashes(again) == _hashes(tied_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (tied_dir / name).read_bytes() == (tiny_dir / name).read_bytes()
 
@@ -137,6 +145,7 @@ def test_tied_variant_shares_the_embedding_with_the_head_and_keeps_the_tokenizer
     assert model.lm_head.weight is model.model.embed_tokens.weight
     untied = AutoModelForCausalLM.from_pretrained(tiny_dir)
     n_params = sum(p.numel() for p in model.parameters())
-    assert n_params == sum(p.numel() for p in untied.parameters()) - model.config.vocab_size * model.config.hidden_size
+    head_params = model.config.vocab_size * model.config.hidden_size
+    assert n_params == sum(p.numel() for p in untied.parameters()) - head_params
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()

@@ -153,8 +153,8 @@ def test_the_shared_prefix_loss_equals_the_plain_loss_and_gradients(tiny_dir, to
 def test_exact_match_is_the_reward_services_rule():
     from rollstream.services.reward.rewards import exact_match as service_rule
 
-    for response, label in [("The answer is 19.", "19"), ("12 + 7 = 19", "19"), ("19", "18"), ("no idea", "19"),
-                            ("19 or 20", "19"), ("-3", "-3"), ("", "0")]:
+    for response, label in [("The answer is 19.", "19"), ("12 + 7 = 19", "19"), ("19", "18"),
+                            ("no idea", "19"), ("19 or 20", "19"), ("-3", "-3"), ("", "0")]:
         assert exact_match(response, label) == service_rule(response, label)
 
 
@@ -171,7 +171,8 @@ def test_warmup_lowers_the_loss_and_writes_a_loadable_checkpoint(tiny_dir, token
         with torch.no_grad():
             losses[name] = supervised_loss(model, held_out).item()
     assert losses["after"] < losses["before"] / 2
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
         assert (out / name).is_file(), name
     assert (out / "tokenizer.json").read_bytes() == (tiny_dir / "tokenizer.json").read_bytes()
     assert json.loads((out / "warmup.json").read_text())["steps"] == 80
@@ -215,7 +216,8 @@ def test_local_fleet_batches_like_single_requests_and_reports_raw_logprobs(token
 
     async def complete(batch):
         fleet = LocalFleet(model, len(batch))
-        return await asyncio.gather(*(fleet.complete(p, max_tokens=24, temperature=0.0, session_id="s") for p in batch))
+        return await asyncio.gather(*(fleet.complete(p, max_tokens=24, temperature=0.0, session_id="s")
+                                      for p in batch))
 
     together = asyncio.run(complete(prompts))
     for prompt, completion in zip(prompts, together):

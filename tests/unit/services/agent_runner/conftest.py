@@ -9,7 +9,8 @@ import pytest
 
 @pytest.fixture(scope="module", params=["bubblewrap", "docker"])
 def sandbox(request) -> str:
-    """agent.command_sandbox: bubblewrap here, and containers on a real engine (skipped where either is missing)."""
+    """agent.command_sandbox: bubblewrap here, and containers on a real engine (skipped where either is
+    missing)."""
     if request.param == "docker":
         request.getfixturevalue("docker_engine")
     elif shutil.which("bwrap") is None:

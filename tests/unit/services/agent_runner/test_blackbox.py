@@ -1,9 +1,9 @@
 """Black-box episodes against a real local HTTP server that speaks the gateway's sessions API (and records
-what it was sent): the agent is a small Python script run in its real sandbox (bubblewrap; the hostile suite in
-test_blackbox_sandbox.py runs both backends), from a runtime directory mounted at /opt/agent: it reads its
-environment, calls the session's OpenAI endpoint through the sandbox's forwarders, edits the task's file, prints
-a report into its log and exits. The last test runs the agent-runner service itself against the machine's Redis
-with no gateway at first.
+what it was sent): the agent is a small Python script run in its real sandbox (bubblewrap; the hostile suite
+in test_blackbox_sandbox.py runs both backends), from a runtime directory mounted at /opt/agent: it reads its
+environment, calls the session's OpenAI endpoint through the sandbox's forwarders, edits the task's file,
+prints a report into its log and exits. The last test runs the agent-runner service itself against the
+machine's Redis with no gateway at first.
 
     python -m pytest tests/unit/services/agent_runner/test_blackbox.py -q
 """
@@ -45,7 +45,8 @@ import json, os, sys, urllib.request
 task_file, model = sys.argv[1:3]
 request = urllib.request.Request(
     os.environ["OPENAI_BASE_URL"] + "/chat/completions",
-    data=json.dumps({"model": model, "messages": [{"role": "user", "content": os.environ["ROLLSTREAM_TASK"]}]}).encode(),
+    data=json.dumps({"model": model,
+                     "messages": [{"role": "user", "content": os.environ["ROLLSTREAM_TASK"]}]}).encode(),
     headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
 answer = json.load(urllib.request.urlopen(request))
 with open("calc.py") as handle:
@@ -115,9 +116,11 @@ class FakeGateway:
                     gateway.opened.append(request)
                     session_id = f"s{len(gateway.opened)}"
                     base = f"{gateway.url}/s/{session_id}"
-                    gateway.sessions[session_id] = {"status": "open", "turns": 0, "api_key": f"key-{session_id}"}
+                    gateway.sessions[session_id] = {"status": "open", "turns": 0,
+                                                    "api_key": f"key-{session_id}"}
                     self.reply(201, {"session_id": session_id, "api_key": f"key-{session_id}",
-                                     "openai_base_url": f"{base}/v1", "anthropic_base_url": base, "status": "open"})
+                                     "openai_base_url": f"{base}/v1", "anthropic_base_url": base,
+                                     "status": "open"})
                 elif parts[:2] == ["v1", "sessions"] and parts[3:] == ["finish"] and self.admitted():
                     session = gateway.sessions.get(parts[2])
                     if session is None:
@@ -130,7 +133,8 @@ class FakeGateway:
                         session["status"] = "finished"
                         gateway.finished.append((parts[2], self.body()))
                         self.reply(200, {"session_id": parts[2], "samples": 1, "status": "finished"})
-                elif parts[0] == "s" and parts[2:] == ["v1", "chat", "completions"] and parts[1] in gateway.sessions:
+                elif (parts[0] == "s" and parts[2:] == ["v1", "chat", "completions"]
+                      and parts[1] in gateway.sessions):
                     gateway.turns.append((parts[1], self.headers.get("Authorization"), self.body()))
                     gateway.sessions[parts[1]]["turns"] += 1
                     self.reply(200, {"id": "c1", "object": "chat.completion", "choices": [
@@ -154,7 +158,8 @@ class FakeGateway:
                 parts = self.path.strip("/").split("/")
                 if parts[:2] == ["v1", "sessions"] and len(parts) == 3 and parts[2] in gateway.sessions:
                     session = gateway.sessions[parts[2]]
-                    self.reply(200, {"session_id": parts[2], "status": session["status"], "turns": session["turns"]})
+                    self.reply(200, {"session_id": parts[2], "status": session["status"],
+                                     "turns": session["turns"]})
                 else:
                     self.reply(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -218,10 +223,12 @@ def test_the_agent_runs_in_the_workspace_through_its_session_and_the_session_fin
         asyncio.run(EpisodeRunner(settings, bus=None, fleet=None, tokenizer=None).run(delivery))
 
     (opened,) = gateway.opened
-    assert {key: opened[key] for key in ("rollout_id", "group_id", "trajectory_id", "sample_index", "group_size",
-                                         "label", "reward_fn", "sandbox_check", "grader", "time_budget_s")} == {
+    keys = ("rollout_id", "group_id", "trajectory_id", "sample_index", "group_size", "label", "reward_fn",
+            "sandbox_check", "grader", "time_budget_s")
+    assert {key: opened[key] for key in keys} == {
         "rollout_id": "r7", "group_id": "g2", "trajectory_id": "r7", "sample_index": 3, "group_size": 4,
-        "label": None, "reward_fn": "exact_match", "sandbox_check": None, "grader": GRADER, "time_budget_s": 45.0}
+        "label": None, "reward_fn": "exact_match", "sandbox_check": None, "grader": GRADER,
+        "time_budget_s": 45.0}
     assert opened["sampling"] == {"temperature": 0.7, "max_tokens": 48}
     assert opened["metadata"]["grader"] == GRADER
 
@@ -241,8 +248,8 @@ def test_the_agent_runs_in_the_workspace_through_its_session_and_the_session_fin
     assert report["cwd"] == "/workspace" and env["HOME"] == "/home/agent"
     assert our_workspaces() == before  # released
 
-    assert gateway.turns == [("s1", "Bearer key-s1", {"model": "tiny-served",
-                                                      "messages": [{"role": "user", "content": INSTRUCTION}]})]
+    sent = {"model": "tiny-served", "messages": [{"role": "user", "content": INSTRUCTION}]}
+    assert gateway.turns == [("s1", "Bearer key-s1", sent)]
     assert session_id == "s1" and finish["status"] == "completed" and finish["error"] is None
     assert finish["artifacts"]["diff"].endswith("/bb/artifacts/r7.diff")
     diff = stored(settings, finish["artifacts"]["diff"])
@@ -252,7 +259,8 @@ def test_the_agent_runs_in_the_workspace_through_its_session_and_the_session_fin
 
 
 def processes_with(marker: str) -> list[int]:
-    """Live host processes whose command line holds `marker` (a sandbox's processes are host processes too)."""
+    """Live host processes whose command line holds `marker` (a sandbox's processes are host processes
+    too)."""
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -331,16 +339,17 @@ def test_a_prompt_without_a_command_line_opens_no_session(tmp_path):
 # ------------------------------------------------------------------------------- the service itself
 @pytest.mark.skipif(not (MODELS / "tiny-llama-warm" / "tokenizer.json").exists(),
                     reason="the agent-runner loads the tiny model's tokenizer; make setup builds it")
-def test_while_the_gateway_is_away_the_prompt_stays_pending_and_runs_once_it_answers(tmp_path, machine_redis_url,
+def test_while_the_gateway_is_away_the_prompt_stays_pending_and_runs_once_it_answers(tmp_path,
+                                                                                     machine_redis_url,
                                                                                      runtime):
     run_id = f"bb-{uuid.uuid4().hex[:8]}"
     gateway_port, health_port = free_port(), free_port()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RS_")}, "RS_REDIS_URL": machine_redis_url,
-           "RS_RUN_ID": run_id, "RS_HEALTH_PORT": str(health_port), "RS_STORAGE_URI": str(tmp_path / "runs"),
-           "RS_MODEL__PATH": str(MODELS / "tiny-llama-warm"), "RS_FLEET__URLS": '["http://127.0.0.1:9"]',
-           "RS_GATEWAY__URL": f"http://127.0.0.1:{gateway_port}", "RS_AGENT__COMMAND": AGENT_COMMAND,
-           "RS_AGENT__COMMAND_SANDBOX": "bubblewrap", "RS_AGENT__COMMAND_RUNTIME_DIR": str(runtime),
-           "RS_BUS__RECLAIM_IDLE_MS": "1000"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RS_")},
+           "RS_REDIS_URL": machine_redis_url, "RS_RUN_ID": run_id, "RS_HEALTH_PORT": str(health_port),
+           "RS_STORAGE_URI": str(tmp_path / "runs"), "RS_MODEL__PATH": str(MODELS / "tiny-llama-warm"),
+           "RS_FLEET__URLS": '["http://127.0.0.1:9"]', "RS_GATEWAY__URL": f"http://127.0.0.1:{gateway_port}",
+           "RS_AGENT__COMMAND": AGENT_COMMAND, "RS_AGENT__COMMAND_SANDBOX": "bubblewrap",
+           "RS_AGENT__COMMAND_RUNTIME_DIR": str(runtime), "RS_BUS__RECLAIM_IDLE_MS": "1000"}
     bus = Bus.connect(machine_redis_url, run_id)
     with open(tmp_path / "agent-runner.log", "wb") as log:
         process = subprocess.Popen([str(Path(sys.executable).parent / "rollstream-agent-runner")], env=env,
@@ -355,7 +364,8 @@ def test_while_the_gateway_is_away_the_prompt_stays_pending_and_runs_once_it_ans
         assert bus.read_all("dead") == []
 
         with FakeGateway(port=gateway_port) as gateway:
-            wait_for(lambda: bus.group_lag("prompts", "agent-runner") == (0, 0), 60, "the prompt to be acknowledged")
+            wait_for(lambda: bus.group_lag("prompts", "agent-runner") == (0, 0), 60,
+                     "the prompt to be acknowledged")
             assert [finish["status"] for _, finish in gateway.finished] == ["completed"]
             assert gateway.opened[0]["rollout_id"] == "r7"
             assert [session for session, _, _ in gateway.turns] == ["s1"]
@@ -368,8 +378,8 @@ def test_while_the_gateway_is_away_the_prompt_stays_pending_and_runs_once_it_ans
 
 @pytest.mark.parametrize("replace", ["symlink", "fifo", "directory", "remove"])
 def test_a_log_the_command_replaced_is_not_read(tmp_path, replace):
-    """Where the sandbox runs as the agent-runner's own uid (bubblewrap, not root), the command could swap its log
-    for a link to a host file, which would then be stored as the episode's log."""
+    """Where the sandbox runs as the agent-runner's own uid (bubblewrap, not root), the command could swap its
+    log for a link to a host file, which would then be stored as the episode's log."""
     secret = tmp_path / "secret"
     secret.write_text("TOP-SECRET\n")
     workspace = Workspace.for_task({"files": {"calc.py": CALC}})

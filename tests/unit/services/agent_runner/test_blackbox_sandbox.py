@@ -1,8 +1,8 @@
-"""The hostile suite as a black-box agent, in both real sandboxes (bubblewrap, and docker on a real engine): the
-agent's command tries to read the host's files and the agent-runner's environment, to write outside its
+"""The hostile suite as a black-box agent, in both real sandboxes (bubblewrap, and docker on a real engine):
+the agent's command tries to read the host's files and the agent-runner's environment, to write outside its
 workspace, to reach the network (the host's Redis, the gateway itself, an outside address), to leave processes
-behind, to overrun its budget, and to use the forwarder for another session or the sessions API. Each fails, the
-host is unchanged and nothing keeps running afterwards; and its own session is reached. A stub gateway
+behind, to overrun its budget, and to use the forwarder for another session or the sessions API. Each fails,
+the host is unchanged and nothing keeps running afterwards; and its own session is reached. A stub gateway
 (test_blackbox.FakeGateway, a real HTTP server) stands behind the agent-runner's forwarder.
 
     python -m pytest tests/unit/services/agent_runner/test_blackbox_sandbox.py -q
@@ -82,7 +82,8 @@ def episode(tmp_path: Path, sandbox: str, command: str, runtime: Path | None = N
     """Run `command` as a black-box episode; its finish request, its log and its diff."""
     with (gateway or FakeGateway()) as fake:
         settings = settings_for(tmp_path, fake, sandbox, runtime)
-        asyncio.run(BlackBoxRunner(settings).run(task_prompt(command, time_budget_s=budget_s, **metadata), IDS))
+        asyncio.run(BlackBoxRunner(settings).run(task_prompt(command, time_budget_s=budget_s,
+                                                             **metadata), IDS))
         (opened,) = fake.opened
     ((_, finish),) = fake.finished
     return finish, stored(settings, finish["artifacts"]["log"]), stored(settings, finish["artifacts"]["diff"])
@@ -106,7 +107,8 @@ def test_the_hosts_files_and_the_agent_runners_environment_are_out_of_reach(tmp_
         for path in planted:
             path.write_text("TOP-SECRET\n")
             path.chmod(0o644)
-        reads = " ".join(str(p) for p in [*planted, REPO / "README.md", "/etc/shadow", f"/proc/{os.getpid()}/environ"])
+        reads = " ".join(str(p) for p in [*planted, REPO / "README.md", "/etc/shadow",
+                                          f"/proc/{os.getpid()}/environ"])
         command = (f"for f in {reads}; do cat $f && echo READ:$f; done; ls /root /work {base} 2>&1; "
                    "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'; env")
         finish, log, _ = episode(tmp_path, sandbox, command)
@@ -120,14 +122,15 @@ def test_the_hosts_files_and_the_agent_runners_environment_are_out_of_reach(tmp_
     assert "No such file or directory" in log
 
 
-# -------------------------------------------------------------------------------- writing outside the workspace
+# --------------------------------------------------------------------------- writing outside the workspace
 def test_writes_outside_the_workspace_leave_the_host_unchanged(tmp_path, sandbox, runtime):
     (runtime / "tool").write_text("the agent's own\n")
     targets = [f"/tmp/{MARKER}", f"/root/{MARKER}", f"{REPO}/{MARKER}", f"/{MARKER}", f"/usr/{MARKER}",
                f"/opt/agent/{MARKER}", f"/rollstream/episode/{MARKER}", f"/rollstream/log/{MARKER}"]
     writes = "; ".join(f"echo x > {target}" for target in targets)
-    command = (f"{writes}; echo x > ../{MARKER}; echo x > /opt/agent/tool; echo x > /rollstream/episode/task.md; "
-               f"echo kept > $HOME/.agent-config; echo answer > answer.txt; ls -a $HOME")
+    command = (f"{writes}; echo x > ../{MARKER}; echo x > /opt/agent/tool; "
+               f"echo x > /rollstream/episode/task.md; echo kept > $HOME/.agent-config; "
+               f"echo answer > answer.txt; ls -a $HOME")
     finish, log, diff = episode(tmp_path, sandbox, command, runtime)
     assert finish["status"] == "completed", finish["error"]
     for target in targets:  # the host's paths of the same names (the sandbox's /tmp is its own tmpfs)
@@ -143,7 +146,8 @@ def test_the_network_is_out_of_reach(tmp_path, sandbox, runtime):
     gateway = FakeGateway()
     with host_listener() as (port, accepted):
         targets = [("127.0.0.1", port), ("127.0.0.1", 6379),  # the host's Redis
-                   ("127.0.0.1", gateway.server.server_address[1]),  # the gateway itself, not through the forwarder
+                   # the gateway itself, not through the forwarder
+                   ("127.0.0.1", gateway.server.server_address[1]),
                    ("1.1.1.1", 53), ("example.com", 80)]
         command = python(runtime, "net.py", f"""
 import socket
@@ -161,7 +165,7 @@ for host, port in {targets!r}:
     assert accepted == []
 
 
-# ------------------------------------------------------------------------------- processes and the time budget
+# --------------------------------------------------------------------------- processes and the time budget
 def test_processes_left_behind_die_with_the_episode(tmp_path, sandbox, runtime):
     sleep = sleeper(MARKER)
     command = "\n".join([
@@ -188,8 +192,8 @@ def test_the_time_budget_is_enforced_and_the_episode_truncated(tmp_path, sandbox
 
 
 def test_a_killed_agent_runner_leaves_nothing_running(tmp_path, sandbox, request):
-    """The agent-runner dies (SIGKILL) in the middle of an episode: bubblewrap dies with it, a container is ended
-    by its forwarder's lifeline and removed by the next agent-runner's sweep."""
+    """The agent-runner dies (SIGKILL) in the middle of an episode: bubblewrap dies with it, a container is
+    ended by its forwarder's lifeline and removed by the next agent-runner's sweep."""
     runner = tmp_path / "runner.py"  # the command is in the script, not in the agent-runner's command line
     runner.write_text("import asyncio, sys\n"
                       "from rollstream.services.agent_runner.blackbox import BlackBoxRunner\n"
@@ -231,7 +235,8 @@ def call(method, target, body=None):
                                                           "Content-Type": "application/json"})
     response = connection.getresponse()
     print("STATUS", response.status, method, target, response.read()[:200])
-call("POST", own + "/chat/completions", json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+call("POST", own + "/chat/completions",
+     json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
 for target in ["/s/other/v1/chat/completions", "/v1/sessions", "/s/s1x/v1/chat/completions",
                "/s/s1/../other/v1/chat/completions", "/s/s1/%2e%2e/other/v1/chat/completions",
                "/s/s1//v1/chat/completions", "http://127.0.0.1/s/s1/v1/chat/completions"]:

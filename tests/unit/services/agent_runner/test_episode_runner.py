@@ -31,9 +31,9 @@ AGENT = "two_fixed_segments"
 
 def turn(offset: int, appended: list[int], response: list[int], server: str, version: int) -> TrajectoryTurn:
     # turn 9 of segment 7: a published turn is numbered by its place in the rollout, whatever the agent said
-    return TrajectoryTurn(turn=9, segment_index=7, offset=offset, appended_ids=appended, response_ids=response,
-                          logprobs=[-0.5] * len(response), policy_version=version, policy_version_end=version + 1,
-                          finish_reason="stop", server_url=server)
+    return TrajectoryTurn(turn=9, segment_index=7, offset=offset, appended_ids=appended,
+                          response_ids=response, logprobs=[-0.5] * len(response), policy_version=version,
+                          policy_version_end=version + 1, finish_reason="stop", server_url=server)
 
 
 def two_segments() -> list[Segment]:
@@ -41,13 +41,14 @@ def two_segments() -> list[Segment]:
                         rollout_logprobs=[0.0, 0.0, -0.5, 0.0, -0.5, -0.5], turn_policy_versions=[1, 1],
                         status="completed", response_text="half way",
                         turns=[turn(2, [1, 2], [3], "http://a", 1), turn(4, [4], [5, 6], "http://a", 1)],
-                        tools=[TrajectoryTool(turn=0, call_id="c1", name="calc", arguments={"e": "2+3"}, ok=True,
-                                              error_kind=None, content="5")],
+                        tools=[TrajectoryTool(turn=0, call_id="c1", name="calc",
+                                              arguments={"e": "2+3"}, ok=True, error_kind=None, content="5")],
                         metadata={"compacted": True, "shared": "segment's"})
     final = Segment(tokens=[1, 9, 8], prompt_length=2, loss_mask=[0, 0, 1], rollout_logprobs=[0.0, 0.0, -0.5],
                     turn_policy_versions=[2], status="truncated", response_text="5",
                     turns=[turn(2, [1, 9], [8], "http://b", 2)],
-                    metadata={"shared": "final's", "artifacts": {"diff": "runs/r9.diff"}, "error": "out of turns"})
+                    metadata={"shared": "final's", "artifacts": {"diff": "runs/r9.diff"},
+                              "error": "out of turns"})
     return [compacted, final]
 
 
@@ -57,8 +58,9 @@ def published(bus, tmp_path, monkeypatch):
         return two_segments()
 
     monkeypatch.setitem(AGENTS, AGENT, agent)
-    prompt = PromptIssued(sample_index=5, group_size=4, messages=[{"role": "user", "content": "2+3?"}], label="5",
-                          reward_fn="exact_match", sandbox_check="test -f done", agent=AGENT, policy_version=1,
+    prompt = PromptIssued(sample_index=5, group_size=4,
+                          messages=[{"role": "user", "content": "2+3?"}], label="5", reward_fn="exact_match",
+                          sandbox_check="test -f done", agent=AGENT, policy_version=1,
                           metadata={"grader": GRADER, "shared": "prompt's", "source": "unit"})
     delivery = Delivery("prompts", "1-0", make_envelope(prompt, run_id=bus.keys.run_id, **IDS))
     settings = Settings(run_id=bus.keys.run_id, storage_uri=str(tmp_path))
@@ -72,8 +74,8 @@ def test_every_event_of_the_episode_is_published_once_with_its_idempotency_id(pu
     assert rollout == "r9" and len(attempt) == 12
     prefix = f"r9:{attempt}"
     assert [d.envelope.event_id for d in published] == [
-        f"{prefix}:started", f"{prefix}:turn:0:0", f"{prefix}:turn:0:1", f"{prefix}:tool:0:c1", f"{prefix}:segment:0",
-        f"{prefix}:turn:1:0", f"{prefix}:segment:1", f"{prefix}:finished"]
+        f"{prefix}:started", f"{prefix}:turn:0:0", f"{prefix}:turn:0:1", f"{prefix}:tool:0:c1",
+        f"{prefix}:segment:0", f"{prefix}:turn:1:0", f"{prefix}:segment:1", f"{prefix}:finished"]
     for delivery in published:
         assert {name: getattr(delivery.envelope, name) for name in IDS} == IDS
 
@@ -83,22 +85,26 @@ def test_the_events_carry_the_segments_and_the_prompts_grading(published):
     events = [d.event for d in published]
     assert events == [
         TrajectoryStarted(sample_index=5, server_url="http://b"),  # the final segment's first server
-        TrajectoryTurn(turn=0, segment_index=0, offset=2, appended_ids=[1, 2], response_ids=[3], logprobs=[-0.5],
-                       policy_version=1, policy_version_end=2, finish_reason="stop", server_url="http://a"),
-        TrajectoryTurn(turn=1, segment_index=0, offset=4, appended_ids=[4], response_ids=[5, 6], logprobs=[-0.5] * 2,
-                       policy_version=1, policy_version_end=2, finish_reason="stop", server_url="http://a"),
+        TrajectoryTurn(turn=0, segment_index=0, offset=2, appended_ids=[1, 2], response_ids=[3],
+                       logprobs=[-0.5], policy_version=1, policy_version_end=2, finish_reason="stop",
+                       server_url="http://a"),
+        TrajectoryTurn(turn=1, segment_index=0, offset=4, appended_ids=[4], response_ids=[5, 6],
+                       logprobs=[-0.5] * 2, policy_version=1, policy_version_end=2, finish_reason="stop",
+                       server_url="http://a"),
         TrajectoryTool(turn=0, call_id="c1", name="calc", arguments={"e": "2+3"}, ok=True, error_kind=None,
                        content="5"),
         TrajectorySegment(segment_index=0, attempt=attempt, tokens=[1, 2, 3, 4, 5, 6], response_length=4,
                           loss_mask=[0, 0, 1, 0, 1, 1], rollout_logprobs=[0.0, 0.0, -0.5, 0.0, -0.5, -0.5],
-                          turn_policy_versions=[1, 1], status="completed", response_text="half way", sample_index=5,
-                          group_size=4, metadata={"grader": GRADER, "shared": "segment's", "source": "unit",
+                          turn_policy_versions=[1, 1], status="completed", response_text="half way",
+                          sample_index=5, group_size=4, metadata={"grader": GRADER, "shared": "segment's",
+                                                                  "source": "unit",
                                                   "compacted": True}),
-        TrajectoryTurn(turn=0, segment_index=1, offset=2, appended_ids=[1, 9], response_ids=[8], logprobs=[-0.5],
-                       policy_version=2, policy_version_end=3, finish_reason="stop", server_url="http://b"),
-        TrajectorySegment(segment_index=1, attempt=attempt, tokens=[1, 9, 8], response_length=1, loss_mask=[0, 0, 1],
-                          rollout_logprobs=[0.0, 0.0, -0.5], turn_policy_versions=[2], status="truncated",
-                          response_text="5", sample_index=5, group_size=4,
+        TrajectoryTurn(turn=0, segment_index=1, offset=2, appended_ids=[1, 9], response_ids=[8],
+                       logprobs=[-0.5], policy_version=2, policy_version_end=3, finish_reason="stop",
+                       server_url="http://b"),
+        TrajectorySegment(segment_index=1, attempt=attempt, tokens=[1, 9, 8], response_length=1,
+                          loss_mask=[0, 0, 1], rollout_logprobs=[0.0, 0.0, -0.5], turn_policy_versions=[2],
+                          status="truncated", response_text="5", sample_index=5, group_size=4,
                           metadata={"grader": GRADER, "shared": "final's", "source": "unit",
                                     "artifacts": {"diff": "runs/r9.diff"}, "error": "out of turns"}),
         TrajectoryFinished(status="truncated", attempt=attempt, segment_count=2, group_size=4, sample_index=5,

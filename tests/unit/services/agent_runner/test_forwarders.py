@@ -1,8 +1,8 @@
 """The two forwarders between a black-box agent's sandbox and the gateway, on real sockets: the agent-runner's
-(gateway_forwarder.SessionForwarder, a unix socket) in front of a stub gateway (a real HTTP server that records
-what reaches it), alone and behind the sandbox's own (sandbox_forwarder.py, run here as a plain process on a TCP
-port of this machine). Only the session's own paths reach the gateway; streamed answers (SSE) come through as
-they are sent, not when they end.
+(gateway_forwarder.SessionForwarder, a unix socket) in front of a stub gateway (a real HTTP server that
+records what reaches it), alone and behind the sandbox's own (sandbox_forwarder.py, run here as a plain
+process on a TCP port of this machine). Only the session's own paths reach the gateway; streamed answers (SSE)
+come through as they are sent, not when they end.
 
     python -m pytest tests/unit/services/agent_runner/test_forwarders.py -q
 """
@@ -67,7 +67,8 @@ class StubGateway:
                     self.wfile.write(b"data: first\n\n")
                     self.wfile.flush()
                     held = stub.first_event_seen.wait(10)
-                    self.wfile.write(b"data: second (the first was %s)\n\n" % (b"seen" if held else b"held back"))
+                    self.wfile.write(b"data: second (the first was %s)\n\n"
+                                     % (b"seen" if held else b"held back"))
                     self.close_connection = True
                     return
                 data = json.dumps(seen).encode()
@@ -116,8 +117,8 @@ class Running:
         self.loop.close()
 
     def client(self) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket_path)), base_url="http://sandbox",
-                            timeout=15)
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket_path)),
+                            base_url="http://sandbox", timeout=15)
 
 
 @pytest.fixture
@@ -167,11 +168,13 @@ def test_a_request_for_the_session_reaches_the_gateway_as_sent(forwarder, gatewa
     with forwarder.client() as client:
         response = client.post(f"/s/{SESSION}/v1/chat/completions?x=1", content=b'{"model": "m"}',
                                headers={"Authorization": "Bearer key", "x-api-key": "key",
-                                        "anthropic-version": "2023-06-01", "Content-Type": "application/json"})
+                                        "anthropic-version": "2023-06-01",
+                                        "Content-Type": "application/json"})
         again = client.get(f"/s/{SESSION}/v1/models")  # the same connection, kept alive
     assert response.status_code == 200 and again.status_code == 200
     (first, second) = gateway.requests
-    assert (first["method"], first["path"], first["body"]) == ("POST", f"/s/{SESSION}/v1/chat/completions?x=1",
+    assert (first["method"], first["path"], first["body"]) == ("POST",
+                                                               f"/s/{SESSION}/v1/chat/completions?x=1",
                                                                '{"model": "m"}')
     headers = {name.lower(): value for name, value in first["headers"].items()}
     assert headers["authorization"] == "Bearer key" and headers["x-api-key"] == "key"
@@ -185,7 +188,8 @@ def test_a_request_for_the_session_reaches_the_gateway_as_sent(forwarder, gatewa
                                     f"/s/{SESSION}/../other/v1/chat/completions",
                                     f"http://127.0.0.1/s/{SESSION}/v1/chat/completions"])
 def test_anything_else_is_refused_and_never_reaches_the_gateway(forwarder, gateway, target):
-    answer = raw_request(forwarder.socket_path, b"POST %s HTTP/1.1\r\nHost: sandbox\r\nContent-Length: 2\r\n\r\n{}"
+    answer = raw_request(forwarder.socket_path,
+                         b"POST %s HTTP/1.1\r\nHost: sandbox\r\nContent-Length: 2\r\n\r\n{}"
                          % target.encode())
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 403 ") and b"connection: close" in head.lower()
@@ -201,7 +205,8 @@ def test_each_request_of_a_kept_alive_connection_is_checked(forwarder, gateway):
 
 
 def test_a_streamed_answer_comes_through_as_it_is_sent(forwarder, gateway):
-    with forwarder.client() as client, client.stream("POST", f"/s/{SESSION}/v1/stream", content=b"{}") as response:
+    with forwarder.client() as client, client.stream("POST", f"/s/{SESSION}/v1/stream",
+                                                     content=b"{}") as response:
         chunks = response.iter_raw()
         first = next(chunks)
         gateway.first_event_seen.set()
@@ -259,7 +264,8 @@ def test_both_forwarders_carry_the_sessions_requests_and_streams_and_nothing_els
         assert [seen["path"] for seen in gateway.requests] == [f"/s/{SESSION}/v1/chat/completions",
                                                                f"/s/{SESSION}/v1/stream"]
     finally:
-        forwarder.close()  # its lifeline ends: the sandbox's forwarder stops (and, not in a sandbox, kills nothing)
+        # its lifeline ends: the sandbox's forwarder stops (and, not in a sandbox, kills nothing)
+        forwarder.close()
     wait_for(lambda: not accepts(port), 10, "the sandbox's forwarder to stop with its lifeline")
 
 

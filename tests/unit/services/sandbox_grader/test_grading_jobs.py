@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewra
 
 def request(bus, tmp_path, rollout: str, **overrides) -> dict:
     fields = dict(run_id=bus.keys.run_id, storage_uri=str(tmp_path), backend="bubblewrap",
-                  ids={"rollout_id": rollout, "group_id": "g", "trajectory_id": rollout, "session_id": rollout},
+                  ids={"rollout_id": rollout, "group_id": "g", "trajectory_id": rollout,
+                       "session_id": rollout},
                   wall_time_s=30, memory_mb=512, grader={"kind": "harbor", "task_dir": str(TASK)})
     return GradeRequest(**{**fields, **overrides}).as_job_arg()
 
@@ -35,7 +36,8 @@ def request(bus, tmp_path, rollout: str, **overrides) -> dict:
 def run_jobs(bus, jobs) -> Queue:
     queue = Queue(f"{bus.keys.prefix}:sandbox", connection=bus.redis)
     for job_id, payload in jobs:
-        queue.enqueue(grade_rollout, payload, job_id=job_id, retry=Retry(max=2), on_failure=Callback(report_job_failure))
+        queue.enqueue(grade_rollout, payload, job_id=job_id, retry=Retry(max=2),
+                      on_failure=Callback(report_job_failure))
     SimpleWorker([queue], connection=bus.redis).work(burst=True)
     return queue
 
@@ -67,14 +69,16 @@ def test_a_passing_diff_grades_one_and_the_log_is_stored(published, tmp_path):
     original = (TASK / "environment" / "workspace" / "calc.py").read_text()
     fixed = original.replace("a - b", "a + b")
     assert fixed != original
-    diff = "".join(difflib.unified_diff(original.splitlines(True), fixed.splitlines(True), "a/calc.py", "b/calc.py"))
+    diff = "".join(difflib.unified_diff(original.splitlines(True), fixed.splitlines(True),
+                                        "a/calc.py", "b/calc.py"))
     uri = storage.write_bytes(diff.encode(), "run", "artifacts", "r2.diff")
     run_jobs(published, [("grade-r2", request(published, tmp_path, "r2", diff_uri=uri))])
     (grade,) = [d.event for d in published.read_all("grades")]
     assert grade.score == 1.0 and grade.passed
 
 
-def test_an_infrastructure_error_is_retried_then_reported_as_grading_failed_never_as_a_grade(published, tmp_path,
+def test_an_infrastructure_error_is_retried_then_reported_as_grading_failed_never_as_a_grade(published,
+                                                                                           tmp_path,
                                                                                            monkeypatch):
     # the docker backend pointed at an engine that is not there (SimpleWorker runs jobs in this process)
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
@@ -124,11 +128,13 @@ def test_a_sandbox_that_cannot_be_made_is_retried_then_grading_failed_never_a_gr
     assert job.get_status() == "failed" and job.retries_left == 0
     (failed,) = published.read_all("grades")
     assert isinstance(failed.event, GradingFailed) and failed.event.attempts == 3
-    assert "sandbox did not start the command" in failed.event.reason and BWRAP_NO_USERNS in failed.event.reason
+    assert "sandbox did not start the command" in failed.event.reason
+    assert BWRAP_NO_USERNS in failed.event.reason
 
 
 def test_task_files_that_vanished_are_the_machinerys_failure_not_the_rollouts(published, tmp_path):
-    payload = request(published, tmp_path, "r4", grader={"kind": "harbor", "task_dir": str(tmp_path / "gone")})
+    payload = request(published, tmp_path, "r4",
+                      grader={"kind": "harbor", "task_dir": str(tmp_path / "gone")})
     run_jobs(published, [("grade-r4", payload)])
     (failed,) = [d.event for d in published.read_all("grades")]
     assert isinstance(failed, GradingFailed) and "not a task directory" in failed.reason
@@ -136,7 +142,8 @@ def test_task_files_that_vanished_are_the_machinerys_failure_not_the_rollouts(pu
 
 @pytest.mark.parametrize("overrides, reason", [
     ({"diff_uri": "/nowhere/r5.diff"}, "diff artifact /nowhere/r5.diff does not exist"),
-    ({"grader": {"kind": "swebench", "dataset": "/nowhere/swe.jsonl", "instance_id": "x"}}, "no such SWE-bench file"),
+    ({"grader": {"kind": "swebench", "dataset": "/nowhere/swe.jsonl", "instance_id": "x"}},
+     "no such SWE-bench file"),
     ({"grader": {"kind": "nonsense"}}, "unknown grader kind 'nonsense'"),
 ])
 def test_a_request_no_retry_can_grade_gets_its_grading_failed_at_once(published, tmp_path, overrides, reason):
@@ -166,7 +173,8 @@ def test_a_job_rq_failed_without_its_callback_gets_grading_failed_from_the_sweep
     assert report_failures_without_verdict(queue) == [r6]
     (failed,) = [d for d in published.read_all("grades") if d.envelope.rollout_id == "r6"]
     assert isinstance(failed.event, GradingFailed) and failed.event.attempts == 1
-    assert "Work-horse terminated unexpectedly" in failed.event.reason and "no retry is left" in failed.event.reason
+    assert "Work-horse terminated unexpectedly" in failed.event.reason
+    assert "no retry is left" in failed.event.reason
     assert queue.fetch_job(r6).meta[VERDICT_META] == "GradingFailed"
     assert report_failures_without_verdict(queue) == []  # once
 

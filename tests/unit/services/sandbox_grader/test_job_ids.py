@@ -44,8 +44,8 @@ def run(machine_redis_url):
 
 
 def finish_rollout_answering_7(bus: Bus, rollout: str) -> None:
-    finished = TrajectoryFinished(status="completed", attempt="a1", segment_count=1, group_size=1, sample_index=0,
-                                  response_text="7", sandbox_check="grep -qx 7 answer.txt")
+    finished = TrajectoryFinished(status="completed", attempt="a1", segment_count=1, group_size=1,
+                                  sample_index=0, response_text="7", sandbox_check="grep -qx 7 answer.txt")
     bus.publish("trajectories", finished, rollout_id=rollout, group_id=rollout, trajectory_id=rollout,
                 session_id=rollout)
 
@@ -63,7 +63,8 @@ def test_a_rollout_delivered_again_is_graded_once(run, machine_redis_url, tmp_pa
         finish_rollout_answering_7(run, "r0")
         wait_for(lambda: graded(run, "r0"), 60, "r0's grade")
         finish_rollout_answering_7(run, "r0")  # as a redelivery, or a replica's retry, would bring it
-        wait_for(lambda: run.group_lag("trajectories", "sandbox-grader") == (0, 0), 30, "the grader to take it")
+        wait_for(lambda: run.group_lag("trajectories", "sandbox-grader") == (0, 0), 30,
+                 "the grader to take it")
         assert health(port)[1]["enqueued"] == 1
     assert len(graded(run, "r0")) == 1 and len(run_jobs(run)) == 1
 

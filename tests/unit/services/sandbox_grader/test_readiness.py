@@ -54,8 +54,8 @@ def grader(tmp_path, machine_redis_url):
 
 
 def publish_rollout_answering_7(bus, rollout: str) -> None:
-    finished = TrajectoryFinished(status="completed", attempt="a1", segment_count=1, group_size=1, sample_index=0,
-                                  response_text="7", sandbox_check="grep -qx 7 answer.txt")
+    finished = TrajectoryFinished(status="completed", attempt="a1", segment_count=1, group_size=1,
+                                  sample_index=0, response_text="7", sandbox_check="grep -qx 7 answer.txt")
     bus.publish("trajectories", finished, rollout_id=rollout, group_id=rollout, trajectory_id=rollout,
                 session_id=rollout)
 

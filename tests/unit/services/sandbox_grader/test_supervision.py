@@ -44,8 +44,8 @@ must not be part of."""
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 def test_the_grader_exits_non_zero_when_its_enqueuer_dies(monkeypatch, redis_url, run_id, tmp_path):
     grader_settings(monkeypatch, redis_url, run_id, tmp_path)
-    result = subprocess.run([sys.executable, "-c", GRADER_WITH_A_BROKEN_ENQUEUER], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-c", GRADER_WITH_A_BROKEN_ENQUEUER],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "enqueuer died" in result.stdout + result.stderr
 
@@ -55,7 +55,8 @@ def test_a_starting_grader_removes_the_workspaces_of_dead_work_horses_and_keeps_
     temp = tmp_path / "tmp"
     temp.mkdir()
     horses = [subprocess.Popen([sys.executable, "-c", MAKE_A_WORKSPACE_THEN_WAIT], text=True,
-                               env={**os.environ, "TMPDIR": str(temp)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                               env={**os.environ, "TMPDIR": str(temp)}, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE)
               for _ in range(2)]
     killed, running = horses
     try:

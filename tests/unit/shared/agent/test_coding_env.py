@@ -1,7 +1,8 @@
-"""rollstream.shared.agent.environments.coding against real bubblewrap and git: a coding episode on a small task repository,
-driven through the tools directly (create / execute / release with an Episode, no agent loop).
+"""rollstream.shared.agent.environments.coding against real bubblewrap and git: a coding episode on a small
+task repository, driven through the tools directly (create / execute / release with an Episode, no agent
+loop).
 
-    python -m pytest tests/unit/shared/agent/test_coding_env.py -q      (skipped where `bwrap` is not installed)
+    python -m pytest tests/unit/shared/agent/test_coding_env.py -q   (skipped where `bwrap` is not installed)
 
 Network tests only ever use this machine's loopback.
 """
@@ -57,7 +58,8 @@ def _make_source(as_git_repo: bool) -> Path:
     (path / "data.bin").write_bytes(bytes(range(256)))
     if as_git_repo:
         (path / ".gitignore").write_text("pkg/\n")
-        git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "init.defaultBranch=main"]
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c",
+               "init.defaultBranch=main"]
         for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "task baseline"]):
             subprocess.run(git + args, cwd=path, check=True, capture_output=True)
     return path

@@ -64,7 +64,8 @@ def test_hermes_malformed_calls_are_errors_and_well_formed_ones_still_count(body
             '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call> done')
     parsed = hermes.parse(text, turn=1)
     assert len(parsed.errors) == 1 and error in parsed.errors[0]
-    assert "calculator" in parsed.errors[0] or "arguments" in parsed.errors[0]  # an excerpt of what was written
+    # an excerpt of what was written
+    assert "calculator" in parsed.errors[0] or "arguments" in parsed.errors[0]
     assert parsed.calls == [ToolCall(id="call_1_0", name="calculator", arguments={"expression": "2+2"})]
     assert parsed.content == "First  then  done"
 
@@ -85,8 +86,9 @@ def test_long_malformed_calls_are_excerpted():
 
 # ------------------------------------------------------------------------------------ mistral
 def test_mistral_several_calls_with_text_around_them():
-    text = ('I will use the calculator. [TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "12+7"}}, '
-            '{"name": "calculator", "arguments": {"expression": "3*4"}}] Then I answer.')
+    text = ('I will use the calculator. [TOOL_CALLS] [{"name": "calculator", "arguments": '
+            '{"expression": "12+7"}}, {"name": "calculator", "arguments": {"expression": "3*4"}}] '
+            'Then I answer.')
     parsed = mistral.parse(text, turn=3)
     assert parsed.calls == [
         ToolCall(id="call_3_0", name="calculator", arguments={"expression": "12+7"}),
@@ -115,10 +117,12 @@ def test_mistral_malformed_elements_are_errors_and_the_others_still_count(elemen
 
 
 def test_mistral_malformed_json_is_an_error_and_not_content():
-    parsed = mistral.parse('Sure. [TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1+1"}', turn=0)
+    parsed = mistral.parse('Sure. [TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1+1"}',
+                           turn=0)
     assert parsed.calls == []
     assert parsed.content == "Sure."
-    assert len(parsed.errors) == 1 and "not valid JSON" in parsed.errors[0] and "calculator" in parsed.errors[0]
+    assert len(parsed.errors) == 1
+    assert "not valid JSON" in parsed.errors[0] and "calculator" in parsed.errors[0]
 
 
 def test_mistral_marker_with_no_calls_is_an_error():

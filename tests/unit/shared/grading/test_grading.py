@@ -1,6 +1,6 @@
 """rollstream.shared.grading on the fixture tasks (tests/fixtures/tasks) with the real bubblewrap backend.
 
-    python -m pytest tests/unit/shared/grading/test_grading.py -q      (skipped where `bwrap` is not installed)
+    python -m pytest tests/unit/shared/grading/test_grading.py -q   (skipped where `bwrap` is not installed)
 """
 
 from __future__ import annotations
@@ -177,8 +177,8 @@ def test_a_test_patch_that_cannot_be_used_is_the_tasks_infrastructure_error_not_
              "+++ b/tests/test_core.py\n@@ -1 +1 @@\n-a line the file does not have\n+anything\n")
     for test_patch, reason in (("not a patch at all\n", "the task's test_patch cannot be parsed"),
                                (stale, "the task's test_patch did not apply after restoring the test files")):
-        outcome = grade_swebench(dataclasses.replace(swe, test_patch=test_patch), reference_diff(swe, backend),
-                                 backend)
+        outcome = grade_swebench(dataclasses.replace(swe, test_patch=test_patch),
+                                 reference_diff(swe, backend), backend)
         assert outcome.infrastructure_error and outcome.score == 0, outcome
         assert outcome.reason.startswith(reason), outcome
 

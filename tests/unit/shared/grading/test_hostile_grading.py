@@ -74,8 +74,8 @@ def test_network_access_is_refused(backend, make_task):
     with host_listener() as (port, accepted):
         task = make_task(f"""python3 app.py && echo 1 > {REWARD} || echo 0 > {REWARD}\n""")
         diff = edit_diff(task.workspace, {"app.py": (
-            "import socket\ns = socket.create_connection(('127.0.0.1', %d), timeout=3)\n"
-            "print('CONNECTED')\n" % port)})
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
+            "print('CONNECTED')\n")})
         outcome = grade_harbor(task, diff, backend, LIMITS)
     assert outcome.score == 0 and not outcome.infrastructure_error, outcome
     assert "ConnectionRefusedError" in outcome.log and "CONNECTED" not in outcome.log
@@ -108,7 +108,7 @@ def test_disk_fill_is_stopped_by_the_file_size_limit(backend, make_task):
     outcome = grade_harbor(task, "", backend, LIMITS)
     after = shutil.disk_usage(tempfile.gettempdir()).free
     limit = LIMITS.max_file_size_mb * 1024 * 1024
-    assert "File size limit exceeded" in outcome.log or "size=%d" % limit in outcome.log, outcome.log
+    assert "File size limit exceeded" in outcome.log or f"size={limit}" in outcome.log, outcome.log
     size = int(outcome.log.split("size=")[1].split()[0])
     assert size <= limit
     assert before - after < limit + 64 * 1024 * 1024  # others share this disk: some slack
@@ -272,7 +272,8 @@ def test_the_answer_task_scores_an_honest_answer(backend, make_task):
     """The task the attacks below use: the right answer scores 1, and a wrong one 0."""
     for verify in (VERIFY_TXT, VERIFY_JSON):
         task = _answer_task(make_task, verify)
-        right = grade_harbor(task, edit_diff(task.workspace, {"solution.py": "def answer():\n    return 42\n"}),
+        right = grade_harbor(task,
+                             edit_diff(task.workspace, {"solution.py": "def answer():\n    return 42\n"}),
                              backend, LIMITS)
         assert (right.score, right.infrastructure_error) == (1.0, False), right
         wrong = grade_harbor(task, "", backend, LIMITS)

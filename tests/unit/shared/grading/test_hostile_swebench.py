@@ -118,7 +118,8 @@ def test_rewriting_a_test_file_before_pytest_collects_it(backend, swe):
              "atexit.register(_test.write_text, _real)\n")
     outcome = grade_swebench(task, edit_diff(swe.repo_dir, {CORE: _core_with(swe, forge)}), backend, LIMITS)
     assert (outcome.score, outcome.infrastructure_error) == (0, False), outcome
-    assert "test files were changed while the tests ran: ['tests/test_core.py']" in outcome.reason, outcome.reason
+    assert ("test files were changed while the tests ran: ['tests/test_core.py']"
+            in outcome.reason), outcome.reason
 
 
 def test_a_conftest_added_by_the_patch(backend, swe):
@@ -173,7 +174,8 @@ def test_writing_the_report_itself(backend, swe):
              "    for _dir in {os.environ.get('ROLLSTREAM_REPORT_DIR', ''), '/grader/report', '/tmp', '.'}:\n"
              "        try:\n"
              "            with open(os.path.join(_dir, 'report.json'), 'wb') as f:\n"
-             "                f.write(_body + b'\\n' + hmac.new(b'', _body, hashlib.sha256).hexdigest().encode())\n"
+             "                f.write(_body + b'\\n'"
+             " + hmac.new(b'', _body, hashlib.sha256).hexdigest().encode())\n"
              "        except OSError:\n            pass\n"
              "    os._exit(0)\n"
              "atexit.register(_forge)\n")

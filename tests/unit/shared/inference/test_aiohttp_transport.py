@@ -1,6 +1,6 @@
-"""The fleet client's transport (shared/inference/aiohttp_transport.py) against a real HTTP server on loopback:
-answers whole and streamed as they arrive, the request's headers and body as sent, each failure as the httpx
-error the fleet client handles, and idle connections dropped after their keep-alive expiry.
+"""The fleet client's transport (shared/inference/aiohttp_transport.py) against a real HTTP server on
+loopback: answers whole and streamed as they arrive, the request's headers and body as sent, each failure as
+the httpx error the fleet client handles, and idle connections dropped after their keep-alive expiry.
 
     python -m pytest tests/unit/shared/inference/test_aiohttp_transport.py -q
 """

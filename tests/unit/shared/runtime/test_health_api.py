@@ -40,7 +40,8 @@ def service(tmp_path: Path, **security: str):
            **{f"RS_SECURITY__{name.upper()}": value for name, value in security.items()}}
     log_path = tmp_path / f"service-{port}.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, "-c", SERVE], env=env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([sys.executable, "-c", SERVE], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -66,7 +67,8 @@ def bearer(token: str) -> dict[str, str]:
 def test_every_route_but_healthz_and_the_document_asks_for_the_token(tmp_path):
     with service(tmp_path, http_token=TOKEN) as base:
         assert httpx.get(f"{base}/healthz").status_code == 200
-        assert httpx.get(f"{base}/openapi.json").json()["paths"]["/metrics"]["get"]["security"] == [{"bearer": []}]
+        paths = httpx.get(f"{base}/openapi.json").json()["paths"]
+        assert paths["/metrics"]["get"]["security"] == [{"bearer": []}]
         for path in ("/metrics", "/metricsx", "/nowhere"):
             missing = httpx.get(f"{base}{path}")
             assert missing.status_code == 401 and missing.headers["WWW-Authenticate"].startswith("Bearer")
@@ -102,21 +104,24 @@ def test_schemathesis_finds_no_server_error_and_the_auth_the_document_promises(t
     har = tmp_path / "requests.har"
     with service(tmp_path, http_token=TOKEN) as base:
         run = subprocess.run(
-            [str(Path(sys.executable).with_name("schemathesis")), "run", f"{base}/openapi.json", "--checks", "all",
-             "--phases", "examples,coverage,fuzzing", "--mode", "all", "--max-examples", "200", "--seed", "1",
-             "--header", f"Authorization: Bearer {TOKEN}", "--report", "har", "--report-har-path", str(har),
-             "--workers", "1", "--warnings", "off", "--output-sanitize", "false"],  # the HAR keeps the headers sent
+            [str(Path(sys.executable).with_name("schemathesis")), "run", f"{base}/openapi.json",
+             "--checks", "all", "--phases", "examples,coverage,fuzzing", "--mode", "all", "--max-examples",
+             "200", "--seed", "1", "--header", f"Authorization: Bearer {TOKEN}", "--report", "har",
+             "--report-har-path", str(har),
+             # the HAR keeps the headers sent
+             "--workers", "1", "--warnings", "off", "--output-sanitize", "false"],
             capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)  # its cache goes there
         assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
         entries = json.loads(har.read_text())["log"]["entries"]
         statuses = Counter((e["request"]["method"], e["request"]["url"].removeprefix(base).split("?")[0],
                             e["response"]["status"]) for e in entries)
-        print(f"schemathesis: {len(entries)} requests; (method, path, status): {dict(sorted(statuses.items()))}")
+        print(f"schemathesis: {len(entries)} requests; "
+              f"(method, path, status): {dict(sorted(statuses.items()))}")
         assert not [key for key in statuses if key[2] >= 500]
 
         def auth_of(entry) -> str | None:
-            return next((h["value"] for h in entry["request"]["headers"] if h["name"].lower() == "authorization"),
-                        None)
+            return next((h["value"] for h in entry["request"]["headers"]
+                         if h["name"].lower() == "authorization"), None)
 
         for entry in entries:
             path = entry["request"]["url"].removeprefix(base).split("?")[0]

@@ -5,10 +5,10 @@ from rollstream.shared.runtime.storage import Storage, replace_dir
 
 
 def row(i: int) -> BatchRow:
-    return BatchRow(sample_index=i, trajectory_id=f"t{i}", rollout_id=f"r{i}", group_id="g", session_id=f"s{i}",
-                    segment_index=0, tokens=[1, 2, 3 + i], response_length=1, loss_mask=[0, 0, 1],
-                    rollout_logprobs=[0.0, 0.0, -0.25], turn_policy_versions=[2], status="completed", reward=1.0,
-                    advantage=0.5, metadata={"k": i})
+    return BatchRow(sample_index=i, trajectory_id=f"t{i}", rollout_id=f"r{i}", group_id="g",
+                    session_id=f"s{i}", segment_index=0, tokens=[1, 2, 3 + i], response_length=1,
+                    loss_mask=[0, 0, 1], rollout_logprobs=[0.0, 0.0, -0.25], turn_policy_versions=[2],
+                    status="completed", reward=1.0, advantage=0.5, metadata={"k": i})
 
 
 def test_batch_round_trip_and_no_temporary_files_left(tmp_path):

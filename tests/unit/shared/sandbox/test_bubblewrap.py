@@ -1,6 +1,6 @@
 """rollstream.shared.sandbox against real bubblewrap: isolation, limits and output capture.
 
-    python -m pytest tests/unit/shared/sandbox/test_bubblewrap.py -q      (skipped where `bwrap` is not installed)
+    python -m pytest tests/unit/shared/sandbox/test_bubblewrap.py -q  (skipped where `bwrap` is not installed)
 
 Network tests only ever use this machine's loopback.
 """
@@ -215,7 +215,8 @@ def test_address_space_reserved_beyond_the_memory_limit_is_no_memory(workspace):
     # fetch's HTTP parser has one), which an address-space limit refused, so no node agent could reach
     # its gateway session. The limit is on memory a process may write.
     reserve = _python("import mmap\n"
-                      "reserved = mmap.mmap(-1, 16 * 1024**3, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=0)\n"
+                      "reserved = mmap.mmap(-1, 16 * 1024**3, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,"
+                      " prot=0)\n"
                       "print('reserved')")
     result = run_in_sandbox(reserve, workspace, SandboxLimits(memory_mb=256))
     assert (result.exit_code, result.stdout) == (0, "reserved\n"), result.stderr
@@ -415,7 +416,8 @@ def test_processes_of_two_containers_get_different_sandbox_uids():
     """Containers share the host's uids but each numbers its processes from 1: the main processes of two
     (pid 1 in each) must not share a sandbox uid, or one's sandboxes use up the other's process limit."""
     show = ("import os; from rollstream.shared.sandbox import host_uids; "
-            "print(os.getpid(), host_uids.this_process_uids().start, host_uids.sees_every_process_of_its_uid())")
+            "print(os.getpid(), host_uids.this_process_uids().start,"
+            " host_uids.sees_every_process_of_its_uid())")
     seen = []
     for _ in range(2):
         out = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", show], capture_output=True,

@@ -22,7 +22,13 @@ from docker.types import LogConfig, Ulimit
 from rollstream.shared.errors import BackendUnavailable, SandboxError
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.sandbox.base import SandboxLimits
-from rollstream.shared.sandbox.docker import OWNER_LABEL, DockerBackend, directory_hash, owner_is_gone, process_owner
+from rollstream.shared.sandbox.docker import (
+    OWNER_LABEL,
+    DockerBackend,
+    directory_hash,
+    owner_is_gone,
+    process_owner,
+)
 
 LIMITS = SandboxLimits(wall_time_s=7, cpu_time_s=7, memory_mb=256, max_processes=32,
                        max_file_size_mb=16, max_open_files=128, max_output_bytes=1000,
@@ -89,8 +95,8 @@ def test_hardened_container_parameters(dirs):
     }
     # attached before the start: the output is read from its first byte, whatever follows
     assert [c[0] for c in container.method_calls[:2]] == ["attach", "start"]
-    assert container.attach.call_args.kwargs == {"stdout": True, "stderr": True, "stream": True, "logs": False,
-                                                 "demux": True}
+    assert container.attach.call_args.kwargs == {"stdout": True, "stderr": True, "stream": True,
+                                                 "logs": False, "demux": True}
     container.wait.assert_called_once_with(timeout=7)
     container.kill.assert_not_called()
     container.remove.assert_called_once_with(force=True)
@@ -232,7 +238,8 @@ def test_the_containers_of_given_processes_are_found_whether_they_run_or_not():
     host, namespace, _, _ = process_owner().split("/")
     client.containers.list.return_value = [
         mock.MagicMock(id=name, labels={OWNER_LABEL: owner})
-        for name, owner in (("ours", process_owner()), ("dead", dead), ("elsewhere", f"another-host/{namespace}/1/2"),
+        for name, owner in (("ours", process_owner()), ("dead", dead),
+                            ("elsewhere", f"another-host/{namespace}/1/2"),
                             ("other-namespace", f"{host}/1/{os.getpid()}/2"), ("unlabelled", "not an owner"))]
     dead_pid = int(dead.split("/")[2])
     assert DockerBackend(client=client).containers_of({os.getpid(), dead_pid}) == ["ours", "dead"]

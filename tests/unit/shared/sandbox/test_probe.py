@@ -15,7 +15,8 @@ from rollstream.shared.errors import BackendUnavailable
 from rollstream.shared.sandbox.backends import probe_sandbox
 from tests.support import BWRAP_NO_USERNS, break_bwrap, repair_bwrap, sandbox_bin_dir
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (`bwrap`) is not installed")
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="bubblewrap (`bwrap`) is not installed")
 
 
 @pytest.fixture

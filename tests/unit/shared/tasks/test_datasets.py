@@ -16,8 +16,8 @@ def write_jsonl(path, rows):
 def test_jsonl_rows_become_chat_prompts(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [
         {"prompt": "What is 2 + 2?", "label": 4},
-        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "answer": "hello",
-         "sandbox_check": "true", "metadata": {"k": 1}},
+        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+         "answer": "hello", "sandbox_check": "true", "metadata": {"k": 1}},
     ])
     rows = load_dataset(path)
     assert rows[0].messages == [{"role": "user", "content": "What is 2 + 2?"}]
@@ -33,8 +33,10 @@ def test_parquet_rows_load(tmp_path):
 
 
 def test_row_missing_its_prompt_is_named(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}, {"prompt": "ok"}, {"question": "where?", "label": 1}])
-    with pytest.raises(DatasetError, match=r"d\.jsonl row 2: missing 'prompt' \(columns present: label, question\)"):
+    path = write_jsonl(tmp_path / "d.jsonl",
+                       [{"prompt": "ok"}, {"prompt": "ok"}, {"question": "where?", "label": 1}])
+    with pytest.raises(DatasetError,
+                       match=r"d\.jsonl row 2: missing 'prompt' \(columns present: label, question\)"):
         load_dataset(path)
 
 

@@ -92,7 +92,8 @@ def run_verifier(task: Path, workspace: Path, logs: Path) -> str:
     return (logs / "reward.txt").read_text().strip()
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python3") is None, reason="needs bash, python3")
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python3") is None,
+                    reason="needs bash, python3")
 @pytest.mark.parametrize("name", ["fix-add", "three-functions"])
 def test_fixture_verifiers_score_the_start_0_and_the_solution_1(tmp_path, name):
     task = HARBOR / name
@@ -102,14 +103,16 @@ def test_fixture_verifiers_score_the_start_0_and_the_solution_1(tmp_path, name):
     assert run_verifier(task, workspace, tmp_path / "logs") == "1"
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python3") is None, reason="needs bash, python3")
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python3") is None,
+                    reason="needs bash, python3")
 def test_three_functions_gives_partial_credit(tmp_path):
     task = HARBOR / "three-functions"
     workspace = Path(shutil.copytree(task / "environment" / "workspace", tmp_path / "ws"))
     source = workspace / "textutils.py"
     source.write_text(source.read_text().replace('if ch in "aeiou")', 'if ch.lower() in "aeiou")'))
     assert run_verifier(task, workspace, tmp_path / "logs") == "0.3333"
-    source.write_text(source.read_text().replace('" ".join(sentence.split())', '" ".join(sentence.split()[::-1])'))
+    source.write_text(source.read_text().replace('" ".join(sentence.split())',
+                                                 '" ".join(sentence.split()[::-1])'))
     assert run_verifier(task, workspace, tmp_path / "logs") == "0.6667"
 
 
@@ -206,7 +209,8 @@ def test_exact_message_for_a_string_timeout(task_dir):
     (task_dir / "task.toml").write_text('[verifier]\ntimeout_sec = "abc"\n')
     with pytest.raises(TaskError) as info:
         load_harbor_task(task_dir)
-    assert str(info.value) == f"{task_dir}/task.toml: [verifier] timeout_sec must be a positive number, got 'abc'"
+    assert str(info.value) == (f"{task_dir}/task.toml: [verifier] timeout_sec must be a positive number, "
+                               "got 'abc'")
 
 
 @pytest.mark.parametrize("toml, message", [
