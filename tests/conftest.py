@@ -3,8 +3,8 @@ Valkey) and a fresh run namespace per test, deleted afterwards.
 
 With RS_TEST_REQUIRE_INFRA=1 (CI sets it) a test skipped for missing infrastructure (no Redis, no Docker
 engine, no bubblewrap, no vLLM, no tiny model, no agent CLI) fails instead: a machine whose Redis or engine
-broke must not pass with mass skips. Only a skip that says it does not apply (tests.support.skip_does_not_apply)
-stays a skip."""
+broke must not pass with mass skips. Only a skip that says it does not apply
+(tests.support.skip_does_not_apply) stays a skip."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def _fail_a_skip_for_missing_infrastructure(report) -> None:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (`make test` runs two workers) a module's tests stay on one worker, so that its module
-    fixtures (a local run, a vLLM server) run once; the modules that use one of the integration tests' shared
-    fixtures (tests/integration/conftest.py) stay on one worker together, so that it starts once.
+    """Under pytest-xdist (`make test` runs two workers) a module's tests stay on one worker, so that its
+    module fixtures (a local run, a vLLM server) run once; the modules that use one of the integration tests'
+    shared fixtures (tests/integration/conftest.py) stay on one worker together, so that it starts once.
 
     Modules are handed out in collection order (e2e, integration, unit), not xdist's default of most tests
     first: that would start the long runs, whose modules hold few tests, last, and leave one worker running
@@ -109,15 +109,17 @@ def machine_redis_url():
 
 @pytest.fixture
 def redis_url(machine_redis_url):
-    """The machine's Redis. The stream primitives' tests (tests/unit/shared/contract) run on an embedded Valkey
-    too, where the two could differ; every local run (integration tests) runs on Valkey (the embedded Redis)."""
+    """The machine's Redis. The stream primitives' tests (tests/unit/shared/contract) run on an embedded
+    Valkey too, where the two could differ; every local run (integration tests) runs on Valkey (the embedded
+    Redis)."""
     return machine_redis_url
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    """The tiny Llama of seed 0 that `make setup` builds (models/tiny-llama): the same bytes build_tiny_model(seed=0)
-    writes, built once instead of in every test module. Read-only: a test that changes weights writes elsewhere."""
+    """The tiny Llama of seed 0 that `make setup` builds (models/tiny-llama): the same bytes
+    build_tiny_model(seed=0) writes, built once instead of in every test module. Read-only: a test that
+    changes weights writes elsewhere."""
     from tests.support import MODELS
 
     model = MODELS / "tiny-llama"
@@ -156,5 +158,6 @@ def docker_engine():
     try:
         client.images.get(DEFAULT_IMAGE)
     except ImageNotFound:
-        pytest.skip(f"the Docker engine has no {DEFAULT_IMAGE} image: build it offline with compose/build-offline-base.sh")
+        pytest.skip(f"the Docker engine has no {DEFAULT_IMAGE} image: build it offline with "
+                    "compose/build-offline-base.sh")
     return client

@@ -62,8 +62,8 @@ SETTINGS = {
 }
 ARITHMETIC_ROWS = 15
 BLACKBOX_ROW = 1
-"""The dataset: the Harbor task's row at this index among the arithmetic rows; the dispatcher issues the rows in
-order, one group each, round and round: groups 1 and 17 of the run's 32 are black-box episodes."""
+"""The dataset: the Harbor task's row at this index among the arithmetic rows; the dispatcher issues the rows
+in order, one group each, round and round: groups 1 and 17 of the run's 32 are black-box episodes."""
 BLACKBOX_BUDGET_S = 120
 HEALTHZ = ("import urllib.request; "
            "print(urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=3).read().decode())")
@@ -144,7 +144,8 @@ class Stack:
         from rollstream.shared.contract.bus import Bus
 
         host_port = self.compose("port", "redis", "6379").stdout.strip()
-        return Bus.connect(f"redis://admin:{self.passwords['RS_REDIS_PASSWORD_ADMIN']}@{host_port}/0", self.run_id)
+        return Bus.connect(f"redis://admin:{self.passwords['RS_REDIS_PASSWORD_ADMIN']}@{host_port}/0",
+                           self.run_id)
 
     def report(self) -> dict:
         script = (REPO / "tests" / "e2e" / "run_report.py").read_text()
@@ -156,10 +157,10 @@ class Stack:
 
 
 def copy_built_models(folder):
-    """The models `make setup` built (tiny-llama, its warm-up), copied for the stack's `models` volume: the `model`
-    service finds them there and builds nothing, as on a deployment's second `up` (the build and the warm-up are
-    the same code, tested on their own in tests/unit/cli/model). A copy: nothing in the stack writes the
-    repository's."""
+    """The models `make setup` built (tiny-llama, its warm-up), copied for the stack's `models` volume: the
+    `model` service finds them there and builds nothing, as on a deployment's second `up` (the build and the
+    warm-up are the same code, tested on their own in tests/unit/cli/model). A copy: nothing in the stack
+    writes the repository's."""
     for name in ("tiny-llama", "tiny-llama-warm"):
         shutil.copytree(MODELS / name, folder / name)
     for path in (folder, *folder.rglob("*")):  # the containers' user reads them, whatever the umask
@@ -168,12 +169,13 @@ def copy_built_models(folder):
 
 
 def write_mounted_data(folder):
-    """The dataset (arithmetic rows, every 4th graded in the sandbox as the synthetic default is, and the Harbor
-    task's row for the black-box agent, its paths as the containers see the task) and the agent's runtime, in
-    a folder the containers' user can read."""
+    """The dataset (arithmetic rows, every 4th graded in the sandbox as the synthetic default is, and the
+    Harbor task's row for the black-box agent, its paths as the containers see the task) and the agent's
+    runtime, in a folder the containers' user can read."""
     folder.mkdir(mode=0o755)
-    rows = [{"prompt": row.messages, "label": row.label, "sandbox_check": row.sandbox_check, "tools": row.tools,
-             "metadata": row.metadata} for row in arithmetic_dataset(ARITHMETIC_ROWS, seed=0, sandbox_every=4)]
+    rows = [{"prompt": row.messages, "label": row.label, "sandbox_check": row.sandbox_check,
+             "tools": row.tools, "metadata": row.metadata}
+            for row in arithmetic_dataset(ARITHMETIC_ROWS, seed=0, sandbox_every=4)]
     task = load_harbor_task(FIXTURES / "harbor" / "fix-add")
     row = task_prompt_row(task)
     metadata = json.loads(json.dumps(row.metadata).replace(str(task.path.parent), "/tasks/harbor"))
@@ -231,7 +233,8 @@ def crash_vllm_after_a_version(s: Stack, bus) -> dict:
         assert time.monotonic() < deadline, f"vLLM does not answer again after its crash\n{s.logs()}"
         time.sleep(2)
     crash["served"] = json.loads(out)["data"][0]["root"]
-    crash["starts"] = [record for record in map(_json_or_none, vllm.logs().decode(errors="replace").splitlines())
+    crash["starts"] = [record for record in map(_json_or_none,
+                                                vllm.logs().decode(errors="replace").splitlines())
                        if record and record.get("message") == "serving the newest policy"]
     return crash
 
@@ -410,7 +413,8 @@ def test_a_restarted_vllm_server_serves_the_newest_published_policy_not_the_star
     first, *_, restarted = crash["starts"]
     assert first["version"] == 0 and first["model"] == "/models/tiny-llama-warm"
     assert restarted["version"] >= crash["version"] >= 2
-    assert restarted["model"] == f"/data/runs/{stack['report']['run_id']}/checkpoints/v{restarted['version']:05d}"
+    run_id = stack["report"]["run_id"]
+    assert restarted["model"] == f"/data/runs/{run_id}/checkpoints/v{restarted['version']:05d}"
     assert crash["served"] == restarted["model"]
 
 
@@ -428,8 +432,8 @@ def test_no_container_the_test_did_not_crash_was_restarted(stack):
 
 
 def test_no_service_died(stack):
-    expected = {"redis", "vllm-cpu", "dispatcher", "gateway", "sandbox-grader", "reward", "trainer", "recorder",
-                "console"}
+    expected = {"redis", "vllm-cpu", "dispatcher", "gateway", "sandbox-grader", "reward",
+                "trainer", "recorder", "console"}
     statuses = {name.split("-", 1)[1].rsplit("-", 1)[0]: status for name, status in stack["services"].items()
                 if not name.split("-", 1)[1].startswith(("agent-runner", "model"))}
     assert set(statuses) == expected and set(statuses.values()) == {"running"}, statuses

@@ -29,11 +29,12 @@ METRICS_TOKEN = f"metrics-token-{uuid.uuid4().hex}"
 
 @contextmanager
 def run_as_deployed(root: Path, redis_url: str, model: Path) -> Iterator[dict]:
-    """A whole run (vLLM on the CPU, every service a process) of 3 policy versions on the machine's Redis, each
-    service as its own ACL user made from infra/redis-users.acl with its own password, the run itself as an
-    admin user, HTTP tokens on the services' routes. Two malformed entries are written into it (prompts,
+    """A whole run (vLLM on the CPU, every service a process) of 3 policy versions on the machine's Redis,
+    each service as its own ACL user made from infra/redis-users.acl with its own password, the run itself as
+    an admin user, HTTP tokens on the services' routes. Two malformed entries are written into it (prompts,
     batches). What it saw on the way is kept: the users connected, /healthz and /metrics with each token, what
-    it printed, the sandbox jobs RQ held, the probe's logprobs from vLLM and from the trainer's checkpoints."""
+    it printed, the sandbox jobs RQ held, the probe's logprobs from vLLM and from the trainer's
+    checkpoints."""
     admin = redis.Redis.from_url(redis_url, decode_responses=True)
     prefix = f"deployed-{uuid.uuid4().hex[:8]}-"
     passwords = {name: uuid.uuid4().hex for name in service_users()}
@@ -67,7 +68,8 @@ def run_as_deployed(root: Path, redis_url: str, model: Path) -> Iterator[dict]:
         result["denied"] = [entry for entry in admin.acl_log(count=10_000)
                             if str(entry.get("username", "")).startswith(prefix)]
         yield result
-        local.bus.delete_run()  # as the run's own user: deleting the users first would leave its client retrying
+        # as the run's own user: deleting the users first would leave its client retrying
+        local.bus.delete_run()
     except BaseException:
         print(local.log_tails())
         raise

@@ -132,7 +132,8 @@ def test_a_template_delta_equals_a_full_rerender_of_appended_messages(served):
 
     tokenizer = AutoTokenizer.from_pretrained(served[0])
     trajectory = TokenTrajectory(tokenizer, [{"role": "user", "content": "hi"}], [calculator.schema()])
-    answer = tokenizer.encode("ok", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    answer = (tokenizer.encode("ok", add_special_tokens=False)
+              + [tokenizer.convert_tokens_to_ids("<|im_end|>")])
     trajectory.append_sampled(answer, [-0.5] * len(answer))
     trajectory.append_messages([{"role": "tool", "name": "calculator", "content": "5"}])
     assert trajectory.retokenization_mismatch() is None

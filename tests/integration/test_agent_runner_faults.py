@@ -35,7 +35,8 @@ def run(tmp_path_factory, machine_redis_url, tiny_model):
         model={"path": model}, data={"samples_per_prompt": GROUP, "synthetic_sandbox_every": 0},
         rollout={"max_tokens": 8, "concurrency": 4},
         agent={"default": "fanout_agents:slow_branches"},
-        train={"batch_size": BATCH, "total_versions": VERSIONS, "max_staleness": 1, "loss_aggregation": "rollout"},
+        train={"batch_size": BATCH, "total_versions": VERSIONS, "max_staleness": 1,
+               "loss_aggregation": "rollout"},
         bus={"reclaim_idle_ms": 3000},
     )
     mp = pytest.MonkeyPatch()
@@ -77,7 +78,8 @@ def rows_by_batch(local: LocalRun):
 
 def test_the_killed_replicas_episodes_were_finished_by_the_other(run):
     local = run["local"]
-    prompts = {d.entry_id: d.envelope.rollout_id for d in read_history(local.bus, "prompts", local.settings.storage_uri)
+    prompts = {d.entry_id: d.envelope.rollout_id
+               for d in read_history(local.bus, "prompts", local.settings.storage_uri)
                if isinstance(d.event, PromptIssued)}
     batched = {row.rollout_id for rows in rows_by_batch(local).values() for row in rows}
     assert run["held"] and {prompts[entry] for entry in run["held"]} <= batched
@@ -86,7 +88,8 @@ def test_the_killed_replicas_episodes_were_finished_by_the_other(run):
 
 def test_no_sample_lost_and_none_batched_twice(run):
     local = run["local"]
-    dispatched = [d.envelope.rollout_id for d in read_history(local.bus, "prompts", local.settings.storage_uri) if isinstance(d.event, PromptIssued)]
+    history = read_history(local.bus, "prompts", local.settings.storage_uri)
+    dispatched = [d.envelope.rollout_id for d in history if isinstance(d.event, PromptIssued)]
     rows = [row for rows in rows_by_batch(local).values() for row in rows]
     assert sorted({r.rollout_id for r in rows}) == sorted(dispatched)
     segments = Counter((r.rollout_id, r.segment_index) for r in rows)

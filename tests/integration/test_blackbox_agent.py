@@ -72,8 +72,8 @@ def run(tmp_path_factory, machine_redis_url):
     sandbox_python = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"],
                                     capture_output=True, text=True).stdout.strip()
     if sandbox_python != str(tuple(sys.version_info[:2])):
-        pytest.skip(f"the sandbox's python3 is {sandbox_python or 'missing'}, not {sys.version_info[:2]}: it cannot "
-                    "run mini from this virtualenv")
+        pytest.skip(f"the sandbox's python3 is {sandbox_python or 'missing'}, not {sys.version_info[:2]}: "
+                    "it cannot run mini from this virtualenv")
     root = tmp_path_factory.mktemp("blackbox")
     settings = Settings(
         run_id=f"bb-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url, storage_uri=str(root / "runs"),

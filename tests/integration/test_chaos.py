@@ -42,7 +42,8 @@ def chaos(tmp_path_factory, tiny_model):
 
 def test_every_part_was_hit_and_restarted(chaos):
     injected = {f"{f.kind} {f.target}" for f in chaos.faults if f.done}
-    for process in ("dispatcher", "agent-runner-1", "agent-runner-2", "sandbox-grader", "reward", "trainer", "recorder"):
+    for process in ("dispatcher", "agent-runner-1", "agent-runner-2", "sandbox-grader", "reward",
+                    "trainer", "recorder"):
         assert f"crash {process}" in injected
         assert chaos.summary["restarts"].get(process, 0) >= 1
     assert {"redis redis", "vllm vllm"} <= injected
@@ -61,8 +62,8 @@ def test_no_process_exited_but_those_the_harness_killed(chaos):
     unexpected = chaos.audit.unexpected_exits
     assert unexpected == [], "\n\n".join(seen.describe() for seen in unexpected)
     killed = {seen["process"] for seen in chaos.summary["exits"] if seen["injected"]}
-    assert {"dispatcher", "agent-runner-1", "agent-runner-2", "sandbox-grader", "reward", "trainer", "recorder",
-            "redis", "vllm"} <= killed
+    assert {"dispatcher", "agent-runner-1", "agent-runner-2", "sandbox-grader", "reward",
+            "trainer", "recorder", "redis", "vllm"} <= killed
 
 
 def test_the_drops_are_no_more_than_the_faults_explain(chaos):

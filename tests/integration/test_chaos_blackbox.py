@@ -1,10 +1,11 @@
-"""The short chaos run of black-box agents: a small agent of our own (tests/fixtures/agent-runtime, run unmodified by
-the agent-runner in the task's bubblewrap sandbox) talks to the model through the gateway, two replicas of it,
-on the Harbor task fix-add, while the harness SIGKILLs every gateway replica and agent-runner twice, each kill
-timed to land in the middle of an episode (an open gateway session records a turn). Real Redis, real vLLM
-on the CPU, every service as a process. Then the audit: every admitted rollout trained once or dropped with its
-cause, no more drops than the faults explain, no process exit but those the harness brought about, no agent
-process or container left, no gateway session open past its end (its deadline plus gateway.finish_grace_s).
+"""The short chaos run of black-box agents: a small agent of our own (tests/fixtures/agent-runtime, run
+unmodified by the agent-runner in the task's bubblewrap sandbox) talks to the model through the gateway, two
+replicas of it, on the Harbor task fix-add, while the harness SIGKILLs every gateway replica and agent-runner
+twice, each kill timed to land in the middle of an episode (an open gateway session records a turn). Real
+Redis, real vLLM on the CPU, every service as a process. Then the audit: every admitted rollout trained once
+or dropped with its cause, no more drops than the faults explain, no process exit but those the harness
+brought about, no agent process or container left, no gateway session open past its end (its deadline plus
+gateway.finish_grace_s).
 
 Only the black-box processes are killed, to keep it short: test_chaos.py kills everything else.
 """
@@ -49,7 +50,8 @@ def chaos(tmp_path_factory):
     dataset = root / "fix-add.jsonl"  # the Harbor task's row, with a shorter budget than its task.toml's
     dataset.write_text(json.dumps({"prompt": row.messages, "agent": "command",
                                    "metadata": {**row.metadata, "time_budget_s": BUDGET_S}}) + "\n")
-    runtime = Path(tempfile.mkdtemp(prefix="rs-chaos-agent-"))  # reachable by the sandbox's uid (tmp_path is not)
+    # reachable by the sandbox's uid (tmp_path is not)
+    runtime = Path(tempfile.mkdtemp(prefix="rs-chaos-agent-"))
     runtime.chmod(0o755)
     (runtime / "bin").mkdir(mode=0o755)
     shutil.copy(AGENT, runtime / "bin" / "chat-agent")

@@ -38,7 +38,12 @@ from rollstream.cli.local_run import LocalRun
 from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.shared.contract.batches import read_batch
 from rollstream.shared.contract.consumers import stream_groups
-from rollstream.shared.contract.events import GradeReported, TrajectoryFinished, TrajectorySegment, TrajectoryTurn
+from rollstream.shared.contract.events import (
+    GradeReported,
+    TrajectoryFinished,
+    TrajectorySegment,
+    TrajectoryTurn,
+)
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.tasks.harbor import load_harbor_task
@@ -97,10 +102,12 @@ def run(tmp_path_factory, machine_redis_url):
     row = task_prompt_row(load_harbor_task(TASK))
     dataset = root / "agents.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": row.messages, "agent": "command",
-                                           "metadata": {**row.metadata, "command": command, "coding_agent": name}}) + "\n"
+                                           "metadata": {**row.metadata, "command": command,
+                                                        "coding_agent": name}}) + "\n"
                                for name, command in AGENTS.items()))
     vllm = VllmServer(LONG_MODEL, free_port(), max_model_len=CONTEXT, log_path=root / "vllm.log",
-                      extra_args=["--logits-processors", "tests.integration.plugins.scripted_policy:ScriptedPolicy",
+                      extra_args=["--logits-processors",
+                                  "tests.integration.plugins.scripted_policy:ScriptedPolicy",
                                   # a seeded request whose prompt is prefilled in chunks kills vLLM 0.32's CPU
                                   # engine (its sampler rewinds the generator's offset, which CPU generators
                                   # lack): one chunk holds any prompt
@@ -112,7 +119,8 @@ def run(tmp_path_factory, machine_redis_url):
         data={"path": dataset, "samples_per_prompt": 1},
         rollout={"max_tokens": 256, "concurrency": len(AGENTS), "seed": SEED},
         # the CLIs reach the sandbox read-only at /opt/agent, on PATH there
-        agent={"default": "command", "command_time_budget_s": 600, "command_runtime_dir": AGENTS_BIN.parents[1]},
+        agent={"default": "command", "command_time_budget_s": 600,
+               "command_runtime_dir": AGENTS_BIN.parents[1]},
         train={"batch_size": len(AGENTS), "total_versions": 1, "max_staleness": 1},
         recorder={"enabled": False},
     )
@@ -164,7 +172,8 @@ def test_every_recorded_turn_is_what_vllm_samples_for_its_prompt_and_seed(run, a
     episode = episodes(run["local"])[agent]
     for segment in episode["segments"]:
         turns = [t for t in episode["turns"] if t.segment_index == segment.segment_index]
-        assert_turns_sampled_by_vllm(run["local"].settings, segment, turns, seed=segment.metadata["sampling_seed"])
+        assert_turns_sampled_by_vllm(run["local"].settings, segment, turns,
+                                     seed=segment.metadata["sampling_seed"])
 
 
 @pytest.mark.parametrize("agent", list(AGENTS))

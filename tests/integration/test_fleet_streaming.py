@@ -270,7 +270,8 @@ def gateways(served, proxies, tmp_path_factory, machine_redis_url):
     _, model_dir = served
     root = tmp_path_factory.mktemp("gateways")
     settings = Settings(run_id=f"gw-pair-{uuid.uuid4().hex[:8]}", redis_url=machine_redis_url,
-                        storage_uri=str(root / "runs"), model={"path": model_dir}, recorder={"enabled": False})
+                        storage_uri=str(root / "runs"), model={"path": model_dir},
+                        recorder={"enabled": False})
     with LocalRun(settings, services=("gateway",), replicas={"gateway": 2},
                   fleet_urls=[p.url for p in proxies]) as local:
         yield local
@@ -287,7 +288,8 @@ def open_session(gateway_url: str, **sampling) -> dict:
 def finish_and_read(local, gateway_url: str, session) -> list:
     response = httpx.post(f"{gateway_url}/v1/sessions/{session['session_id']}/finish", json={}, timeout=30)
     assert response.status_code == 200, response.text
-    return [d.event for d in local.bus.read_all("trajectories") if d.envelope.session_id == session["session_id"]]
+    return [d.event for d in local.bus.read_all("trajectories")
+            if d.envelope.session_id == session["session_id"]]
 
 
 def test_a_session_sticks_to_one_server_and_survives_the_gateway_replica_serving_it(gateways):
@@ -298,8 +300,8 @@ def test_a_session_sticks_to_one_server_and_survives_the_gateway_replica_serving
     messages = [{"role": "user", "content": "Count with me."}]
 
     def turn(gateway_url: str) -> None:
-        client = openai.OpenAI(base_url=f"{gateway_url}/s/{session['session_id']}/v1", api_key=session["api_key"],
-                               max_retries=0)
+        client = openai.OpenAI(base_url=f"{gateway_url}/s/{session['session_id']}/v1",
+                               api_key=session["api_key"], max_retries=0)
         answer = client.chat.completions.create(model="any", messages=messages).choices[0].message.content
         messages.extend([{"role": "assistant", "content": answer}, {"role": "user", "content": "Go on."}])
 
@@ -325,7 +327,8 @@ def test_a_server_lost_in_the_middle_of_a_streamed_answer_the_stream_completes_o
     session = open_session(gateway_url, max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
     client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
     cut = arm(proxies, events=5, session_id=session["session_id"])
-    stream = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Tell a story."}],
+    stream = client.chat.completions.create(model="any",
+                                            messages=[{"role": "user", "content": "Tell a story."}],
                                             stream=True, stream_options={"include_usage": True})
     usage = [chunk.usage for chunk in stream if chunk.usage]
     assert cut.cut_url is not None and [u.completion_tokens for u in usage] == [max_tokens]
@@ -336,7 +339,8 @@ def test_a_server_lost_in_the_middle_of_a_streamed_answer_the_stream_completes_o
     assert turn.server_url == survivor and len(turn.response_ids) == max_tokens
     prompt = turn.appended_ids
     scored = with_fleet(proxies, lambda fleet: fleet.prompt_logprobs(survivor, prompt + turn.response_ids))
-    # raw logprobs at temperature 1 on the same weights: a lost or repeated token would shift every one after it
+    # raw logprobs at temperature 1 on the same weights: a lost or repeated token would shift every one
+    # after it
     assert max(abs(a - b) for a, b in zip(turn.logprobs, scored[len(prompt) - 1:])) < TOL
 
 

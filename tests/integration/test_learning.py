@@ -53,7 +53,8 @@ def learning_run(tmp_path_factory, machine_redis_url, warm_model):
         model={"path": warm_model}, data={"synthetic_sandbox_every": 0},
         # A smaller step and a KL term to the start: at the defaults (3e-4, no KL) one run in three or four
         # collapsed mid-way to one wrong answer per prompt, which no advantage can leave (all rewards equal).
-        train={"total_versions": VERSIONS, "trackers": ["tensorboard"], "learning_rate": 1.5e-4, "kl_coef": 0.05},
+        train={"total_versions": VERSIONS, "trackers": ["tensorboard"], "learning_rate": 1.5e-4,
+               "kl_coef": 0.05},
     )
     with LocalRun(settings) as local:
         local.wait_for_version(VERSIONS, timeout_s=900)
@@ -77,7 +78,8 @@ def test_rl_raises_the_reward_by_a_clear_margin(learning_run, warm_model):
     final = Path([d.event for d in history(learning_run, "policy")][-1].checkpoint_uri)
     before, after = held_out_rewards(warm_model), held_out_rewards(final)
     z = welch_z(before, after)
-    print(f"held-out mean reward {statistics.fmean(before):.3f} -> {statistics.fmean(after):.3f}, z = {z:.1f}")
+    print(f"held-out mean reward {statistics.fmean(before):.3f} -> {statistics.fmean(after):.3f}, "
+          f"z = {z:.1f}")
     assert statistics.fmean(after) - statistics.fmean(before) >= 0.1
     assert z >= 3.0  # one-sided p < 0.0015
 

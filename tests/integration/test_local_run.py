@@ -160,8 +160,10 @@ def test_every_entry_of_every_stream_was_archived_and_the_live_streams_were_trim
     reader = ArchiveReader(local.settings.storage_uri, local.settings.run_id)
     # counted, not decoded: the garbage entries the fixture injected are archived as they were
     archived = {stream: sum(1 for _ in reader.entries(stream)) for stream in reader.streams()}
-    added = {s: int(local.bus.redis.xinfo_stream(local.bus.keys.stream(s))["entries-added"]) for s in archived}
-    assert archived == added and set(archived) >= {"prompts", "trajectories", "grades", "rewards", "batches", "policy"}
+    added = {s: int(local.bus.redis.xinfo_stream(local.bus.keys.stream(s))["entries-added"])
+             for s in archived}
+    assert archived == added
+    assert set(archived) >= {"prompts", "trajectories", "grades", "rewards", "batches", "policy"}
     live = sum(local.bus.redis.xlen(local.bus.keys.stream(s)) for s in archived)
     assert live < sum(added.values())  # the recorder trimmed behind the consumers
 
@@ -178,8 +180,10 @@ def replayed(source: Settings, suffix: str, **kwargs):
 
 @pytest.fixture(scope="module")
 def rescored(run):
-    """The recorded run's trajectories and grades replayed through a fresh reward service, from the archive."""
-    settings, result = replayed(run["local"].settings, "rescored", streams=("trajectories", "grades"), services=("reward",))
+    """The recorded run's trajectories and grades replayed through a fresh reward service, from the
+    archive."""
+    settings, result = replayed(run["local"].settings, "rescored", streams=("trajectories", "grades"),
+                                services=("reward",))
     yield settings, result
     Bus(run["local"].bus.redis, settings.run_id).delete_run()
 
@@ -225,7 +229,8 @@ def test_a_replay_regrades_finished_rollouts_in_a_new_order_to_the_same_batches(
     try:
         assert result.published == {"trajectories": result.published["trajectories"]}
         original = {d.envelope.rollout_id: d.event for d in events(local, "grades", GradeReported)}
-        regraded = {d.envelope.rollout_id: d.event for d in events(local, "grades", GradeReported, settings.run_id)}
+        regraded = {d.envelope.rollout_id: d.event
+                    for d in events(local, "grades", GradeReported, settings.run_id)}
         assert original and set(original) <= set(regraded)
         for rollout, grade in original.items():
             assert (regraded[rollout].score, regraded[rollout].passed, regraded[rollout].reason) == (
@@ -247,11 +252,14 @@ def test_a_replay_through_a_new_reward_function_needs_no_agent_or_vllm(run, tmp_
     try:
         assert result.services == ("reward", "recorder") and result.produced.get("batches", 0) >= 1
         finished = {d.envelope.rollout_id: d.event for d in events(local, "trajectories", TrajectoryFinished)}
-        new_rewards = {d.envelope.rollout_id: d for d in events(local, "rewards", RewardAssigned, new_settings.run_id)}
-        assert set(new_rewards) == set(finished)  # every finished rollout, sandbox-graded ones too, no grades needed
+        new_rewards = {d.envelope.rollout_id: d
+                       for d in events(local, "rewards", RewardAssigned, new_settings.run_id)}
+        # every finished rollout, sandbox-graded ones too, no grades needed
+        assert set(new_rewards) == set(finished)
         by_group = defaultdict(list)
         for rollout, delivery in new_rewards.items():
-            want = 0.0 if finished[rollout].status == "failed" else float(len(finished[rollout].response_text) % 5) / 4
+            response_text = finished[rollout].response_text
+            want = 0.0 if finished[rollout].status == "failed" else float(len(response_text) % 5) / 4
             assert delivery.event.reward == want
             by_group[delivery.envelope.group_id].append(delivery.event)
         for group in by_group.values():  # GRPO, recomputed here
@@ -259,7 +267,8 @@ def test_a_replay_through_a_new_reward_function_needs_no_agent_or_vllm(run, tmp_
             mean = sum(rewards) / len(rewards)
             std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
             for e in group:
-                assert e.advantage == pytest.approx(0.0 if std == 0 else (e.reward - mean) / (std + 1e-6), abs=1e-6)
+                assert e.advantage == pytest.approx(0.0 if std == 0 else (e.reward - mean) / (std + 1e-6),
+                                                    abs=1e-6)
         storage = Storage(local.settings.storage_uri)
         for batch in events(local, "batches", BatchReady, new_settings.run_id):
             for row in read_batch(storage, batch.event.uri):

@@ -108,16 +108,19 @@ def test_every_service_stayed_up_and_healthy(poisoned):
     assert poisoned["exit_codes"] == {name: 0 for name in poisoned["exit_codes"]}
 
 
-def test_the_run_reached_its_target_version_and_every_admitted_sample_is_in_exactly_one_trained_batch(poisoned):
+def test_the_run_reached_its_target_version_and_every_admitted_sample_is_in_exactly_one_trained_batch(
+        poisoned):
     report = poisoned["report"]
     run = report.run  # the run's own entries, the poison left out
     assert report.version >= VERSIONS
     assert run.admitted >= VERSIONS * GROUP
     assert run.lost == [] and run.duplicated == [] and run.admitted_twice == []
-    assert set(run.dropped) <= set(BATCHED_DROP_CAUSES), run.drop_reasons  # none dropped by the reward service
+    # none dropped by the reward service
+    assert set(run.dropped) <= set(BATCHED_DROP_CAUSES), run.drop_reasons
     assert run.trained + run.left_out_invalid + sum(run.dropped.values()) == run.admitted
     assert run.trainer_disagrees == []
-    assert run.batches_not_trained == [] and run.batches_dead_lettered == [] and run.batches_trained_twice == []
+    assert run.batches_not_trained == [] and run.batches_dead_lettered == []
+    assert run.batches_trained_twice == []
 
 
 def test_the_recorder_archived_every_entry_of_every_stream(poisoned):
@@ -125,7 +128,8 @@ def test_the_recorder_archived_every_entry_of_every_stream(poisoned):
     assert all(f.archived == f.tried for f in report.streams.values())
     reader = ArchiveReader(local.settings.storage_uri, local.settings.run_id)
     archived = {stream: sum(1 for _ in reader.entries(stream)) for stream in reader.streams()}
-    added = {s: int(local.bus.redis.xinfo_stream(local.bus.keys.stream(s))["entries-added"]) for s in archived}
+    added = {s: int(local.bus.redis.xinfo_stream(local.bus.keys.stream(s))["entries-added"])
+             for s in archived}
     assert archived == added and len(archived) == 7
 
 
@@ -133,9 +137,10 @@ def test_an_event_on_the_wrong_stream_is_dead_lettered_by_every_group(poisoned):
     assert missed(poisoned["report"]) == []
 
 
-@pytest.mark.xfail(strict=True, reason="events are not authenticated beyond Redis's ACL users (each service may write "
-                                       "its own streams only): a writer with a service's rights, as this fuzzer has, "
-                                       "can forge that service's events, and the reward service batches forged rollouts")
+@pytest.mark.xfail(strict=True,
+                   reason="events are not authenticated beyond Redis's ACL users (each service may write "
+                          "its own streams only): a writer with a service's rights, as this fuzzer has, "
+                          "can forge that service's events, and the reward service batches forged rollouts")
 def test_no_forged_sample_is_trained(poisoned):
     report = poisoned["report"]
     assert report.forged_trained == set() and report.forged_batched == set()

@@ -33,7 +33,8 @@ def leaks(run_dir: Path, printed: str, secrets: list[str]) -> list[str]:
     found = []
     for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
         data = path.read_bytes()
-        found += [f"{path.relative_to(run_dir)}: secret #{i}" for i, s in enumerate(secrets) if s.encode() in data]
+        found += [f"{path.relative_to(run_dir)}: secret #{i}"
+                  for i, s in enumerate(secrets) if s.encode() in data]
     found += [f"printed output: secret #{i}" for i, s in enumerate(secrets) if s in printed]
     return found
 
@@ -77,9 +78,9 @@ def test_sandbox_jobs_carry_no_redis_url(acl_run):
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 def test_the_local_run_works_with_a_password_on_its_embedded_redis(tmp_path):
     password = f"embedded-{uuid.uuid4().hex}"
-    settings = Settings(run_id=f"sec-{uuid.uuid4().hex[:8]}", redis_password=password, storage_uri=str(tmp_path),
-                        security={"http_token": HTTP_TOKEN}, data={"samples_per_prompt": 2},
-                        train={"batch_size": 4, "total_versions": 1})
+    settings = Settings(run_id=f"sec-{uuid.uuid4().hex[:8]}", redis_password=password,
+                        storage_uri=str(tmp_path), security={"http_token": HTTP_TOKEN},
+                        data={"samples_per_prompt": 2}, train={"batch_size": 4, "total_versions": 1})
     printed: list[str] = []
     local = LocalRun(settings, services=("dispatcher", "sandbox-grader", "reward", "recorder"))
     try:

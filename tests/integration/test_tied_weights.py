@@ -1,8 +1,8 @@
 """Weight sync of a model with tied word embeddings, on a real vLLM CPU server.
 
 A plain save_pretrained checkpoint of a tied model has no lm_head.weight, and vLLM's in-place reload
-then keeps the old output head (shared/inference/serving_weights.py explains why); write_serving_checkpoint adds
-an explicit head, and the server's logprobs follow the trained model exactly. One server for the module.
+then keeps the old output head (shared/inference/serving_weights.py explains why); write_serving_checkpoint
+adds an explicit head, and the server's logprobs follow the trained model exactly. One server for the module.
 
     python -m pytest tests/integration/test_tied_weights.py -q
 """
@@ -139,7 +139,8 @@ def served(base_dir, tmp_path_factory):
 # -- the checkpoint files (no server needed) ---------------------------------------------------------
 
 
-def test_serving_checkpoint_of_a_tied_model_has_an_explicit_head_and_loads_back_tied(base_dir, trained, tmp_path):
+def test_serving_checkpoint_of_a_tied_model_has_an_explicit_head_and_loads_back_tied(base_dir, trained,
+                                                                                     tmp_path):
     import torch
     from safetensors.torch import load_file
 
@@ -205,7 +206,8 @@ def test_sharded_checkpoint_gets_the_head_in_the_embedding_shard(trained, tmp_pa
 # -- real vLLM ----------------------------------------------------------------------------------------
 
 
-def test_weight_syncs_to_serving_checkpoints_match_the_trained_model(served, base_dir, trained, probe, tmp_path):
+def test_weight_syncs_to_serving_checkpoints_match_the_trained_model(served, base_dir, trained,
+                                                                     probe, tmp_path):
     base = load_model(base_dir)
     assert max_abs_diff(sync(served, write_serving_checkpoint(base, tmp_path / "v0", base_dir), probe),
                         transformers_prompt_logprobs(base, probe)) < TOL
@@ -216,13 +218,17 @@ def test_weight_syncs_to_serving_checkpoints_match_the_trained_model(served, bas
         want = transformers_prompt_logprobs(model, probe)
         checkpoint = write_serving_checkpoint(model, tmp_path / f"v{version}", tokenizer_source=base_dir)
         got = sync(served, checkpoint, probe)
-        print(f"\nv{version}: tied head, serving checkpoint: max |vLLM - transformers| = {max_abs_diff(got, want):.2e}")
+        print(f"\nv{version}: tied head, serving checkpoint: "
+              f"max |vLLM - transformers| = {max_abs_diff(got, want):.2e}")
         assert max_abs_diff(got, want) < TOL
-        assert max_abs_diff(want, transformers_prompt_logprobs(base, probe)) > 100 * TOL  # the step is visible
+        # the step is visible
+        assert max_abs_diff(want, transformers_prompt_logprobs(base, probe)) > 100 * TOL
 
         # sampling uses the same head: the behaviour logprobs of a generation agree too
         prompt = probe[:-3]
-        out = fleet_call(served, lambda f: f.complete(prompt, max_tokens=8, session_id=f"tied-{version}", seed=7))
+        session = f"tied-{version}"
+        out = fleet_call(served, lambda f, prompt=prompt, session=session:
+                         f.complete(prompt, max_tokens=8, session_id=session, seed=7))
         reference = transformers_prompt_logprobs(model, prompt + out.token_ids)
         assert max_abs_diff(out.logprobs, reference[len(prompt) - 1 :]) < TOL
 

@@ -169,7 +169,8 @@ def calm_run(recorded_batches, machine_redis_url):
 def test_kill_9_of_the_trainer_loses_and_repeats_no_batch(recorded_batches, calm_run, machine_redis_url):
     root, model, batches = recorded_batches
     calm, calm_weights, _, _ = calm_run
-    killed, killed_weights, kill_log, pending = train_run(root, model, batches, machine_redis_url, kills=KILLS, seed=1)
+    killed, killed_weights, kill_log, pending = train_run(root, model, batches, machine_redis_url,
+                                                          kills=KILLS, seed=1)
 
     assert len(kill_log) == KILLS
     for updates in (calm, killed):
