@@ -96,15 +96,19 @@ async def read_served_model(http: httpx.AsyncClient, url: str, model: str | None
         response = await http.get(f"{url}/v1/models", timeout=MODELS_TIMEOUT_S)
     except httpx.HTTPError as exc:
         raise ServerNotMet(f"{url} did not answer GET /v1/models: {type(exc).__name__}: {exc}") from exc
+    return served_model(model_cards(response, url), url, model, model_setting)
+
+
+def model_cards(response: httpx.Response, url: str) -> dict[str, dict[str, Any]]:
+    """The model cards of a GET /v1/models answer, by name; ServerNotMet when it holds none."""
     if response.status_code != 200:
         raise ServerNotMet(f"{url} answered GET /v1/models with HTTP {response.status_code}: "
                            f"{response.text[:300]}")
     try:
-        cards = {str(card["id"]): card for card in response.json()["data"] if isinstance(card, dict)}
+        return {str(card["id"]): card for card in response.json()["data"] if isinstance(card, dict)}
     except (ValueError, KeyError, TypeError) as exc:
         raise ServerNotMet(f"{url} answered GET /v1/models with no list of models: "
                            f"{response.text[:300]}") from exc
-    return served_model(cards, url, model, model_setting)
 
 
 def served_model(cards: dict[str, dict[str, Any]], url: str, model: str | None,
@@ -126,6 +130,21 @@ def served_model(cards: dict[str, dict[str, Any]], url: str, model: str | None,
         raise ServerNotMet(f"{url} does not report the context length of {name!r} on GET /v1/models "
                            f"(max_model_len: {length!r}); the fleet takes each server's context from there")
     return ServedModel(name=name, root=str(card.get("root") or ""), max_model_len=length)
+
+
+def check_context(url: str, group: ServerGroup, served: ServedModel) -> None:
+    """FleetSettingsError when the context `url` reports is shorter than its group's setting."""
+    setting = group.max_model_len
+    if setting is not None and setting > served.max_model_len:
+        raise FleetSettingsError(
+            f"{url} ({group.name}) serves {served.name!r} with a context of {served.max_model_len} "
+            f"tokens (its --max-model-len), shorter than {group.max_model_len_setting}, {setting}: set "
+            f"{group.max_model_len_setting} to {served.max_model_len} or less, or start the server with "
+            f"--max-model-len {setting}")
+    if setting is not None and setting < served.max_model_len:
+        log.info("a vLLM server holds a longer context than its setting; its turns may use it",
+                 extra={"server": url, "max_model_len": served.max_model_len,
+                        "setting": f"{group.max_model_len_setting}={setting}"})
 
 
 class FleetServers:
@@ -172,17 +191,7 @@ class FleetServers:
     def meet(self, url: str, served: ServedModel) -> None:
         """Records what `url` serves, once it agrees with its group's setting; FleetSettingsError if not."""
         group = self.group_of[url]
-        setting = group.max_model_len
-        if setting is not None and setting > served.max_model_len:
-            raise FleetSettingsError(
-                f"{url} ({group.name}) serves {served.name!r} with a context of {served.max_model_len} "
-                f"tokens (its --max-model-len), shorter than {group.max_model_len_setting}, {setting}: set "
-                f"{group.max_model_len_setting} to {served.max_model_len} or less, or start the server with "
-                f"--max-model-len {setting}")
-        if setting is not None and setting < served.max_model_len:
-            log.info("a vLLM server holds a longer context than its setting; its turns may use it",
-                     extra={"server": url, "max_model_len": served.max_model_len,
-                            "setting": f"{group.max_model_len_setting}={setting}"})
+        check_context(url, group, served)
         self.served[url] = served
         self.not_met.pop(url, None)
         self._hold_group_to_its_smallest_context(group)

@@ -11,11 +11,14 @@ A reward function (reward.function, `module:function`) asks one like this:
         return 1.0 if verdict.strip().lower().startswith("yes") else 0.0
 
 The group's servers are asked through their OpenAI-compatible Chat Completions, each call starting at the
-next server in turn; one that does not answer, or answers 5xx, is passed over for the next. When none
-answers, ModelGroupUnavailable: a reward function lets it through, and the reward service then leaves the
-event pending and tries again (bus.max_deliveries times, then the rollout is dropped with the error as its
-cause). A judge that cannot be reached never scores a rollout 0. An answer the group refused (4xx: a bad
-request) is ModelGroupRequestError.
+next server in turn; one that does not answer, or answers 5xx, is passed over for the next. Before its first
+call a server is asked what it serves (GET /v1/models, as the fleet client asks the policy's servers:
+fleet_servers.py): a group's served_name it does not serve, or a max_model_len longer than its context, is a
+FleetSettingsError that says how to fix it; one that does not say is passed over, and asked again at the
+next call. When none answers, ModelGroupUnavailable: a reward function lets it through, and the reward
+service then leaves the event pending and tries again (bus.max_deliveries times, then the rollout is
+dropped with the error as its cause). A judge that cannot be reached never scores a rollout 0. An answer the
+group refused (4xx: a bad request) is ModelGroupRequestError.
 
     python -m pytest tests/integration/test_vllm_fleet.py -q -k model_group
 """
@@ -30,6 +33,14 @@ from typing import Any
 import httpx
 
 from rollstream.shared.errors import RollstreamError
+from rollstream.shared.inference.fleet_servers import (
+    MODELS_TIMEOUT_S,
+    ServerGroup,
+    ServerNotMet,
+    check_context,
+    model_cards,
+    served_model,
+)
 from rollstream.shared.runtime.config import ServerGroupSettings, Settings
 
 
@@ -51,8 +62,12 @@ class ModelGroup:
         self.name = name
         self.served_name = group.served_name or name
         self.urls = [url.rstrip("/") for url in group.urls]
+        self.servers = ServerGroup(f"fleet.groups.{name}", tuple(self.urls), group.max_model_len,
+                                   f"fleet.groups.{name}.max_model_len")
         self.client = httpx.Client(timeout=group.request_timeout_s)
         self._next_first = itertools.count()  # next() on it is one C call: atomic between threads
+        self._met: set[str] = set()
+        """The servers that said what they serve, and agree with the group's settings."""
 
     def chat(self, messages: list[dict[str, Any]], *, max_tokens: int = 256, temperature: float = 0.0,
              **sampling: Any) -> str:
@@ -72,7 +87,12 @@ class ModelGroup:
         failures = []
         for url in self.urls[first:] + self.urls[:first]:
             try:
+                if url not in self._met:
+                    self._meet(url)
                 response = self.client.post(url + path, json=body)
+            except ServerNotMet as exc:
+                failures.append(str(exc))
+                continue
             except httpx.HTTPError as exc:
                 failures.append(f"{url}: {type(exc).__name__}: {exc}")
                 continue
@@ -85,6 +105,19 @@ class ModelGroup:
             return response.json()
         raise ModelGroupUnavailable(f"no server of model group {self.name!r} answered: "
                                     + "; ".join(failures))
+
+
+    def _meet(self, url: str) -> None:
+        """Reads what `url` serves; FleetSettingsError when it disagrees with the group's settings,
+        ServerNotMet when it does not say."""
+        try:
+            response = self.client.get(url + "/v1/models", timeout=MODELS_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            raise ServerNotMet(f"{url} did not answer GET /v1/models: {type(exc).__name__}: {exc}") from exc
+        served = served_model(model_cards(response, url), url, self.served_name,
+                              f"fleet.groups.{self.name}.served_name")
+        check_context(url, self.servers, served)
+        self._met.add(url)
 
 
 _groups: dict[str, ModelGroup] = {}

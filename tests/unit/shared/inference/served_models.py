@@ -33,8 +33,8 @@ def answering_models(handler: Handler, max_model_len: int = 1024) -> Handler:
 
 
 class VllmLikeServer:
-    """Answers GET /v1/models with `models` (or the HTTP status `models_status`) and POST /v1/completions
-    with one token per request; counts the requests of each path."""
+    """Answers GET /v1/models with `models` (or the HTTP status `models_status`), POST /v1/completions with
+    one token per request and POST /v1/chat/completions with "yes"; counts the requests of each path."""
 
     def __init__(self, max_model_len: int = 1024, served_name: str = "tiny") -> None:
         self.models = models_body(served_name=served_name, max_model_len=max_model_len)
@@ -52,6 +52,9 @@ class VllmLikeServer:
             def do_POST(self) -> None:
                 server.requests[self.path] = server.requests.get(self.path, 0) + 1
                 self.rfile.read(int(self.headers["content-length"]))
+                if self.path == "/v1/chat/completions":
+                    message = {"role": "assistant", "content": "yes"}
+                    return self._answer(200, {"choices": [{"message": message}]})
                 choice = {"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}
                 self._answer(200, {"choices": [choice]})
 
