@@ -242,8 +242,19 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{host}"))
 
 
+_MARKDOWN_SPECIALS = str.maketrans({"|": r"\|", "<": "&lt;", ">": "&gt;", "*": r"\*"})
+
+
+def _markdown_cell(text: str) -> str:
+    """A description as one table cell: its code spans kept as written, the rest escaped, so that a `|` does
+    not end the cell, `<run_id>` is not taken for an HTML tag and `WANDB_*` does not start emphasis."""
+    pieces = text.split("`")
+    return "`".join(piece if inside_code else piece.translate(_MARKDOWN_SPECIALS)
+                    for piece, inside_code in zip(pieces, [False, True] * len(pieces)))
+
+
 def reference_markdown() -> str:
-    """The configuration reference as a Markdown table (for the README)."""
+    """The configuration reference as a Markdown table (docs/configuration.md)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
 
     def walk(model: type[BaseModel], prefix: str) -> None:
@@ -254,7 +265,7 @@ def reference_markdown() -> str:
                 continue
             default = field.default
             shown = json.dumps(default) if not isinstance(default, Path) else str(default)
-            meaning = " ".join((field.description or "").split())
+            meaning = _markdown_cell(" ".join((field.description or "").split()))
             rows.append(f"| `{prefix}{name.upper()}` | `{shown}` | {meaning} |")
 
     walk(Settings, "RS_")

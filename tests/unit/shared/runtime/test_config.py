@@ -62,6 +62,22 @@ def test_reference_lists_every_field_with_its_doc():
     assert "`RS_BUS__RECLAIM_IDLE_MS`" in table
 
 
+def test_every_row_of_the_reference_is_three_cells_whatever_its_description_holds():
+    """Unescaped, a `|` in a description would end its cell, `<run_id>` would vanish as an HTML tag and
+    `WANDB_*` would start emphasis."""
+    import re
+
+    rows = reference_markdown().splitlines()[2:]
+    unescaped_bar = re.compile(r"(?<!\\)\|")
+    assert all(len(unescaped_bar.findall(row)) == 4 for row in rows)
+    parity = next(row for row in rows if "RS_TRAIN__PARITY_TOLERANCE" in row)
+    assert r"Max \|vLLM - trainer\| prompt logprob" in parity
+    run_id = next(row for row in rows if row.startswith("| `RS_RUN_ID`"))
+    assert "rs:{&lt;run_id&gt;}:\\*" in run_id
+    bus_cluster = next(row for row in rows if "RS_BUS__CLUSTER" in row)
+    assert "`rs:{<run_id>}:...`" in bus_cluster, "a code span is kept as written"
+
+
 def test_the_configuration_pages_reference_is_current():
     page = (REPO / "docs" / "configuration.md").read_text()
     assert reference_markdown() in page, "regenerate its table: rollstream config --markdown"
