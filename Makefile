@@ -1,4 +1,4 @@
-# rollstream: the commands the README names.
+# rollstream: the commands the README and docs/getting-started.md name.
 #   make run     the local run (embedded Redis, vLLM on the CPU, every service); sets up only what it needs
 #   make test    the test suite (unit + integration: real Redis, real vLLM, real bubblewrap; e2e: compose
 #                on a real Docker engine when one answers); sets up what the tests need besides

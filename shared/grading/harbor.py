@@ -17,8 +17,8 @@ write one and then kill test.sh), and so does one that left processes running (o
 rewrite the reward after the verifier wrote it). A refused reward is a grade of 0 with the reason,
 never an infrastructure error. The reward is clamped to 0..1. What this cannot stop (the code under
 test making the tests pass wrongly, acting on the verifier's processes, which run as its user, or
-rewriting the reward from a process that exits before test.sh does) is in README.md, "Reward
-integrity in Harbor tasks".
+rewriting the reward from a process that exits before test.sh does) is in docs/tasks/reward-integrity.md,
+"Harbor tasks".
 
     python -m pytest tests/unit/shared/grading -q
 """

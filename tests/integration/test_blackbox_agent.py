@@ -12,7 +12,7 @@ mini's runtime is this project's virtualenv, mounted read-only at /opt/agent (ag
 its bin/python is a link to an interpreter outside the sandbox, so the sandbox's python3 (the host's
 /usr/bin/python3, of the same minor version) runs mini from the virtualenv's site-packages. A runtime made
 for the sandbox needs no such detour: `/usr/bin/python3 -m venv DIR && DIR/bin/pip install mini-swe-agent`,
-then `python -m minisweagent.run.mini` (README, "Black-box episodes").
+then `python -m minisweagent.run.mini` (docs/agents/black-box.md).
 
     pip install mini-swe-agent==2.4.6
     python -m pytest tests/integration/test_blackbox_agent.py -q

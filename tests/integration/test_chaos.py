@@ -2,7 +2,7 @@
 service process, a sandbox work-horse, Redis, the vLLM server, and an agent-runner paused past the
 reclaim timeout), then the audit from its streams and batch files: nothing lost, no segment twice, nothing
 left pending, the archive equal to Redis, no more drops than the faults explain, and no process exit but
-those the harness brought about. `rollstream chaos run` is the long version (README)."""
+those the harness brought about. `rollstream chaos run` is the long version (docs/operations/failures.md)."""
 
 from __future__ import annotations
 
