@@ -9,6 +9,10 @@ publishes GradeReported on `grades` (or GradingFailed when the sandbox could not
 FAILED_SWEEP_S it publishes GradingFailed for jobs RQ failed without running their failure callback, so
 that their groups do not wait for the reward service's grade timeout.
 
+Asked to stop (SIGTERM, SIGINT; SIGHUP and SIGQUIT as SIGTERM), it finishes the running job first (RQ's warm
+shutdown), unless Redis is gone: then it exits 1 within the runtime's bound, its work-horse and scheduler
+killed, what it held left pending for others to take up (GradingWorker).
+
 A process that can no longer do its job exits non-zero, so that it is restarted: when the enqueuer
 thread dies (the worker finishes its job first) or the worker quits on an error of its own. A work-horse
 killed mid-job (its job's timeout, or with its grader) leaves its grading workspace behind: at start the
@@ -31,6 +35,8 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import redis
 from prometheus_client import Counter, Gauge, Histogram
@@ -85,7 +91,25 @@ QUEUED = Gauge("rollstream_sandbox_grader_queued_jobs", "Grading jobs waiting in
 
 class GradingWorker(Worker):
     """RQ's worker, counting how each job ended: the job runs in a forked work-horse, whose own counters would
-    end with it, so the worker reads the job's end back from Redis."""
+    end with it, so the worker reads the job's end back from Redis.
+
+    Once work() starts, RQ's handler owns SIGTERM and SIGINT, and a stop request would no longer reach the
+    service runtime's: the worker keeps the handler it replaces (the runtime's, installed before the worker
+    is made) and RQ's stop passes the request on to it first. The runtime then marks the service stopping
+    and watches Redis: RQ's warm shutdown (the running job finished, or handed back) goes on while Redis
+    answers, and without Redis, which RQ's teardown would wait for for ever, the runtime ends the process
+    (see shared/runtime/service.py)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.runtime_stop = signal.getsignal(signal.SIGTERM)
+        if not callable(self.runtime_stop):
+            raise RuntimeError("GradingWorker is made after the ServiceRuntime, whose SIGTERM handler it "
+                               f"passes stop requests on to; SIGTERM's handler is {self.runtime_stop!r}")
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.runtime_stop(signum, frame)
+        super().request_stop(signum, frame)
 
     def execute_job(self, job: Job, queue: Queue):
         started = time.monotonic()
@@ -285,7 +309,8 @@ def main() -> None:
     enqueuer_thread = threading.Thread(target=enqueuer.run_until_stopped, args=(worker,), name="enqueuer",
                                        daemon=True)
     enqueuer_thread.start()
-    # The worker owns SIGTERM from here on (warm shutdown: it finishes the running job).
+    # The worker owns SIGTERM from here on (warm shutdown: it finishes the running job), and passes a stop
+    # request on to the runtime (GradingWorker.request_stop).
     # The scheduler moves retries with a back-off interval back onto the queue when they are due.
     worker.work(with_scheduler=True)
     # set by the worker's SIGTERM/SIGINT handler (RQ has no public flag for it)
