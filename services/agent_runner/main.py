@@ -281,6 +281,10 @@ async def serve(settings: Settings, runtime: ServiceRuntime) -> None:
     await asyncio.to_thread(remove_orphaned_containers, settings)
     tokenizer = AutoTokenizer.from_pretrained(settings.model.path)
     fleet = FleetClient.for_run(settings)
+    # a setting that disagrees with a server (its /v1/models) stops the replica here, not at its first episode
+    not_met = await fleet.meet_servers()
+    runtime.log.info("the vLLM servers say what they serve",
+                     extra={"contexts": fleet.contexts, "not_answering": sorted(not_met)})
     replica = Replica(settings, runtime, bus, fleet, EpisodeRunner(settings, bus, fleet, tokenizer))
     heartbeat = asyncio.create_task(replica.keep_claims_fresh())
     await replica.take_prompts()
