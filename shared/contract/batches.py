@@ -77,7 +77,8 @@ def read_batch(storage: Storage, path: str) -> list[BatchRow]:
     table = storage.read_table(path)
     if not table.schema.equals(SCHEMA):
         raise ValueError(f"{path}: batch schema differs from this code's: {table.schema}")
-    return [BatchRow(**{**record, "metadata": json.loads(record["metadata"])}) for record in table.to_pylist()]
+    return [BatchRow(**{**record, "metadata": json.loads(record["metadata"])})
+            for record in table.to_pylist()]
 
 
 TRAINER_LOGPROBS_SCHEMA = pa.schema([

@@ -38,13 +38,14 @@ class ConsumerGroup:
 
 CONSUMER_GROUPS: dict[str, ConsumerGroup] = {group.name: group for group in (
     ConsumerGroup("agent-runner", ("prompts",),
-                  "runs each admitted sample's episode (PromptIssued); a replica that dies leaves its prompts "
-                  "to be reclaimed by the others"),
+                  "runs each admitted sample's episode (PromptIssued); a replica that dies leaves its "
+                  "prompts to be reclaimed by the others"),
     ConsumerGroup("sandbox-grader", ("trajectories",),
-                  "queues a sandbox grading job for each TrajectoryFinished whose task is graded in a sandbox"),
+                  "queues a sandbox grading job for each TrajectoryFinished whose task is graded "
+                  "in a sandbox"),
     ConsumerGroup("reward", ("grades", "trajectories", "dead"),
-                  "joins each rollout's segments and finish with its grade, or drops it for a grading failure "
-                  "or a dead-lettered event of it; scores complete groups and writes batches"),
+                  "joins each rollout's segments and finish with its grade, or drops it for a grading "
+                  "failure or a dead-lettered event of it; scores complete groups and writes batches"),
     ConsumerGroup("trainer", ("batches",), "trains each BatchReady once, in order, and publishes the policy"),
 )}
 """Every consumer group of the pipeline, by service."""
@@ -70,5 +71,6 @@ def groups_reading(stream: StreamName) -> tuple[str, ...]:
 
 
 def unconsumed_streams() -> tuple[StreamName, ...]:
-    """The streams no consumer group reads, in STREAMS order: `rewards` and `policy`, kept for people and audits."""
+    """The streams no consumer group reads, in STREAMS order: `rewards` and `policy`, kept for people and
+    audits."""
     return tuple(stream for stream in STREAMS if not groups_reading(stream))

@@ -1,8 +1,8 @@
 """A finished rollout as events: what an agent-runner episode and a finished gateway session both publish.
 
-A rollout is one or more `Segment`s (trainable samples, each with the turns and tool calls that made it) and how
-it ended (`RolloutFinish`). `publish_rollout` queues its events on `trajectories`: TrajectoryStarted; for each
-segment a TrajectoryTurn per generation, a TrajectoryTool per tool call, then its TrajectorySegment; then
+A rollout is one or more `Segment`s (trainable samples, each with the turns and tool calls that made it) and
+how it ended (`RolloutFinish`). `publish_rollout` queues its events on `trajectories`: TrajectoryStarted; for
+each segment a TrajectoryTurn per generation, a TrajectoryTool per tool call, then its TrajectorySegment; then
 TrajectoryFinished. They go on the caller's Redis transaction, so that they are published together or not at
 all: the agent-runner executes it before it acknowledges the prompt, the gateway in the transaction that
 finishes the session.
@@ -85,7 +85,8 @@ def publish_rollout(bus: Bus, pipe, ids: Mapping[str, str | None], grading: Samp
     prefix = f"{ids['rollout_id']}:{attempt}"
     sample = SampleGrading.of(grading)
     publish = functools.partial(bus.publish, "trajectories", pipe=pipe, **ids)
-    publish(TrajectoryStarted(sample_index=sample.sample_index, server_url=server_url), event_id=f"{prefix}:started")
+    publish(TrajectoryStarted(sample_index=sample.sample_index, server_url=server_url),
+            event_id=f"{prefix}:started")
     for index, segment in enumerate(segments):
         for number, turn in enumerate(segment.turns):
             publish(turn.model_copy(update={"turn": number, "segment_index": index}),
@@ -99,8 +100,8 @@ def publish_rollout(bus: Bus, pipe, ids: Mapping[str, str | None], grading: Samp
                                   response_text=segment.response_text, sample_index=sample.sample_index,
                                   group_size=sample.group_size, metadata={**metadata, **segment.metadata}),
                 event_id=f"{prefix}:segment:{index}")
-    publish(TrajectoryFinished(**dict(sample), status=finish.status, attempt=attempt, segment_count=len(segments),
-                               response_text=finish.response_text, reward=finish.reward,
-                               artifacts=dict(finish.artifacts), error=finish.error),
+    publish(TrajectoryFinished(**dict(sample), status=finish.status, attempt=attempt,
+                               segment_count=len(segments), response_text=finish.response_text,
+                               reward=finish.reward, artifacts=dict(finish.artifacts), error=finish.error),
             event_id=f"{prefix}:finished")
     return attempt

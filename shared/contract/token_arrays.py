@@ -126,7 +126,7 @@ def _packed_array(dtype: str, kind: str):
         if not isinstance(value, (list, tuple, PackedArray)):
             # a ValueError: pydantic makes it a ValidationError, which a TypeError would not be
             found = type(value).__name__
-            raise ValueError(f"expected a list of {kind} or their packed bytes, not {found}")  # noqa: TRY004
+            raise ValueError(f"expected a list of {kind} or their packed bytes, not {found}")
         _bounded(len(value))
         return PackedArray(pack(value), item)
 

@@ -34,7 +34,7 @@ from rollstream.shared.contract.archive.reader import ArchivedEntry, ArchiveRead
 from rollstream.shared.contract.archive.trim import UNCONSUMED_STREAMS, trim_safe_id, trim_stream
 
 __all__ = [
-    "FORMAT_VERSION", "SCHEMA", "UNCONSUMED_STREAMS", "ArchivePart", "ArchiveReader", "ArchivedEntry", "RawEntry",
-    "StreamHistory", "archived_id", "as_text", "hour_of", "list_runs", "parse_id", "position_key", "read_history",
-    "trim_safe_id", "trim_stream",
+    "FORMAT_VERSION", "SCHEMA", "UNCONSUMED_STREAMS", "ArchivePart", "ArchiveReader", "ArchivedEntry",
+    "RawEntry", "StreamHistory", "archived_id", "as_text", "hour_of", "list_runs", "parse_id", "position_key",
+    "read_history", "trim_safe_id", "trim_stream",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pyarrow as pa
 
@@ -61,7 +61,7 @@ def next_id(entry_id: str) -> str:
 
 
 def hour_of(ms: int) -> str:
-    return datetime.fromtimestamp(ms // 1000, timezone.utc).strftime("%Y%m%d-%H")
+    return datetime.fromtimestamp(ms // 1000, UTC).strftime("%Y%m%d-%H")
 
 
 def as_text(value: bytes | str) -> str:

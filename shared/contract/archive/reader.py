@@ -92,7 +92,8 @@ def list_runs(storage_uri: str) -> list[str]:
     runs = []
     for info in infos:
         if info.type == pafs.FileType.Directory:
-            if storage.fs.get_file_info(storage.path(info.base_name, "archive")).type == pafs.FileType.Directory:
+            archive = storage.fs.get_file_info(storage.path(info.base_name, "archive"))
+            if archive.type == pafs.FileType.Directory:
                 runs.append(info.base_name)
     return sorted(runs)
 
@@ -107,7 +108,8 @@ class ArchiveReader:
         self.root = self.storage.path(run_id, "archive")
 
     def _all_parts(self) -> dict[StreamName, list[ArchivePart]]:
-        infos = self.storage.fs.get_file_info(pafs.FileSelector(self.root, recursive=True, allow_not_found=True))
+        infos = self.storage.fs.get_file_info(
+            pafs.FileSelector(self.root, recursive=True, allow_not_found=True))
         out: dict[StreamName, list[ArchivePart]] = {}
         prefix = self.root.rstrip("/") + "/"
         for info in infos:
@@ -117,12 +119,13 @@ class ArchiveReader:
             match = PART_NAME.match(info.base_name)
             if len(relative) != 3 or relative[0] not in STREAMS or not match:
                 raise ArchiveError(f"{info.path}: not an archive part (expected "
-                                   f"<stream>/<YYYYMMDD-HH>/part-<first id>-<last id>.parquet under {self.root})")
+                                   f"<stream>/<YYYYMMDD-HH>/part-<first id>-<last id>.parquet "
+                                   f"under {self.root})")
             stream, hour, _ = relative
             part = ArchivePart(stream, info.path, match[1], match[2])
             if part.first > part.last or hour_of(part.first[0]) != hour:
-                raise ArchiveError(f"{info.path}: its name does not fit its place (ids {part.first_id}..{part.last_id} "
-                                   f"under hour {hour})")
+                raise ArchiveError(f"{info.path}: its name does not fit its place "
+                                   f"(ids {part.first_id}..{part.last_id} under hour {hour})")
             out.setdefault(stream, []).append(part)
         for parts in out.values():
             parts.sort(key=lambda p: (p.first, p.last))
@@ -150,8 +153,10 @@ class ArchiveReader:
         for stream in wanted:
             check_stream(stream)
         bound = parse_id(after) if after else None
-        iterators = [self._stream_entries([p for p in found.get(stream, []) if bound is None or p.last > bound], bound)
-                     for stream in wanted]
+        iterators = [
+            self._stream_entries([p for p in found.get(stream, []) if bound is None or p.last > bound], bound)
+            for stream in wanted
+        ]
         if len(iterators) == 1:
             yield from iterators[0]
             return
@@ -165,11 +170,12 @@ class ArchiveReader:
         for stream in self.streams():
             counts[stream] = 0
             for entry in self.entries(stream):
-                entry.envelope
+                _ = entry.envelope  # decoding is the check: ArchiveError on the first entry that fails
                 counts[stream] += 1
         return counts
 
-    def _stream_entries(self, parts: list[ArchivePart], after: EntryKey | None = None) -> Iterator[ArchivedEntry]:
+    def _stream_entries(self, parts: list[ArchivePart],
+                        after: EntryKey | None = None) -> Iterator[ArchivedEntry]:
         # Only parts whose id ranges overlap (a flush redone after a crash) are read together, so
         # memory holds about one part however long the run.
         last: EntryKey | None = after
@@ -198,7 +204,8 @@ class ArchiveReader:
         if stream != part.stream:
             raise ArchiveError(f"{part.path}: holds entries of stream {stream!r}, not {part.stream!r}")
         missing = [f"{field.name} ({field.type})" for field in SCHEMA
-                   if field.name not in table.schema.names or table.schema.field(field.name).type != field.type]
+                   if field.name not in table.schema.names
+                   or table.schema.field(field.name).type != field.type]
         if missing:
             raise ArchiveError(f"{part.path}: missing or mistyped columns: {', '.join(missing)}")
         columns = {name: table.column(name).to_pylist() for name in SCHEMA.names}
@@ -207,12 +214,14 @@ class ArchiveReader:
         for i, entry_id in enumerate(columns["entry_id"]):
             key = (columns["ms"][i], columns["seq"][i])
             if entry_id is None or parse_id(entry_id) != key:
-                raise ArchiveError(f"{part.path} entry {entry_id}: id does not match its ms/seq columns {key}")
+                raise ArchiveError(f"{part.path} entry {entry_id}: "
+                                   f"id does not match its ms/seq columns {key}")
             if previous is not None and key <= previous:
                 raise ArchiveError(f"{part.path} entry {entry_id}: out of order after {format_id(previous)}")
             previous = key
-            out.append(ArchivedEntry(part.stream, entry_id, key[0], key[1], columns["type"][i], columns["v"][i],
-                                     columns["body"][i], dict(columns["extra"][i] or ()), part.path))
+            out.append(ArchivedEntry(part.stream, entry_id, key[0], key[1], columns["type"][i],
+                                     columns["v"][i], columns["body"][i], dict(columns["extra"][i] or ()),
+                                     part.path))
         if not out or out[0].entry_id != part.first_id or out[-1].entry_id != part.last_id:
             held = f"{out[0].entry_id}..{out[-1].entry_id}" if out else "no entries"
             raise ArchiveError(f"{part.path}: holds {held}, its name says {part.first_id}..{part.last_id}")
