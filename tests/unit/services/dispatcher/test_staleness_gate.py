@@ -33,12 +33,14 @@ def test_filtered_samples_give_their_admission_slots_back():
     assert gate.admits(8, 4, 0, filtered=4) and not gate.admits(12, 4, 0, filtered=4)
 
 
-def finish(bus, rollout_id: str, group_id: str, answer: str, sample_index: int, group_size: int) -> list[Delivery]:
+def finish(bus, rollout_id: str, group_id: str, answer: str, sample_index: int,
+           group_size: int) -> list[Delivery]:
     ids = dict(run_id=bus.keys.run_id, group_id=group_id, rollout_id=rollout_id, trajectory_id=rollout_id,
                session_id=rollout_id)
-    segment = TrajectorySegment(segment_index=0, attempt="a", tokens=[1, 2, 3], response_length=1, loss_mask=[0, 0, 1],
-                                rollout_logprobs=[0.0, 0.0, -0.5], turn_policy_versions=[0], status="completed",
-                                response_text=answer, sample_index=sample_index, group_size=group_size)
+    segment = TrajectorySegment(segment_index=0, attempt="a", tokens=[1, 2, 3], response_length=1,
+                                loss_mask=[0, 0, 1], rollout_logprobs=[0.0, 0.0, -0.5],
+                                turn_policy_versions=[0], status="completed", response_text=answer,
+                                sample_index=sample_index, group_size=group_size)
     finished = TrajectoryFinished(status="completed", attempt="a", segment_count=1, group_size=group_size,
                                   sample_index=sample_index, response_text=answer, label="7")
     return [Delivery("trajectories", "0-1", make_envelope(segment, **ids)),
@@ -52,8 +54,8 @@ def test_a_filtered_group_is_admitted_again_and_does_not_count_towards_the_run(b
     row = PromptRow(messages=[{"role": "user", "content": "What is 3 + 4?"}], label="7")
 
     def step(admitted: int) -> str:
-        return next_step(gate, admitted=admitted, filtered=filtered_samples(bus), group_size=n, policy_version=0,
-                         total=total)
+        return next_step(gate, admitted=admitted, filtered=filtered_samples(bus), group_size=n,
+                         policy_version=0, total=total)
 
     admitted = 0
     while step(admitted) == "admit":
@@ -65,7 +67,8 @@ def test_a_filtered_group_is_admitted_again_and_does_not_count_towards_the_run(b
     answers = ["7", "7", "7", "5"]  # the first group all right (no signal), the second mixed
     for delivery, answer in zip(prompts, answers):
         envelope = delivery.envelope
-        for event in finish(bus, envelope.rollout_id, envelope.group_id, answer, delivery.event.sample_index, n):
+        for event in finish(bus, envelope.rollout_id, envelope.group_id, answer,
+                            delivery.event.sample_index, n):
             group = book.record(event)
             if group:
                 book.complete_if_ready(group)
@@ -89,11 +92,14 @@ def test_the_gate_waits_while_unfiltered_samples_fill_it(bus):
 def test_an_admitted_sample_carries_the_rows_agent_tools_and_grading(bus):
     from rollstream.shared.tasks.rows import PromptRow
 
-    row = PromptRow(messages=[{"role": "user", "content": "What is 2 + 3?"}], label="5", sandbox_check="true",
-                    agent="tool_agent", tools=["calculator"], metadata={"task": "arithmetic"})
+    row = PromptRow(messages=[{"role": "user", "content": "What is 2 + 3?"}], label="5",
+                    sandbox_check="true", agent="tool_agent", tools=["calculator"],
+                    metadata={"task": "arithmetic"})
     admit_group(bus, row, group_index=0, first_sample=0, n=2, version=3)
     issued = [d.event for d in bus.read_all("prompts")]
     assert [p.sample_index for p in issued] == [0, 1]
     for prompt in issued:
-        assert (prompt.agent, prompt.tools, prompt.label, prompt.sandbox_check) == ("tool_agent", ["calculator"], "5", "true")
-        assert prompt.policy_version == 3 and prompt.group_size == 2 and prompt.metadata == {"task": "arithmetic"}
+        assert (prompt.agent, prompt.tools, prompt.label, prompt.sandbox_check) == (
+            "tool_agent", ["calculator"], "5", "true")
+        assert (prompt.policy_version == 3 and prompt.group_size == 2
+                and prompt.metadata == {"task": "arithmetic"})

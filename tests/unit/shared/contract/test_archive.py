@@ -6,10 +6,10 @@ import pytest
 
 from rollstream.services.recorder.archive_writer import ArchiveWriter
 from rollstream.shared.contract.archive import (
+    UNCONSUMED_STREAMS,
     ArchiveReader,
     archived_id,
     list_runs,
-    UNCONSUMED_STREAMS,
     trim_safe_id,
     trim_stream,
 )
@@ -121,9 +121,10 @@ def test_an_entry_this_code_cannot_decode_is_an_error_naming_file_and_entry(bus,
     (part,) = reader.parts("prompts")
 
     first, second = reader.entries("prompts")  # decoding is lazy: listing entries does not fail
-    assert first.envelope.event_id == decode(bus.redis.xrange(bus.keys.stream("prompts"), good, good)[0][1]).event_id
+    good_fields = bus.redis.xrange(bus.keys.stream("prompts"), good, good)[0][1]
+    assert first.envelope.event_id == decode(good_fields).event_id
     with pytest.raises(ArchiveError) as raised:
-        second.envelope
+        _ = second.envelope
     assert str(raised.value).startswith(f"{part.path} entry {bad}: ") and says in str(raised.value)
     with pytest.raises(ArchiveError, match=f"entry {bad}: "):
         reader.validate()
@@ -175,7 +176,8 @@ def test_a_consumed_stream_without_groups_is_never_trimmed(bus, tmp_path):
 
 
 @pytest.mark.parametrize("stream", UNCONSUMED_STREAMS)
-def test_a_stream_no_group_reads_is_trimmed_behind_the_archive_down_to_its_newest_entry(bus, tmp_path, stream):
+def test_a_stream_no_group_reads_is_trimmed_behind_the_archive_down_to_its_newest_entry(bus, tmp_path,
+                                                                                         stream):
     ids = [bus.publish(stream, prompt(i, group_size=2)) for i in range(5)]
     assert trim_stream(bus, stream) == 0  # nothing archived: everything stays
     writer = ArchiveWriter(Storage(str(tmp_path)), bus.keys.run_id)
@@ -183,11 +185,14 @@ def test_a_stream_no_group_reads_is_trimmed_behind_the_archive_down_to_its_newes
     assert trim_stream(bus, stream) == 2 and stream_ids(bus, stream) == ids[2:]
     assert trim_stream(bus, stream, require_archived=False) == 0  # without recording nothing else keeps them
     writer.archive_new(bus, stream, 100)
-    assert trim_stream(bus, stream) == 2 and stream_ids(bus, stream) == ids[4:]  # Bus.last still reads the newest
+    # Bus.last still reads the newest
+    assert trim_stream(bus, stream) == 2 and stream_ids(bus, stream) == ids[4:]
     assert bus.last(stream).entry_id == ids[4]
-    garbage = bus.redis.xadd(bus.keys.stream(stream), {"type": "PolicyUpdated", "v": "1", "body": b"\x00"}).decode()
+    garbage = bus.redis.xadd(bus.keys.stream(stream),
+                             {"type": "PolicyUpdated", "v": "1", "body": b"\x00"}).decode()
     writer.archive_new(bus, stream, 100)
-    assert trim_stream(bus, stream) == 0 and bus.last(stream).entry_id == ids[4]  # not trimmed away behind garbage
+    # not trimmed away behind garbage
+    assert trim_stream(bus, stream) == 0 and bus.last(stream).entry_id == ids[4]
     assert stream_ids(bus, stream) == [ids[4], garbage]
 
 

@@ -38,7 +38,8 @@ def test_a_group_is_named_after_its_service_and_says_what_it_reads_for():
 
 
 def test_asking_for_a_service_that_consumes_nothing_names_those_that_do():
-    with pytest.raises(ValueError, match="'dispatcher' reads no stream.*agent-runner, sandbox-grader, reward, trainer"):
+    with pytest.raises(ValueError,
+                       match="'dispatcher' reads no stream.*agent-runner, sandbox-grader, reward, trainer"):
         consumer_group("dispatcher")
 
 

@@ -37,7 +37,8 @@ class RestartableRedis:
     def start(self) -> None:
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always", "--save", "", *self.extra],
+             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always", "--save", "",
+             *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         for _ in range(100):

@@ -1,4 +1,5 @@
-"""Publishing a rollout on real Redis (and Valkey): the events and their ids, and one transaction for all of them.
+"""Publishing a rollout on real Redis (and Valkey): the events and their ids, and one transaction for all
+of them.
 
     python -m pytest tests/unit/shared/contract/test_rollouts.py -q
 """
@@ -20,35 +21,37 @@ from rollstream.shared.contract.events import (
 from rollstream.shared.contract.rollouts import RolloutFinish, Segment, publish_rollout
 
 IDS = {"trajectory_id": "t1", "rollout_id": "r1", "group_id": "g1", "session_id": "s1"}
-GRADING = SampleGrading(sample_index=2, group_size=4, label="5", reward_fn="exact_match", sandbox_check="true",
-                        grader={"kind": "harbor", "task_dir": "/tasks/t"})
+GRADING = SampleGrading(sample_index=2, group_size=4, label="5", reward_fn="exact_match",
+                        sandbox_check="true", grader={"kind": "harbor", "task_dir": "/tasks/t"})
 FINISH = RolloutFinish(status="completed", response_text="5", reward=1.0, artifacts={"diff": "d"}, error=None)
 
 
 def turn(number: int, segment_index: int, offset: int, appended: int) -> TrajectoryTurn:
-    return TrajectoryTurn(turn=number, segment_index=segment_index, offset=offset, appended_ids=[1] * appended,
-                          response_ids=[2], logprobs=[-0.5], policy_version=3, policy_version_end=3,
-                          finish_reason="stop", server_url="http://vllm")
+    return TrajectoryTurn(turn=number, segment_index=segment_index, offset=offset,
+                          appended_ids=[1] * appended, response_ids=[2], logprobs=[-0.5], policy_version=3,
+                          policy_version_end=3, finish_reason="stop", server_url="http://vllm")
 
 
 def segment(turns: list[TrajectoryTurn], tools: tuple[TrajectoryTool, ...] = (), **metadata) -> Segment:
     tokens = [t for each in turns for t in each.appended_ids + each.response_ids]
     mask = [m for each in turns for m in [0] * len(each.appended_ids) + [1]]
     return Segment(tokens=tokens, prompt_length=len(turns[0].appended_ids), loss_mask=mask,
-                   rollout_logprobs=[-0.5 if m else 0.0 for m in mask], turn_policy_versions=[3] * len(turns),
-                   status="completed", response_text="5", turns=turns, tools=list(tools), metadata=metadata)
+                   rollout_logprobs=[-0.5 if m else 0.0 for m in mask],
+                   turn_policy_versions=[3] * len(turns), status="completed", response_text="5", turns=turns,
+                   tools=list(tools), metadata=metadata)
 
 
 def two_segments() -> list[Segment]:
     call = TrajectoryTool(turn=0, call_id="call-a", name="calc", arguments={}, ok=True, content="5")
     # turns numbered as their producer liked: the events number them by their place in the rollout
-    return [segment([turn(5, 9, 2, 2), turn(6, 9, 4, 1)], [call], kept="segment's"), segment([turn(0, 0, 1, 1)])]
+    return [segment([turn(5, 9, 2, 2), turn(6, 9, 4, 1)], [call], kept="segment's"),
+            segment([turn(0, 0, 1, 1)])]
 
 
 def publish(bus, segments: list[Segment], pipe=None, grading=GRADING) -> tuple[str, object]:
     pipe = pipe or bus.redis.pipeline(transaction=True)
-    attempt = publish_rollout(bus, pipe, IDS, grading, segments, FINISH, metadata={"kept": "rollout's", "task": 1},
-                              server_url="http://vllm")
+    attempt = publish_rollout(bus, pipe, IDS, grading, segments, FINISH,
+                              metadata={"kept": "rollout's", "task": 1}, server_url="http://vllm")
     return attempt, pipe
 
 
@@ -58,15 +61,16 @@ def test_every_event_id_names_the_rollout_the_attempt_and_the_events_place(bus):
     published = bus.read_all("trajectories")
     prefix = f"r1:{attempt}"
     assert [d.envelope.event_id for d in published] == [
-        f"{prefix}:started", f"{prefix}:turn:0:0", f"{prefix}:turn:0:1", f"{prefix}:tool:0:call-a", f"{prefix}:segment:0",
-        f"{prefix}:turn:1:0", f"{prefix}:segment:1", f"{prefix}:finished"]
+        f"{prefix}:started", f"{prefix}:turn:0:0", f"{prefix}:turn:0:1", f"{prefix}:tool:0:call-a",
+        f"{prefix}:segment:0", f"{prefix}:turn:1:0", f"{prefix}:segment:1", f"{prefix}:finished"]
     assert all({name: getattr(d.envelope, name) for name in IDS} == IDS for d in published)
     turns = [d.event for d in published if isinstance(d.event, TrajectoryTurn)]
     assert [(t.segment_index, t.turn, t.offset) for t in turns] == [(0, 0, 2), (0, 1, 4), (1, 0, 1)]
     started, finished = published[0].event, published[-1].event
     assert started == TrajectoryStarted(sample_index=2, server_url="http://vllm")
-    assert finished == TrajectoryFinished(**dict(GRADING), status="completed", attempt=attempt, segment_count=2,
-                                          response_text="5", reward=1.0, artifacts={"diff": "d"})
+    assert finished == TrajectoryFinished(**dict(GRADING), status="completed", attempt=attempt,
+                                          segment_count=2, response_text="5", reward=1.0,
+                                          artifacts={"diff": "d"})
     segments = [d.event for d in published if isinstance(d.event, TrajectorySegment)]
     assert [(s.segment_index, s.attempt, s.sample_index, s.group_size) for s in segments] == [
         (0, attempt, 2, 4), (1, attempt, 2, 4)]
