@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from rollstream.services.trainer.ppo import make_micro_batches, policy_loss, sequence_logprobs, token_logprobs  # noqa: E402
-from rollstream.shared.contract.batches import BatchRow  # noqa: E402
-from rollstream.shared.runtime.config import TrainSettings  # noqa: E402
+from rollstream.services.trainer.ppo import make_micro_batches, policy_loss, sequence_logprobs, token_logprobs
+from rollstream.shared.contract.batches import BatchRow
+from rollstream.shared.runtime.config import TrainSettings
 
 # Three micro-batches per step, one of them with two rows and one row packing two samples.
 MICRO_BATCH_TOKENS = 40
@@ -52,11 +52,12 @@ def synthetic_rows(seed: int) -> list[BatchRow]:
         mask = [0] * (length - sampled) + [1] * sampled
         # Near the untrained model's own logprobs (about -log 352), so the importance weights stay sane.
         behaviour = (-5.9 + 0.6 * (torch.rand(length, generator=generator) - 0.5)).tolist()
-        rows.append(BatchRow(sample_index=index, trajectory_id=f"t-{rollout}", rollout_id=rollout, group_id="g0",
-                             session_id=f"s-{rollout}", segment_index=segment, tokens=tokens,
+        rows.append(BatchRow(sample_index=index, trajectory_id=f"t-{rollout}", rollout_id=rollout,
+                             group_id="g0", session_id=f"s-{rollout}", segment_index=segment, tokens=tokens,
                              response_length=sampled, loss_mask=mask,
                              rollout_logprobs=[value if m else 0.0 for value, m in zip(behaviour, mask)],
-                             turn_policy_versions=[0], status="completed", reward=advantage, advantage=advantage))
+                             turn_policy_versions=[0], status="completed", reward=advantage,
+                             advantage=advantage))
     return rows
 
 
@@ -73,8 +74,9 @@ def batch_loss(backend, micros, cfg: TrainSettings, *, grad: bool) -> float:
     return total
 
 
-def train_step(backend, rows: list[BatchRow], cfg: TrainSettings, *, micro_batch_tokens: int = MICRO_BATCH_TOKENS,
-               rank: int = 0, world_size: int = 1) -> dict[str, float]:
+def train_step(backend, rows: list[BatchRow], cfg: TrainSettings, *,
+               micro_batch_tokens: int = MICRO_BATCH_TOKENS, rank: int = 0,
+               world_size: int = 1) -> dict[str, float]:
     """One optimizer step on `rows` as the trainer takes it; the loss before and after the step (the
     same proximal logprobs both times, so the two losses differ only by the update). With several
     ranks, each takes every world_size-th micro-batch and reports the losses of its own."""
@@ -153,4 +155,5 @@ if __name__ == "__main__":
         result = main(spec)
     finally:
         leave_distributed()
-    Path(spec["result"].replace("{rank}", os.environ.get("RANK", "0"))).write_text(json.dumps(result, indent=2))
+    result_path = Path(spec["result"].replace("{rank}", os.environ.get("RANK", "0")))
+    result_path.write_text(json.dumps(result, indent=2))

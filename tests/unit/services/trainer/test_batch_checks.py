@@ -51,8 +51,8 @@ def trainer_reading(tmp_path):
 
 def announce(storage: Storage, batch_id: str, rows: list[BatchRow], **overrides) -> BatchReady:
     uri = write_batch(storage, "run", batch_id, rows)
-    fields = dict(batch_id=batch_id, uri=uri, sample_count=len(rows), group_ids=sorted({r.group_id for r in rows}),
-                  min_policy_version=0, mean_reward=1.0)
+    fields = dict(batch_id=batch_id, uri=uri, sample_count=len(rows),
+                  group_ids=sorted({r.group_id for r in rows}), min_policy_version=0, mean_reward=1.0)
     return BatchReady(**{**fields, **overrides})
 
 
@@ -64,7 +64,8 @@ def test_the_batch_announced_is_read(trainer_reading):
 
 def test_a_batch_whose_file_is_missing_or_no_batch_is_rejected_for_a_retry(trainer_reading, tmp_path):
     trainer, storage = trainer_reading
-    missing = announce(storage, "b-2", [row()]).model_copy(update={"uri": str(tmp_path / "gone" / "b-2.parquet")})
+    missing = announce(storage, "b-2", [row()]).model_copy(
+        update={"uri": str(tmp_path / "gone" / "b-2.parquet")})
     (tmp_path / "b-3.parquet").write_text("not parquet")
     not_parquet = missing.model_copy(update={"batch_id": "b-3", "uri": str(tmp_path / "b-3.parquet")})
     for batch, error in ((missing, "FileNotFoundError"), (not_parquet, "cannot read")):
@@ -89,8 +90,8 @@ def test_a_restart_resumes_from_the_trainers_own_last_update_not_a_forged_one(bu
     assert last_own_update(bus, trained) is None
 
     def update(version: int, batch_id: str) -> PolicyUpdated:
-        return PolicyUpdated(version=version, checkpoint_uri=f"/ckpt/v{version}", batch_id=batch_id, servers=[],
-                             parity_max_abs_diff=0.0, loss=0.0, trained_samples=1)
+        return PolicyUpdated(version=version, checkpoint_uri=f"/ckpt/v{version}", batch_id=batch_id,
+                             servers=[], parity_max_abs_diff=0.0, loss=0.0, trained_samples=1)
 
     for version in (1, 2):
         bus.publish("policy", update(version, f"b-{version}"))
@@ -101,14 +102,16 @@ def test_a_restart_resumes_from_the_trainers_own_last_update_not_a_forged_one(bu
     assert last_own_update(bus, trained).version == 2
 
 
-def test_a_restart_finds_its_own_last_update_in_the_archive_when_the_stream_kept_only_a_forged_one(bus, tmp_path):
+def test_a_restart_finds_its_own_last_update_in_the_archive_when_the_stream_kept_only_a_forged_one(
+        bus, tmp_path):
     from rollstream.shared.contract.archive import trim_stream
     from tests.support import archive_all
 
     trained = bus.keys.state("trainer", "trained-batches")
     for version in (1, 2):
-        bus.publish("policy", PolicyUpdated(version=version, checkpoint_uri=f"/ckpt/v{version}", batch_id=f"b-{version}",
-                                            servers=[], parity_max_abs_diff=0.0, loss=0.0, trained_samples=1))
+        bus.publish("policy", PolicyUpdated(version=version, checkpoint_uri=f"/ckpt/v{version}",
+                                            batch_id=f"b-{version}", servers=[], parity_max_abs_diff=0.0,
+                                            loss=0.0, trained_samples=1))
         bus.redis.sadd(trained, f"b-{version}")
     bus.publish("policy", PolicyUpdated(version=1_000_000, checkpoint_uri="/ckpt/forged", batch_id="b-forged",
                                         servers=[], parity_max_abs_diff=0.0, loss=0.0, trained_samples=1))

@@ -26,10 +26,10 @@ PAD = 0
 
 def row(rollout: str, tokens: list[int], mask: list[int], behaviour: list[float], advantage: float,
         segment: int = 0) -> BatchRow:
-    return BatchRow(sample_index=0, trajectory_id=rollout, rollout_id=rollout, group_id="g", session_id=rollout,
-                    segment_index=segment, tokens=tokens, response_length=sum(mask), loss_mask=mask,
-                    rollout_logprobs=behaviour, turn_policy_versions=[0], status="completed", reward=0.0,
-                    advantage=advantage)
+    return BatchRow(sample_index=0, trajectory_id=rollout, rollout_id=rollout, group_id="g",
+                    session_id=rollout, segment_index=segment, tokens=tokens, response_length=sum(mask),
+                    loss_mask=mask, rollout_logprobs=behaviour, turn_policy_versions=[0], status="completed",
+                    reward=0.0, advantage=advantage)
 
 
 class BigramModel(torch.nn.Module):
@@ -85,7 +85,8 @@ def reference(rows, current, proximal, reference_model, *, aggregation, clip_eps
         for t in range(1, len(r.tokens)):
             if not r.loss_mask[t]:
                 continue
-            weight = 1 / sampled if aggregation == "token" else 1 / (len(per_rollout) * per_rollout[r.rollout_id])
+            weight = (1 / sampled if aggregation == "token"
+                      else 1 / (len(per_rollout) * per_rollout[r.rollout_id]))
             new = current.logprob(r.tokens[t - 1], r.tokens[t])
             behaviour = r.rollout_logprobs[t]
             prox = proximal.logprob(r.tokens[t - 1], r.tokens[t]) if decoupled else behaviour
@@ -107,9 +108,9 @@ def reference(rows, current, proximal, reference_model, *, aggregation, clip_eps
             ratios.append(ratio)
             raw_weights.append(raw_weight)
             clipped += abs(ratio - 1) > clip_eps
-    return {"loss": loss, "kl": kl_total, "ratio_mean": sum(ratios) / sampled, "clip_fraction": clipped / sampled,
-            "importance_weight_mean": sum(raw_weights) / sampled, "importance_weight_max": max(raw_weights),
-            "capped_fraction": capped / sampled, "tokens": sampled}
+    return {"loss": loss, "kl": kl_total, "ratio_mean": sum(ratios) / sampled,
+            "clip_fraction": clipped / sampled, "importance_weight_mean": sum(raw_weights) / sampled,
+            "importance_weight_max": max(raw_weights), "capped_fraction": capped / sampled, "tokens": sampled}
 
 
 def accumulated(rows, micro_batches, current, proximal, reference_model, **loss_args):
@@ -125,7 +126,8 @@ def accumulated(rows, micro_batches, current, proximal, reference_model, **loss_
 
 
 @pytest.mark.parametrize("aggregation, decoupled, cap, kl_coef",
-                         list(itertools.product(["token", "rollout"], [True, False], [1.5, None], [0.0, 0.3])))
+                         list(itertools.product(["token", "rollout"], [True, False], [1.5, None],
+                                                [0.0, 0.3])))
 def test_loss_and_stats_match_the_reference(aggregation, decoupled, cap, kl_coef):
     current, proximal, reference_model = BigramModel(0), BigramModel(1, scale=0.9), BigramModel(2)
     drift = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(3))
@@ -144,8 +146,8 @@ def test_loss_and_stats_match_the_reference(aggregation, decoupled, cap, kl_coef
         assert 0 < expected["capped_fraction"] < 1
     assert loss.item() == pytest.approx(expected["loss"], abs=1e-5)
     assert stats["loss"] == pytest.approx(expected["loss"], abs=1e-5)
-    for key in ("ratio_mean", "clip_fraction", "importance_weight_mean", "importance_weight_max", "capped_fraction",
-                "tokens"):
+    for key in ("ratio_mean", "clip_fraction", "importance_weight_mean", "importance_weight_max",
+                "capped_fraction", "tokens"):
         assert stats[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
     if kl_coef:
         assert stats["kl"] == pytest.approx(expected["kl"], abs=1e-6) and stats["kl"] > 0
@@ -166,12 +168,14 @@ def test_rollout_aggregation_weighs_rollouts_equally_and_token_aggregation_token
 
 def test_on_policy_ppo_gradient_is_the_policy_gradient():
     model = BigramModel(0)
-    rows = [row("a", [1, 4, 2, 6], [0, 1, 1, 1], [0.0] * 4, 2.0), row("b", [3, 3, 5], [0, 1, 1], [0.0] * 3, -1.0)]
+    rows = [row("a", [1, 4, 2, 6], [0, 1, 1, 1], [0.0] * 4, 2.0),
+            row("b", [3, 3, 5], [0, 1, 1], [0.0] * 3, -1.0)]
     for r in rows:
         r.rollout_logprobs = [lp if m else 0.0 for lp, m in zip(model.row_logprobs(r.tokens), r.loss_mask)]
     (micro,) = make_micro_batches(rows, "token", 100, PAD, "cpu")
     logprobs = token_logprobs(model, micro)
-    loss, stats = policy_loss(logprobs, micro, clip_eps=0.2, decoupled=False, importance_weight_cap=None, kl_coef=0.0)
+    loss, stats = policy_loss(logprobs, micro, clip_eps=0.2, decoupled=False, importance_weight_cap=None,
+                              kl_coef=0.0)
     (grad,) = torch.autograd.grad(loss, model.table, retain_graph=True)
     vanilla = -(micro.weights * micro.advantages * logprobs).sum()
     (expected,) = torch.autograd.grad(vanilla, model.table)
@@ -190,7 +194,8 @@ def test_token_logprobs_restart_at_each_packed_sample():
     assert micro.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]
     logprobs = token_logprobs(model, micro)[1].tolist()
     assert logprobs[0] == 0 and logprobs[2] == 0  # no context at a sample's first token
-    assert logprobs[1] == pytest.approx(model.logprob(3, 5)) and logprobs[3] == pytest.approx(model.logprob(7, 8))
+    assert logprobs[1] == pytest.approx(model.logprob(3, 5))
+    assert logprobs[3] == pytest.approx(model.logprob(7, 8))
     assert token_logprobs(model, padded)[1, 2:].tolist() == [0, 0]
     (unscorable,) = make_micro_batches([row("a", [1, 4], [1, 1], [-1.0, -1.0], 1.0)], "token", 8, PAD, "cpu")
     assert unscorable.loss_mask.tolist() == [[0, 1]]  # a first token has no context to be scored in
@@ -241,8 +246,8 @@ def test_packed_samples_get_the_logprobs_they_get_alone(tiny_dir, attention):
             assert (logprobs[micro.tokens == PAD] == 0).all()
     assert found == len(rows)
     model.train()
-    assert sequence_logprobs(model, rows[2].tokens) == pytest.approx(alone[tuple(rows[2].tokens)][1:].tolist(),
-                                                                     abs=1e-5)
+    assert sequence_logprobs(model, rows[2].tokens) == pytest.approx(
+        alone[tuple(rows[2].tokens)][1:].tolist(), abs=1e-5)
     assert model.training
 
 
@@ -277,7 +282,8 @@ def test_rows_of_one_sample_take_no_mask_and_get_the_logprobs_they_get_alone(tin
     assert any((micro.tokens == PAD).any() for micro in micro_batches), "some row is padded"
     with torch.no_grad():
         alone = {tuple(r.tokens): unpacked_logprobs(model, r.tokens) for r in rows}
-        spans = [(micro, r, start, length) for micro in micro_batches for r, start, length in sample_spans(micro)]
+        spans = [(micro, r, start, length)
+                 for micro in micro_batches for r, start, length in sample_spans(micro)]
         assert len(spans) == len(rows)
         for micro, r, start, length in spans:
             logprobs = token_logprobs(model, micro)
@@ -314,7 +320,8 @@ def test_the_block_mask_is_what_keeps_packed_samples_apart(tiny_dir):
         leaky = copy.copy(micro)
         leaky.attention_mask = torch.ones(2, 1, 10, 10, dtype=torch.bool).tril()
         across = token_logprobs(model, leaky)
-    assert torch.allclose(packed[1, :6], across[1, :6], atol=1e-6)  # the first sample sees nothing else either way
+    # the first sample sees nothing else either way
+    assert torch.allclose(packed[1, :6], across[1, :6], atol=1e-6)
     assert (packed[1, 7:] - across[1, 7:]).abs().max() > 1e-3
 
 
@@ -365,7 +372,8 @@ def whole_batch_loss(rows, model, proximal, reference_model, clip_eps=0.2, cap=3
                 continue
             weight = 1 / (len(per_rollout) * per_rollout[r.rollout_id])
             ratio = torch.exp(current[t] - prox[t])
-            surrogate = -torch.minimum(ratio * r.advantage, ratio.clamp(1 - clip_eps, 1 + clip_eps) * r.advantage)
+            surrogate = -torch.minimum(ratio * r.advantage,
+                                       ratio.clamp(1 - clip_eps, 1 + clip_eps) * r.advantage)
             importance = min(math.exp(prox[t].item() - r.rollout_logprobs[t]), cap)
             to_ref = ref[t] - current[t]
             total = total + weight * (importance * surrogate + kl_coef * (torch.exp(to_ref) - to_ref - 1))
@@ -391,8 +399,8 @@ def test_minibatches_keep_rollouts_whole_even_and_in_order():
     names = ["a", "b", "a", "c", "d", "c", "e", "c"]
     rows = [row(name, [1, 2], [0, 1], [0.0, -1.0], 0.0, segment=i) for i, name in enumerate(names)]
     first, second = split_minibatches(rows, 2)
-    assert [(r.rollout_id, r.segment_index) for r in first] == [("a", 0), ("b", 1), ("a", 2), ("c", 3), ("c", 5),
-                                                                ("c", 7)]
+    assert [(r.rollout_id, r.segment_index) for r in first] == [
+        ("a", 0), ("b", 1), ("a", 2), ("c", 3), ("c", 5), ("c", 7)]
     assert [(r.rollout_id, r.segment_index) for r in second] == [("d", 4), ("e", 6)]
     assert [len({r.rollout_id for r in part}) for part in split_minibatches(rows, 3)] == [2, 2, 1]
     assert len(split_minibatches(rows, 9)) == 5  # never an empty minibatch

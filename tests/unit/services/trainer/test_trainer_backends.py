@@ -3,8 +3,8 @@ torch backend's steps: same loss, same gradient norm, same update, a saved model
 exact resume from its saved state.
 
 DeepSpeed sets up process-global state (torch.distributed), so its runs go to processes of their own
-(tests/unit/services/trainer/deepspeed_step.py, which writes JSON); the torch backend runs here, through the same step
-code.
+(tests/unit/services/trainer/deepspeed_step.py, which writes JSON); the torch backend runs here, through the
+same step code.
 """
 
 from __future__ import annotations
