@@ -1,0 +1,126 @@
+"""A trained version as the trainer publishes it (services/trainer/training.py), and found again when it
+starts.
+
+TrainedStep is a batch trained on and checkpointed, not yet served by the fleet. Once the fleet serves it,
+publish_update sends PolicyUpdated with the batch marked trained and each server's version recorded
+(FLEET_VERSIONS), in one transaction, and record_published sets the version's Prometheus series.
+last_own_update finds the newest PolicyUpdated this run's trainer published (its batch is in the trained
+set), on the `policy` stream or in the run's archive: the version a restarted trainer resumes from.
+
+Tests: tests/unit/services/trainer/test_batch_checks.py (last_own_update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.events import PolicyUpdated, decode
+from rollstream.shared.contract.run_facts import FLEET_VERSIONS
+
+POLICY_VERSION = Gauge("rollstream_trainer_policy_version", "The policy version this trainer last published.")
+PHASE_SECONDS = Histogram("rollstream_trainer_phase_seconds",
+                          "Time of each phase of a version: train (the optimizer steps over a batch), "
+                          "checkpoint, sync (every fleet server serving it).", ["phase"],
+                          buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
+STEP_STATS = Gauge("rollstream_trainer_step_stat",
+                   "The last version's training statistics, averaged over its optimizer steps: loss, "
+                   "pg_loss, kl, ratio_mean, clip_fraction, importance_weight_mean, importance_weight_max, "
+                   "capped_fraction, grad_norm, tokens, micro_batches, logprob_gap_abs_mean (the trainer's "
+                   "logprobs against the rollout's).", ["stat"])
+SAMPLES = Counter("rollstream_trainer_samples_total",
+                  "Batch samples by what the trainer did with them: trained, or dropped as stale or invalid.",
+                  ["outcome"])
+STALENESS = Histogram("rollstream_trainer_sample_staleness_versions",
+                      "Versions between the policy a trained sample was generated with and the one it "
+                      "trains.",
+                      buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+PARITY = Gauge("rollstream_trainer_sync_parity_max_abs_diff",
+               "Largest gap between a fleet server's and the trainer's logprobs of the probe after the last "
+               "sync.")
+
+POLICY_PAGE = 64
+"""Entries of `policy` read at a time while looking for the trainer's own last update."""
+
+
+@dataclass
+class TrainedStep:
+    """A batch trained on and checkpointed, not yet served by the fleet."""
+
+    version: int
+    checkpoint: Path
+    probe: list[int]
+    trained: int
+    dropped: dict[str, int]
+    expected: list[float]
+    """The trainer's own logprobs of the probe, which every server must serve after the sync."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    staleness: list[int] = field(default_factory=list)
+    """Of each trained sample: versions between the policy that generated it and the one it trained."""
+
+
+def publish_update(bus: Bus, update: PolicyUpdated, trained_key: str) -> None:
+    """PolicyUpdated on `policy`, its batch added to the trained set and each of its servers recorded as
+    serving its version: all or nothing, so a restart never finds a version half published."""
+    pipe = bus.redis.pipeline(transaction=True)
+    bus.publish("policy", update, pipe=pipe, event_id=f"policy:v{update.version}")
+    pipe.sadd(trained_key, update.batch_id)
+    for url in update.servers:
+        pipe.hset(FLEET_VERSIONS.key(bus.keys), url, update.version)
+    pipe.execute()
+
+
+def record_published(step: TrainedStep) -> None:
+    """The published version's figures, as Prometheus series."""
+    metrics = step.metrics
+    POLICY_VERSION.set(step.version)
+    for phase, key in (("train", "train/step_seconds"), ("checkpoint", "train/checkpoint_seconds"),
+                       ("sync", "sync/seconds")):
+        if key in metrics:
+            PHASE_SECONDS.labels(phase).observe(metrics[key])
+    for key, value in metrics.items():
+        if key.startswith("train/") and not key.endswith("_seconds"):
+            STEP_STATS.labels(key.removeprefix("train/")).set(value)
+    SAMPLES.labels("trained").inc(step.trained)
+    for reason, count in step.dropped.items():
+        SAMPLES.labels(f"dropped_{reason}").inc(count)
+    for staleness in step.staleness:
+        STALENESS.observe(staleness)
+    PARITY.set(metrics.get("sync/parity_max_abs_diff", 0.0))
+
+
+def last_own_update(bus: Bus, trained_key: str, storage_uri: str | None = None) -> PolicyUpdated | None:
+    """The newest PolicyUpdated this run's trainer published: its batch is in the trained set, which the
+    trainer adds to in the same transaction. A PolicyUpdated anyone else wrote on `policy` (its batch
+    never trained here) is passed over, as are entries that do not decode. The recorder trims `policy`
+    down to its newest entry: what is not on the stream any more is looked for in the run's archive."""
+
+    def own(fields: dict) -> PolicyUpdated | None:
+        try:
+            event = decode(fields).payload
+        except ValueError:
+            return None
+        if isinstance(event, PolicyUpdated) and bus.redis.sismember(trained_key, event.batch_id):
+            return event
+        return None
+
+    key, end = bus.keys.stream("policy"), "+"
+    while True:
+        page = bus.redis.xrevrange(key, max=end, count=POLICY_PAGE)
+        for _, fields in page:
+            if (found := own(fields)) is not None:
+                return found
+        if len(page) < POLICY_PAGE:
+            break
+        end = f"({page[-1][0].decode()}"
+    if storage_uri is None:
+        return None
+    from rollstream.shared.contract.archive import ArchiveReader
+
+    found = None
+    for entry in ArchiveReader(storage_uri, bus.keys.run_id).entries("policy"):
+        found = own(entry.fields) or found
+    return found
