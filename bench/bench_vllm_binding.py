@@ -5,8 +5,9 @@ Per way, --servers (2) servers of the tiny model start at once; measured are the
 start to its /health answering, then the generated tokens per second of all of them serving at once: on each
 server --requests (64) concurrent completions of --tokens (256) sampled tokens, --loads (3) times (the
 median). Then the servers stop and the other way starts. Prints both ways, the ratios (leased / same core),
-and the load average before and after: the machine's other work moves these figures, so run it when the load
-is low. `--unbound` adds vLLM with no binding at all (VLLM_CPU_OMP_THREADS_BIND=nobind).
+the load average before, and how many cores the machine's other work kept busy during the loads (its busy
+time less this benchmark's and its servers'): other work moves these figures, so run it when the load is
+low. `--unbound` adds vLLM with no binding at all (VLLM_CPU_OMP_THREADS_BIND=nobind).
 
     python bench/bench_vllm_binding.py [--model models/tiny-llama] [--servers 2] [--rounds 1] [--requests 64]
                                        [--tokens 256] [--loads 3] [--unbound] [--smoke] [--json PATH]
@@ -30,8 +31,11 @@ from results import Figure, parse_args, write_result
 from rollstream.cli.cpu_cores import allowed_cores
 from rollstream.cli.vllm_server import VllmServer, free_port
 
-Seen = dict[str, list[tuple[list[float], float]]]
-"""Way -> per round: (each server's seconds to healthy, tokens/s of them all serving)."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+Seen = dict[str, list[tuple[list[float], float, float]]]
+"""Way -> per round: (each server's seconds to healthy, tokens/s of them all serving, cores the machine's
+other work kept busy meanwhile)."""
 
 
 def ways(unbound: bool) -> dict[str, dict[str, str]]:
@@ -59,6 +63,36 @@ async def generated_per_s(urls: list[str], requests: int, tokens: int) -> float:
         return sum(counts) / (time.perf_counter() - started)
 
 
+def machine_busy_s() -> float:
+    """CPU-seconds the machine's cores have been busy since boot (/proc/stat: all but idle and iowait)."""
+    user, nice, system, _, _, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+
+
+def own_cpu_s(servers: list[VllmServer]) -> float:
+    """CPU-seconds of this process and of every process of the servers' process groups (each its own)."""
+    groups = {server.pid for server in servers}
+    total = sum(os.times()[:2])
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:  # gone since the listing
+            continue
+        fields = stat[stat.rindex(")") + 2:].split() if stat else []
+        if fields and int(fields[2]) in groups:
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
+
+
+def serve_load(servers: list[VllmServer], args: argparse.Namespace) -> tuple[float, float]:
+    """(tokens/s of one load on all the servers, cores the machine's other work kept busy meanwhile): what
+    else ran, measured rather than guessed from the load average, which counts these servers' threads too."""
+    busy, own, started = machine_busy_s(), own_cpu_s(servers), time.perf_counter()
+    rate = asyncio.run(generated_per_s([server.url for server in servers], args.requests, args.tokens))
+    others = (machine_busy_s() - busy) - (own_cpu_s(servers) - own)
+    return rate, max(others, 0.0) / (time.perf_counter() - started)
+
+
 def start_to_healthy(servers: list[VllmServer]) -> list[float]:
     """Start the servers together; each one's seconds from its start to its /health answering."""
     started = {}
@@ -74,8 +108,10 @@ def start_to_healthy(servers: list[VllmServer]) -> list[float]:
         return list(pool.map(healthy, servers))
 
 
-def measure(args: argparse.Namespace, log_dir: Path, env: dict[str, str]) -> tuple[list[float], float]:
-    """(seconds to healthy of each server, median tokens/s of them all serving) of one way."""
+def measure(args: argparse.Namespace, log_dir: Path,
+            env: dict[str, str]) -> tuple[list[float], float, float]:
+    """(seconds to healthy of each server, median tokens/s of them all serving, median cores of other work
+    during the loads) of one way."""
     servers = [VllmServer(args.model, free_port(), log_path=log_dir / f"vllm-{index}.log", extra_env=env)
                for index in range(args.servers)]
     with ExitStack() as stack:
@@ -84,9 +120,10 @@ def measure(args: argparse.Namespace, log_dir: Path, env: dict[str, str]) -> tup
         healthy = start_to_healthy(servers)
         print(f"  cores {[server.cores or env['VLLM_CPU_OMP_THREADS_BIND'] for server in servers]}, "
               f"healthy after {', '.join(f'{seconds:.1f}' for seconds in healthy)} s", flush=True)
-        urls = [server.url for server in servers]
-        rates = [asyncio.run(generated_per_s(urls, args.requests, args.tokens)) for _ in range(args.loads)]
-    return healthy, statistics.median(rates)
+        rates, others = zip(*(serve_load(servers, args) for _ in range(args.loads)))
+        print(f"  generated {', '.join(f'{rate:.0f}' for rate in rates)} tokens/s, other work on the machine "
+              f"meanwhile {', '.join(f'{cores:.2f}' for cores in others)} cores", flush=True)
+    return healthy, statistics.median(rates), statistics.median(others)
 
 
 def load_average() -> str:
@@ -111,14 +148,15 @@ def main() -> None:
             for way, env in ways(args.unbound).items():
                 print(f"{way}:", flush=True)
                 seen[way].append(measure(args, Path(tmp), env))
-    load_after = load_average()
-    report(args, seen, [f"load average before {load_before}, after {load_after} (1, 5, 15 min)"])
+    report(args, seen, f"load average before {load_before} (1, 5, 15 min)")
 
 
-def report(args: argparse.Namespace, seen: Seen, notes: list[str]) -> None:
-    """Each way's median start and rate, the ratios of the leased way to the first, and the --json figures."""
-    starts = {way: [seconds for healthy, _ in runs for seconds in healthy] for way, runs in seen.items()}
-    rates = {way: [rate for _, rate in runs] for way, runs in seen.items()}
+def report(args: argparse.Namespace, seen: Seen, load_before: str) -> None:
+    """Each way's median start and rate, the ratios of the leased way to the first, the other work beside
+    them, and the --json figures."""
+    starts = {way: [seconds for healthy, _, _ in runs for seconds in healthy] for way, runs in seen.items()}
+    rates = {way: [rate for _, rate, _ in runs] for way, runs in seen.items()}
+    others = {way: statistics.median(cores for _, _, cores in runs) for way, runs in seen.items()}
     start, rate = ({way: statistics.median(values) for way, values in figures.items()}
                    for figures in (starts, rates))
     for way in seen:
@@ -128,6 +166,10 @@ def report(args: argparse.Namespace, seen: Seen, notes: list[str]) -> None:
     same, leased = list(seen)[:2]
     print(f"{leased} / {same}: start to healthy {start[leased] / start[same]:.2f}x, "
           f"tokens/s {rate[leased] / rate[same]:.2f}x")
+    beside = ", ".join(f"{way} {cores:.2f}" for way, cores in others.items())
+    notes = [f"{load_before}; other work on the machine while serving (cores, median): {beside}",
+             f"{args.rounds} rounds of each way, alternately; tokens/s the median of {args.loads} loads per "
+             "round"]
     print(notes[0])
     load = (f"{args.servers} servers serving at once, {args.requests} concurrent completions of "
             f"{args.tokens} tokens each")
@@ -138,8 +180,7 @@ def report(args: argparse.Namespace, seen: Seen, notes: list[str]) -> None:
     if "unbound" in seen:
         figures.append(Figure.repeated(f"{leased}: generated tokens/s, {load}", rates[leased],
                                        "unbound (nobind)", rates["unbound"], "tokens/s"))
-    write_result(args.json, figures, [*notes, f"{args.rounds} rounds of each way, alternately; tokens/s the "
-                                      f"median of {args.loads} loads per round"])
+    write_result(args.json, figures, notes)
 
 
 if __name__ == "__main__":
