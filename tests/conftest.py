@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
+import rollstream.cli  # noqa: F401  OpenMP's passive wait for the tests and what they start (cli/__init__.py)
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.runtime.config import BusSettings
 from tests.support import DOES_NOT_APPLY, docker_client

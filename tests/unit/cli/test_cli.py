@@ -137,3 +137,22 @@ def test_validate_without_a_usable_sandbox_says_so():
     result = runner.invoke(app, ["validate", str(FIXTURES / "harbor"), "--backend", "nonsense"])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "no sandbox: unknown backend 'nonsense'" in result.output
+
+
+@pytest.mark.parametrize(("set_by_user", "seen"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_line_and_what_it_starts_wait_for_openmp_passively(set_by_user, seen):
+    """torch's OpenMP threads spinning at a barrier starve a shared core (cli/__init__.py): the command line
+    sets the passive wait before torch loads, for itself and every process it starts; a value the user set
+    wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    if set_by_user:
+        env["OMP_WAIT_POLICY"] = set_by_user
+    grandchild = "import os; print(os.environ['OMP_WAIT_POLICY'])"
+    child = f"import subprocess, sys, rollstream.cli; subprocess.run([sys.executable, '-c', {grandchild!r}])"
+    printed = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
+                             check=True)
+    assert printed.stdout.strip() == seen
