@@ -50,6 +50,20 @@ def lease_dir() -> Path:
     return directory
 
 
+CORES_PER_SERVER_VARIABLE = "ROLLSTREAM_VLLM_CORES_PER_SERVER"
+"""Environment variable: how many cores each vLLM CPU server leases (default 1). One core a server suits
+the tiny models and a machine shared by several servers; a larger model served alone on a large machine
+wants more (vLLM's automatic binding would have given it a NUMA node's cores)."""
+
+
+def cores_per_server() -> int:
+    """The cores each server leases: ROLLSTREAM_VLLM_CORES_PER_SERVER, at most those this process may use."""
+    text = os.environ.get(CORES_PER_SERVER_VARIABLE, "1")
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{CORES_PER_SERVER_VARIABLE}={text!r}: give a whole number of cores, 1 or more")
+    return min(int(text), len(allowed_cores()))
+
+
 def allowed_cores() -> list[int]:
     """The cores this process may run on (its affinity: taskset, a cgroup's cpuset), in order."""
     return sorted(os.sched_getaffinity(0))

@@ -42,7 +42,7 @@ from typing import NoReturn
 import httpx
 
 from rollstream.cli.child_processes import signal_group, start_child, wait_group_gone
-from rollstream.cli.cpu_cores import CoreLease, StartSlot, lease_cores, wait_for_start_slot
+from rollstream.cli.cpu_cores import CoreLease, StartSlot, cores_per_server, lease_cores, wait_for_start_slot
 from rollstream.cli.vllm_neighbours import describe_machine
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.errors import RollstreamError
@@ -201,14 +201,15 @@ class VllmServer:
         return env
 
     def _bind_cores(self, env: Mapping[str, str]) -> dict[str, str]:
-        """On the CPU build, the variables that bind the server's OpenMP threads to a core leased to it (the
-        least-leased of the machine's, cli/cpu_cores.py) instead of vLLM's automatic binding, which puts all
-        servers on the same cores; none where the environment binds them: VLLM_CPU_OMP_THREADS_BIND is set."""
+        """On the CPU build, the variables that bind the server's OpenMP threads to the cores leased to it
+        (the least-leased of the machine's, one unless ROLLSTREAM_VLLM_CORES_PER_SERVER says more,
+        cli/cpu_cores.py) instead of vLLM's automatic binding, which puts all servers on the same cores; none
+        where the environment binds them: VLLM_CPU_OMP_THREADS_BIND is set."""
         if not cpu_build() or "VLLM_CPU_OMP_THREADS_BIND" in env:
             self.cores = None
             return {}
         if self._core_lease is None:
-            self._core_lease = lease_cores()
+            self._core_lease = lease_cores(cores_per_server())
         self.cores = self._core_lease.cores
         return self._core_lease.environment()
 

@@ -168,6 +168,21 @@ def test_servers_bind_to_the_cores_they_lease(lease_dir):
     assert servers[0].environment() == envs[0]  # asked again before its start: the same lease
 
 
+def test_a_server_leases_the_cores_the_setting_asks_and_no_more_than_it_may_use(lease_dir, monkeypatch):
+    cores = cpu_cores.allowed_cores()
+    monkeypatch.setenv(cpu_cores.CORES_PER_SERVER_VARIABLE, "2")
+    env = VllmServer("models/tiny-llama", 8000).environment()
+    leased = cores[:2]
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(str(core) for core in leased)
+    assert env["OMP_NUM_THREADS"] == str(len(leased))
+    monkeypatch.setenv(cpu_cores.CORES_PER_SERVER_VARIABLE, str(len(cores) + 5))
+    assert cpu_cores.cores_per_server() == len(cores)
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(cpu_cores.CORES_PER_SERVER_VARIABLE, bad)
+        with pytest.raises(ValueError, match="ROLLSTREAM_VLLM_CORES_PER_SERVER"):
+            VllmServer("models/tiny-llama", 8000).environment()
+
+
 def test_a_binding_the_environment_sets_wins_and_leases_nothing(lease_dir, monkeypatch):
     server = VllmServer("models/tiny-llama", 8000, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     assert server.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
