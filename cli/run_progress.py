@@ -94,8 +94,15 @@ def backlog(bus: Bus, services: Iterable[str], job_queue: str) -> dict[str, int]
     yet delivered plus delivered and unacknowledged (a group that does not exist yet: all of the stream); and
     sandbox jobs queued, running or scheduled for a retry."""
     running = set(services)
+    return unfinished_work(bus, sorted(pair for pair in stream_groups() if pair[1] in running), job_queue)
+
+
+def unfinished_work(bus: Bus, groups: Iterable[tuple[str, str]], job_queue: str) -> dict[str, int]:
+    """Per (stream, group) of `groups`, the entries not yet delivered plus those delivered and not
+    acknowledged, where there are any; and the sandbox jobs of `job_queue` queued, running or scheduled for a
+    retry."""
     out: dict[str, int] = {}
-    for stream, group in sorted(pair for pair in stream_groups() if pair[1] in running):
+    for stream, group in groups:
         undelivered, pending = bus.group_lag(stream, group)
         if undelivered + pending:
             out[f"{stream}/{group}"] = undelivered + pending

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollstream.cli.local_run import ProcessExit
+from rollstream.cli.run_progress import unfinished_work
 from rollstream.services.gateway.sessions import expires_at, open_sessions
 from rollstream.services.trainer.training import is_stale, row_problem
 from rollstream.shared.contract.archive import ArchiveReader, archived_id, parse_id, read_history
@@ -299,7 +300,7 @@ def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str
     report.never_admitted = sorted(set(row_fates) - set(admitted))
     report.repeated_attempts = sum(n - 1 for n in finished.values())
     report.longest_stall_s = _longest_stall(history)
-    report.pending = _pending(bus, sandbox_queue)
+    report.pending = unfinished_work(bus, CONSUMER_GROUPS, sandbox_queue)
     report.archive_mismatches = _archive_mismatches(bus, storage_uri, report.events)
     return report
 
@@ -475,19 +476,6 @@ def _longest_stall(history: dict) -> float:
     first = min((d.envelope.time for d in history["prompts"]), default=None)
     marks = ([first] if first is not None else []) + times
     return max((b - a for a, b in zip(marks, marks[1:])), default=0.0)
-
-
-def _pending(bus: Bus, sandbox_queue: str) -> dict[str, int]:
-    out = {}
-    for stream, group in CONSUMER_GROUPS:
-        undelivered, pending = bus.group_lag(stream, group)
-        if undelivered + pending:
-            out[f"{stream}/{group}"] = undelivered + pending
-    queue = bus.job_queue(sandbox_queue)
-    jobs = queue.count + queue.started_job_registry.count + queue.scheduled_job_registry.count
-    if jobs:
-        out["sandbox jobs"] = jobs
-    return out
 
 
 def _archive_mismatches(bus: Bus, storage_uri: str, added: dict[str, int]) -> dict[str, str]:
