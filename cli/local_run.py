@@ -48,6 +48,7 @@ from rollstream.cli.run_progress import Progress, ProgressReader, backlog, run_s
 from rollstream.cli.run_servers import RunServers, with_fleet_urls
 from rollstream.cli.vllm_server import VllmServer, free_port, newest_policy
 from rollstream.shared.contract.bus import STREAMS, Bus
+from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.runtime.config import Settings, secret_environment, settings_json_without_secrets
 
@@ -386,7 +387,7 @@ class LocalRun:
             self.record_exit("vllm", None, injected=True)
         model, version = newest_policy(self.bus, self.settings)
         vllm = self.servers.restart_vllm(self.settings, model)
-        self.bus.redis.hset(self.bus.keys.fleet_versions, vllm.url, version)
+        self.bus.redis.hset(FLEET_VERSIONS.key(self.bus.keys), vllm.url, version)
         self.restarts["vllm"] = self.restarts.get("vllm", 0) + 1
         if wait:
             vllm.wait_healthy()

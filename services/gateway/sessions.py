@@ -39,6 +39,7 @@ from redis.exceptions import NoScriptError
 from rollstream.shared.contract.bus import Bus, Keys
 from rollstream.shared.contract.events import Count, Index, SampleGrading, TrajectoryTurn
 from rollstream.shared.contract.redis_round_trips import Command, RoundTrips
+from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 
 ROOT = ""
 """Parent key of a node that starts a conversation."""
@@ -280,7 +281,7 @@ class SessionStore:
         those of `node_keys` that exist (Session.nodes): for a request, the keys of the conversations its
         history holds, which are the chain of the deepest one (`chain` reads none of them again)."""
         commands: list[Command] = [("HGETALL", self._key(session_id)),
-                                   ("HGETALL", self.bus.keys.fleet_versions)]
+                                   ("HGETALL", FLEET_VERSIONS.key(self.bus.keys))]
         if node_keys:
             commands.append(("HMGET", self._key(session_id, "nodes"), *node_keys))
         raw, versions, *found = await self._replies(*commands)
@@ -317,7 +318,7 @@ class SessionStore:
         encoded = _encoder.encode(node)
         args = (key, encoded, node.parent, self._expire_at_ms(None))
         version, recorded = await self.round_trips.run(
-            ("HGET", self.bus.keys.fleet_versions, node.server_url),
+            ("HGET", FLEET_VERSIONS.key(self.bus.keys), node.server_url),
             ("EVALSHA", _ADD_TURN_SCRIPT.sha, len(keys), *keys, *args))
         if isinstance(recorded, NoScriptError):  # a Redis that restarted has none
             recorded = await self._script(_ADD_TURN_SCRIPT, keys, args)

@@ -40,6 +40,7 @@ from rollstream.shared.contract.redis_clients import (
     connect_redis,
     with_credentials_of,
 )
+from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 from rollstream.shared.contract.streams import STREAMS, StreamName
 from rollstream.shared.errors import EventDecodeError
 from rollstream.shared.runtime.metrics import EVENTS_HANDLED, HANDLER_SECONDS, watch_consumer_group
@@ -238,7 +239,7 @@ class Bus:
 
     def fleet_versions(self) -> dict[str, int]:
         """Server url -> the policy version it serves, as the trainer last recorded it."""
-        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.keys.fleet_versions).items()}
+        return {k.decode(): int(v) for k, v in self.redis.hgetall(FLEET_VERSIONS.key(self.keys)).items()}
 
     def incarnation(self) -> str:
         """This incarnation's id (Keys.incarnation), made by the first caller; every caller gets the same."""
