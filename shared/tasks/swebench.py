@@ -5,9 +5,12 @@ SWE-bench rows (JSONL, one object a line, or Parquet), with the fields of the SW
 `test_patch` (adds the tests), `FAIL_TO_PASS` and `PASS_TO_PASS` (lists of test ids, or those lists
 JSON-encoded as strings, as the published datasets store them), plus our own:
 
-    repo_dir       a local snapshot of `repo` at `base_commit` (relative paths are resolved against
-                   the dataset file's directory); without it, `repos/<instance_id>/` beside the
-                   dataset file is used if it exists
+    repo_dir       optional; a local snapshot of `repo` at `base_commit` (relative paths are resolved
+                   against the dataset file's directory); without it, `repos/<instance_id>/` beside
+                   the dataset file if it exists, else the row's `base_commit` checked out of a git
+                   clone of `repo` in the repos directory (shared/tasks/swebench_repos.py)
+    repos_dir      optional; the directory of git clones named `owner__name` (relative to the
+                   dataset file); else load_swebench_rows' `repos_dir`, else `repos/` beside the file
     test_command   optional; default "python -m pytest -rA -p no:cacheprovider". One pytest session:
                    the grader scores the tests from pytest's own record of that session (see
                    shared/grading/swebench.py), so a command that runs no pytest scores 0
@@ -22,6 +25,11 @@ Example:
      "patch": "diff --git a/tinystats/core.py ...", "test_patch": "diff --git a/tests/test_core.py ...",
      "FAIL_TO_PASS": "[\\"tests/test_core.py::test_median_even\\"]",
      "PASS_TO_PASS": "[\\"tests/test_core.py::test_mean\\"]", "repo_dir": "repos/tiny-repo"}
+
+Rows load as SWE-bench, SWE-bench Verified, SWE-Gym, SWE-bench-extra and SWE-rebench publish them
+(their `environment_setup_commit`, `version` and `install_config` are kept on the task for per-row
+environments), and as SWE-smith publishes them: no base_commit, `repo` "swesmith/owner__name.<commit>",
+`patch` the bug (the reference fix is its reverse), `image_name` the test environment's image.
 
 Every problem raises `TaskError` naming the file and the field (and the row, for SWE-bench), e.g.
 "tasks/fix-bug/task.toml: [verifier] timeout_sec must be a positive number, got 'abc'".
@@ -38,6 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.shared.errors import TaskError
+from rollstream.shared.tasks.swebench_repos import (
+    Snapshot,
+    checkout_snapshot,
+    swesmith_parts,
+    swesmith_snapshot,
+)
 
 DEFAULT_SWE_TEST_COMMAND = "python -m pytest -rA -p no:cacheprovider"
 
@@ -54,6 +68,12 @@ class SweTask:
     gold_patch: str | None = None   # the reference `patch`
     dataset: Path | None = None     # the file the row came from (absolute)
     dockerfile: Path | None = None  # the test environment's Dockerfile, for the docker backend
+    repo: str | None = None         # "owner/name" (SWE-smith: "swesmith/owner__name.<commit>")
+    base_commit: str | None = None  # the commit the snapshot is of, as the row gives it
+    environment_setup_commit: str | None = None  # the commit whose dependencies the environment installs
+    version: str | None = None      # the repository's release the environment is built for
+    image_name: str | None = None   # SWE-smith: the docker image of the test environment
+    install_config: dict[str, Any] | None = None  # SWE-bench-extra / SWE-rebench: how to install the repo
 
 
 def _read_records(path: Path) -> list[Any]:
@@ -104,7 +124,58 @@ def _optional_str(record: dict[str, Any], key: str, where: str) -> str | None:
     return value
 
 
-def _swe_row(record: Any, path: Path, where: str) -> SweTask:
+def _given_repo_dir(record: dict[str, Any], base: Path, instance_id: str, where: str) -> Path | None:
+    """The snapshot the row points at itself (`repo_dir`, or `repos/<instance_id>/` beside the file)."""
+    repo_value = record.get("repo_dir")
+    if repo_value is None or repo_value == "":
+        fallback = base / "repos" / instance_id
+        safe_name = not ("/" in instance_id or "\\" in instance_id or instance_id.startswith("."))
+        return fallback if safe_name and fallback.is_dir() else None
+    if not isinstance(repo_value, str):
+        raise TaskError(f"{where}: 'repo_dir' must be a path string, got {type(repo_value).__name__}")
+    repo_dir = (base / repo_value).resolve()
+    if not repo_dir.is_dir():
+        raise TaskError(f"{where}: 'repo_dir' {repo_value!r} is not a directory ({repo_dir})")
+    return repo_dir
+
+
+def _snapshot(record: dict[str, Any], base: Path, repos_dir: Path | None, where: str) -> Snapshot:
+    """The row's snapshot from a clone of its `repo` in the repos directory."""
+    instance_id = record["instance_id"]
+    given = _given_repo_dir(record, base, instance_id, where)
+    if given is not None:
+        return Snapshot(repo_dir=given, gold_patch=None)
+    repo = _optional_str(record, "repo", where)
+    base_commit = _optional_str(record, "base_commit", where)
+    row_repos = _optional_str(record, "repos_dir", where)
+    clones = (base / row_repos) if row_repos else (repos_dir if repos_dir is not None else base / "repos")
+    if not repo:
+        raise TaskError(f"{where}: 'repo_dir' missing, and no 'repo' to find a clone of (or put a snapshot "
+                        f"at {base / 'repos' / instance_id})")
+    if base_commit:
+        return checkout_snapshot(clones.resolve(), repo, base_commit, where)
+    if swesmith_parts(repo) is not None:
+        bug_patch = _optional_str(record, "patch", where)
+        if not bug_patch:
+            raise TaskError(f"{where}: 'patch' missing (a SWE-smith row's bug, applied to {repo})")
+        return swesmith_snapshot(clones.resolve(), repo, bug_patch, where)
+    raise TaskError(f"{where}: 'base_commit' missing and no 'repo_dir' (the commit of {repo} the task "
+                    f"starts from)")
+
+
+def _install_config(record: dict[str, Any], where: str) -> dict[str, Any] | None:
+    value = record.get("install_config")
+    if isinstance(value, str) and value.strip():
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise TaskError(f"{where}: 'install_config' is a string but not JSON ({exc.msg})") from exc
+    if value is not None and not isinstance(value, dict):
+        raise TaskError(f"{where}: 'install_config' must be an object, got {type(value).__name__}")
+    return value or None
+
+
+def _swe_row(record: Any, path: Path, where: str, repos_dir: Path | None) -> SweTask:
     if not isinstance(record, dict):
         raise TaskError(f"{where}: expected an object, got {type(record).__name__}")
     instance_id = record.get("instance_id")
@@ -116,52 +187,41 @@ def _swe_row(record: Any, path: Path, where: str) -> SweTask:
         raise TaskError(f"{where}: 'problem_statement' missing or empty")
     fail_to_pass = _test_ids(record, "FAIL_TO_PASS", where, required=True)
     pass_to_pass = _test_ids(record, "PASS_TO_PASS", where, required=False)
-    test_patch = _optional_str(record, "test_patch", where) or ""
-    gold_patch = _optional_str(record, "patch", where) or None
-    test_command = _optional_str(record, "test_command", where) or DEFAULT_SWE_TEST_COMMAND
-
     base = path.resolve().parent
-    repo_value = record.get("repo_dir")
-    if repo_value is None or repo_value == "":
-        fallback = base / "repos" / instance_id
-        if "/" in instance_id or "\\" in instance_id or instance_id.startswith(".") or not fallback.is_dir():
-            raise TaskError(f"{where}: 'repo_dir' missing (a local snapshot of "
-                            f"{record.get('repo') or 'the repository'}"
-                            f" at {record.get('base_commit') or 'its base commit'}; "
-                            f"or put one at {fallback})")
-        repo_dir = fallback
-    elif not isinstance(repo_value, str):
-        raise TaskError(f"{where}: 'repo_dir' must be a path string, got {type(repo_value).__name__}")
-    else:
-        repo_dir = (base / repo_value).resolve()
-        if not repo_dir.is_dir():
-            raise TaskError(f"{where}: 'repo_dir' {repo_value!r} is not a directory ({repo_dir})")
+    snapshot = _snapshot(record, base, repos_dir, where)
     dockerfile = _optional_str(record, "dockerfile", where)
     if dockerfile is not None and not (base / dockerfile).is_file():
         raise TaskError(f"{where}: 'dockerfile' {dockerfile!r} is not a file ({base / dockerfile})")
     return SweTask(
         instance_id=instance_id,
-        repo_dir=repo_dir,
+        repo_dir=snapshot.repo_dir,
         problem_statement=problem,
-        test_patch=test_patch,
+        test_patch=_optional_str(record, "test_patch", where) or "",
         fail_to_pass=fail_to_pass,
         pass_to_pass=pass_to_pass,
-        test_command=test_command,
-        gold_patch=gold_patch,
+        test_command=_optional_str(record, "test_command", where) or DEFAULT_SWE_TEST_COMMAND,
+        gold_patch=snapshot.gold_patch or _optional_str(record, "patch", where) or None,
         dataset=path.resolve(),
         dockerfile=(base / dockerfile).resolve() if dockerfile is not None else None,
+        repo=_optional_str(record, "repo", where),
+        base_commit=_optional_str(record, "base_commit", where) or None,
+        environment_setup_commit=_optional_str(record, "environment_setup_commit", where) or None,
+        version=_optional_str(record, "version", where) or None,
+        image_name=_optional_str(record, "image_name", where) or None,
+        install_config=_install_config(record, where),
     )
 
 
-def load_swebench_rows(path: Path) -> list[SweTask]:
+def load_swebench_rows(path: Path, repos_dir: Path | None = None) -> list[SweTask]:
     """SWE-bench rows from a JSONL or Parquet file; rows are numbered from 0 in errors, as in
-    shared/tasks/datasets.py."""
+    shared/tasks/datasets.py. `repos_dir`: the git clones of the rows' repositories, for rows without a
+    snapshot of their own (default: `repos/` beside the file)."""
     if not path.is_file():
         raise TaskError(f"{path}: no such SWE-bench file")
     tasks: list[SweTask] = []
     seen: dict[str, int] = {}
     for index, record in enumerate(_read_records(path)):
-        task = _swe_row(record, path, f"{path} row {index}")
+        task = _swe_row(record, path, f"{path} row {index}", repos_dir)
         if task.instance_id in seen:
             raise TaskError(f"{path} row {index}: 'instance_id' {task.instance_id!r} "
                             f"repeats row {seen[task.instance_id]}")

@@ -310,7 +310,8 @@ def test_snapshot_found_under_repos_by_instance_id(tmp_path):
     ({"FAIL_TO_PASS": "[]"}, r"rows\.jsonl row 1 \(a-2\): 'FAIL_TO_PASS' is empty"),
     ({"FAIL_TO_PASS": None}, r"rows\.jsonl row 1 \(a-2\): 'FAIL_TO_PASS' missing"),
     ({"PASS_TO_PASS": '{"a": 1}'}, r"rows\.jsonl row 1 \(a-2\): 'PASS_TO_PASS' must be a list"),
-    ({"repo_dir": None}, r"rows\.jsonl row 1 \(a-2\): 'repo_dir' missing"),
+    ({"repo_dir": None}, r"rows\.jsonl row 1 \(a-2\): no clone of rollstream/tinystats in .*repos: "
+                         r"clone https://github\.com/rollstream/tinystats into .*rollstream__tinystats"),
     ({"repo_dir": "no/such/dir"}, r"rows\.jsonl row 1 \(a-2\): 'repo_dir' 'no/such/dir' is not a directory"),
     ({"problem_statement": ""}, r"rows\.jsonl row 1 \(a-2\): 'problem_statement' missing or empty"),
     ({"instance_id": "a-1"}, r"rows\.jsonl row 1: 'instance_id' 'a-1' repeats row 0"),
