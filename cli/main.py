@@ -24,7 +24,6 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
-from rich.text import Text
 
 from rollstream.cli.inspect.app import inspect_app
 from rollstream.cli.replay.command import replay
@@ -178,8 +177,13 @@ def validate(
     tasks: Annotated[Path, typer.Argument(
         help="A Harbor task directory, a directory of them, or a SWE-bench .jsonl/.parquet.")],
     backend: Annotated[str, typer.Option(help="Sandbox backend: bubblewrap or docker.")] = "bubblewrap",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON, one object a task.")
+                       ] = False,
 ) -> None:
-    """Check a task set: each task's reference solution must grade 1 and an empty diff 0."""
+    """Check a task set: each task's reference solution must grade 1 and an empty diff 0. A task that fails
+    is explained: environment broken, tests wrong, solution failed or empty diff passes, with what to do and
+    the tail of its grading log."""
+    from rollstream.cli.validation_report import print_report, report_json
     from rollstream.shared.errors import SandboxError, TaskError
     from rollstream.shared.grading.validation import validate_tasks
     from rollstream.shared.sandbox.backends import get_backend
@@ -198,21 +202,13 @@ def validate(
         console.print(f"[bold red]no sandbox:[/] {escape(str(exc))}")
         raise typer.Exit(1) from None
     results = validate_tasks(loaded, sandbox)
-    table = Table(title=f"{len(results)} tasks, {backend} sandbox")
-    for column in ("task", "reference", "empty diff", "ok", "problem"):
-        table.add_column(column)
-    for r in results:
-        # Text, not markup: problems quote logs ("[exit 3; 0.1s]"); a task that could not be
-        # graded has no scores, and its problem says why
-        table.add_row(Text(r.name), _score(r.reference_score), _score(r.empty_score),
-                      "[green]yes[/]" if r.ok else "[red]no[/]", Text(r.problem))
-    console.print(table)
+    if as_json:
+        # plain print: rich would wrap the lines and colour the JSON
+        print(report_json(results))
+    else:
+        print_report(console, results, f"{len(results)} tasks, {backend} sandbox")
     if not all(r.ok for r in results):
         raise typer.Exit(1)
-
-
-def _score(score: float | None) -> str:
-    return "-" if score is None else f"{score:.3g}"
 
 
 @app.command("config")
