@@ -1,10 +1,14 @@
 """The grader's side of the pytest report: the SWE-bench tests' outcomes from a record the output of the
 tests cannot forge.
 
-`prepare_report` stages the plugin (pytest_report_plugin.py, as the module `rollstream_report`) and a
-fresh report directory holding a random key, and gives the environment that loads the plugin into the
-test session. After the run, `read_report` takes the record the plugin wrote, refuses it unless its HMAC
-is right under that key, and `judge` decides whether the record can be trusted:
+`prepare_report` stages the plugin (pytest_report_plugin.py) under a module name drawn afresh for this
+grading (`rollstream_report_<hex>`) and a fresh report directory holding a random key, and gives the
+environment that loads the plugin into the test session. The name is what keeps a module of the tree
+from standing in for the plugin: the diff was written before it was drawn, so however the repository's
+configuration orders sys.path (its own `pythonpath`, an editable install, PYTHONPATH set by the test
+command), no module of the tree has it. After the run, `read_report` takes the record the plugin wrote,
+refuses it unless its HMAC is right under that key and it names the module drawn, and `judge` decides
+whether the record can be trusted:
 
 - the session ran to its end (pytest_sessionfinish) and exited 0 (every test passed) or 1 (some failed);
 - the test files are the ones the grader restored, when collection ended and after the run (code under
@@ -41,7 +45,8 @@ REPORT_DIR_ENV = "ROLLSTREAM_REPORT_DIR"
 KEY_FILE = "key"
 REPORT_FILE = "report.json"
 """The names the plugin uses (pytest_report_plugin.py has its own copy: it imports nothing of ours)."""
-PLUGIN_MODULE = "rollstream_report"
+PLUGIN_MODULE_PREFIX = "rollstream_report_"
+"""The staged plugin's module name is this and 32 random hex digits, new for every grading."""
 PLUGIN_MOUNT = "/grader/plugin"
 REPORT_MOUNT = "/grader/report"
 MAX_REPORT_BYTES = 32 * 1024 * 1024
@@ -60,10 +65,12 @@ class ReportSetup:
     key: bytes
     plugin_dir: Path
     report_dir: Path
+    module: str
+    """The name the plugin is staged and loaded under for this grading only."""
 
     def env(self) -> dict[str, str]:
         """What loads the plugin into the session the test command starts."""
-        return {"PYTEST_ADDOPTS": f"-p {PLUGIN_MODULE}", "PYTHONPATH": PLUGIN_MOUNT,
+        return {"PYTEST_ADDOPTS": f"-p {self.module}", "PYTHONPATH": PLUGIN_MOUNT,
                 "PYTHONSAFEPATH": "1", REPORT_DIR_ENV: REPORT_MOUNT}
 
     def ro_mounts(self) -> dict[str, Path]:
@@ -86,15 +93,17 @@ class SessionReport:
 
 
 def prepare_report(plugin_dir: Path, report_dir: Path) -> ReportSetup:
-    """Stage the plugin into `plugin_dir` (readable by the sandbox) and a new key into `report_dir`."""
-    target = plugin_dir / f"{PLUGIN_MODULE}.py"
+    """Stage the plugin into `plugin_dir` (readable by the sandbox) under a new random module name, and a
+    new key into `report_dir`."""
+    module = PLUGIN_MODULE_PREFIX + secrets.token_hex(16)
+    target = plugin_dir / f"{module}.py"
     shutil.copyfile(PLUGIN_SOURCE, target)
     target.chmod(0o644)
     key = secrets.token_bytes(32)
     key_file = report_dir / KEY_FILE
     key_file.write_bytes(key)
     key_file.chmod(0o644)
-    return ReportSetup(key, plugin_dir, report_dir)
+    return ReportSetup(key, plugin_dir, report_dir, module)
 
 
 def plugin_loaded(setup: ReportSetup) -> bool:
@@ -117,6 +126,9 @@ def read_report(setup: ReportSetup) -> tuple[SessionReport | None, str]:
         return None, "the test report does not carry the grader's signature: written by the code under test"
     try:
         record = json.loads(body)
+        if record["module"] != setup.module:
+            loaded_as = str(record["module"])[:80]
+            return None, f"the test report was written by a plugin loaded as {loaded_as!r}, not the grader's"
         report = SessionReport(
             collected=[str(item) for item in record["collected"]],
             outcomes={str(key): str(value) for key, value in record["outcomes"].items()},

@@ -1,26 +1,52 @@
 """The pytest plugin the SWE-bench grader loads into the test session, inside the sandbox.
 
-Staged read-only into the sandbox as the module `rollstream_report` and loaded with
-`PYTEST_ADDOPTS=-p rollstream_report`; it imports only the standard library and pytest. It records what
+Staged read-only into the sandbox under a fresh random module name for each grading
+(`rollstream_report_<hex>`, see shared/grading/pytest_report.py) and loaded with
+`PYTEST_ADDOPTS=-p <that name>`; it imports only the standard library and pytest. It records what
 pytest itself decided about every test (setup, call and teardown reports), the ids collected, the
 session's exit status, whether the session finished, the digest of every test module once collection
 ended, the source files of every plugin and hook implementation that lie in the tree under test, and
 whether pytest's own reporting functions were replaced. At the end of the session it writes that record as
-JSON with an HMAC under a key that the grader put in the report directory and that this module reads and
-deletes when it is imported: pytest imports `-p` plugins before any conftest.py or test module, so the key
-is gone before code under test runs. PYTHONSAFEPATH keeps the tree under test off sys.path until then (no
-module of the tree can shadow pytest or the standard library before the key is read); `python -m pytest`'s
-own sys.path[0] (the working directory) is put back right after.
+JSON, with the name it was loaded under, and an HMAC under a key that the grader put in the report
+directory and that this module reads and deletes when it is imported: pytest imports `-p` plugins given
+on its command line or in PYTEST_ADDOPTS before any conftest.py or test module, so the key is gone before
+code under test runs.
+
+Nothing of the tree may run before the key is read, yet the tree can be on sys.path by then: pytest (8 and
+later) applies the repository's own `pythonpath` setting before it imports `-p` plugins, and an editable
+install's .pth adds the tree at start-up. So no module of the tree can be imported in this one's place
+(the diff was written before the name was drawn), and the standard library modules this one imports first
+are looked up in the standard library's own directories only. PYTHONSAFEPATH keeps the working directory
+off sys.path until then; `python -m pytest`'s own sys.path[0] (the working directory) is put back right
+after.
 
 It judges nothing: shared/grading/pytest_report.py, on the grader's side, does. A pytest session started
 inside the tests (pytester, a subprocess) finds no key and records nothing.
 """
 
-import hashlib
-import hmac
-import json
-import os
+import os  # os and sys are loaded by the interpreter's start-up, before any path of the tree is seen
 import sys
+
+
+def _standard_library_path() -> list:
+    """The sys.path entries of the standard library's own directories (lib-dynload among them): nothing
+    the tree under test can write."""
+    stdlib = getattr(sys, "_stdlib_dir", None) or os.path.dirname(getattr(os, "__file__", None) or "")
+    if not stdlib:
+        return []  # the imports below fail, so no key is taken: an infrastructure error, never a score
+    stdlib = os.path.realpath(stdlib)
+    return [entry for entry in sys.path if isinstance(entry, str) and entry and (
+        os.path.realpath(entry) == stdlib or os.path.realpath(entry).startswith(stdlib + os.sep))]
+
+
+_full_path = sys.path[:]
+sys.path[:] = _standard_library_path()
+try:
+    import hashlib
+    import hmac
+    import json
+finally:
+    sys.path[:] = _full_path
 
 REPORT_DIR_ENV = "ROLLSTREAM_REPORT_DIR"
 KEY_FILE = "key"
@@ -150,6 +176,7 @@ class _Recorder:
                           if _fingerprint(name) != (function, code))
         body = json.dumps({
             "version": 1,
+            "module": __name__,
             "pytest": getattr(sys.modules.get("pytest"), "__version__", "?"),
             "collected": self.collected,
             "outcomes": self.outcomes(),

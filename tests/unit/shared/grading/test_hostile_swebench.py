@@ -2,7 +2,9 @@
 leaves median() wrong for even lengths (the row's FAIL_TO_PASS test must fail) and tries to get a 1
 anyway, by forging pytest's output, ending the test process early, replacing pytest's configuration,
 plugins or reporting, or writing the report itself. Each scores 0, with the reason that stopped it;
-the reference patch still scores 1.
+the reference patch still scores 1. The same row with a pytest configuration of its own that puts the
+tree on sys.path (`pythonpath`, repos/tinystats-pythonpath) is attacked with modules of the tree that
+stand in for the grader's plugin or for a module it imports.
 
     python -m pytest tests/unit/shared/grading/test_hostile_swebench.py -q
 """
@@ -30,6 +32,12 @@ F2P = "tests/test_core.py::test_median_even"
 @pytest.fixture(scope="module")
 def swe():
     return load_swebench_rows(FIXTURES / "swebench" / "rows.jsonl")[0]
+
+
+@pytest.fixture(scope="module")
+def swe_pythonpath():
+    """The row on a snapshot whose own pyproject.toml sets `pythonpath = ["."]`."""
+    return load_swebench_rows(FIXTURES / "swebench" / "rows-pythonpath.jsonl")[0]
 
 
 def _expected_ids(swe) -> list[str]:
@@ -206,3 +214,45 @@ def test_a_process_left_running_to_rewrite_the_report(backend, swe):
              "    time.sleep(20)\n    os._exit(0)\n")
     outcome = _grade(swe, backend, {CORE: _core_with(swe, forge)})
     assert "left processes running" in outcome.reason, outcome.reason
+
+
+def _key_thief(swe, imports: str = "import hashlib, hmac, os\n") -> str:
+    """A module that takes the grader's key when it is imported and, as the process exits, writes a report
+    signed with it in which every expected test passed, then exits 0 to match it."""
+    record = {"version": 1, "pytest": "9", "collected": _expected_ids(swe),
+              "outcomes": {test_id: "passed" for test_id in _expected_ids(swe)}, "exitstatus": 0,
+              "session_finished": True, "plugin_files": [], "tampered": [], "test_files": {}}
+    return (imports + "import atexit\n"
+            "_dir = os.environ.get('ROLLSTREAM_REPORT_DIR', '/grader/report')\n"
+            "with open(os.path.join(_dir, 'key'), 'rb') as _file:\n    _key = _file.read()\n"
+            "os.unlink(os.path.join(_dir, 'key'))\n"
+            f"_body = {json.dumps(record, sort_keys=True)!r}.encode()\n\n"
+            "def _forge():\n"
+            "    with open(os.path.join(_dir, 'report.json'), 'wb') as out:\n"
+            "        out.write(_body + b'\\n' + hmac.new(_key, _body, hashlib.sha256).hexdigest().encode())\n"
+            "    os._exit(0)\n\n"
+            "atexit.register(_forge)\n")
+
+
+def test_a_module_of_the_tree_named_like_the_plugin(backend, swe_pythonpath):
+    """The snapshot's own configuration puts the tree first on sys.path: a module there named as the
+    plugin once was would be imported in its place, take the key and sign a forged report."""
+    swe = swe_pythonpath
+    reference = grade_swebench(swe, reference_diff(swe, backend), backend, LIMITS)
+    assert (reference.score, reference.infrastructure_error) == (1.0, False), reference
+    thief = _key_thief(swe)
+    outcome = _grade(swe, backend, {"rollstream_report.py": thief, "tinystats/rollstream_report.py": thief,
+                                    "tests/rollstream_report.py": thief})
+    assert outcome.tests[F2P] == "failed" and "pytest exit 1" in outcome.reason, outcome
+
+
+def test_a_module_of_the_tree_named_like_one_the_plugin_imports(backend, swe_pythonpath):
+    """pytest has not imported hmac by the time it loads `-p` plugins, and the tree is first on sys.path:
+    the plugin's own `import hmac` would run the tree's, which steals the key and then puts the real hmac
+    in its own place."""
+    swe = swe_pythonpath
+    stand_in = ("import hashlib, os, sys\n_path = sys.path[:]\n"
+                "sys.path[:] = [p for p in _path if os.path.realpath(p or '.') != os.path.realpath('.')]\n"
+                "del sys.modules['hmac']\nimport hmac\nsys.modules['hmac'] = hmac\nsys.path[:] = _path\n")
+    outcome = _grade(swe, backend, {"hmac.py": _key_thief(swe, stand_in)})
+    assert outcome.tests[F2P] == "failed" and "pytest exit 1" in outcome.reason, outcome
