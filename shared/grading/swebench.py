@@ -20,8 +20,14 @@ under bubblewrap and docker):
   changed after pytest finished (an atexit hook): the record is written only when the session ends, and
   its exit status must be the process's and agree with the outcomes;
 - a report written by the code under test: it cannot sign it, because the key is read and deleted by
-  the plugin before any conftest or test module is imported, and the tree is kept off sys.path until
-  then (PYTHONSAFEPATH: no module of the tree can shadow pytest or the standard library first);
+  the plugin before any conftest or test module is imported, and no module of the tree runs before:
+  the plugin is staged under a module name drawn at random for each grading, which the diff (written
+  before) cannot name, so no module of the tree stands in for it, however the tree comes onto sys.path
+  (the snapshot's own pytest `pythonpath`, which pytest 8 and later applies before loading `-p` plugins,
+  an editable install's .pth, PYTHONPATH in the test_command); the standard library modules the plugin
+  imports before taking the key are looked up in the standard library's directories only; and
+  PYTHONSAFEPATH keeps the working directory off sys.path, so no module at the tree's root can shadow
+  pytest or the standard library before the plugin runs;
 - edited tests, conftest.py files, pytest configuration that loads another plugin or turns ours off:
   restored to the snapshot before the run (turning ours off anyway leaves no report: 0); test files
   rewritten during the run (by code a test module imports, before pytest collects the next module): their
@@ -33,14 +39,17 @@ under bubblewrap and docker):
 Not stopped: the code under test making the tests pass wrongly (special-casing the tests' inputs,
 patching what the tests import, or builtins); in-process attacks written against this plugin (reading its
 key-derived state from memory, patching pytest internals not in GUARDED, forging a hook's source file
-name); a Python older than 3.11 ignores PYTHONSAFEPATH, so there a module at the tree's root could shadow
-one that pytest imports before the plugin. A task author closes the first with hidden or stronger tests;
-the rest need the tests to run in a process that does not import the code under test, which pytest does not
-offer. A test_command that starts no pytest session (or a sandbox without pytest) is an infrastructure error,
-never a score: nothing of the model's runs before the plugin takes its key. A command must run exactly one
-pytest session (the record is the first session's, the exit status the command's); `rollstream validate`
-shows a row that breaks either rule (its reference patch must score 1). A diff that rightly changes a module
-the project's own conftest loads as a pytest plugin (`pytest_plugins`) is refused like a forged plugin.
+name); a Python older than 3.11 ignores PYTHONSAFEPATH, so there a module at the tree's root could shadow one
+that pytest imports before the plugin; code of the tree that pytest imports before the plugin on purpose: a
+`-p` plugin of the tree named in the snapshot's own `addopts` (pytest puts the configuration's `addopts`
+before PYTEST_ADDOPTS) when the diff changes it, or a row whose code under test is pytest itself or a module
+pytest imports to start (pluggy, iniconfig). A task author closes the first with hidden or stronger tests; the
+rest need the tests to run in a process that does not import the code under test, which pytest does not offer.
+A test_command that starts no pytest session (or a sandbox without pytest) is an infrastructure error, never a
+score: nothing of the model's runs before the plugin takes its key. A command must run exactly one pytest
+session (the record is the first session's, the exit status the command's); `rollstream validate` shows a row
+that breaks either rule (its reference patch must score 1). A diff that rightly changes a module the project's
+own conftest loads as a pytest plugin (`pytest_plugins`) is refused like a forged plugin.
 """
 
 from __future__ import annotations
