@@ -29,7 +29,8 @@ Example:
 Rows load as SWE-bench, SWE-bench Verified, SWE-Gym, SWE-bench-extra and SWE-rebench publish them
 (their `environment_setup_commit`, `version` and `install_config` are kept on the task for per-row
 environments), and as SWE-smith publishes them: no base_commit, `repo` "swesmith/owner__name.<commit>",
-`patch` the bug (the reference fix is its reverse), `image_name` the test environment's image.
+`patch` the bug (the reference fix is its reverse), `image_name` the test environment's image; a
+SWE-smith row's snapshot always comes from the clone, never from `repo_dir`.
 
 Every problem raises `TaskError` naming the file and the field (and the row, for SWE-bench), e.g.
 "tasks/fix-bug/task.toml: [verifier] timeout_sec must be a positive number, got 'abc'".
@@ -140,27 +141,30 @@ def _given_repo_dir(record: dict[str, Any], base: Path, instance_id: str, where:
 
 
 def _snapshot(record: dict[str, Any], base: Path, repos_dir: Path | None, where: str) -> Snapshot:
-    """The row's snapshot from a clone of its `repo` in the repos directory."""
+    """The row's snapshot: the one it points at, else a checkout of a clone of its `repo` in the repos
+    directory. A SWE-smith row's always comes from the clone: its `patch` is the bug, not the fix, and
+    the fix is derived from the clone with it."""
     instance_id = record["instance_id"]
-    given = _given_repo_dir(record, base, instance_id, where)
+    repo = _optional_str(record, "repo", where)
+    swesmith = repo is not None and swesmith_parts(repo) is not None
+    given = None if swesmith else _given_repo_dir(record, base, instance_id, where)
     if given is not None:
         return Snapshot(repo_dir=given, gold_patch=None)
-    repo = _optional_str(record, "repo", where)
-    base_commit = _optional_str(record, "base_commit", where)
     row_repos = _optional_str(record, "repos_dir", where)
     clones = (base / row_repos) if row_repos else (repos_dir if repos_dir is not None else base / "repos")
     if not repo:
         raise TaskError(f"{where}: 'repo_dir' missing, and no 'repo' to find a clone of (or put a snapshot "
                         f"at {base / 'repos' / instance_id})")
-    if base_commit:
-        return checkout_snapshot(clones.resolve(), repo, base_commit, where)
-    if swesmith_parts(repo) is not None:
+    if swesmith:
         bug_patch = _optional_str(record, "patch", where)
         if not bug_patch:
             raise TaskError(f"{where}: 'patch' missing (a SWE-smith row's bug, applied to {repo})")
         return swesmith_snapshot(clones.resolve(), repo, bug_patch, where)
-    raise TaskError(f"{where}: 'base_commit' missing and no 'repo_dir' (the commit of {repo} the task "
-                    f"starts from)")
+    base_commit = _optional_str(record, "base_commit", where)
+    if not base_commit:
+        raise TaskError(f"{where}: 'base_commit' missing and no 'repo_dir' (the commit of {repo} the task "
+                        f"starts from)")
+    return checkout_snapshot(clones.resolve(), repo, base_commit, where)
 
 
 def _install_config(record: dict[str, Any], where: str) -> dict[str, Any] | None:

@@ -153,6 +153,10 @@ def test_a_swesmith_row_starts_from_the_bug_and_its_reference_is_the_bug_reverse
                             f"{clean_commit.strip()}:{MORE_PY}"], capture_output=True, text=True,
                            check=True).stdout
     assert (fixed / MORE_PY).read_text() == clean
+    # a repo_dir cannot stand in for the clone: the row's patch is the bug, and the fix comes from the clone
+    [again] = load_swebench_rows(write_rows(tmp_path / "rows.jsonl", [{**record, "repo_dir": "fixed"}]),
+                                 repos_dir=clones)
+    assert again.repo_dir == task.repo_dir and again.gold_patch == task.gold_patch
 
 
 def test_a_swesmith_clone_may_carry_the_mirror_name(tmp_path, clones):
