@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -425,16 +426,27 @@ class LocalRun:
         return progress
 
     def wait_for_version(self, version: int, timeout_s: float, on_progress=lambda progress: None) -> Progress:
+        return self.wait_until(lambda progress: progress.version >= version, timeout_s, on_progress,
+                               lambda progress: f"policy version {progress.version}, wanted {version}")
+
+    def wait_for_batches(self, count: int, timeout_s: float) -> Progress:
+        """Until the reward service has published `count` batches (a run without a trainer ends there)."""
+        return self.wait_until(lambda progress: len(progress.batches) >= count, timeout_s,
+                               describe=lambda progress: f"{len(progress.batches)} batches, wanted {count}")
+
+    def wait_until(self, done: Callable[[Progress], bool], timeout_s: float,
+                   on_progress: Callable[[Progress], None] = lambda progress: None,
+                   describe: Callable[[Progress], str] = lambda progress: "not done") -> Progress:
+        """Poll the run's progress until `done` says so; a service that died fails it (check_alive)."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.check_alive()
             progress = self.progress()
             on_progress(progress)
-            if progress.version >= version:
+            if done(progress):
                 return progress
             if time.monotonic() > deadline:
-                raise TimeoutError(f"policy version {progress.version} after {timeout_s:.0f}s, "
-                                   f"wanted {version}")
+                raise TimeoutError(f"{describe(progress)} after {timeout_s:.0f}s")
             time.sleep(0.5)
 
     def backlog(self) -> dict[str, int]:

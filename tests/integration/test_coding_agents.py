@@ -1,12 +1,12 @@
-"""Claude Code, Codex CLI and Qwen Code, unmodified from npm (pinned in agents/package-lock.json), as
-black-box agents on the Harbor task fix-add: the pipeline for real (Redis, vLLM on the CPU, the gateway and
-every other service as processes). Each episode runs the agent's CLI inside the task's sandbox (bubblewrap: no
-network but its gateway session, the workspace at the task's WORKDIR, the CLIs mounted read-only) with the
-settings docs/agents/coding-agents.md gives, pointed at its gateway session; the CLI sends its real requests
-(Claude Code: streamed Messages with its system blocks, 24 tools and thinking parameters; Codex: streamed
-Responses with developer messages, a namespace tool and a hosted web search; Qwen Code: streamed Chat
-Completions from node's fetch, which reserves 10 GiB of address space for its WebAssembly HTTP parser), runs
-the tool calls in the workspace, and sends the results back.
+"""Claude Code, Codex CLI and Qwen Code, unmodified from npm (pinned in agents/package-lock.json), as black-box
+agents on the Harbor task fix-add: the pipeline for real (Redis, vLLM on the CPU, the gateway and every other
+service as processes, up to the reward-complete batch: no trainer, see SERVICES). Each episode runs the agent's
+CLI inside the task's sandbox (bubblewrap: no network but its gateway session, the workspace at the task's
+WORKDIR, the CLIs mounted read-only) with the settings docs/agents/coding-agents.md gives, pointed at its
+gateway session; the CLI sends its real requests (Claude Code: streamed Messages with its system blocks, 24
+tools and thinking parameters; Codex: streamed Responses with developer messages, a namespace tool and a hosted
+web search; Qwen Code: streamed Chat Completions from node's fetch, which reserves 10 GiB of address space for
+its WebAssembly HTTP parser), runs the tool calls in the workspace, and sends the results back.
 
 The model is the tiny Llama with its RoPE positions raised to 131072 (models/tiny-llama-long): these agents'
 first prompts are 30k (Codex) to 60k (Claude Code, Qwen Code) tokens. Its answers are noise, so a vLLM logits
@@ -62,7 +62,10 @@ CONTEXT = 131072
 TASK = FIXTURES / "harbor" / "fix-add"
 FIX = "sed -i 's/a - b/a + b/' calc.py"
 SEED = 7
-SERVICES = ("dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward", "trainer")
+SERVICES = ("dispatcher", "gateway", "agent-runner", "sandbox-grader", "reward")
+"""No trainer: its step on these three 30k-60k-token samples took five and a half minutes on two cores (a
+sample's attention is quadratic in its length), with nothing to learn (one sample a prompt: every advantage is
+0). The run ends at the reward-complete batch the trainer reads; the trainer's part is tested on its own."""
 SCRIPT = [
     {"tool": "Bash", "calls": [{"command": FIX, "description": "Fix add in calc.py"}], "final": "Fixed add."},
     {"tool": "exec_command", "calls": [{"cmd": FIX}], "final": "Fixed add."},
@@ -122,16 +125,16 @@ def run(tmp_path_factory, machine_redis_url):
         # the CLIs reach the sandbox read-only at /opt/agent, on PATH there
         agent={"default": "command", "command_time_budget_s": 600,
                "command_runtime_dir": AGENTS_BIN.parents[1]},
-        train={"batch_size": len(AGENTS), "total_versions": 1, "max_staleness": 1},
+        train={"batch_size": len(AGENTS), "total_versions": 1},
         recorder={"enabled": False},
     )
     with vllm:
         vllm.wait_healthy()
         # The run stays up while the tests read it: the console's page shows it live. Nothing is admitted
-        # after version 1 (the dispatcher stops at batch_size x total_versions), so it idles meanwhile.
+        # after the first batch (the dispatcher stops at batch_size x total_versions), so it idles meanwhile.
         with LocalRun(settings, fleet_urls=[vllm.url], services=(*SERVICES, "console")) as local:
             try:
-                progress = local.wait_for_version(1, timeout_s=900)
+                progress = local.wait_for_batches(1, timeout_s=900)
             except BaseException:
                 print(f"--- vllm\n{vllm.log_tail(40)}")
                 raise
@@ -178,7 +181,7 @@ def test_every_recorded_turn_is_what_vllm_samples_for_its_prompt_and_seed(run, a
 
 
 @pytest.mark.parametrize("agent", list(AGENTS))
-def test_the_diff_was_graded_and_the_samples_reached_the_trainer(run, agent):
+def test_the_diff_was_graded_and_the_samples_reached_a_batch(run, agent):
     episode = episodes(run["local"])[agent]
     (grade,) = episode["grades"]
     assert grade.score == 1.0, "the scripted fix passes the task's tests"
@@ -211,8 +214,10 @@ def test_the_console_shows_the_services_lag_and_a_coding_rollouts_tokens_diff_an
         for service in SERVICES:
             expect(row("#replicas", service).locator("td").nth(2)).to_have_text("ok")
         expect(row("#replicas", "vllm")).to_contain_text(run["vllm"].url)
-        expect(row("#replicas", "vllm")).to_contain_text("policy_version: 1")
+        expect(row("#replicas", "vllm").locator("td").nth(2)).to_have_text("ok")
         for stream, group in stream_groups():
+            if group not in SERVICES:  # the trainer's group on batches: no trainer here
+                continue
             lag, pending = local.bus.group_lag(stream, group)
             expect(row("#stream-table", stream)).to_contain_text(f"{group}: lag {lag}, pending {pending}")
         chosen = page.locator(f"#rollout-list tr[data-rollout='{episode['rollout']}']")
