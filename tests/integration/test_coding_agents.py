@@ -1,12 +1,13 @@
-"""Claude Code, Codex CLI and Qwen Code, unmodified from npm (pinned in agents/package-lock.json), as black-box
-agents on the Harbor task fix-add: the pipeline for real (Redis, vLLM on the CPU, the gateway and every other
-service as processes, up to the reward-complete batch: no trainer, see SERVICES). Each episode runs the agent's
-CLI inside the task's sandbox (bubblewrap: no network but its gateway session, the workspace at the task's
-WORKDIR, the CLIs mounted read-only) with the settings docs/agents/coding-agents.md gives, pointed at its
-gateway session; the CLI sends its real requests (Claude Code: streamed Messages with its system blocks, 24
-tools and thinking parameters; Codex: streamed Responses with developer messages, a namespace tool and a hosted
-web search; Qwen Code: streamed Chat Completions from node's fetch, which reserves 10 GiB of address space for
-its WebAssembly HTTP parser), runs the tool calls in the workspace, and sends the results back.
+"""Claude Code, Codex CLI and Qwen Code, unmodified from npm (pinned in agents/package-lock.json), as
+black-box agents on the Harbor task fix-add: the pipeline for real (Redis, vLLM on the CPU, the gateway and
+every other service as processes, up to the reward-complete batch: no trainer, see SERVICES). Each episode
+runs the agent's CLI inside the task's sandbox (bubblewrap: no network but its gateway session, the
+workspace at the task's WORKDIR, the CLIs mounted read-only) with the settings docs/agents/coding-agents.md
+gives, pointed at its gateway session; the CLI sends its real requests (Claude Code: streamed Messages with
+its system blocks, 24 tools and thinking parameters; Codex: streamed Responses with developer messages, a
+namespace tool and a hosted web search; Qwen Code: streamed Chat Completions from node's fetch, which
+reserves 10 GiB of address space for its WebAssembly HTTP parser), runs the tool calls in the workspace,
+and sends the results back.
 
 The model is the tiny Llama with its RoPE positions raised to 131072 (models/tiny-llama-long): these agents'
 first prompts are 30k (Codex) to 60k (Claude Code, Qwen Code) tokens. Its answers are noise, so a vLLM logits
