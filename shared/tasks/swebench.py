@@ -17,6 +17,9 @@ JSON-encoded as strings, as the published datasets store them), plus our own:
     dockerfile     optional; a Dockerfile (relative to the dataset file) of the test environment, which
                    the docker backend builds and runs the tests in (it must provide the repository's
                    Python with pytest); without it, the backend's default image
+    install        optional; a command or a list of commands that install the repository's test
+                   environment, run in its tree at the environment commit (shared/tasks/environment_spec.py)
+    python         optional; the Python version of that environment ("3.11"); default: the sandbox's
 
 Example:
 
@@ -47,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from rollstream.shared.errors import TaskError
+from rollstream.shared.tasks.environment_spec import install_commands, python_version
 from rollstream.shared.tasks.swebench_repos import (
     Snapshot,
     checkout_snapshot,
@@ -75,6 +79,9 @@ class SweTask:
     version: str | None = None      # the repository's release the environment is built for
     image_name: str | None = None   # SWE-smith: the docker image of the test environment
     install_config: dict[str, Any] | None = None  # SWE-bench-extra / SWE-rebench: how to install the repo
+    install: tuple[str, ...] | None = None  # our own: the commands that install the environment
+    python: str | None = None       # our own: the environment's Python version
+    repos_dir: Path | None = None   # the directory of the rows' git clones (the environment commit's source)
 
 
 def _read_records(path: Path) -> list[Any]:
@@ -150,8 +157,7 @@ def _snapshot(record: dict[str, Any], base: Path, repos_dir: Path | None, where:
     given = None if swesmith else _given_repo_dir(record, base, instance_id, where)
     if given is not None:
         return Snapshot(repo_dir=given, gold_patch=None)
-    row_repos = _optional_str(record, "repos_dir", where)
-    clones = (base / row_repos) if row_repos else (repos_dir if repos_dir is not None else base / "repos")
+    clones = _clones_dir(record, base, repos_dir, where)
     if not repo:
         raise TaskError(f"{where}: 'repo_dir' missing, and no 'repo' to find a clone of (or put a snapshot "
                         f"at {base / 'repos' / instance_id})")
@@ -159,12 +165,18 @@ def _snapshot(record: dict[str, Any], base: Path, repos_dir: Path | None, where:
         bug_patch = _optional_str(record, "patch", where)
         if not bug_patch:
             raise TaskError(f"{where}: 'patch' missing (a SWE-smith row's bug, applied to {repo})")
-        return swesmith_snapshot(clones.resolve(), repo, bug_patch, where)
+        return swesmith_snapshot(clones, repo, bug_patch, where)
     base_commit = _optional_str(record, "base_commit", where)
     if not base_commit:
         raise TaskError(f"{where}: 'base_commit' missing and no 'repo_dir' (the commit of {repo} the task "
                         f"starts from)")
-    return checkout_snapshot(clones.resolve(), repo, base_commit, where)
+    return checkout_snapshot(clones, repo, base_commit, where)
+
+
+def _clones_dir(record: dict[str, Any], base: Path, repos_dir: Path | None, where: str) -> Path:
+    row_repos = _optional_str(record, "repos_dir", where)
+    clones = (base / row_repos) if row_repos else (repos_dir if repos_dir is not None else base / "repos")
+    return clones.resolve()
 
 
 def _install_config(record: dict[str, Any], where: str) -> dict[str, Any] | None:
@@ -213,6 +225,10 @@ def _swe_row(record: Any, path: Path, where: str, repos_dir: Path | None) -> Swe
         version=_optional_str(record, "version", where) or None,
         image_name=_optional_str(record, "image_name", where) or None,
         install_config=_install_config(record, where),
+        install=None if record.get("install") is None else install_commands(record["install"], where,
+                                                                             "install"),
+        python=python_version(record.get("python"), where, "python"),
+        repos_dir=_clones_dir(record, base, repos_dir, where),
     )
 
 
