@@ -10,7 +10,9 @@ callback (the work-horse killed on the last try, a job stuck between dequeue and
 died): `report_failures_without_verdict`, which the grader runs every few seconds, publishes theirs.
 Each job that published a verdict says so in its meta (VERDICT_META).
 A request no retry can grade (its diff artifact or its task does not exist, an unknown grader kind)
-gets its GradingFailed at once, without the retries and their back-off.
+gets its GradingFailed at once, without the retries and their back-off. A SWE row's environment is built
+on its first grading when nobody prepared it (`rollstream environments prepare`, which spares the job's
+timeout the build); a build that fails is an infrastructure error like a sandbox that does not start.
 
 A job publishes through the grader's own connection to the bus (publish_grades_through; the job's RQ
 connection where none is set, the bus's Redis then): its arguments carry no Redis URL, because RQ logs a
@@ -77,6 +79,9 @@ class GradeRequest:
     incarnation: str = ""
     """The run's incarnation when the job was queued (Bus.incarnation): once the run is deleted, a job left
     in its queue publishes nothing into a new run under the same id. Empty: queued by an older grader."""
+    environments_dir: str = ""
+    """grader.environments_dir: where the bubblewrap backend keeps SWE rows' environments, building one on
+    its first grading. Empty: its default (shared/sandbox/venv_environments.py)."""
 
     def as_job_arg(self) -> dict:
         return asdict(self)
@@ -108,7 +113,7 @@ def grade_rollout(request: dict) -> dict:
 
 
 def grade(req: GradeRequest, storage: Storage) -> GradeOutcome:
-    backend = get_backend(req.backend)
+    backend = get_backend(req.backend, **backend_options(req))
     limits = SandboxLimits(wall_time_s=req.wall_time_s, cpu_time_s=req.wall_time_s, memory_mb=req.memory_mb)
     kind = req.grader.get("kind") if req.grader else "check"
     if kind == "check":
@@ -125,6 +130,13 @@ def grade(req: GradeRequest, storage: Storage) -> GradeOutcome:
     except (KeyError, TaskError) as exc:
         raise UngradableRequest(f"{kind} task {req.grader}: {type(exc).__name__}: {exc}") from exc
     return grade_harbor(task, diff, backend) if kind == "harbor" else grade_swebench(task, diff, backend)
+
+
+def backend_options(req: GradeRequest) -> dict[str, Any]:
+    """The request's options of its backend: the bubblewrap backend's environments directory."""
+    if req.environments_dir and req.backend in ("bubblewrap", "bwrap"):
+        return {"environments_dir": Path(req.environments_dir)}
+    return {}
 
 
 def read_diff(req: GradeRequest, storage: Storage) -> str:

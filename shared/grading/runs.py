@@ -8,7 +8,9 @@ processes the command left running in the sandbox (any of them could still chang
 wrote) and says so through its exit status, PROCESSES_LEFT_EXIT (SandboxRun.processes_left): the
 status, unlike output, is the wrapper's alone to set. Also: the grading limits (the task's verifier
 timeout as the wall clock), staging trusted task files next to the workspace, the task image for
-backends that build one, and `store_log` (an atomic write of a grading log to storage).
+backends that build one, a SWE row's test environment (`task_environment`: the backend's virtual
+environment or image of the row's EnvironmentSpec), and `store_log` (an atomic write of a grading log to
+storage).
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollstream.shared.errors import GradingError, SandboxError
+from rollstream.shared.errors import GradingError, SandboxError, TaskError
 from rollstream.shared.sandbox.base import (
     DEFAULT_WORKDIR,
     SandboxBackend,
+    SandboxEnvironment,
     SandboxLimits,
     SandboxResult,
 )
 from rollstream.shared.sandbox.workspace import GitWorkspace
+from rollstream.shared.tasks.environment_spec import environment_spec
 
 MAX_TEST_OUTPUT_BYTES = 512 * 1024
 """SWE test output: the last this many bytes are kept (pytest's -rA summary is at the end)."""
@@ -169,6 +173,24 @@ def environment_dir(task: Any) -> Path | None:
 def task_image(backend: SandboxBackend, task: Any) -> str | None:
     image_for = getattr(backend, "image_for", None)
     return image_for(environment_dir(task)) if image_for is not None else None
+
+
+def task_environment(backend: SandboxBackend, task: Any) -> SandboxEnvironment:
+    """What a SWE row's tests run with: the docker backend's image of the row (image_for_task: its dockerfile,
+    a published image, or one built from its EnvironmentSpec); the bubblewrap backend's virtual environment
+    of the row's EnvironmentSpec (environment_for: built on first use); else the task's image, as before
+    rows had environments. A bad spec is a GradingError; a build that fails raises the backend's SandboxError
+    (both infrastructure errors for the grader)."""
+    image_for_task = getattr(backend, "image_for_task", None)
+    environment_for = getattr(backend, "environment_for", None)
+    try:
+        if image_for_task is not None:
+            return SandboxEnvironment(image=image_for_task(task))
+        spec = environment_spec(task) if environment_for is not None else None
+    except TaskError as exc:
+        raise GradingError(f"the row's environment: {exc}") from exc
+    environment = environment_for(spec) if spec is not None else None
+    return environment if environment is not None else SandboxEnvironment(image=task_image(backend, task))
 
 
 def store_log(storage: Any, run_id: str, name: str, text: str) -> str:

@@ -86,10 +86,10 @@ from rollstream.shared.grading.runs import (
     SandboxRun,
     run_log,
     run_wrapped,
-    task_image,
+    task_environment,
     task_limits,
 )
-from rollstream.shared.sandbox.base import SandboxBackend, SandboxLimits
+from rollstream.shared.sandbox.base import SandboxBackend, SandboxEnvironment, SandboxLimits
 from rollstream.shared.sandbox.workspace import GitWorkspace, prepare_workspace
 
 PROTECTED_NAMES = ("conftest.py", "sitecustomize.py", "usercustomize.py", "pytest.ini", ".pytest.ini",
@@ -190,7 +190,7 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
     fail_to_pass = _id_list(task.fail_to_pass)
     pass_to_pass = _id_list(task.pass_to_pass)
     try:
-        image = task_image(backend, task)
+        environment = task_environment(backend, task)
         workspace = prepare_workspace(Path(task.repo_dir))
     except (GradingError, SandboxError, OSError) as exc:
         return make_outcome(0, f"grading setup failed: {exc}", started=started,
@@ -207,7 +207,8 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
                                                for test_id in fail_to_pass + pass_to_pass})
         test_digests = {path: file_digest(workspace.root, path) for path in test_files}
         report_setup = prepare_report(workspace.scratch("report-plugin"), workspace.scratch("report"))
-        run = _run_tests(task, fail_to_pass + pass_to_pass, workspace, backend, image, limits, report_setup)
+        run = _run_tests(task, fail_to_pass + pass_to_pass, workspace, backend, environment, limits,
+                         report_setup)
         log_text = run_log(run)
         if run.error:
             return make_outcome(0, run.error, log_text=log_text, started=started,
@@ -254,16 +255,19 @@ def _put_back_test_files(workspace: GitWorkspace, task: Any) -> tuple[list[str],
 
 
 def _run_tests(task: Any, test_ids: list[str], workspace: GitWorkspace, backend: SandboxBackend,
-               image: str | None, limits: SandboxLimits | None, report_setup: ReportSetup) -> SandboxRun:
-    """The task's test command on `test_ids`, its output cut to its last MAX_TEST_OUTPUT_BYTES."""
+               environment: SandboxEnvironment, limits: SandboxLimits | None,
+               report_setup: ReportSetup) -> SandboxRun:
+    """The task's test command on `test_ids` in the row's environment, its output cut to its last
+    MAX_TEST_OUTPUT_BYTES."""
     ids = " ".join(shlex.quote(test_id) for test_id in test_ids)
     command = (f"set -o pipefail 2>/dev/null; ( {task.test_command} {ids} ) 2>&1 "
                f"| tail -c {MAX_TEST_OUTPUT_BYTES}")
     return run_wrapped(backend, f"bash -c {shlex.quote(command)}", workspace,
                        task_limits(limits, getattr(task, "verifier_timeout_s", None)),
-                       report_setup.ro_mounts(), report_setup.rw_mounts(),
-                       {"WORKSPACE": "/workspace", "PYTHONDONTWRITEBYTECODE": "1", **report_setup.env()},
-                       image, flag_leftovers=True)
+                       {**environment.ro_mounts, **report_setup.ro_mounts()}, report_setup.rw_mounts(),
+                       {**environment.env, "WORKSPACE": "/workspace", "PYTHONDONTWRITEBYTECODE": "1",
+                        **report_setup.env()},
+                       environment.image, flag_leftovers=True)
 
 
 def _score(task: Any, report: SessionReport, fail_to_pass: list[str], pass_to_pass: list[str],

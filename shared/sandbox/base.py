@@ -1,11 +1,13 @@
 """The sandbox contract: what one run may use (SandboxLimits), what it gives back (SandboxResult), the
-protocol every backend implements, and where in the sandbox a caller may put things (`place_mounts`).
+protocol every backend implements, where in the sandbox a caller may put things (`place_mounts`), and a
+task's test environment as a backend provides it (SandboxEnvironment; a backend that prepares environments
+has `environment_for(spec, build=True)`, shared/sandbox/venv_environments.py for bubblewrap).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -58,6 +60,19 @@ class SandboxResult:
     """Wall time from starting bwrap to its end."""
     reason: str
     """What happened, in words: "exit 0", "killed: wall-clock limit 10s", ..."""
+
+
+@dataclass(frozen=True)
+class SandboxEnvironment:
+    """A task's test environment as a backend runs it: what to mount read-only, which variables to set and
+    which image to run in (None: the backend's default)."""
+
+    ro_mounts: dict[str, Path] = field(default_factory=dict)
+    """Sandbox path -> host path, e.g. a prepared virtual environment (bubblewrap)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables the run gets, e.g. PATH with the environment's bin/ first."""
+    image: str | None = None
+    """The image holding the environment (docker), or None."""
 
 
 @runtime_checkable

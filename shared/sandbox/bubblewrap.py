@@ -50,7 +50,9 @@ create one.
 
 `BubblewrapBackend` adapts it to the backend protocol (shared/sandbox/base.py): mounts become
 binds, `image` is ignored (the host's /usr is the environment), and with python_tools (the default)
-pytest is importable in the sandbox (shared/sandbox/python_tools.py).
+pytest is importable in the sandbox (shared/sandbox/python_tools.py), except in a run that brings a
+virtual environment of its own (VIRTUAL_ENV set): a SWE row's environment, built on the host and mounted
+read-only (`environment_for`, shared/sandbox/venv_environments.py), has its own pytest.
 
     from rollstream.shared.sandbox.bubblewrap import run_in_sandbox
     result = run_in_sandbox("python3 check.py", Path(workspace), SandboxLimits(wall_time_s=5))
@@ -81,6 +83,7 @@ from rollstream.shared.errors import (
 )
 from rollstream.shared.sandbox.base import (
     DEFAULT_WORKDIR,
+    SandboxEnvironment,
     SandboxLimits,
     SandboxResult,
     place_mounts,
@@ -97,6 +100,7 @@ from rollstream.shared.sandbox.python_tools import (
     PYTHON_TOOLS_MOUNT,
     stage_python_tools,
 )
+from rollstream.shared.sandbox.venv_environments import VenvEnvironments
 
 SANDBOX_UID = 1000
 """uid and gid the command has inside the sandbox (named `sandbox` in its /etc/passwd)."""
@@ -412,18 +416,32 @@ def setup_failure_hint(stderr: str) -> str:
 class BubblewrapBackend:
     """shared/sandbox/bubblewrap.py; mounts become bwrap binds; `image` is ignored. With python_tools (the
     default), pytest is importable in the sandbox and `python` runs /usr/bin/python3 (mounted
-    read-only at /opt/rollstream; PATH and PYTHONPATH point there)."""
+    read-only at /opt/rollstream; PATH and PYTHONPATH point there), unless the run's env names a
+    VIRTUAL_ENV. environments_dir: where SWE rows' environments are built (default:
+    venv_environments.default_environments_dir())."""
 
     name = "bubblewrap"
 
-    def __init__(self, python_tools: bool = True) -> None:
+    def __init__(self, python_tools: bool = True, environments_dir: Path | None = None) -> None:
         if shutil.which("bwrap") is None:
             raise BackendUnavailable("bubblewrap is not installed (`bwrap` not on PATH); "
                                      "on Debian: apt-get install bubblewrap")
         self.tools = stage_python_tools() if python_tools else None
+        self.environments = VenvEnvironments(environments_dir)
 
     def image_for(self, environment_dir: Path | None) -> str | None:
         return None
+
+    def environment_for(self, spec, build: bool = True) -> SandboxEnvironment | None:
+        """The virtual environment of an EnvironmentSpec, built now when it is not prepared and `build`
+        (EnvironmentBuildFailed, EnvironmentUnsupported); None when it is not prepared and not `build`, or
+        the spec only names a published image (which needs docker)."""
+        if not spec.install and not spec.python and spec.image_name:
+            return None
+        if build:
+            return self.environments.sandbox_environment(self.environments.prepare(spec).path)
+        path = self.environments.find(spec)
+        return self.environments.sandbox_environment(path) if path is not None else None
 
     def run(self, command: str, workspace: Path, *, limits: SandboxLimits,
             ro_mounts: dict[str, Path] | None = None, rw_mounts: dict[str, Path] | None = None,
@@ -433,7 +451,7 @@ class BubblewrapBackend:
         binds = [(Path(host), target, True) for target, host in (ro_mounts or {}).items()]
         binds += [(Path(host), target, False) for target, host in (rw_mounts or {}).items()]
         full_env = dict(env or {})
-        if self.tools is not None:
+        if self.tools is not None and "VIRTUAL_ENV" not in full_env:
             binds.append((self.tools, PYTHON_TOOLS_MOUNT, True))
             full_env.setdefault("PATH", f"{PYTHON_TOOLS_MOUNT}/bin:/usr/local/bin:/usr/bin:/bin")
             # after the caller's own entries: a caller's module path (the SWE report plugin) is kept

@@ -104,7 +104,10 @@ def _from_config(config: Any, where: str, field: str) -> tuple[str | None, tuple
         raise TaskError(f"{where}: '{field}' must be an object, got {type(config).__name__}")
     python = python_version(config.get("python"), where, f"{field}.python")
     pre_install = install_commands(config.get("pre_install") or [], where, f"{field}.pre_install")
-    packages = install_commands(config.get("pip_packages") or [], where, f"{field}.pip_packages")
+    packages = config.get("pip_packages") or []
+    if not isinstance(packages, (list, tuple)) or not all(isinstance(item, str) for item in packages):
+        raise TaskError(f"{where}: '{field}.pip_packages' must be a list of requirements (strings), "
+                        f"got {packages!r}")
     install = install_commands(config.get("install") or [], where, f"{field}.install")
     pip = ("pip install " + " ".join(shlex.quote(package) for package in packages),) if packages else ()
     return python, pre_install, pip + install

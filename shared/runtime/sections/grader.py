@@ -1,11 +1,12 @@
 """The sandbox grader's settings (`grader.*`, RS_GRADER__*): the sandbox it grades in, its job queue and
-retries, and the limits of one check.
+retries, the limits of one check, and where SWE rows' environments are built.
 
     python -m pytest tests/unit/shared/runtime/test_config.py -q
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -29,3 +30,7 @@ class GraderSettings(Section):
     probe_interval_s: float = Field(30.0, gt=0)
     """How often a grading sandbox-grader runs a trivial command in a real sandbox to tell whether its backend
     still works (/healthz 503 with the reason when not); one that is not ready yet tries every 5 s."""
+    environments_dir: Path | None = None
+    """Where the bubblewrap backend builds SWE rows' environments (a virtual environment per repository,
+    environment commit and install), mounted read-only at the same path in the sandbox: not under /tmp, /usr
+    or /etc. Default: ~/.cache/rollstream/environments, /var/cache/rollstream/environments for root."""
