@@ -8,11 +8,13 @@ the grader looks for), the workspace bind-mounted read-write at `workdir` (/work
 caller names another place, e.g. a Harbor task's WORKDIR /app, where the mount hides what the image
 has there), the caller's read-write mounts lent to the container's user like the workspace and its
 kept mounts left with their owner (the container's user can do there only what their modes let any
-user do), and the command run in it; waited on with the wall clock, killed after it, always
+user do), and the command run in it with the image's own PATH (a virtual environment the image puts first
+is the one its commands find); waited on with the wall clock, killed after it, always
 removed. The workdir and the mounts' targets are checked as bubblewrap checks them
 (base.place_mounts). A
 Harbor task's environment/ directory is built into `rollstream-task:<content hash>` once (skipped
-when that tag exists). `BackendUnavailable` when no engine is reachable.
+when that tag exists); a SWE row's environment (a published image, or one built from its repository) is
+docker_environments.py's, through `image_for_task`. `BackendUnavailable` when no engine is reachable.
 
 Every container is labelled with the process that made it (OWNER_LABEL: host name, pid namespace,
 pid and the process's start time). A process killed while its container runs never removes it, and
@@ -41,10 +43,13 @@ from rollstream.shared.sandbox.base import (
     SandboxResult,
     place_mounts,
 )
+from rollstream.shared.sandbox.docker_environments import row_image
 from rollstream.shared.sandbox.host_uids import lent_to
 
 log = logging.getLogger(__name__)
 
+STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""PATH in a run whose image sets none."""
 DEFAULT_IMAGE = "python:3.11-slim"
 """Image of runs whose task brings no environment/Dockerfile (the compose file's Python base)."""
 OUTPUT_DRAIN_S = 10.0
@@ -73,7 +78,9 @@ class DockerBackend:
         self.default_image = default_image
         self.cpus = cpus
         self.image_cache = image_cache if image_cache is not None else {}
-        """content hash -> tag of images known to exist."""
+        """content hash (or `env:` and a row environment's key) -> tag of images known to exist."""
+        self.image_paths: dict[str, str] = {}
+        """image -> the PATH its configuration sets (see image_path)."""
 
     # images
 
@@ -95,6 +102,27 @@ class DockerBackend:
         self.image_cache[digest] = tag
         return tag
 
+    def image_for_task(self, task: Any) -> str | None:
+        """The image a task's tests run in: its dockerfile's, else its row's environment (a published image
+        or one built from the row's repository: docker_environments.row_image); None: the default image.
+        EnvironmentImageError (a SandboxError) when that image cannot be had."""
+        return row_image(self, task)
+
+    def image_path(self, image: str) -> str:
+        """The PATH `image` sets in its configuration (a virtual environment's bin first, say), else the
+        standard one: a run's commands find the image's programs as `docker run` would."""
+        if image not in self.image_paths:
+            import requests
+            from docker.errors import DockerException
+            try:
+                config_env = self.client.images.get(image).attrs.get("Config", {}).get("Env")
+            except (DockerException, requests.exceptions.RequestException):
+                return STANDARD_PATH  # a missing image fails at create, with the engine's words
+            paths = [item[len("PATH="):] for item in config_env if isinstance(item, str)
+                     and item.startswith("PATH=")] if isinstance(config_env, list) else []
+            self.image_paths[image] = paths[-1] if paths else STANDARD_PATH
+        return self.image_paths[image]
+
     # runs
 
     def container_options(self, workspace: Path, limits: SandboxLimits,
@@ -112,8 +140,7 @@ class DockerBackend:
         volumes = {str(Path(workspace).resolve()): {"bind": workdir, "mode": "rw"}}
         for (host, mode), target in zip(mounts, targets):
             volumes[str(Path(host).resolve())] = {"bind": target, "mode": mode}
-        full_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                    "HOME": workdir, "LANG": "C.UTF-8", **env}
+        full_env = {"PATH": STANDARD_PATH, "HOME": workdir, "LANG": "C.UTF-8", **env}
         return dict(
             network_mode="none", read_only=True, cap_drop=["ALL"],
             security_opt=["no-new-privileges"], mem_limit=f"{limits.memory_mb}m",
@@ -158,8 +185,9 @@ class DockerBackend:
             kept_mounts: dict[str, Path] | None = None) -> SandboxResult:
         ro_mounts, rw_mounts = dict(ro_mounts or {}), dict(rw_mounts or {})
         kept_mounts = dict(kept_mounts or {})
-        options = self.container_options(workspace, limits, ro_mounts, rw_mounts, env or {},
-                                         workdir, kept_mounts)
+        env = {"PATH": self.image_path(image or self.default_image), **(env or {})}
+        options = self.container_options(workspace, limits, ro_mounts, rw_mounts, env, workdir,
+                                         kept_mounts)
         writable = [Path(workspace)] + [Path(host) for host in rw_mounts.values()]
         kept = [Path(host) for host in kept_mounts.values()]
         sandbox_uid = int(self.SANDBOX_USER.split(":")[0])
