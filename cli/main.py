@@ -6,6 +6,7 @@
     rollstream serve-vllm          # a vLLM CPU server for the tiny model
     rollstream serve-policy        # becomes a vLLM server of the run's newest published policy (Compose)
     rollstream validate TASKS      # reference solutions grade 1, empty diffs 0, in the sandbox
+    rollstream environments prepare ROWS  # build SWE rows' test environments ahead (cli/environments.py)
     rollstream config [--markdown] # the resolved configuration, or its reference table
     rollstream replay RUN --to NEW # a recorded run re-published into a fresh run (cli/replay/command.py)
     rollstream inspect ...         # runs, streams and consumer groups, one trajectory, diff of two runs
@@ -25,6 +26,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from rollstream.cli.environments import environments_app
 from rollstream.cli.inspect.app import inspect_app
 from rollstream.cli.replay.command import replay
 
@@ -32,6 +34,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Fully asynch
 app.command("replay")(replay)
 app.add_typer(inspect_app, name="inspect",
               help="Look at runs: streams and consumer groups, one trajectory, a diff of two runs.")
+app.add_typer(environments_app, name="environments",
+              help="SWE rows' test environments: `prepare` builds them ahead of a run.")
 CHAOS_HELP = "Fault injection against a local run, and what the run kept."
 chaos_app = typer.Typer(no_args_is_help=True, help=CHAOS_HELP)
 app.add_typer(chaos_app, name="chaos", help=CHAOS_HELP)
