@@ -35,21 +35,28 @@ under bubblewrap and docker):
 - a plugin or hook implementation whose code comes from a file the diff changed (registered from the
   code under test at import), and replacing pytest's reporting functions (pytest_report_plugin.GUARDED):
   seen at the end of the session;
-- a process left running after the tests (it could rewrite the report later): refused.
+- a process left running after the tests (it could rewrite the report later): refused;
+- code the diff changed that pytest imports before the plugin on purpose: a `-p` plugin of the tree in the
+  snapshot's own `addopts` (pytest puts the configuration's `addopts` before PYTEST_ADDOPTS). Before the
+  run every pytest configuration of the restored tree is read (shared/grading/pytest_config.py), and a
+  diff that changed a file that could be such a plugin's module, a package above it, or a module it
+  imports (read from its source, transitively) is refused, whether the change is rightful or not.
 Not stopped: the code under test making the tests pass wrongly (special-casing the tests' inputs,
 patching what the tests import, or builtins); in-process attacks written against this plugin (reading its
 key-derived state from memory, patching pytest internals not in GUARDED, forging a hook's source file
 name); a Python older than 3.11 ignores PYTHONSAFEPATH, so there a module at the tree's root could shadow one
-that pytest imports before the plugin; code of the tree that pytest imports before the plugin on purpose: a
-`-p` plugin of the tree named in the snapshot's own `addopts` (pytest puts the configuration's `addopts`
-before PYTEST_ADDOPTS) when the diff changes it, or a row whose code under test is pytest itself or a module
-pytest imports to start (pluggy, iniconfig). A task author closes the first with hidden or stronger tests; the
-rest need the tests to run in a process that does not import the code under test, which pytest does not offer.
+that pytest imports before the plugin; a `-p` plugin of the tree that runs a changed file other than by an
+import its source names (a module name built at run time, exec of a file); a row whose code under test is
+pytest itself or a module pytest imports to start (pluggy, iniconfig). A task author closes the first with
+hidden or stronger tests; the rest need the tests to run in a process that does not import the code under
+test, which pytest does not offer.
 A test_command that starts no pytest session (or a sandbox without pytest) is an infrastructure error, never a
 score: nothing of the model's runs before the plugin takes its key. A command must run exactly one pytest
 session (the record is the first session's, the exit status the command's); `rollstream validate` shows a row
 that breaks either rule (its reference patch must score 1). A diff that rightly changes a module the project's
-own conftest loads as a pytest plugin (`pytest_plugins`) is refused like a forged plugin.
+own conftest loads as a pytest plugin (`pytest_plugins`) is refused like a forged plugin; a row whose own
+`-p` plugin imports the code under test cannot be graded at all (`rollstream validate` shows its reference
+patch refused).
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ from rollstream.shared.grading.diffs import (
     numstat_paths,
 )
 from rollstream.shared.grading.outcome import GradeOutcome, make_outcome
+from rollstream.shared.grading.pytest_config import addopts_plugin_refusal
 from rollstream.shared.grading.pytest_report import (
     HARNESS_OUTCOME,
     ReportSetup,
@@ -203,6 +211,9 @@ def grade_swebench(task: Any, diff: str, backend: SandboxBackend,
             test_paths, changed, restored = _put_back_test_files(workspace, task)
         except _TaskTestsUnusable as exc:
             return make_outcome(0, str(exc), started=started, infrastructure_error=True)
+        refused = addopts_plugin_refusal(workspace.root, set(changed) - set(restored), task.test_command)
+        if refused is not None:
+            return make_outcome(0, refused, started=started)
         test_files = sorted(set(test_paths) | {test_id.split("::", 1)[0]
                                                for test_id in fail_to_pass + pass_to_pass})
         test_digests = {path: file_digest(workspace.root, path) for path in test_files}

@@ -4,7 +4,9 @@ anyway, by forging pytest's output, ending the test process early, replacing pyt
 plugins or reporting, or writing the report itself. Each scores 0, with the reason that stopped it;
 the reference patch still scores 1. The same row with a pytest configuration of its own that puts the
 tree on sys.path (`pythonpath`, repos/tinystats-pythonpath) is attacked with modules of the tree that
-stand in for the grader's plugin or for a module it imports.
+stand in for the grader's plugin or for a module it imports. And a row whose configuration loads a plugin of
+the tree through its own `addopts` (repos/tinystats-addopts), which pytest imports before the grader's: a diff
+that changes that plugin, a module it imports or what stands in for it is refused before the tests run.
 
     python -m pytest tests/unit/shared/grading/test_hostile_swebench.py -q
 """
@@ -256,3 +258,70 @@ def test_a_module_of_the_tree_named_like_one_the_plugin_imports(backend, swe_pyt
                 "del sys.modules['hmac']\nimport hmac\nsys.modules['hmac'] = hmac\nsys.path[:] = _path\n")
     outcome = _grade(swe, backend, {"hmac.py": _key_thief(swe, stand_in)})
     assert outcome.tests[F2P] == "failed" and "pytest exit 1" in outcome.reason, outcome
+
+
+@pytest.fixture(scope="module")
+def swe_addopts():
+    """The row on a snapshot whose own pyproject.toml loads a plugin of the tree: `addopts = "-p
+    tinystats_plugin"`, a module at the root that imports tinystats_markers."""
+    return load_swebench_rows(FIXTURES / "swebench" / "rows-addopts.jsonl")[0]
+
+
+def _thief_loaded_first(swe) -> str:
+    """A module pytest imports before the grader's plugin: it reads the key and leaves it there, so the
+    plugin runs the session as usual; as the process exits it replaces the plugin's report with one signed
+    with that key, naming the plugin's module (from PYTEST_ADDOPTS), in which every expected test passed,
+    and exits 0 to match it."""
+    ids = _expected_ids(swe)
+    return ("import atexit, hashlib, hmac, json, os\n"
+            "_dir = os.environ.get('ROLLSTREAM_REPORT_DIR', '/grader/report')\n"
+            "with open(os.path.join(_dir, 'key'), 'rb') as _file:\n    _key = _file.read()\n"
+            f"_ids = {ids!r}\n"
+            "_body = json.dumps({'version': 1, 'module': os.environ['PYTEST_ADDOPTS'].split()[-1],\n"
+            "                    'collected': _ids, 'outcomes': {i: 'passed' for i in _ids},\n"
+            "                    'exitstatus': 0, 'session_finished': True, 'plugin_files': [],\n"
+            "                    'tampered': [], 'test_files': {}}, sort_keys=True).encode()\n\n"
+            "def _forge():\n"
+            "    with open(os.path.join(_dir, 'report.json'), 'wb') as out:\n"
+            "        out.write(_body + b'\\n' + hmac.new(_key, _body, hashlib.sha256).hexdigest().encode())\n"
+            "    os._exit(0)\n\n"
+            "atexit.register(_forge)\n")
+
+
+LOADED_FIRST = ("which the repository's own pytest configuration pyproject.toml loads with "
+                "`-p tinystats_plugin` (its addopts) before the grader's plugin")
+
+
+def test_the_reference_patch_scores_1_beside_a_plugin_of_the_trees_addopts(backend, swe_addopts):
+    outcome = grade_swebench(swe_addopts, reference_diff(swe_addopts, backend), backend, LIMITS)
+    assert (outcome.score, outcome.infrastructure_error) == (1.0, False), outcome
+    assert "tinystats markers: slow" in outcome.log  # the tree's plugin ran, before the tests
+
+
+def test_a_plugin_of_the_trees_addopts_rewritten_to_take_the_key(backend, swe_addopts):
+    """pytest imports the configuration's own `-p` plugin before the grader's: rewritten, it takes the key
+    and signs a report in which every test passed (it scores 1 when nothing refuses it)."""
+    outcome = _grade(swe_addopts, backend, {"tinystats_plugin.py": _thief_loaded_first(swe_addopts)})
+    assert f"the diff changed tinystats_plugin.py, {LOADED_FIRST}" in outcome.reason, outcome.reason
+    assert outcome.tests == {}, outcome  # refused before any test ran
+
+
+def test_a_module_the_trees_addopts_plugin_imports_or_a_package_in_its_place(backend, swe_addopts):
+    swe = swe_addopts
+    thief = _thief_loaded_first(swe)
+    outcome = _grade(swe, backend, {"tinystats_markers.py": thief + "MARKERS = ()\n"})
+    assert (f"the diff changed tinystats_markers.py, imported by tinystats_plugin.py, {LOADED_FIRST}"
+            in outcome.reason), outcome.reason
+    outcome = _grade(swe, backend, {"tinystats_plugin/__init__.py": thief})  # a package wins over a module
+    assert f"the diff changed tinystats_plugin/__init__.py, {LOADED_FIRST}" in outcome.reason, outcome.reason
+
+
+def test_a_diff_beside_the_trees_addopts_plugin_is_graded_as_usual(backend, swe_addopts):
+    swe = swe_addopts
+    unrelated = {"tinystats/extra.py": "def span(values):\n    return max(values) - min(values)\n",
+                 "README.md": (swe.repo_dir / "README.md").read_text() + "\nspan() too.\n"}
+    fixed = grade_swebench(swe, reference_diff(swe, backend) + edit_diff(swe.repo_dir, unrelated), backend,
+                           LIMITS)
+    assert (fixed.score, fixed.infrastructure_error) == (1.0, False), fixed
+    outcome = _grade(swe, backend, unrelated)
+    assert outcome.tests[F2P] == "failed" and "FAIL_TO_PASS 0/1 passed" in outcome.reason, outcome.reason
