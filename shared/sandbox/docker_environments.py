@@ -294,8 +294,8 @@ def _stream_build(client: Any, context: Path, tag: str, labels: dict[str, str],
 
 def row_image(backend: Any, task: Any, on_progress: Progress | None = None) -> str | None:
     """The image a row's tests run in under docker: its `dockerfile`'s, else its environment's
-    (prepare_image, once per backend), else None: the backend's default image (a row with no environment,
-    graded on the sandbox's own Python as before)."""
+    (prepare_image; remembered by the backend while the engine keeps the image), else None: the backend's
+    default image (a row with no environment, graded on the sandbox's own Python as before)."""
     dockerfile = getattr(task, "dockerfile", None)
     if dockerfile is not None and Path(dockerfile).is_file():
         return backend.image_for(Path(dockerfile).parent)
@@ -306,6 +306,7 @@ def row_image(backend: Any, task: Any, on_progress: Progress | None = None) -> s
         return None
     instance_id = getattr(task, "instance_id", None)
     cache_key = f"env:{spec.key}:{instance_id}"
-    if cache_key not in backend.image_cache:
+    known = backend.image_cache.get(cache_key)
+    if known is None or not _has_image(backend.client, known):  # removed since: had again
         backend.image_cache[cache_key] = prepare_image(spec, backend, on_progress, instance_id).image
     return backend.image_cache[cache_key]

@@ -264,6 +264,17 @@ def test_a_built_image_is_reused_before_pulling_and_the_swebench_name_is_never_p
     fresh.client.images.pull.assert_not_called()
 
 
+def test_grading_remembers_a_rows_image_while_the_engine_keeps_it(tmp_path):
+    task = load_row(tmp_path, install="pip install -e .")
+    images: set[str] = set()
+    backend = mocked_backend(images, pull_fails=True)
+    tag = env_image_tag(environment_spec(task).key)
+    assert row_image(backend, task) == row_image(backend, task) == tag
+    assert backend.client.api.build.call_count == 1
+    images.discard(tag)  # removed from the engine (docker image prune): built again, not a failed run
+    assert row_image(backend, task) == tag and backend.client.api.build.call_count == 2
+
+
 def test_a_run_takes_the_path_its_image_sets(tmp_path):
     backend = mocked_backend({"with-venv"}, pull_fails=False)
     container = backend.client.containers.create.return_value
