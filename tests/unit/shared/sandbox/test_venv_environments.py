@@ -12,6 +12,7 @@ import json
 import shutil
 import socket
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -131,7 +132,17 @@ def test_an_environment_is_built_once_and_reused_with_its_manifest(backend, srcs
     assert any(line.lower().startswith("srcstats") or "srcstats" in line for line in manifest["pip_freeze"])
     assert any(line.startswith("pytest==") for line in manifest["pip_freeze"])
     assert "pip install -e ." in (prepared.path / INSTALL_LOG).read_text()
-    assert [p.name for p in prepared.path.parent.iterdir() if not p.name.startswith(".")] == [prepared.key]
+    assert prepared.key in [p.name for p in prepared.path.parent.iterdir()]
+
+
+def test_two_graders_that_need_the_same_environment_build_it_once(backend, srcstats):
+    task, _ = srcstats
+    builds = backend.environments.root / "builds.txt"
+    spec = environment_spec(replace(task, install=(f"echo built >> {builds}",)))
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda _: backend.environments.prepare(spec), range(2))
+    assert sorted([first.built, second.built]) == [False, True] and first.path == second.path
+    assert builds.read_text() == "built\n"
 
 
 def test_a_failing_install_is_an_infrastructure_error_with_the_log_tail(backend, srcstats):
