@@ -86,7 +86,8 @@ def prepare(
 
 
 def _backend(name: str, environments_dir: Path | None) -> tuple[Any, Any]:
-    """The sandbox backend and its builder: build(spec, on_progress) -> (prepared, SandboxEnvironment)."""
+    """The sandbox backend and its builder: build(spec, task, on_progress) -> (prepared, SandboxEnvironment),
+    `task` a row that uses the environment."""
     from rollstream.shared.sandbox.backends import get_backend
     from rollstream.shared.sandbox.base import SandboxEnvironment
 
@@ -95,7 +96,7 @@ def _backend(name: str, environments_dir: Path | None) -> tuple[Any, Any]:
 
         sandbox = get_backend(name, environments_dir=environments_dir or Settings().grader.environments_dir)
 
-        def build_venv(spec: Any, on_progress: Any) -> tuple[Any, SandboxEnvironment | None]:
+        def build_venv(spec: Any, task: Any, on_progress: Any) -> tuple[Any, SandboxEnvironment | None]:
             if not spec.install and not spec.python and spec.image_name:
                 raise ValueError(f"only a published image ({spec.image_name}): prepare it with "
                                  f"--backend docker")
@@ -111,8 +112,9 @@ def _backend(name: str, environments_dir: Path | None) -> tuple[Any, Any]:
         raise ValueError("docker: not supported yet (no docker environment builder)") from None
     sandbox = get_backend(name)
 
-    def build_image(spec: Any, on_progress: Any) -> tuple[Any, SandboxEnvironment | None]:
-        prepared = prepare_image(spec, sandbox, on_progress)
+    def build_image(spec: Any, task: Any, on_progress: Any) -> tuple[Any, SandboxEnvironment | None]:
+        # the row's instance names SWE-bench's published image of it, used when the engine has it
+        prepared = prepare_image(spec, sandbox, on_progress, instance_id=task.instance_id)
         return prepared, SandboxEnvironment(image=prepared.image)
 
     return sandbox, build_image
@@ -126,7 +128,7 @@ def _prepare_one(spec: Any, users: list[Any], sandbox: Any, build: Any) -> Envir
         def on_progress(message: str) -> None:
             status.update(escape(message[:200]))
         try:
-            prepared, environment = build(spec, on_progress)
+            prepared, environment = build(spec, users[0], on_progress)
         except (SandboxError, GradingError, OSError, ValueError) as exc:
             report.problem = str(exc)
             return report
