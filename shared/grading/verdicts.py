@@ -53,10 +53,10 @@ _MEANING = {
     Verdict.OK: "",
     Verdict.ENVIRONMENT_BROKEN: (
         "the task's environment is broken: its tests could not run on the reference solution, because the "
-        "package under test or its dependencies are not importable in the sandbox{module}. Make them "
-        "importable there: a SWE-bench row's `test_command` can put the package on pytest's path "
-        "(`-o pythonpath=src` for a src layout); its `dockerfile` (a Harbor task's environment/Dockerfile) "
-        "can install its dependencies, graded with `--backend docker`. See " + ENVIRONMENTS_DOC),
+        "package under test or its dependencies are not importable in the sandbox{module}. Give the row an "
+        "environment that installs them (its install_config, its `install` commands, or an environments.json "
+        "beside the dataset; `rollstream environments prepare ROWS` builds and checks them), or a Harbor "
+        "task an environment/Dockerfile graded with `--backend docker`. See " + ENVIRONMENTS_DOC),
     Verdict.TESTS_WRONG: (
         "the tests ran on the reference solution and {failing} failed: the tests (FAIL_TO_PASS / "
         "PASS_TO_PASS, tests/test.sh) or the reference solution (the gold patch, solution/solve.sh) "
