@@ -59,30 +59,45 @@ def prepare(
 ) -> None:
     """Build (or reuse) the environment of every distinct environment of the rows, then check each."""
     from rollstream.shared.errors import SandboxError, TaskError
-    from rollstream.shared.tasks.environment_spec import environment_spec
     from rollstream.shared.tasks.swebench import load_swebench_rows
 
     try:
         tasks = load_swebench_rows(rows, repos_dir=repos_dir)
-        by_key: dict[str, tuple[Any, list[Any]]] = {}
-        for task in tasks:
-            spec = environment_spec(task)
-            if spec is not None:
-                by_key.setdefault(spec.key, (spec, []))[1].append(task)
+        by_key = environments_of(tasks)
     except TaskError as exc:
         console.print(f"[bold red]invalid rows:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(1) from None
     without = len(tasks) - sum(len(users) for _, users in by_key.values())
     try:
-        sandbox, build = _backend(backend, environments_dir)
+        reports = prepare_environments(by_key, backend, environments_dir)
     except (SandboxError, ValueError) as exc:
         console.print(f"[bold red]no sandbox:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(1) from None
-    reports = [_prepare_one(spec, users, sandbox, build) for spec, users in by_key.values()]
     _print(reports, f"{len(reports)} environments of {len(tasks)} rows, {backend}"
            + (f" ({without} rows without one: graded on the sandbox's own Python)" if without else ""))
     if any(report.problem for report in reports):
         raise typer.Exit(1)
+
+
+def environments_of(tasks: list[Any]) -> dict[str, tuple[Any, list[Any]]]:
+    """Every distinct EnvironmentSpec of the rows, by key, with the rows that use it (TaskError for a bad
+    row's environment); rows without one are left out."""
+    from rollstream.shared.tasks.environment_spec import environment_spec
+
+    by_key: dict[str, tuple[Any, list[Any]]] = {}
+    for task in tasks:
+        spec = environment_spec(task)
+        if spec is not None:
+            by_key.setdefault(spec.key, (spec, []))[1].append(task)
+    return by_key
+
+
+def prepare_environments(by_key: dict[str, tuple[Any, list[Any]]], backend: str,
+                         environments_dir: Path | None) -> list[EnvironmentReport]:
+    """Build or reuse, then check, each environment (environments_of); SandboxError or ValueError when the
+    backend cannot prepare any."""
+    sandbox, build = _backend(backend, environments_dir)
+    return [_prepare_one(spec, users, sandbox, build) for spec, users in by_key.values()]
 
 
 def _backend(name: str, environments_dir: Path | None) -> tuple[Any, Any]:

@@ -44,7 +44,7 @@ from rollstream.cli.restart_policy import (
     recent_crashes,
     restart_backoff_s,
 )
-from rollstream.cli.run_preflight import check_sandbox
+from rollstream.cli.run_preflight import check_sandbox, prepare_task_environments
 from rollstream.cli.run_progress import Progress, ProgressReader, backlog, run_summary
 from rollstream.cli.run_servers import RunServers, with_fleet_urls
 from rollstream.cli.vllm_server import VllmServer, free_port, newest_policy
@@ -146,6 +146,7 @@ class LocalRun:
         atexit.register(self._stop_at_exit)  # a script that never stops the run: see _stop_at_exit
         # a bad dataset or a missing sandbox fails here, before anything starts
         check_sandbox(settings, self.services)
+        prepare_task_environments(settings, self.services, on_step)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not settings.redis_url:
             settings = self.servers.start_redis(settings, on_step)

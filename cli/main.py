@@ -269,7 +269,7 @@ def run(
     second one while it stops SIGKILLs them all."""
     from rollstream.cli.child_processes import interrupt_on_stop_signals
     from rollstream.cli.local_run import LocalRun, RunExists, ServiceDied
-    from rollstream.shared.errors import BackendUnavailable, DatasetError
+    from rollstream.shared.errors import DatasetError, SandboxError
     from rollstream.shared.runtime.config import Settings
 
     settings = Settings(run_id=run_id or time.strftime("run-%Y%m%d-%H%M%S"))
@@ -292,7 +292,7 @@ def run(
                                               on_progress=lambda p: live.update(progress_table(p, target)))
     except KeyboardInterrupt:
         console.print("interrupted: stopping every service")
-    except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
+    except (SandboxError, DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
         # escaped: messages name TOML sections ("[verifier] ...") and quote logs, not markup
         console.print(f"[bold red]run failed:[/] {escape(str(exc))}", markup=True)
         raise typer.Exit(1) from None
@@ -353,7 +353,7 @@ def chaos_poison(
     from rollstream.cli.chaos.poison_report import checks, report_tables
     from rollstream.cli.child_processes import interrupt_on_stop_signals
     from rollstream.cli.local_run import RunExists, ServiceDied
-    from rollstream.shared.errors import BackendUnavailable, DatasetError
+    from rollstream.shared.errors import DatasetError, SandboxError
     from rollstream.shared.runtime.config import Settings
 
     settings = Settings(run_id=run_id or time.strftime("poison-%Y%m%d-%H%M%S"))
@@ -371,7 +371,7 @@ def chaos_poison(
     except KeyboardInterrupt:
         console.print("interrupted: every service stopped")
         raise typer.Exit(130) from None
-    except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError, PoisonError,
+    except (SandboxError, DatasetError, RunExists, ServiceDied, TimeoutError, PoisonError,
             ValueError) as exc:
         console.print(f"[bold red]poison run failed:[/] {escape(str(exc))}", markup=True)
         raise typer.Exit(1) from None
@@ -409,7 +409,7 @@ def chaos_run(
     from rollstream.cli.chaos.harness import ChaosPlan, ChaosRun, result_tables
     from rollstream.cli.child_processes import interrupt_on_stop_signals
     from rollstream.cli.local_run import RunExists, ServiceDied
-    from rollstream.shared.errors import BackendUnavailable, DatasetError
+    from rollstream.shared.errors import DatasetError, SandboxError
     from rollstream.shared.runtime.config import Settings
 
     settings = Settings(run_id=run_id or time.strftime("chaos-%Y%m%d-%H%M%S"))
@@ -424,7 +424,7 @@ def chaos_run(
     except KeyboardInterrupt:
         console.print("interrupted: every process the run started is stopped")
         raise typer.Exit(130) from None
-    except (BackendUnavailable, DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
+    except (SandboxError, DatasetError, RunExists, ServiceDied, TimeoutError) as exc:
         console.print(f"[bold red]chaos run failed:[/] {escape(str(exc))}", markup=True)
         raise typer.Exit(1) from None
     for table in result_tables(result):

@@ -1,16 +1,17 @@
 """What a local run checks before it starts anything (cli/local_run.py): that its dataset loads and, when a
 sandbox-grader will grade some of its rows, that the grader's sandbox runs on this machine. A run without
-a working sandbox would only collect rollouts nobody can grade.
+a working sandbox would only collect rollouts nobody can grade. Then the test environments of its SWE rows
+are built or reused (cli/environments.py), so that no grading job spends its time limit building one.
 
 Tests: tests/unit/cli/test_run_preflight.py.
 """
 
 from __future__ import annotations
 
-from rollstream.shared.errors import BackendUnavailable
+from rollstream.shared.errors import BackendUnavailable, SandboxError
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.sandbox.backends import probe_sandbox
-from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
+from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset, swebench_rows_of
 
 
 def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
@@ -32,3 +33,25 @@ def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
         raise BackendUnavailable(f"{sandboxed} of the dataset's {len(rows)} prompts are graded in a sandbox, "
                                  f"and the grader's backend ({settings.grader.backend}) cannot run here: "
                                  f"{exc}") from None
+
+
+def prepare_task_environments(settings: Settings, services: tuple[str, ...], on_step) -> None:
+    """When a sandbox-grader grades SWE rows that have test environments, build or reuse each (and check it)
+    before the run starts; SandboxError with the reasons when one cannot be had."""
+    from rollstream.cli.environments import environments_of, prepare_environments
+
+    if "sandbox-grader" not in services or settings.data.path is None:
+        return
+    tasks = swebench_rows_of(settings.data.path)
+    by_key = environments_of(tasks) if tasks else {}
+    if not by_key:
+        return
+    on_step(f"preparing the test environments of {len(by_key)} repositories ({settings.grader.backend})")
+    reports = prepare_environments(by_key, settings.grader.backend, settings.grader.environments_dir)
+    for report in reports:
+        on_step(f"  {report.key}: {report.action} in {report.seconds:.1f} s, check {report.check}")
+    failed = [f"{report.key} ({report.repo}@{report.commit}): {report.problem}"
+              for report in reports if report.problem]
+    if failed:
+        raise SandboxError("the test environments of these rows could not be prepared (`rollstream "
+                           "environments prepare` on the dataset shows the same):\n" + "\n".join(failed))

@@ -199,7 +199,8 @@ def grade_request(settings: Settings, delivery: Delivery, incarnation: str) -> G
                         backend=settings.grader.backend, wall_time_s=settings.grader.wall_time_s,
                         memory_mb=settings.grader.memory_mb, check=event.sandbox_check,
                         answer=event.response_text, grader=event.grader, diff_uri=event.artifacts.get("diff"),
-                        retries=settings.grader.retries, incarnation=incarnation)
+                        retries=settings.grader.retries, incarnation=incarnation,
+                        environments_dir=str(settings.grader.environments_dir or ""))
 
 
 def job_exists(job_id: str, bus: Bus) -> bool:

@@ -17,7 +17,38 @@ from rollstream.shared.errors import DatasetError, TaskError
 from rollstream.shared.tasks.harbor import load_harbor_tasks
 from rollstream.shared.tasks.prompts import task_prompt_row
 from rollstream.shared.tasks.rows import PromptRow, parse_row
-from rollstream.shared.tasks.swebench import is_swebench_record, load_swebench_rows
+from rollstream.shared.tasks.swebench import SweTask, is_swebench_record, load_swebench_rows
+
+
+def swebench_rows_of(path: Path) -> list[SweTask]:
+    """The SWE-bench rows of a dataset file; [] for prompt rows or a directory of Harbor tasks."""
+    if path.is_dir() or not path.exists():
+        return []
+    records = _records(path)
+    return _swebench_rows(path) if records and is_swebench_record(records[0]) else []
+
+
+def _swebench_rows(path: Path) -> list[SweTask]:
+    try:
+        return load_swebench_rows(path)
+    except TaskError as exc:
+        raise DatasetError(str(exc)) from exc
+
+
+def _records(path: Path) -> list:
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise DatasetError(f"{path}: unknown dataset format {path.suffix!r} (use .parquet or .jsonl)")
+    records = []
+    for line_number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path} line {line_number}: not JSON ({exc.msg})") from exc
+    return records
 
 
 def load_dataset(path: Path) -> list[PromptRow]:
@@ -29,24 +60,9 @@ def load_dataset(path: Path) -> list[PromptRow]:
             return [task_prompt_row(task) for task in load_harbor_tasks(path)]
         except TaskError as exc:
             raise DatasetError(str(exc)) from exc
-    if path.suffix == ".parquet":
-        records = pq.read_table(path).to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
-        records = []
-        for line_number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path} line {line_number}: not JSON ({exc.msg})") from exc
-    else:
-        raise DatasetError(f"{path}: unknown dataset format {path.suffix!r} (use .parquet or .jsonl)")
+    records = _records(path)
     if records and is_swebench_record(records[0]):
-        try:
-            return [task_prompt_row(task) for task in load_swebench_rows(path)]
-        except TaskError as exc:
-            raise DatasetError(str(exc)) from exc
+        return [task_prompt_row(task) for task in _swebench_rows(path)]
     rows = [parse_row(record, f"{path} row {index}") for index, record in enumerate(records)]
     if not rows:
         raise DatasetError(f"{path}: the dataset has no rows")

@@ -123,3 +123,27 @@ def test_a_failing_install_fails_the_command_with_the_log_tail(tmp_path, root):
     assert cells[3] == "failed"
     assert "build failed" in result.output and "the-install-printed-this" in result.output
     assert "install command 'exit 7'" in result.output and "(exit 7)" in result.output
+
+
+def test_a_local_run_prepares_its_rows_environments_first_and_refuses_one_that_fails(tmp_path, root):
+    """A local run builds its SWE rows' environments before anything starts (so that no grading job spends
+    its time limit on one): an install that fails stops it there, with the repository and the install's
+    output, and no service was started."""
+    from rollstream.cli.run_preflight import prepare_task_environments
+    from rollstream.shared.errors import SandboxError
+    from rollstream.shared.runtime.config import Settings
+
+    [row] = [json.loads(line) for line in ENV_ROWS.read_text().splitlines()]
+    row.update(repo_dir=str((ENV_ROWS.parent / row["repo_dir"]).resolve()),
+               install=["echo the-install-printed-this >&2", "exit 7"])
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    settings = Settings(data={"path": path}, grader={"environments_dir": root})
+    steps: list[str] = []
+    with pytest.raises(SandboxError) as failed:
+        prepare_task_environments(settings, ("dispatcher", "sandbox-grader"), steps.append)
+    assert "rollstream/srcstats@" in str(failed.value) and "the-install-printed-this" in str(failed.value)
+    assert steps[0] == "preparing the test environments of 1 repositories (bubblewrap)"
+    # a run whose grader is elsewhere (no sandbox-grader among its services) builds nothing
+    prepare_task_environments(settings, ("dispatcher",), steps.append)
+    assert len(steps) == 2
