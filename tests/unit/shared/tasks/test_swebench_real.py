@@ -19,6 +19,7 @@ from rollstream.shared.grading.validation import validate_tasks
 from rollstream.shared.sandbox.backends import get_backend
 from rollstream.shared.tasks.swebench import load_swebench_rows
 from tests.support import FIXTURES
+from tests.unit.shared.sandbox.test_venv_environments import environments_root
 
 REAL = FIXTURES / "swebench-real"
 REAL_ROWS = REAL / "rows.jsonl"
@@ -112,11 +113,21 @@ def test_the_real_patches_apply_and_fix_the_failing_tests(tmp_path, clones):
         assert fixed.returncode == 0, fixed.stdout[-2000:]
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (`bwrap`) is not installed")
-def test_the_real_rows_grade_reference_1_and_empty_0_under_bubblewrap(clones):
-    """Both grade as they are: the src-layout row (semver) because its own pytest configuration puts src
-    on sys.path (`pythonpath = src tests`); more-itertools because tests/ is a package beside it."""
-    results = validate_tasks(load_swebench_rows(REAL_ROWS, repos_dir=clones), get_backend("bubblewrap"))
+@pytest.mark.parametrize("backend_name", ["bubblewrap", "docker"])
+def test_the_real_rows_grade_reference_1_and_empty_0_in_their_environments(clones, backend_name, request):
+    """Each in its environment (shared/tasks/environment_spec.py): semver, a src layout, installed with the
+    default `pip install -e .` at its environment commit; more-itertools with no install commands (the
+    fixture's environments.json). Under bubblewrap a virtual environment of the sandbox's Python, under docker
+    an image built from the default one: built here, or reused from an earlier run."""
+    if backend_name == "bubblewrap":
+        if shutil.which("bwrap") is None:
+            pytest.skip("bubblewrap (`bwrap`) is not installed")
+        with environments_root() as root:
+            results = validate_tasks(load_swebench_rows(REAL_ROWS, repos_dir=clones),
+                                     get_backend("bubblewrap", environments_dir=root))
+    else:
+        request.getfixturevalue("docker_engine")  # skipped, with the reason, without an engine
+        results = validate_tasks(load_swebench_rows(REAL_ROWS, repos_dir=clones), get_backend("docker"))
     assert [(r.name, r.reference_score, r.empty_score) for r in results] == [(SEMVER, 1, 0),
                                                                             (MORE_ITERTOOLS, 1, 0)], results
 
