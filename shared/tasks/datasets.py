@@ -7,17 +7,14 @@ checks them before it starts anything.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
-
-import pyarrow.parquet as pq
 
 from rollstream.shared.errors import DatasetError, TaskError
 from rollstream.shared.tasks.harbor import load_harbor_tasks
 from rollstream.shared.tasks.prompts import task_prompt_row
 from rollstream.shared.tasks.rows import PromptRow, parse_row
-from rollstream.shared.tasks.swebench import SweTask, is_swebench_record, load_swebench_rows
+from rollstream.shared.tasks.swebench import SweTask, is_swebench_record, load_swebench_rows, read_records
 
 
 def swebench_rows_of(path: Path) -> list[SweTask]:
@@ -36,19 +33,12 @@ def _swebench_rows(path: Path) -> list[SweTask]:
 
 
 def _records(path: Path) -> list:
-    if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
-    if path.suffix not in (".jsonl", ".json"):
+    if path.suffix not in (".parquet", ".jsonl", ".json"):
         raise DatasetError(f"{path}: unknown dataset format {path.suffix!r} (use .parquet or .jsonl)")
-    records = []
-    for line_number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path} line {line_number}: not JSON ({exc.msg})") from exc
-    return records
+    try:
+        return read_records(path)
+    except TaskError as exc:
+        raise DatasetError(str(exc)) from exc
 
 
 def load_dataset(path: Path) -> list[PromptRow]:

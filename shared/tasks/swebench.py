@@ -84,7 +84,8 @@ class SweTask:
     repos_dir: Path | None = None   # the directory of the rows' git clones (the environment commit's source)
 
 
-def _read_records(path: Path) -> list[Any]:
+def read_records(path: Path) -> list[Any]:
+    """The records of a .jsonl (one object a line) or .parquet file; TaskError naming the file (and line)."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -240,7 +241,7 @@ def load_swebench_rows(path: Path, repos_dir: Path | None = None) -> list[SweTas
         raise TaskError(f"{path}: no such SWE-bench file")
     tasks: list[SweTask] = []
     seen: dict[str, int] = {}
-    for index, record in enumerate(_read_records(path)):
+    for index, record in enumerate(read_records(path)):
         task = _swe_row(record, path, f"{path} row {index}", repos_dir)
         if task.instance_id in seen:
             raise TaskError(f"{path} row {index}: 'instance_id' {task.instance_id!r} "
