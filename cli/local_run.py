@@ -145,8 +145,8 @@ class LocalRun:
         settings = self.settings
         atexit.register(self._stop_at_exit)  # a script that never stops the run: see _stop_at_exit
         # a bad dataset or a missing sandbox fails here, before anything starts
-        check_sandbox(settings, self.services)
-        prepare_task_environments(settings, self.services, on_step)
+        swe_rows = check_sandbox(settings, self.services)
+        prepare_task_environments(settings, self.services, swe_rows, on_step)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not settings.redis_url:
             settings = self.servers.start_redis(settings, on_step)

@@ -11,39 +11,44 @@ from __future__ import annotations
 from rollstream.shared.errors import BackendUnavailable, SandboxError
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.sandbox.backends import probe_sandbox
-from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset, swebench_rows_of
+from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset_and_swebench_rows
+from rollstream.shared.tasks.swebench import SweTask
 
 
-def check_sandbox(settings: Settings, services: tuple[str, ...]) -> None:
+def check_sandbox(settings: Settings, services: tuple[str, ...]) -> list[SweTask]:
     """Load the dataset (DatasetError when it is bad) and, when a sandbox-grader will grade some of its
     rows, make a real sandbox of the grader's backend here (probe_sandbox): BackendUnavailable with the
     backend's reason and what to do otherwise. A run without a working sandbox would only collect
-    ungradable rollouts."""
+    ungradable rollouts. Returns the dataset's SWE-bench rows ([] for any other dataset), for
+    prepare_task_environments."""
+    tasks: list[SweTask] = []
     if settings.data.path is not None:
-        rows = load_dataset(settings.data.path)
+        rows, tasks = load_dataset_and_swebench_rows(settings.data.path)
     else:
         rows = arithmetic_dataset(settings.data.synthetic_prompts, settings.data.seed,
                                   settings.data.synthetic_sandbox_every)
     sandboxed = sum(row.needs_sandbox for row in rows)
     if not sandboxed or "sandbox-grader" not in services:
-        return
+        return tasks
     try:
         probe_sandbox(settings.grader.backend)
     except BackendUnavailable as exc:
         raise BackendUnavailable(f"{sandboxed} of the dataset's {len(rows)} prompts are graded in a sandbox, "
                                  f"and the grader's backend ({settings.grader.backend}) cannot run here: "
                                  f"{exc}") from None
+    return tasks
 
 
-def prepare_task_environments(settings: Settings, services: tuple[str, ...], on_step) -> None:
-    """When a sandbox-grader grades SWE rows that have test environments, build or reuse each (and check it)
-    before the run starts; SandboxError with the reasons when one cannot be had."""
+def prepare_task_environments(settings: Settings, services: tuple[str, ...], tasks: list[SweTask],
+                              on_step) -> None:
+    """When a sandbox-grader grades SWE rows (`tasks`, as check_sandbox loaded them) that have test
+    environments, build or reuse each (and check it) before the run starts; SandboxError with the reasons
+    when one cannot be had."""
     from rollstream.cli.environments import environments_of, prepare_environments
 
-    if "sandbox-grader" not in services or settings.data.path is None:
+    if "sandbox-grader" not in services:
         return
-    tasks = swebench_rows_of(settings.data.path)
-    by_key = environments_of(tasks) if tasks else {}
+    by_key = environments_of(tasks)
     if not by_key:
         return
     on_step(f"preparing the test environments of {len(by_key)} repositories ({settings.grader.backend})")

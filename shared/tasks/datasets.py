@@ -17,14 +17,6 @@ from rollstream.shared.tasks.rows import PromptRow, parse_row
 from rollstream.shared.tasks.swebench import SweTask, is_swebench_record, load_swebench_rows, read_records
 
 
-def swebench_rows_of(path: Path) -> list[SweTask]:
-    """The SWE-bench rows of a dataset file; [] for prompt rows or a directory of Harbor tasks."""
-    if path.is_dir() or not path.exists():
-        return []
-    records = _records(path)
-    return _swebench_rows(path) if records and is_swebench_record(records[0]) else []
-
-
 def _swebench_rows(path: Path) -> list[SweTask]:
     try:
         return load_swebench_rows(path)
@@ -42,21 +34,28 @@ def _records(path: Path) -> list:
 
 
 def load_dataset(path: Path) -> list[PromptRow]:
+    return load_dataset_and_swebench_rows(path)[0]
+
+
+def load_dataset_and_swebench_rows(path: Path) -> tuple[list[PromptRow], list[SweTask]]:
+    """The dataset's prompt rows and, for a file of SWE-bench rows, those rows as tasks ([] otherwise): what
+    a local run checks and prepares before it starts, loaded once."""
     if not path.exists():
         raise DatasetError(f"{path}: no such dataset file")
     # coding tasks (shared/tasks/): a directory of Harbor tasks, or a file of SWE-bench rows
     if path.is_dir():
         try:
-            return [task_prompt_row(task) for task in load_harbor_tasks(path)]
+            return [task_prompt_row(task) for task in load_harbor_tasks(path)], []
         except TaskError as exc:
             raise DatasetError(str(exc)) from exc
     records = _records(path)
     if records and is_swebench_record(records[0]):
-        return [task_prompt_row(task) for task in _swebench_rows(path)]
+        tasks = _swebench_rows(path)
+        return [task_prompt_row(task) for task in tasks], tasks
     rows = [parse_row(record, f"{path} row {index}") for index, record in enumerate(records)]
     if not rows:
         raise DatasetError(f"{path}: the dataset has no rows")
-    return rows
+    return rows, []
 
 
 def arithmetic_dataset(size: int, seed: int, sandbox_every: int) -> list[PromptRow]:

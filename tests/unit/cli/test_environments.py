@@ -129,7 +129,7 @@ def test_a_local_run_prepares_its_rows_environments_first_and_refuses_one_that_f
     """A local run builds its SWE rows' environments before anything starts (so that no grading job spends
     its time limit on one): an install that fails stops it there, with the repository and the install's
     output, and no service was started."""
-    from rollstream.cli.run_preflight import prepare_task_environments
+    from rollstream.cli.run_preflight import check_sandbox, prepare_task_environments
     from rollstream.shared.errors import SandboxError
     from rollstream.shared.runtime.config import Settings
 
@@ -140,10 +140,12 @@ def test_a_local_run_prepares_its_rows_environments_first_and_refuses_one_that_f
     path.write_text(json.dumps(row) + "\n")
     settings = Settings(data={"path": path}, grader={"environments_dir": root})
     steps: list[str] = []
+    tasks = check_sandbox(settings, ("dispatcher", "sandbox-grader"))
+    assert [task.instance_id for task in tasks] == [row["instance_id"]]
     with pytest.raises(SandboxError) as failed:
-        prepare_task_environments(settings, ("dispatcher", "sandbox-grader"), steps.append)
+        prepare_task_environments(settings, ("dispatcher", "sandbox-grader"), tasks, steps.append)
     assert "rollstream/srcstats@" in str(failed.value) and "the-install-printed-this" in str(failed.value)
     assert steps[0] == "preparing the test environments of 1 repositories (bubblewrap)"
     # a run whose grader is elsewhere (no sandbox-grader among its services) builds nothing
-    prepare_task_environments(settings, ("dispatcher",), steps.append)
+    prepare_task_environments(settings, ("dispatcher",), tasks, steps.append)
     assert len(steps) == 2
