@@ -32,6 +32,7 @@ from results import Figure, parse_args, write_result
 from rollstream.cli.vllm_server import VllmServer, free_port
 from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.inference.weight_sync import sync_weights
+from rollstream.shared.inference.weight_transport import DiskTransport, WeightUpdate
 
 PROBE = list(range(1, 33))
 TOLERANCE = 1e-3
@@ -92,7 +93,8 @@ async def cold_sync_seconds(url: str, checkpoint: Path, expected: list[float]) -
     drop_from_page_cache(checkpoint)
     async with FleetClient([url]) as fleet:
         started = time.perf_counter()
-        diffs = await sync_weights(fleet, str(checkpoint), PROBE, expected, concurrency=1)
+        diffs, _ = await sync_weights(fleet, DiskTransport(1), WeightUpdate(1, checkpoint=checkpoint), PROBE,
+                                      expected)
         seconds = time.perf_counter() - started
     if (worst := max(diffs.values())) > TOLERANCE:
         raise RuntimeError(f"the server serves other weights than {checkpoint} after the sync: {worst:.2e}")

@@ -1,4 +1,4 @@
-"""Weight-sync time of a whole fleet against how many servers reload at once (train.sync_concurrency).
+"""Disk weight-sync time of a whole fleet against how many servers reload at once (train.sync_concurrency).
 
 Starts `--servers` simulated vLLM servers (bench/sim_fleet.py: each loads the real checkpoint it is told to
 and answers prompt logprobs with a real forward pass; a reload costs `--reload-s` on top), then syncs them
@@ -27,6 +27,7 @@ from sim_latency import LatencyModel
 
 from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.inference.weight_sync import sync_weights
+from rollstream.shared.inference.weight_transport import DiskTransport, WeightUpdate
 
 PROBE = [1, 40, 41, 42, 7, 99, 120, 3, 45, 46, 200]
 
@@ -43,7 +44,8 @@ async def sync_seconds(urls: list[str], checkpoints: list[tuple[Path, list[float
         for index in range(rounds):
             path, expected = checkpoints[index % 2]
             started = time.perf_counter()
-            diffs = await sync_weights(fleet, str(path), PROBE, expected, concurrency)
+            update = WeightUpdate(index, checkpoint=path)
+            diffs, _ = await sync_weights(fleet, DiskTransport(concurrency), update, PROBE, expected)
             seconds.append(time.perf_counter() - started)
             worst = max(diffs.values())
             if worst > 1e-4:

@@ -13,10 +13,10 @@ what services/trainer does, less the training itself:
     (row.min_policy_version < version - eta), counted as dropped["stale"]; rows are not checked for
     validity (the reward service writes valid ones, and no model is trained on them);
   - waits for the profile's step time (below), counted from the moment the batch was taken;
-  - syncs the fleet with sync_weights, train.sync_concurrency servers at once: pause (requests kept),
-    reload, reset the prefix cache, resume, probe; the simulated servers stay paused for their
-    --reload-s, which bench_async sets to the profile's sync time. The checkpoint is the starting model
-    directory (settings.model.path): the simulated servers load any HF checkpoint (config.json), and no
+  - syncs the fleet with sync_weights, reloading from disk train.sync_concurrency servers at once:
+    pause (requests kept), reload, reset the prefix cache, resume, probe; the simulated servers stay paused
+    for their --reload-s, which bench_async sets to the profile's sync time. The checkpoint is the starting
+    model directory (settings.model.path): the simulated servers load any HF checkpoint (config.json), and no
     weights change. The probe's logprobs must match the starting model's (train.parity_tolerance);
   - publishes PolicyUpdated on `policy` with event_id "policy:v<version>", in one transaction with SADD of
     the batch id into the trained set and HSET of every server url -> version into the fleet's versions.
@@ -60,6 +60,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from rollstream.shared.contract.batches import BatchRow, read_batch
 from rollstream.shared.contract.bus import Bus, Delivery, StopConsuming, run_consumer
@@ -67,6 +68,7 @@ from rollstream.shared.contract.consumers import consumer_group
 from rollstream.shared.contract.events import BatchReady, PolicyUpdated
 from rollstream.shared.inference.fleet import FleetClient
 from rollstream.shared.inference.weight_sync import sync_weights
+from rollstream.shared.inference.weight_transport import DiskTransport, WeightUpdate
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 
@@ -182,8 +184,10 @@ class SimTrainer:
 
     async def sync_fleet(self) -> float:
         assert self.fleet is not None and self.expected is not None
-        diffs = await sync_weights(self.fleet, self.checkpoint, PROBE, self.expected,
-                                   self.settings.train.sync_concurrency)
+        # the simulated servers reload from disk (a collective needs vLLM's workers to join a process group)
+        diffs, _ = await sync_weights(self.fleet, DiskTransport(self.settings.train.sync_concurrency),
+                                      WeightUpdate(self.version, checkpoint=Path(self.checkpoint)), PROBE,
+                                      self.expected)
         tolerance = self.settings.train.parity_tolerance
         off = [f"{url}: {diff:.2e}" for url, diff in diffs.items() if diff > tolerance]
         if off:  # the trainer stops the same way: the fleet does not serve what was trained

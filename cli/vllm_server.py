@@ -17,6 +17,10 @@ name `vllm`; the module entry point works):
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server \
         --model DIR --served-model-name NAME --port P --max-model-len L --dtype float32 [--enforce-eager]
 
+`--weight-transfer-config '{"backend": "rollstream"}'` makes vLLM create rollstream's weight-transfer engine
+in each worker (shared/inference/vllm_weight_engine.py), which a collective weight sync needs; a disk sync
+does not use it.
+
 `--enforce-eager` is added where the installed vLLM is its CPU build (unless the extra arguments set the
 compilation themselves): there vLLM disables inductor, so its torch.compile pass only traces the model with
 dynamo, which cost 8-24 s of every start and served no faster (bench/bench_vllm_start.py). GPU builds keep
@@ -51,6 +55,9 @@ from rollstream.shared.runtime.config import Settings
 START_SLOT_HOLD_S = 600
 """The longest a starting server holds its start slot (cli/cpu_cores.py): the suite's longest health wait; a
 server that has not answered by then waits no more than the others do."""
+
+WEIGHT_TRANSFER_ARGS = ("--weight-transfer-config", '{"backend": "rollstream"}')
+"""What makes a server take collective weight syncs (shared/inference/vllm_weight_engine.py)."""
 
 COMPILATION_ARGS = ("--enforce-eager", "--compilation-config", "-cc", "--optimization-level", "-O")
 """Extra arguments that choose vLLM's compilation (`-O2`, `-cc.mode=3`, ...): given one, the server adds no
@@ -156,6 +163,8 @@ class VllmServer:
             "--max-model-len", str(self.max_model_len),
             "--dtype", "float32",
             *(("--enforce-eager",) if self.eager() else ()),
+            # rollstream's engine (a vLLM plugin of this package) receives collective weight syncs
+            *(() if "--weight-transfer-config" in self.extra_args else WEIGHT_TRANSFER_ARGS),
             *self.extra_args,
         ]  # fmt: skip
 

@@ -1,11 +1,13 @@
 """The fleet as the leading trainer rank syncs it (services/trainer/training.py): every policy server made
-to serve a new checkpoint, and checked to serve the trainer's logprobs.
+to serve a new version, and checked to serve the trainer's logprobs.
 
 FleetSync.sync waits for every server to answer (one restarting is waited for, up to FLEET_WAIT_S), tries
 a failed sync again for SYNC_RETRY_S (a server shutting down refuses /pause before it stops answering),
-reloads every server, train.sync_concurrency at a time, and raises ParityError (a StopConsuming for
-main.py) when one serves other logprobs of the probe than the trainer computed. One event loop serves the
-fleet client for the trainer's life: its connections belong to it.
+pushes the version with the run's transport (train.weight_transport: a collective broadcast, or every server
+reloading the checkpoint, train.sync_concurrency at a time; shared/inference/weight_transport.py), and raises
+ParityError (a StopConsuming for main.py) when one serves other logprobs of the probe than the trainer
+computed. One event loop serves the fleet client and the transport for the trainer's life: its connections
+belong to it.
 
 Tests: tests/integration/test_trainer_restart.py runs the trainer service against real vLLM servers.
 """
@@ -15,11 +17,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter
 
 from rollstream.shared.contract.bus import StopConsuming
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.runtime.config import Settings
+
+if TYPE_CHECKING:
+    from rollstream.shared.inference.weight_transport import PushReport, WeightTransport, WeightUpdate
 
 log = logging.getLogger("trainer")
 
@@ -30,6 +37,11 @@ grace period, then stops answering and is waited for as restarting)."""
 SYNC_BACKOFF_MAX_S = 10.0
 FLEET_WAIT_S = 600.0
 FLEET_RECHECK_S = 2.0
+
+
+DROPPED = Counter("rollstream_trainer_sync_servers_left_out_total",
+                  "Policy servers a weight sync left out: not answering, or failing their part; each serves "
+                  "the run's versions again from the next sync it takes.")
 
 
 class ParityError(RollstreamError, RuntimeError):
@@ -45,68 +57,104 @@ class FleetSync:
         self.settings = settings
         self.loop = asyncio.Runner()
         self.fleet = FleetClient.for_run(settings)
+        self.transport = make_transport(settings)
+        self.last_push: PushReport | None = None
 
     @property
     def urls(self) -> list[str]:
         return self.fleet.urls
 
-    def sync(self, version: int, checkpoint: Path, probe: list[int], expected: list[float]) -> float:
-        """Make every server serve the checkpoint of `version`; returns the worst logprob difference. The
-        fleet must serve a policy before the next one is trained, so a sync that keeps failing stops the
-        trainer (the batch stays pending)."""
+    def sync(self, update: WeightUpdate, probe: list[int], expected: list[float]) -> tuple[float, list[str]]:
+        """Make every answering server serve `update`; returns the worst logprob difference and the servers
+        that serve it. A server that does not answer, or fails its part, is left out of this version (it
+        rejoins at the next sync it answers); the fleet must serve a policy before the next one is trained, so
+        a sync no server takes stops the trainer once it kept failing (the batch stays pending)."""
         from rollstream.shared.inference.fleet import FleetRequestError, WeightSyncError
 
         deadline, attempt = time.monotonic() + SYNC_RETRY_S, 0
         while True:
             attempt += 1
-            self.wait_for_fleet()
+            answering = self.wait_for_fleet()
             try:
-                return self.loop.run(self.reload(checkpoint, probe, expected))
+                return self.loop.run(self.push(update, probe, expected, answering))
             except (WeightSyncError, FleetRequestError, OSError) as exc:
                 if time.monotonic() >= deadline:
-                    raise StopConsuming(f"weight sync of v{version} failed {attempt} times in "
+                    raise StopConsuming(f"weight sync of v{update.version} failed {attempt} times in "
                                         f"{SYNC_RETRY_S:.0f}s: {exc}") from exc
                 log.warning("weight sync failed; retrying", extra={"attempt": attempt, "error": str(exc)})
                 time.sleep(min(2 ** attempt, SYNC_BACKOFF_MAX_S))
             except ParityError as exc:
                 raise StopConsuming(str(exc)) from exc
 
-    def wait_for_fleet(self) -> None:
-        """Until every server answers /health: a restarting vLLM server (a minute on the CPU) is waited for,
-        not counted as a failed sync. StopConsuming when one has not answered for FLEET_WAIT_S."""
+    def wait_for_fleet(self) -> list[str]:
+        """The servers answering /health, once one does: a fleet that is all restarting (a minute on the CPU)
+        is waited for, not counted as a failed sync. StopConsuming when none has answered for FLEET_WAIT_S."""
         deadline, waiting = time.monotonic() + FLEET_WAIT_S, False
         while True:
             answers = self.loop.run(self._health())
-            down = [url for url, healthy in zip(self.fleet.urls, answers) if not healthy]
-            if not down:
+            up = [url for url, healthy in zip(self.fleet.urls, answers) if healthy]
+            if up:
                 if waiting:
-                    log.info("every fleet server answers again")
-                return
+                    log.info("fleet servers answer again", extra={"servers": up})
+                return up
             if time.monotonic() > deadline:
-                raise StopConsuming(f"fleet servers not answering for {FLEET_WAIT_S:.0f}s: {', '.join(down)}")
+                raise StopConsuming(f"no fleet server has answered for {FLEET_WAIT_S:.0f}s: "
+                                    f"{', '.join(self.fleet.urls)}")
             if not waiting:
-                log.warning("waiting for fleet servers to answer before the weight sync",
-                            extra={"servers": down})
+                log.warning("waiting for a fleet server to answer before the weight sync",
+                            extra={"servers": self.fleet.urls})
                 waiting = True
             time.sleep(FLEET_RECHECK_S)
 
     async def _health(self) -> list[bool]:
         return list(await asyncio.gather(*(self.fleet.health(url) for url in self.fleet.urls)))
 
-    async def reload(self, checkpoint: Path, probe: list[int], expected: list[float]) -> float:
-        """Reload every server, train.sync_concurrency at a time, and check its probe logprobs; returns the
-        worst difference. Servers off parity fail the sync with a ParityError naming each."""
+    async def push(self, update: WeightUpdate, probe: list[int], expected: list[float],
+                   urls: list[str]) -> tuple[float, list[str]]:
+        """Push the version to `urls` and check their probe logprobs; returns the worst difference and the
+        servers that serve it. Servers off parity fail the sync with a ParityError naming each; when no server
+        took the version, the first one's failure is raised."""
         from rollstream.shared.inference.weight_sync import sync_weights
 
-        diffs = await sync_weights(self.fleet, str(checkpoint), probe, expected,
-                                   self.settings.train.sync_concurrency)
+        diffs, self.last_push = await sync_weights(self.fleet, self.transport, update, probe, expected, urls)
+        left_out = {url: str(failure) for url, failure in self.last_push.failures.items() if failure}
+        if not diffs:
+            raise next(failure for failure in self.last_push.failures.values() if failure)
+        left_out.update((url, "not answering") for url in self.fleet.urls if url not in urls)
+        if left_out:
+            DROPPED.inc(len(left_out))
+            log.warning("servers left out of a weight sync: they serve the version once they answer a sync",
+                        extra={"version": update.version, "servers": left_out})
         tolerance = self.settings.train.parity_tolerance
         off = [f"{url}: {diff:.2e}" for url, diff in diffs.items() if diff > tolerance]
         if off:
-            raise ParityError(f"prompt logprobs differ from the trainer's after loading {checkpoint} "
-                              f"(tolerance {tolerance:g}): {'; '.join(off)}")
-        return max(diffs.values(), default=0.0)
+            self.transport.close()  # what the servers hold is not what a delta would be made against
+            raise ParityError(f"prompt logprobs differ from the trainer's after v{update.version} "
+                              f"({self.last_push.kind} sync, tolerance {tolerance:g}): {'; '.join(off)}")
+        return max(diffs.values()), list(diffs)
 
     def close(self) -> None:
+        self.transport.close()
         self.loop.run(self.fleet.aclose())
         self.loop.close()
+
+
+def make_transport(settings: Settings) -> WeightTransport:
+    """The run's weight transport (train.weight_transport)."""
+    from rollstream.shared.inference.weight_transport import (
+        CollectiveTransport,
+        DiskTransport,
+        transport_address,
+    )
+
+    train = settings.train
+    if train.weight_transport == "disk":
+        return DiskTransport(train.sync_concurrency)
+    communication = train.sync_communication
+    if communication == "auto":
+        import torch
+
+        communication = "nccl" if torch.cuda.is_available() else "gloo"
+    return CollectiveTransport(communication, train.sync_address or transport_address(),
+                               delta=train.weight_delta, bucket_bytes=train.sync_bucket_mb << 20,
+                               timeout_s=train.sync_timeout_s)

@@ -1,9 +1,10 @@
 """A trained version as the trainer publishes it (services/trainer/training.py), and found again when it
 starts.
 
-TrainedStep is a batch trained on and checkpointed, not yet served by the fleet. Once the fleet serves it,
-publish_update sends PolicyUpdated with the batch marked trained and each server's version recorded
-(FLEET_VERSIONS), in one transaction, and record_published sets the version's Prometheus series.
+TrainedStep is a batch trained on, not yet served by the fleet (nor, with a collective sync, checkpointed).
+Once the fleet serves it, publish_update sends PolicyUpdated with the batch marked trained and each server's
+version recorded (FLEET_VERSIONS), in one transaction, and record_published sets the version's Prometheus
+series.
 last_own_update finds the newest PolicyUpdated this run's trainer published (its batch is in the trained
 set), on the `policy` stream or in the run's archive: the version a restarted trainer resumes from.
 
@@ -14,12 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import PolicyUpdated, decode
 from rollstream.shared.contract.run_facts import FLEET_VERSIONS
+
+if TYPE_CHECKING:
+    from rollstream.shared.inference.weight_transport import Weights
 
 POLICY_VERSION = Gauge("rollstream_trainer_policy_version", "The policy version this trainer last published.")
 PHASE_SECONDS = Histogram("rollstream_trainer_phase_seconds",
@@ -48,15 +53,20 @@ POLICY_PAGE = 64
 
 @dataclass
 class TrainedStep:
-    """A batch trained on and checkpointed, not yet served by the fleet."""
+    """A batch trained on, not yet served by the fleet."""
 
     version: int
-    checkpoint: Path
     probe: list[int]
     trained: int
     dropped: dict[str, int]
     expected: list[float]
     """The trainer's own logprobs of the probe, which every server must serve after the sync."""
+    weights: Weights | None = None
+    """The version's tensors, for a collective sync (on the leading rank)."""
+    checkpoint: Path | None = None
+    """Where its training state is written, once it is."""
+    servers: list[str] = field(default_factory=list)
+    """The fleet's servers that serve it, once synced."""
     metrics: dict[str, float] = field(default_factory=dict)
     staleness: list[int] = field(default_factory=list)
     """Of each trained sample: versions between the policy that generated it and the one it trained."""

@@ -126,13 +126,9 @@ class Trainer:
         if before and self.ranks.leader:
             metrics["train/logprob_gap_abs_mean"] = record_logprobs(
                 self.storage, self.settings.run_id, batch.batch_id, self.version, fresh, before)
-        version = self.version + 1
-        trained_time = time.monotonic()
-        checkpoint = self.save_checkpoint(version)
         staleness = [self.version - r.min_policy_version for r in fresh]
         metrics.update({
-            "train/step_seconds": trained_time - started,
-            "train/checkpoint_seconds": time.monotonic() - trained_time,
+            "train/step_seconds": time.monotonic() - started,
             "samples/trained": len(fresh),
             "samples/dropped_stale": dropped.get("stale", 0),
             "samples/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
@@ -141,10 +137,14 @@ class Trainer:
         })
         if fresh or usable:
             self.probe = (fresh or usable)[0].tokens[:PROBE_TOKENS]
-        # the leader's parity check: a forward every rank takes part in (ZeRO-3 gathers the weights for it)
+        # the leader's parity check, and the weights a collective sync sends: what every rank takes part in
+        # (ZeRO-3 gathers the weights for them)
         expected = self.trainer_logprobs(self.probe) if self.settings.policy_servers() else []
-        return TrainedStep(version=version, checkpoint=checkpoint, probe=self.probe, trained=len(fresh),
-                           dropped=dropped, expected=expected, metrics=metrics, staleness=staleness)
+        weights = None
+        if self.settings.policy_servers() and self.settings.train.weight_transport == "collective":
+            weights = self.backend.serving_weights()
+        return TrainedStep(version=self.version + 1, probe=self.probe, trained=len(fresh), dropped=dropped,
+                           expected=expected, weights=weights, metrics=metrics, staleness=staleness)
 
     def optimize(self, rows: list[BatchRow],
                  logprobs_before: SegmentLogprobs | None = None) -> dict[str, float]:
@@ -264,32 +264,61 @@ class Trainer:
             if self.ranks.world_size > 1 and not isinstance(exc, StopConsuming):
                 # the other ranks have stopped: a retry needs the whole group again
                 raise StopConsuming(f"v{step.version} was not published: {exc}") from exc
+            if not isinstance(exc, StopConsuming):  # a retry starts from the published version
+                self.load_state()
             raise
         self.ranks.share(Command("published", update))
         return update
 
     def sync_and_publish(self, batch: BatchReady, step: TrainedStep, trained_key: str,
                          still_held: Callable[[], bool]) -> PolicyUpdated:
+        """Make the fleet serve the step's version and checkpoint it (with a collective transport the fleet
+        first: the checkpoint is for restarts and `serve-policy`, not on the fleet's way), then publish."""
         if not still_held():
             raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not synced")
-        sync_started = time.monotonic()
-        parity = 0.0
-        if self.fleet is not None:  # a fleet-less run only writes checkpoints
-            parity = self.fleet.sync(step.version, step.checkpoint, step.probe, step.expected)
-        step.metrics["sync/seconds"] = time.monotonic() - sync_started
-        step.metrics["sync/parity_max_abs_diff"] = parity
+        checkpoint_first = self.fleet is None or self.fleet.transport.needs_checkpoint
+        if checkpoint_first:
+            self.checkpoint_step(step)
+        self.sync_fleet(step)
+        if not checkpoint_first:
+            self.checkpoint_step(step)
         if not still_held():
             raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not published")
         assert self.bus is not None and self.tracker is not None
+        assert step.checkpoint is not None
         update = PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint),
-                               batch_id=batch.batch_id, servers=list(self.fleet.urls) if self.fleet else [],
-                               parity_max_abs_diff=parity, loss=step.metrics.get("train/loss", 0.0),
-                               trained_samples=step.trained, dropped=step.dropped, metrics=step.metrics)
+                               batch_id=batch.batch_id, servers=step.servers,
+                               parity_max_abs_diff=step.metrics["sync/parity_max_abs_diff"],
+                               loss=step.metrics.get("train/loss", 0.0), trained_samples=step.trained,
+                               dropped=step.dropped, metrics=step.metrics)
         publish_update(self.bus, update, trained_key)
         self.version, self.checkpoint = update.version, step.checkpoint
         self.tracker.log(step.metrics, update.version)
         record_published(step)
         return update
+
+    def checkpoint_step(self, step: TrainedStep) -> None:
+        started = time.monotonic()
+        step.checkpoint = self.save_checkpoint(step.version)
+        step.metrics["train/checkpoint_seconds"] = time.monotonic() - started
+
+    def sync_fleet(self, step: TrainedStep) -> None:
+        """Every server serving the step's version, by the run's transport; its figures in the metrics."""
+        from rollstream.shared.inference.weight_transport import WeightUpdate
+
+        started = time.monotonic()
+        parity = 0.0
+        if self.fleet is not None:  # a fleet-less run only writes checkpoints
+            update = WeightUpdate(step.version, checkpoint=step.checkpoint, weights=step.weights)
+            parity, step.servers = self.fleet.sync(update, step.probe, step.expected)
+            report = self.fleet.last_push
+            if report is not None:
+                step.metrics.update({"sync/bytes": report.bytes_sent, "sync/paused_seconds": report.paused_s,
+                                     "sync/delta": float(report.kind == "delta")})
+                if report.changed_fraction is not None:
+                    step.metrics["sync/changed_fraction"] = report.changed_fraction
+        step.metrics["sync/seconds"] = time.monotonic() - started
+        step.metrics["sync/parity_max_abs_diff"] = parity
 
     def follow(self) -> str:
         """A rank other than the leader: train on the batches the leader hands out, in step with it, until it
@@ -298,7 +327,8 @@ class Trainer:
             command = self.ranks.share()
             if command.kind == "train":
                 batch, rows = command.payload
-                self.train(batch, rows)
+                step = self.train(batch, rows)
+                self.save_checkpoint(step.version)  # in step with the leader's, before or after its sync
                 command = self.ranks.share()
                 if command.kind == "published":
                     update = command.payload

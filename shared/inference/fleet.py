@@ -470,21 +470,22 @@ class FleetClient:
         """
         url = url.rstrip("/")
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
-        await self._sync_step(url, "pause", "/pause", params={"mode": "keep"})
+        await self.weight_step(url, "pause", "/pause", params={"mode": "keep"})
         try:
-            await self._sync_step(url, "reload_weights", "/collective_rpc", json=rpc)
-            await self._sync_step(url, "reset_prefix_cache", "/reset_prefix_cache")
+            await self.weight_step(url, "reload_weights", "/collective_rpc", json=rpc)
+            await self.weight_step(url, "reset_prefix_cache", "/reset_prefix_cache")
         except BaseException as exc:
             if isinstance(exc, WeightSyncError):
                 self.mark_unhealthy(url, cooldown_s=max(self.servers.cooldown_s, 60.0))
             try:  # resume anyway; the first error is the one to report
-                await self._sync_step(url, "resume", "/resume")
+                await self.weight_step(url, "resume", "/resume")
             except WeightSyncError:
                 pass
             raise
-        await self._sync_step(url, "resume", "/resume")
+        await self.weight_step(url, "resume", "/resume")
 
-    async def _sync_step(self, url: str, step: str, path: str, **kwargs: Any) -> None:
+    async def weight_step(self, url: str, step: str, path: str, **kwargs: Any) -> None:
+        """POST one step of a weight update to `url`; WeightSyncError when it fails."""
         try:
             response = await self._http.post(f"{url}{path}", **kwargs)
         except httpx.HTTPError as exc:

@@ -1,9 +1,10 @@
-"""A weight sync of the whole fleet: every server reloads a checkpoint and is probed for logprob parity, a
-bounded number at once.
+"""A weight sync of the whole fleet: every server made to serve a new version by the run's transport
+(weight_transport.py: a disk reload, a bounded number at once, or a collective broadcast to all at once), then
+probed for logprob parity.
 
-Each server is paused only while it loads (FleetClient.reload_weights keeps its in-flight requests and
-resumes it), so the fleet goes on generating on the servers not loading right now; with every server synced
-one after another, a sync took N times one server's reload and probe (bench/bench_weight_sync.py).
+With the disk transport each server is paused only while it loads (FleetClient.reload_weights keeps its
+in-flight requests and resumes it), so the fleet goes on generating on the servers not loading right now; a
+collective broadcast pauses every server for the one transfer (bench/bench_weight_transport.py measures both).
 """
 
 from __future__ import annotations
@@ -12,23 +13,29 @@ import asyncio
 from collections.abc import Sequence
 
 from rollstream.shared.inference.fleet import FleetClient
+from rollstream.shared.inference.weight_transport import PushReport, WeightTransport, WeightUpdate
 
 
-async def sync_weights(fleet: FleetClient, weights_dir: str, probe: Sequence[int], expected: Sequence[float],
-                       concurrency: int) -> dict[str, float]:
-    """Reload `weights_dir` on every server of the fleet, `concurrency` at a time, and probe each: its prompt
-    logprobs of `probe` against `expected`. Returns each server's largest absolute difference. The first
-    server's failure (WeightSyncError, FleetRequestError) is raised once every server's sync has ended."""
-    at_once = asyncio.Semaphore(concurrency)
+async def sync_weights(fleet: FleetClient, transport: WeightTransport, update: WeightUpdate,
+                       probe: Sequence[int], expected: Sequence[float],
+                       urls: Sequence[str] | None = None) -> tuple[dict[str, float], PushReport]:
+    """Push `update` to every server of the fleet (or `urls`) and probe each that loaded it: its prompt
+    logprobs of `probe` against `expected`. Returns the largest absolute difference of each server that
+    loaded it and was probed, and what the push did; a server that failed either is in the report's failures
+    (WeightSyncError, FleetRequestError), not in the differences."""
+    urls = list(fleet.urls if urls is None else urls)
+    report = await transport.push(fleet, urls, update)
 
-    async def sync_server(url: str) -> float:
-        async with at_once:
-            await fleet.reload_weights(url, weights_dir)
-            served = await fleet.prompt_logprobs(url, list(probe))
+    async def probe_server(url: str) -> float:
+        served = await fleet.prompt_logprobs(url, list(probe))
         return max(abs(a - b) for a, b in zip(served, expected, strict=True))
 
-    results = await asyncio.gather(*(sync_server(url) for url in fleet.urls), return_exceptions=True)
-    failed = next((result for result in results if isinstance(result, BaseException)), None)
-    if failed is not None:
-        raise failed
-    return dict(zip(fleet.urls, results, strict=True))
+    loaded = report.loaded
+    results = await asyncio.gather(*(probe_server(url) for url in loaded), return_exceptions=True)
+    diffs = {}
+    for url, result in zip(loaded, results, strict=True):
+        if isinstance(result, BaseException):
+            report.failures[url] = result
+        else:
+            diffs[url] = result
+    return diffs, report

@@ -13,6 +13,7 @@ Tests: tests/unit/services/trainer/test_trainer_backends.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -39,6 +40,17 @@ class Backend(Protocol):
 
     def load_training_state(self, directory: Path) -> None:
         """Restore the optimizer and RNG state saved by `save` (the model was loaded from it already)."""
+
+    def serving_weights(self) -> Callable[[], Iterable[tuple[str, torch.Tensor]]] | None:
+        """The model's tensors as a checkpoint names them (a tied head under its own name too), for a
+        collective weight sync: on the leading rank a fresh pass each call, None on the others. Called on
+        every rank: a backend whose ranks hold parts of the model gathers them here."""
+
+
+def state_dict_weights(model: torch.nn.Module) -> Callable[[], Iterable[tuple[str, torch.Tensor]]]:
+    """A model's state dict as serving weights: transformers' state_dict names a tied head under both names,
+    as the serving checkpoint does (shared/inference/serving_weights.py)."""
+    return lambda: model.state_dict().items()
 
 
 def load_model(path: Path, device: torch.device) -> torch.nn.Module:

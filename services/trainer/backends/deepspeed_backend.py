@@ -31,7 +31,13 @@ from pathlib import Path
 
 import torch
 
-from rollstream.services.trainer.backends.base import RNG_FILE, load_model, restore_rng_state, rng_state
+from rollstream.services.trainer.backends.base import (
+    RNG_FILE,
+    load_model,
+    restore_rng_state,
+    rng_state,
+    state_dict_weights,
+)
 from rollstream.shared.inference.serving_weights import add_tensor_copy, tied_head_names
 from rollstream.shared.runtime.config import TrainSettings
 
@@ -257,6 +263,13 @@ class DeepSpeedBackend:
         # ZeRO-2 parameters are views into one flat buffer: transformers 4 takes tensors sharing storage
         # for tied weights and will not save them. Copies of their own are safe with every version.
         return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
+
+    def serving_weights(self):
+        if self.settings.zero_stage == 3:
+            # every rank holds a part of each parameter: gathered here, with every rank taking part
+            state = self.full_state_dict()
+            return None if state is None else (lambda: state.items())
+        return state_dict_weights(self.engine.module) if self.rank == 0 else None
 
     def load_training_state(self, directory: Path) -> None:
         directory = Path(directory)

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import torch
 
-from rollstream.services.trainer.backends.base import RNG_FILE, load_model, restore_rng_state, rng_state
+from rollstream.services.trainer.backends.base import (
+    RNG_FILE,
+    load_model,
+    restore_rng_state,
+    rng_state,
+    state_dict_weights,
+)
 from rollstream.shared.inference.serving_weights import write_serving_checkpoint
 from rollstream.shared.runtime.config import TrainSettings
 
@@ -44,3 +50,6 @@ class TorchBackend:
             self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location=self.device))
         if (directory / RNG_FILE).exists():
             restore_rng_state(torch.load(directory / RNG_FILE, weights_only=False))
+
+    def serving_weights(self):
+        return state_dict_weights(self.model)

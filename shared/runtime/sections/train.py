@@ -57,8 +57,27 @@ class TrainSettings(Section):
     package installed and are configured by their own environment variables (WANDB_*, MLFLOW_*)."""
     parity_tolerance: float = Field(1e-3, gt=0)
     """Max |vLLM - trainer| prompt logprob on the probe after a weight sync."""
+    weight_transport: Literal["collective", "disk"] = "collective"
+    """How a new version reaches the fleet (shared/inference/weight_transport.py). collective: the trainer
+    broadcasts the weights to every server at once over a process group (NCCL on GPUs, gloo on CPUs); the
+    servers must run rollstream's weight-transfer engine (`--weight-transfer-config '{"backend":
+    "rollstream"}'`, which rollstream's launchers add) and reach the trainer at sync_address. disk: every
+    server reloads the checkpoint from storage it shares with the trainer; works with any vLLM server."""
+    weight_delta: bool = True
+    """collective: send only the elements that changed since the version every server holds (whole when that
+    would not be smaller). Costs a host copy of the model on the trainer and on each server."""
+    sync_communication: Literal["auto", "gloo", "nccl"] = "auto"
+    """The collective's library: auto is nccl where the trainer has a GPU, else gloo."""
+    sync_address: str | None = None
+    """The address the servers reach the trainer's leading rank at for a collective sync; None: the address
+    its host name resolves to (its own in Compose and Kubernetes)."""
+    sync_bucket_mb: int = Field(256, ge=1)
+    """A collective sync's broadcast size: tensors are packed into buckets of at most this many MiB."""
+    sync_timeout_s: float = Field(120.0, gt=0)
+    """How long a collective sync waits for a server to join or receive before it drops it from the sync."""
     sync_concurrency: int = Field(16, ge=1)
-    """Servers a weight sync reloads and probes at once (each paused only while it loads); 1: one by one."""
+    """disk: servers a weight sync reloads and probes at once (each paused only while it loads); 1: one by
+    one."""
     seed: int = 0
     """Seed of the trainer."""
 
