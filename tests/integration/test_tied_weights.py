@@ -252,3 +252,34 @@ def test_plain_save_pretrained_checkpoint_leaves_the_head_stale(served, base_dir
     # a serving checkpoint of the same weights repairs it
     fixed = write_serving_checkpoint(trained, tmp_path / "serving", base_dir)
     assert max_abs_diff(sync(served, fixed, probe), want) < TOL
+
+
+def test_a_collective_sync_of_a_tied_model_serves_its_head_whole_and_as_a_delta(served, base_dir, trained,
+                                                                                 probe):
+    """The trainer's state dict names the tied matrix twice, so the broadcast carries the head as a tensor of
+    its own, as the serving checkpoint does; a delta that changes the tied matrix changes both names."""
+    import torch
+
+    from rollstream.shared.inference.weight_sync import sync_weights
+    from rollstream.shared.inference.weight_transport import CollectiveTransport, WeightUpdate
+
+    transport = CollectiveTransport("gloo", "127.0.0.1", delta=True, bucket_bytes=1 << 20, timeout_s=60)
+    model = load_model(base_dir)
+    model.load_state_dict(trained.state_dict())
+
+    def push(version):
+        update = WeightUpdate(version, weights=lambda: model.state_dict().items())
+        want = transformers_prompt_logprobs(model, probe)
+        return fleet_call(served, lambda fleet: sync_weights(fleet, transport, update, probe, want))
+
+    try:
+        diffs, report = push(1)
+        assert report.kind == "full" and max(diffs.values()) < TOL
+        with torch.no_grad():
+            model.model.embed_tokens.weight[probe[3]] += 0.5  # the tied matrix: the head moves too
+        diffs, report = push(2)
+        assert report.kind == "delta" and max(diffs.values()) < TOL
+        assert report.bytes_sent == 2 * 2 * model.config.hidden_size * 4  # both names: index + value each
+    finally:
+        transport.close()
+        sync(served, base_dir, probe)
