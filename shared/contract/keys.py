@@ -107,6 +107,17 @@ class Keys:
         return f"{self.prefix}:fleet:versions"
 
     @property
+    def fleet_members(self) -> str:
+        """Set: the url of each policy server that registered in the run's fleet (a run fact:
+        run_facts.FLEET_MEMBERS); one is a member while its `fleet_member` key lives."""
+        return f"{self.prefix}:fleet:members"
+
+    def fleet_member(self, url: str) -> str:
+        """String with a time to live: a registered policy server's registration (its group and the version it
+        started on), renewed by its heartbeat; Redis deletes it when the heartbeat lapses."""
+        return f"{self.fleet_members}:{url}"
+
+    @property
     def admitted(self) -> str:
         """Counter of samples the dispatcher admitted."""
         return f"{self.prefix}:admitted"

@@ -50,7 +50,21 @@ class ServerGroupSettings(Section):
 
 class FleetSettings(Section):
     urls: list[str] = ["http://127.0.0.1:8000"]
-    """vLLM servers (OpenAI-compatible, started with VLLM_SERVER_DEV_MODE=1 for weight sync)."""
+    """vLLM servers (OpenAI-compatible, started with VLLM_SERVER_DEV_MODE=1 for weight sync). With `registry`
+    they may be none: the servers that register are the fleet."""
+    registry: bool = False
+    """True: policy servers join and leave the fleet while the run runs. Each that `rollstream serve-policy`
+    starts registers itself in the run's Redis once it answers /health, and renews that by a heartbeat; the
+    fleet's clients (agent-runners, gateway, trainer) route to the registered servers besides `urls`, and the
+    trainer syncs each from the next version on (shared/inference/fleet_registry.py)."""
+    member_ttl_s: float = Field(10.0, ge=1, le=3600)
+    """A registered server whose heartbeat (every third of this) has not renewed its registration for this
+    long has left the fleet: it was killed, or its machine is gone."""
+    members_refresh_s: float = Field(2.0, gt=0, le=600)
+    """How often a fleet client reads which servers are registered."""
+    advertise_url: str | None = Field(None, pattern=r"^https?://[^/\s]+$")
+    """The URL a policy server registers, at which the other services reach it; None: http://<the address of
+    this host's name>:<its port>, a container's own address in Compose, a pod's in Kubernetes."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Timeout of one completion request."""
     routing_header: str = Field("X-SMG-Routing-Key", pattern=r"^[A-Za-z0-9-]+$")
@@ -71,3 +85,9 @@ class FleetSettings(Section):
             if not name or not name.replace("-", "").replace("_", "").isalnum():
                 raise ValueError(f"server group name {name!r}: use letters, digits, - and _")
         return groups
+
+    @property
+    def has_policy_servers(self) -> bool:
+        """Whether the run has policy servers to route to and sync: listed ones (urls, a policy group's) or
+        those that register."""
+        return self.registry or bool(self.urls) or any(g.policy and g.urls for g in self.groups.values())
