@@ -332,13 +332,16 @@ class VllmServer:
 
 def newest_policy(bus: Bus, settings: Settings) -> tuple[Path, int]:
     """(model directory, policy version) a vLLM server must load when it starts or restarts: the checkpoint of
-    the newest version the run's trainer published (a PolicyUpdated anyone else wrote is passed over; one the
-    recorder trimmed from Redis is read from the archive), or the starting model, version 0, before the first.
+    the newest version the run's trainer published that has one on disk (a PolicyUpdated anyone else wrote
+    is passed over; one the recorder trimmed from Redis is read from the archive), or the starting model,
+    version 0, before the first.
     The fleet's version record (Keys.fleet_versions) says the newest version: a server started on anything
     older would serve other weights than its samples are tagged with, until the trainer's next sync."""
-    from rollstream.services.trainer.training import last_own_update
+    from rollstream.services.trainer.publishing import newest_checkpointed
 
-    update = last_own_update(bus, bus.keys.trained_batches, settings.storage_uri)
+    # a version's checkpoint is written once it is published, and only every train.checkpoint_every versions:
+    # the newest one on disk, which the trainer syncs on from its next version
+    _, update, _ = newest_checkpointed(bus, bus.keys.trained_batches, settings.storage_uri)
     if update is None:
         return Path(settings.model.path), 0
     return Path(update.checkpoint_uri), update.version
