@@ -113,6 +113,7 @@ BENCHMARKS = (
     Benchmark("data-path", "bench_data_path.py"),
     Benchmark("weight-sync", "bench_weight_sync.py"),
     Benchmark("checkpoint-sync", "bench_checkpoint_sync.py", ("--shapes", "128x2", "1024x4", "2048x4")),
+    Benchmark("weight-transport", "bench_weight_transport.py", ("--shapes", "128x2", "1024x4", "2048x4")),
     Benchmark("grading", "bench_grading.py", ("--jobs", "12")),
     Benchmark("agent-runner", "bench_agent_runner.py",
               ("--episodes", "128", "--rounds", "3", "--warmup-passes", "1"), takes_fleet=True),

@@ -9,6 +9,7 @@ bench/run_all.py, which reads its table.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -55,6 +56,19 @@ def test_checkpoint_sync_on_a_running_server(vllm_url, tiny_model, tmp_path):
                      str(tiny_model))
     [figure] = done.figures
     assert figure["what"].startswith("weight sync, 1.6 MiB checkpoint") and figure["unit"] == "s"
+
+
+def test_weight_transport_against_disk_on_a_running_server(vllm_url, tiny_model, tmp_path):
+    done = run_smoke("bench_weight_transport.py", tmp_path, "--fleet-url", vllm_url, "--model",
+                     str(tiny_model))
+    assert [(f["what"], f["baseline_what"]) for f in done.figures] == [
+        ("collective full, 1.6 MiB (served), 1 server(s): s per version",
+         "disk: checkpoint write + every server's reload"),
+        ("collective delta (1% of elements changed), 1.6 MiB (served), 1 server(s): s per version",
+         "disk: checkpoint write + every server's reload")]
+    # the bench checked every version's parity on the server (else it fails); its delta changed about 1%
+    changed = re.search(r"^served .* collective delta .* ([0-9.]+)% ", done.output, re.M)
+    assert changed is not None and 0.5 < float(changed.group(1)) < 2, done.output[-3000:]
 
 
 def test_grading_per_backend(tmp_path):
