@@ -12,7 +12,10 @@ a prompt to the longest context a server reports (`longest_context()`). Routing 
 rendezvous hashing of the session id with bounded load, a server's load being this client's requests open
 on it plus the other clients' requests vLLM reports on /metrics (`refresh_load()`, or a background
 `start_load_refresh()`). A connection error or a 5xx marks a server unhealthy for a cool-down and the call
-is retried on the next server; when no server can serve, FleetUnavailable. Every request carries
+is retried on the next server; when no server can serve, FleetUnavailable. With fleet.registry the servers
+are those listed and those registered (fleet_registry.py): the client reads the registry in the background
+from its first request on (`refresh_members()`); a server that joined is met before its first turn, one that
+left takes no more (a request on it as it leaves fails over as on any failed server). Every request carries
 `X-Session-ID` and a routing header (`X-SMG-Routing-Key` unless fleet.routing_header names another) so
 that an external router (vllm-router, SGLang model gateway) in front of the fleet keeps the same
 stickiness. Requests go through httpx's interface on aiohttp's client (aiohttp_transport.py), a
@@ -46,6 +49,7 @@ from rollstream.shared.errors import (
     WeightSyncError,
 )
 from rollstream.shared.inference.aiohttp_transport import AiohttpTransport
+from rollstream.shared.inference.fleet_registry import FleetMember, FleetRegistry, follow_registry
 from rollstream.shared.inference.fleet_routing import (
     ServerLoad,
     bounded_load_order,
@@ -58,6 +62,7 @@ from rollstream.shared.inference.fleet_servers import (
     ServedModel,
     ServerGroup,
     ServerNotMet,
+    policy_groups,
     policy_server_groups,
     read_served_model,
 )
@@ -107,9 +112,12 @@ class FleetClient:
         routing_header: str = ROUTING_HEADER,
         groups: Sequence[ServerGroup] | None = None,
         model_setting: str = "the fleet client's model",
+        registry: FleetRegistry | None = None,
+        member_groups: Mapping[str | None, ServerGroup] | None = None,
+        members_refresh_s: float = 2.0,
     ) -> None:
-        if not urls:
-            raise ValueError("FleetClient needs at least one server URL")
+        if not urls and registry is None:
+            raise ValueError("FleetClient needs at least one server URL, or a registry of servers")
         self.urls = [u.rstrip("/") for u in urls]
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate server URLs: {self.urls}")
@@ -124,6 +132,13 @@ class FleetClient:
         self.metrics_timeout_s = metrics_timeout_s
         self.in_flight = {u: 0 for u in self.urls}
         self.server_load: dict[str, ServerLoad | None] = {u: None for u in self.urls}
+        self.listed = frozenset(self.urls)
+        """The servers it was given, which never leave; with a registry, the others are its members."""
+        self.registry = registry
+        self.member_groups = dict(member_groups or {None: ServerGroup("the fleet client's servers", ())})
+        """The group a registered server joins, by the group it names (None: the policy's main servers)."""
+        self.members_refresh_s = members_refresh_s
+        self._member_refresher: asyncio.Task | None = None
         self._load_refresher: asyncio.Task | None = None
         self._meeting = asyncio.Lock()
         # Idle connections expire before vLLM's own keep-alive (5 s) ends them: a connection the server is
@@ -143,19 +158,28 @@ class FleetClient:
     @classmethod
     def for_run(cls, settings: Settings, **options: Any) -> FleetClient:
         """The client of a run's fleet, as its settings say: servers (fleet.urls and the policy groups') in
-        their groups with the context each is set to, served name, timeout, routing header."""
+        their groups with the context each is set to, served name, timeout, routing header; with
+        fleet.registry, the servers registered now too, and the registry followed from its first request."""
         groups = policy_server_groups(settings)
         urls = [url for group in groups for url in group.urls]
-        return cls(urls, model=settings.model.served_name, model_setting="model.served_name", groups=groups,
-                   timeout_s=settings.fleet.request_timeout_s, routing_header=settings.fleet.routing_header,
-                   **options)
+        if settings.fleet.registry:
+            options.setdefault("registry", FleetRegistry.for_run(settings))
+            options.setdefault("member_groups", policy_groups(settings))
+            options.setdefault("members_refresh_s", settings.fleet.members_refresh_s)
+        fleet = cls(urls, model=settings.model.served_name, model_setting="model.served_name", groups=groups,
+                    timeout_s=settings.fleet.request_timeout_s, routing_header=settings.fleet.routing_header,
+                    **options)
+        if fleet.registry is not None:
+            fleet.follow_members(fleet.registry.members())
+        return fleet
 
     async def aclose(self) -> None:
-        if self._load_refresher is not None:
-            self._load_refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._load_refresher
-            self._load_refresher = None
+        for refresher in (self._load_refresher, self._member_refresher):
+            if refresher is not None:
+                refresher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await refresher
+        self._load_refresher = self._member_refresher = None
         await self._http.aclose()
 
     async def __aenter__(self) -> FleetClient:
@@ -171,6 +195,7 @@ class FleetClient:
         why (one that did not answer is put in its cool-down, takes no turn, and is asked again after it).
         FleetSettingsError when a server disagrees with the settings (the client's model or its group's
         max_model_len); the requests call this first, so a server is met before its first turn."""
+        self._follow_registry()
         async with self._meeting:  # concurrent first requests wait for one reading
             urls = self.servers.to_meet()
             answers = await asyncio.gather(
@@ -195,6 +220,7 @@ class FleetClient:
         """The longest context a turn may use on a server of the fleet, as the servers report it (a group's
         smallest; fleet_servers.py); the servers not met yet are met first. FleetUnavailable when none
         said what it serves."""
+        self._follow_registry()
         if self.servers.not_met:
             await self.meet_servers()
         if self.servers.longest_context is None:
@@ -216,27 +242,59 @@ class FleetClient:
         self.servers.mark_healthy(url)
 
     def _why_no_server(self) -> str:
+        if not self.urls:
+            return "no policy server is listed (fleet.urls) or registered in the run's fleet registry"
         why = f"all {len(self.urls)} servers are in their unhealthy cool-down"
         not_met = "; ".join(self.servers.not_met.values())
         return f"{why}; not met: {not_met}" if not_met else why
 
+    # -- membership: the servers registered besides those listed (fleet_registry.py) -----------------
+    async def refresh_members(self) -> list[str]:
+        """Reads the registry (without one: nothing to read) and follows it: a server that registered since
+        joins the fleet, to be met before its first turn as every server is; one whose registration lapsed
+        or that deregistered leaves it. Returns the fleet's servers."""
+        if self.registry is not None:
+            self.follow_members(await asyncio.to_thread(self.registry.members))
+        return list(self.urls)
+
+    def follow_members(self, members: Sequence[FleetMember]) -> None:
+        """The fleet's servers become those listed and the registered `members` (FleetServers.follow)."""
+        joined, left = self.servers.follow(members, self.listed, self.member_groups)
+        for url in left:
+            self.urls.remove(url)
+            self.server_load.pop(url, None)
+            if not self.in_flight.get(url):
+                self.in_flight.pop(url, None)
+        for url in joined:
+            self.urls.append(url)
+            self.in_flight.setdefault(url, 0)
+            self.server_load[url] = None
+            self._generation_urls[url] = httpx.URL(f"{url}/v1/completions")
+
+    def _follow_registry(self) -> None:
+        """With a registry: read it in the background from the first call on a running loop until aclose()."""
+        if self.registry is not None and self._member_refresher is None:
+            self._member_refresher = asyncio.create_task(
+                follow_registry(self.registry, self.members_refresh_s, self.follow_members))
+
     # -- load ---------------------------------------------------------------------------------------
     def load(self, url: str) -> int:
         """Requests on `url`: this client's open ones now, plus the other clients' at the last reading."""
-        reading = self.server_load[url]
-        return self.in_flight[url] + (0 if reading is None else reading.others())
+        reading = self.server_load.get(url)
+        return self.in_flight.get(url, 0) + (0 if reading is None else reading.others())
 
     def kv_cache_is_full(self, url: str) -> bool:
-        reading = self.server_load[url]
+        reading = self.server_load.get(url)
         return reading is not None and reading.kv_cache_usage >= self.kv_cache_full
 
     async def refresh_load(self) -> dict[str, ServerLoad | None]:
         """Read every server's /metrics; a server that does not answer (or answers garbage) keeps its
         last reading. Returns the readings routing now uses."""
+        urls = list(self.urls)  # servers may join or leave while the readings come in
         readings = await asyncio.gather(
-            *(read_server_load(self._http, url, self.metrics_timeout_s, self.in_flight) for url in self.urls))
-        for url, reading in zip(self.urls, readings, strict=True):
-            if reading is not None:
+            *(read_server_load(self._http, url, self.metrics_timeout_s, self.in_flight) for url in urls))
+        for url, reading in zip(urls, readings, strict=True):
+            if reading is not None and url in self.server_load:
                 self.server_load[url] = reading
         return dict(self.server_load)
 
@@ -260,6 +318,9 @@ class FleetClient:
                                   self.kv_cache_is_full, self.epsilon)
 
     async def _route_meeting_new_servers(self, session_id: str, tokens: int) -> list[str]:
+        self._follow_registry()
+        if not self.urls:  # none registered when last read: perhaps one has since
+            await self.refresh_members()
         if self.servers.not_met:
             await self.meet_servers()
         return self.route(session_id, tokens)
@@ -286,7 +347,7 @@ class FleetClient:
             raise FleetUnavailable(self._why_no_server())
         failures: list[str] = []
         for url in candidates:
-            self.in_flight[url] += 1
+            self.in_flight[url] = self.in_flight.get(url, 0) + 1
             started = time.perf_counter()
             try:
                 response = await self._send(url, body, headers)
@@ -300,7 +361,7 @@ class FleetClient:
                 REQUESTS.labels(url, "failed").inc()
                 continue
             finally:
-                self.in_flight[url] -= 1
+                self._request_done(url)
             if response.status_code >= 500:
                 failures.append(f"{url}: HTTP {response.status_code}: {response.text[:300]}")
                 self.mark_unhealthy(url)
@@ -358,7 +419,7 @@ class FleetClient:
             request_body = {**body, "prompt": [*prompt_ids, *yielded], "max_tokens": remaining}
             if "min_tokens" in request_body:  # counts generated tokens, like max_tokens
                 request_body["min_tokens"] = max(0, int(request_body["min_tokens"]) - len(yielded))
-            self.in_flight[url] += 1
+            self.in_flight[url] = self.in_flight.get(url, 0) + 1
             try:
                 async with contextlib.aclosing(self._stream_from(url, request_body, headers)) as deltas:
                     async for delta in deltas:
@@ -370,7 +431,12 @@ class FleetClient:
                 failures.append(f"{url} after {len(yielded)} tokens: {type(exc).__name__}: {exc}")
                 self.mark_unhealthy(url)
             finally:
-                self.in_flight[url] -= 1
+                self._request_done(url)
+
+    def _request_done(self, url: str) -> None:
+        self.in_flight[url] -= 1
+        if not self.in_flight[url] and url not in self.servers.group_of:  # the last on a server that left
+            del self.in_flight[url]
 
     async def _send(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
         """POST /v1/completions on `url`; the caller reads the answer's body and closes the answer."""

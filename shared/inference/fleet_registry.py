@@ -20,8 +20,10 @@ Library module; its tests:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -133,3 +135,23 @@ class FleetRegistry:
     def _urls(self) -> list[str]:
         return [url.decode() if isinstance(url, bytes) else url
                 for url in self.redis.smembers(self.keys.fleet_members)]
+
+
+async def follow_registry(registry: FleetRegistry, interval_s: float,
+                          follow: Callable[[list[FleetMember]], None]) -> None:
+    """Hands the registry's members to `follow` every interval_s, until cancelled. A reading that fails is
+    logged (once until it succeeds again) and the members stay as they were."""
+    failing: str | None = None
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            members = await asyncio.to_thread(registry.members)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            if error != failing:
+                log.error("the fleet's registry could not be read; the fleet stays as it was",
+                          extra={"error": error})
+            failing = error
+            continue
+        failing = None
+        follow(members)

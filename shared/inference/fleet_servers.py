@@ -24,9 +24,10 @@ Library module, not run directly (FleetClient.meet_servers uses it):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ import httpx
 from rollstream.shared.errors import RollstreamError
 
 if TYPE_CHECKING:
+    from rollstream.shared.inference.fleet_registry import FleetMember
     from rollstream.shared.runtime.config import Settings
 
 MODELS_TIMEOUT_S = 5.0
@@ -75,16 +77,24 @@ class ServedModel:
 
 
 def policy_server_groups(settings: Settings) -> list[ServerGroup]:
-    """The run's policy servers by group, each with the context its settings give it: fleet.urls (with
+    """The run's listed policy servers by group, each with the context its settings give it: fleet.urls (with
     model.max_model_len), then each policy group of fleet.groups with servers."""
-    groups = []
-    if settings.fleet.urls:
-        groups.append(ServerGroup("fleet.urls", tuple(url.rstrip("/") for url in settings.fleet.urls),
-                                  settings.model.max_model_len, "model.max_model_len"))
+    groups = policy_groups(settings)
+    listed = {name: group.urls for name, group in settings.fleet.groups.items()}
+    listed[None] = settings.fleet.urls
+    return [dataclasses.replace(group, urls=tuple(url.rstrip("/") for url in listed[name]))
+            for name, group in groups.items() if listed[name]]
+
+
+def policy_groups(settings: Settings) -> dict[str | None, ServerGroup]:
+    """Each group of policy servers by the name a registered server gives it (FleetMember.group: None for
+    the policy's main servers, fleet.urls'; a policy group's name of fleet.groups), with the context its
+    settings give it and no servers yet."""
+    groups = {None: ServerGroup("fleet.urls", (), settings.model.max_model_len, "model.max_model_len")}
     for name, group in settings.fleet.groups.items():
-        if group.policy and group.urls:
-            groups.append(ServerGroup(f"fleet.groups.{name}", tuple(url.rstrip("/") for url in group.urls),
-                                      group.max_model_len, f"fleet.groups.{name}.max_model_len"))
+        if group.policy:
+            groups[name] = ServerGroup(f"fleet.groups.{name}", (), group.max_model_len,
+                                       f"fleet.groups.{name}.max_model_len")
     return groups
 
 
@@ -149,7 +159,8 @@ def check_context(url: str, group: ServerGroup, served: ServedModel) -> None:
 
 class FleetServers:
     """The fleet's servers by group, what each serves once met, the context a turn may use on it (its
-    group's smallest), and each one's unhealthy cool-down."""
+    group's smallest), and each one's unhealthy cool-down. Servers join and leave (`join`, `leave`) when the
+    fleet follows a registry (fleet_registry.py); a group is known by its name."""
 
     def __init__(self, groups: Sequence[ServerGroup], cooldown_s: float) -> None:
         self.group_of = {url: group for group in groups for url in group.urls}
@@ -163,17 +174,21 @@ class FleetServers:
         self.longest_context: int | None = None
         """The longest context of a server met so far; None before one is."""
         self._unhealthy_until = dict.fromkeys(self.group_of, 0.0)
+        self._refused: dict[str, str] = {}
+        """Each registered server left out of the fleet: why (FleetServers.follow)."""
 
     # -- health -------------------------------------------------------------------------------------
     def is_healthy(self, url: str) -> bool:
-        return time.monotonic() >= self._unhealthy_until[url]
+        return url in self.group_of and time.monotonic() >= self._unhealthy_until[url]
 
     def mark_unhealthy(self, url: str, cooldown_s: float | None = None) -> None:
-        cooldown = self.cooldown_s if cooldown_s is None else cooldown_s
-        self._unhealthy_until[url] = time.monotonic() + cooldown
+        if url in self.group_of:  # not one that left the fleet while a request was on it
+            cooldown = self.cooldown_s if cooldown_s is None else cooldown_s
+            self._unhealthy_until[url] = time.monotonic() + cooldown
 
     def mark_healthy(self, url: str) -> None:
-        self._unhealthy_until[url] = 0.0
+        if url in self.group_of:
+            self._unhealthy_until[url] = 0.0
 
     # -- membership ---------------------------------------------------------------------------------
     def to_meet(self) -> list[str]:
@@ -196,8 +211,53 @@ class FleetServers:
         self.not_met.pop(url, None)
         self._hold_group_to_its_smallest_context(group)
 
+    def follow(self, members: Sequence[FleetMember], listed: Collection[str],
+               groups: Mapping[str | None, ServerGroup]) -> tuple[list[str], list[str]]:
+        """The servers become those `listed` and the registered `members` (fleet_registry.py), each member in
+        the group of `groups` it names; returns the servers that joined and those that left. A member naming a
+        group that is not there is left out, with a warning."""
+        registered = {member.url: member for member in members if member.url not in listed}
+        left = [url for url in self.group_of if url not in listed and url not in registered]
+        for url in left:
+            self.leave(url)
+            log.info("a policy server left the fleet", extra={"server": url})
+        joined = []
+        for url, member in registered.items():
+            group = groups.get(member.group)
+            if group is None:
+                why = (f"{url} registered in the policy group {member.group!r}, which fleet.groups does not "
+                       "have as a policy group: it takes no turn and is not synced")
+                if self._refused.get(url) != why:
+                    log.warning(why, extra={"server": url})
+                self._refused[url] = why
+            elif url not in self.group_of:
+                self.join(url, group)
+                joined.append(url)
+                log.info("a policy server joined the fleet",
+                         extra={"server": url, "group": group.name, "version": member.version})
+        return joined, left
+
+    def join(self, url: str, group: ServerGroup) -> None:
+        """`url` joins the fleet in `group` (a registered server): it is met before its first turn."""
+        if url in self.group_of:
+            raise ValueError(f"{url} is in the fleet already")
+        self.group_of[url] = group
+        self.not_met[url] = "not asked yet"
+        self._unhealthy_until[url] = 0.0
+
+    def leave(self, url: str) -> None:
+        """`url` leaves the fleet; its group is held to the smallest context of the servers it still has."""
+        group = self.group_of.pop(url)
+        for record in (self.served, self.contexts, self.not_met, self._unhealthy_until):
+            record.pop(url, None)
+        self._hold_group_to_its_smallest_context(group)
+
     def _hold_group_to_its_smallest_context(self, group: ServerGroup) -> None:
-        reported = {url: self.served[url].max_model_len for url in group.urls if url in self.served}
+        members = [url for url, its_group in self.group_of.items() if its_group.name == group.name]
+        reported = {url: self.served[url].max_model_len for url in members if url in self.served}
+        self.longest_context = max(self.contexts.values(), default=None)
+        if not reported:
+            return
         smallest = min(reported.values())
         if len(set(reported.values())) > 1:
             log.warning(f"the servers of {group.name} report different context lengths: each of its turns is "
