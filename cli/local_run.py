@@ -378,14 +378,17 @@ class LocalRun:
         process."""
         return [e for e in self.exits if not e.injected]
 
-    def restart_vllm(self, wait: bool = False) -> None:
-        """Stop the vLLM server (if it runs) and start it again on the same port from the newest published
-        policy, recording that version as the one it serves. wait: until it answers."""
+    def restart_vllm(self, wait: bool = False, kill: bool = False) -> None:
+        """Stop the vLLM server (if it runs; SIGKILL with `kill`) and start it again on the same port from the
+        newest published policy, recording that version as the one it serves. wait: until it answers."""
         vllm = self.servers.vllm
         assert vllm is not None and self.bus is not None
         # running: this restart is on purpose (an exit was recorded by check_alive)
         if vllm.exit_code() is None:
-            vllm.stop()
+            if kill:
+                vllm.kill()
+            else:
+                vllm.stop()
             self.record_exit("vllm", None, injected=True)
         model, version = newest_policy(self.bus, self.settings)
         vllm = self.servers.restart_vllm(self.settings, model)

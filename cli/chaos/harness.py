@@ -40,6 +40,8 @@ from rollstream.shared.runtime.config import Settings
 WASTEFUL_CAUSES = ("stale", "dead_lettered", "grade_timeout", "grading_failed", "batch_dead_lettered")
 """Drop causes that are work lost to a fault (a filtered group is the run's own rule, not waste)."""
 REDIS_DOWN_S = 3.0
+SYNC_WAIT_S = 60.0
+"""How long a kill of the trainer or of the vLLM server waits for a weight sync to be under way."""
 HORSE_WAIT_S = 60.0
 """How long a work-horse kill waits for a grading job to run: none runs while generation waits out a vLLM or
 Redis restart, which on two loaded cores has taken longer than 20 s."""
@@ -75,6 +77,9 @@ class Fault:
     version: int
     done: bool = True
     note: str = ""
+    mid_sync: bool | None = None
+    """Of a kill of the trainer or of the vLLM server, which waits for a weight sync to be under way (the
+    server paused for it): whether it found one (None: not timed to syncs)."""
     sessions_under_way: int | None = None
     """Of a gateway or agent-runner kill in a black-box run: the black-box episodes in the middle of their
     turns when it landed (None: a kill not timed to episodes)."""
@@ -197,6 +202,8 @@ class ChaosRun:
                     fault.done, fault.note = False, "no black-box episode under way"
             if fault.done and name in self.local.restart_due:
                 fault.done, fault.note = False, "already down"
+            if fault.done and self.local.service_of[name] == "trainer":
+                fault.mid_sync = fault.done = self.wait_for_sync()
             if fault.done:
                 self.paused.pop(name, None)
                 self.local.crash(name)
@@ -207,7 +214,9 @@ class ChaosRun:
         elif kind == "redis":
             self.restart_redis()
         elif kind == "vllm":
-            self.local.restart_vllm()
+            fault.mid_sync = fault.done = self.wait_for_sync()
+            if fault.done:
+                self.local.restart_vllm(kill=True)
         elif kind == "pause":
             process = self.local.processes.get(name)
             if process is None or process.poll() is not None or name in self.paused:
@@ -215,6 +224,8 @@ class ChaosRun:
             else:
                 os.killpg(process.pid, signal.SIGSTOP)
                 self.paused[name] = time.monotonic() + self.pause_s
+        if fault.mid_sync is not None:  # one that found no sync is tried again later in the run
+            fault.note = "mid-sync" if fault.mid_sync else f"no weight sync within {SYNC_WAIT_S:.0f}s"
         self.faults.append(fault)
         self.on_event(f"{fault.at_s:7.1f}s v{version}: {kind} {name}"
                       + (f" ({fault.note})" if fault.note else ""))
@@ -239,6 +250,23 @@ class ChaosRun:
             self.tick()
             time.sleep(0.1)
         return 0
+
+    def wait_for_sync(self) -> bool:
+        """Wait up to SYNC_WAIT_S for the vLLM server to be paused for a weight sync (it is paused only then:
+        a disk reload, or a collective broadcast); whether it was."""
+        import httpx
+
+        server = self.local.servers.vllm
+        deadline = time.monotonic() + SYNC_WAIT_S
+        with httpx.Client(timeout=1.0) as http:
+            while time.monotonic() < deadline and server is not None:
+                try:
+                    if http.get(f"{server.url}/is_paused").json().get("is_paused"):
+                        return True
+                except (httpx.HTTPError, ValueError):
+                    pass
+                time.sleep(0.005)
+        return False
 
     def resume(self, name: str) -> None:
         self.paused.pop(name, None)

@@ -40,8 +40,10 @@ import logging
 import os
 import signal
 
+from rollstream.services.trainer.batch_intake import read_announced_batch
+from rollstream.services.trainer.publishing import resume_point
 from rollstream.services.trainer.ranks import Command, Ranks, launch_ranks
-from rollstream.services.trainer.training import BatchRejected, Trainer, last_own_update
+from rollstream.services.trainer.training import BatchRejected, Trainer
 from rollstream.shared.contract.bus import Bus, Delivery, StopConsuming, run_consumer
 from rollstream.shared.contract.consumers import consumer_group
 from rollstream.shared.contract.events import BatchReady, encode
@@ -89,9 +91,11 @@ def lead(settings: Settings, ranks: Ranks) -> None:
     runtime.status.update(state="training", ranks=ranks.world_size)
     lock.keep_renewed()
     trained_key = bus.keys.trained_batches
-    start = last_own_update(bus, trained_key, settings.storage_uri)
-    ranks.share(Command("start", start))
-    trainer = Trainer(settings, Storage(settings.storage_uri), start, bus, ranks)
+    storage = Storage(settings.storage_uri)
+    start = resume_point(bus, trained_key, settings.storage_uri)
+    replay = [(batch, read_announced_batch(storage, batch)) for batch in start.replay]
+    ranks.share(Command("start", (start.checkpointed, replay)))
+    trainer = Trainer(settings, storage, start.checkpointed, bus, ranks, replay=replay)
     runtime.status["policy_version"] = trainer.version
     rejected = 0
 
@@ -121,6 +125,7 @@ def lead(settings: Settings, ranks: Ranks) -> None:
     try:
         run_consumer(bus, GROUP, CONSUMER, handle, runtime.should_stop, take_over_pending=True,
                      between_reads=lambda: ranks.share(Command("idle")))
+        trainer.checkpoint_on_stop()
         ranks.share(Command("stop", "the trainer stops"))
     except StopConsuming as exc:
         # The batch stays pending; a restarted trainer resumes from the last published checkpoint.
@@ -160,7 +165,8 @@ def follow(settings: Settings, ranks: Ranks) -> None:
         command = ranks.share()
     if command.kind == "stop":
         return
-    trainer = Trainer(settings, Storage(settings.storage_uri), command.payload, ranks=ranks)
+    start, replay = command.payload
+    trainer = Trainer(settings, Storage(settings.storage_uri), start, ranks=ranks, replay=replay)
     try:
         why = trainer.follow()
     finally:

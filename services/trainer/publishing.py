@@ -6,7 +6,9 @@ Once the fleet serves it, publish_update sends PolicyUpdated with the batch mark
 version recorded (FLEET_VERSIONS), in one transaction, and record_published sets the version's Prometheus
 series.
 last_own_update finds the newest PolicyUpdated this run's trainer published (its batch is in the trained
-set), on the `policy` stream or in the run's archive: the version a restarted trainer resumes from.
+set), on the `policy` stream or in the run's archive: the version a restarted trainer resumes; resume_point
+finds how: from that version's checkpoint, or from the newest one before it and the batches to train again
+(train.checkpoint_every).
 
 Tests: tests/unit/services/trainer/test_batch_checks.py (last_own_update).
 """
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge, Histogram
 
 from rollstream.shared.contract.bus import Bus
-from rollstream.shared.contract.events import PolicyUpdated, decode
+from rollstream.shared.contract.events import BatchReady, PolicyUpdated, decode
 from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 
 if TYPE_CHECKING:
@@ -63,8 +65,6 @@ class TrainedStep:
     """The trainer's own logprobs of the probe, which every server must serve after the sync."""
     weights: Weights | None = None
     """The version's tensors, for a collective sync (on the leading rank)."""
-    checkpoint: Path | None = None
-    """Where its training state is written, once it is."""
     servers: list[str] = field(default_factory=list)
     """The fleet's servers that serve it, once synced."""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -134,3 +134,62 @@ def last_own_update(bus: Bus, trained_key: str, storage_uri: str | None = None) 
     for entry in ArchiveReader(storage_uri, bus.keys.run_id).entries("policy"):
         found = own(entry.fields) or found
     return found
+
+
+@dataclass
+class ResumePoint:
+    """Where a starting trainer takes up its run: the newest published version with a checkpoint on disk
+    (None: the starting model), then the batches of the versions published after it, in order, to train
+    again (train.checkpoint_every > 1, or a stop before a checkpoint was written)."""
+
+    checkpointed: PolicyUpdated | None
+    replay: list[BatchReady]
+
+    @property
+    def version(self) -> int:
+        return self.checkpointed.version + len(self.replay) if self.checkpointed else len(self.replay)
+
+
+def newest_checkpointed(bus: Bus, trained_key: str, storage_uri: str | None
+                        ) -> tuple[PolicyUpdated | None, PolicyUpdated | None, dict[int, PolicyUpdated]]:
+    """This run's trainer's newest PolicyUpdated, the newest one whose checkpoint is on disk (None: none is),
+    and, when those differ, every own PolicyUpdated by version (else empty)."""
+    from rollstream.shared.contract.archive import read_history
+
+    newest = last_own_update(bus, trained_key, storage_uri)
+    if newest is None or has_checkpoint(newest):
+        return newest, newest, {}
+    own: dict[int, PolicyUpdated] = {}
+    for delivery in read_history(bus, "policy", storage_uri):
+        event = delivery.event
+        if isinstance(event, PolicyUpdated) and bus.redis.sismember(trained_key, event.batch_id):
+            own[event.version] = event
+    by_newest = (own[version] for version in sorted(own, reverse=True))
+    checkpointed = next((update for update in by_newest if has_checkpoint(update)), None)
+    return newest, checkpointed, own
+
+
+def has_checkpoint(update: PolicyUpdated) -> bool:
+    """Whether the version's checkpoint is on disk (written whole: under a temporary name, then renamed)."""
+    return Path(update.checkpoint_uri, "config.json").is_file()
+
+
+def resume_point(bus: Bus, trained_key: str, storage_uri: str | None) -> ResumePoint:
+    """The ResumePoint of this run's trainer, from its own PolicyUpdated events (last_own_update's) on
+    `policy` and in the run's archive, and the BatchReady of each version to train again."""
+    from rollstream.shared.contract.archive import read_history
+
+    newest, checkpointed, own = newest_checkpointed(bus, trained_key, storage_uri)
+    if newest is None or checkpointed is newest:
+        return ResumePoint(newest, [])
+    since = checkpointed.version if checkpointed else 0
+    wanted = {own[version].batch_id: version for version in own if since < version <= newest.version}
+    batches = {delivery.event.batch_id: delivery.event
+               for delivery in read_history(bus, "batches", storage_uri)
+               if isinstance(delivery.event, BatchReady) and delivery.event.batch_id in wanted}
+    missing = sorted(set(wanted) - set(batches))
+    if missing or len(wanted) != newest.version - since:
+        raise RuntimeError(f"the trainer cannot resume v{newest.version}: its newest checkpoint is of "
+                           f"v{since}, and the batches of the versions after it are not all recorded "
+                           f"(missing: {missing[:4]})")
+    return ResumePoint(checkpointed, sorted(batches.values(), key=lambda batch: wanted[batch.batch_id]))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rollstream.services.trainer.batch_intake import (
@@ -66,7 +66,8 @@ class Trainer:
     leader (ranks.leader) alone has the bus and the fleet, syncs and publishes (services/trainer/ranks.py)."""
 
     def __init__(self, settings: Settings, storage: Storage, start: PolicyUpdated | None,
-                 bus: Bus | None = None, ranks: Ranks = Ranks()) -> None:
+                 bus: Bus | None = None, ranks: Ranks = Ranks(),
+                 replay: Sequence[tuple[BatchReady, list[BatchRow]]] = ()) -> None:
         import torch
 
         from rollstream.services.trainer.backends.base import load_model
@@ -78,7 +79,8 @@ class Trainer:
         self.ranks = ranks
         self.version = start.version if start else 0
         self.checkpoint = Path(start.checkpoint_uri) if start else None
-        """The training state of self.version; None: the starting model."""
+        """The newest training state on disk, of version self.checkpoint_version; None: the starting model."""
+        self.checkpoint_version = self.version
         self.load_state()
         config = self.backend.model.config
         self.pad_id = config.pad_token_id or 0
@@ -93,6 +95,8 @@ class Trainer:
             self.reference.requires_grad_(False)
         self.tracker = (Tracker(settings.train.trackers, settings.run_id, settings.run_dir(),
                                 settings.model_dump(mode="json")) if ranks.leader else None)
+        if replay:
+            self.replay(replay)
         self.fleet: FleetSync | None = None
         if settings.policy_servers() and ranks.leader:
             assert bus is not None, "the leading rank publishes: it needs the bus"
@@ -100,8 +104,19 @@ class Trainer:
             for url in self.fleet.urls:
                 bus.redis.hsetnx(FLEET_VERSIONS.key(bus.keys), url, self.version)
 
+    def replay(self, batches: Sequence[tuple[BatchReady, list[BatchRow]]]) -> None:
+        """Train again, in order, the batches published after the newest checkpoint (train.checkpoint_every
+        > 1, or a stop before it was written), and checkpoint the version they lead to: the state a restart
+        resumes from is then exactly the last published one. Nothing is synced or published again."""
+        for batch, rows in batches:
+            self.version = self.train(batch, rows).version
+            log.info("replayed a published version", extra={"version": self.version,
+                                                            "batch_id": batch.batch_id})
+        self.checkpoint = self.save_checkpoint(self.version)
+        self.checkpoint_version = self.version
+
     def load_state(self) -> None:
-        """The backend at the published version self.version: weights, optimizer and RNG state."""
+        """The backend at the newest checkpoint's version: weights, optimizer and RNG state."""
         from rollstream.services.trainer.backends.factory import make_backend
 
         self.torch.manual_seed(self.settings.train.seed)
@@ -214,10 +229,13 @@ class Trainer:
                     if self.reference is not None:
                         micro.ref_logprobs = token_logprobs(self.reference, micro)
 
+    def checkpoint_dir(self, version: int) -> Path:
+        return self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
+
     def save_checkpoint(self, version: int) -> Path:
         """Write the training state of `version`: every rank its part, the leader the files the fleet
         loads."""
-        final = self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
+        final = self.checkpoint_dir(version)
         temp = final.with_name(final.name + ".tmp")
         if self.ranks.leader:
             shutil.rmtree(temp, ignore_errors=True)
@@ -253,9 +271,7 @@ class Trainer:
                 raise StopConsuming(f"rank 0 failed training on batch {batch.batch_id}: {exc}") from exc
             # The optimizer may have stepped already: a retry of this batch (or the next batch) must
             # start from the published version, not from a half-trained model.
-            log.warning("training step failed; back to the state of the published version",
-                        extra={"batch_id": batch.batch_id, "version": self.version}, exc_info=True)
-            self.load_state()
+            self.back_to_published(f"training on batch {batch.batch_id} failed: {exc}")
             raise
         try:
             update = self.sync_and_publish(batch, step, trained_key, still_held)
@@ -265,42 +281,72 @@ class Trainer:
                 # the other ranks have stopped: a retry needs the whole group again
                 raise StopConsuming(f"v{step.version} was not published: {exc}") from exc
             if not isinstance(exc, StopConsuming):  # a retry starts from the published version
-                self.load_state()
+                self.back_to_published(f"v{step.version} was not published: {exc}")
             raise
         self.ranks.share(Command("published", update))
+        if self.checkpoint_due_after_publish(update.version):
+            self.save_published_checkpoint()
         return update
+
+    def back_to_published(self, why: str) -> None:
+        """Put back the state of the published version: from its checkpoint, or, when it has none (train.
+        checkpoint_every), by a restart that replays the versions since the newest one."""
+        if self.checkpoint_version != self.version:
+            raise StopConsuming(f"{why}; v{self.version} has no checkpoint: a restart replays it")
+        log.warning("back to the state of the published version", extra={"version": self.version,
+                                                                          "why": why}, exc_info=True)
+        self.load_state()
+
+    @property
+    def checkpoint_before_sync(self) -> bool:
+        """Whether every version is checkpointed before its sync: the servers load it from there (disk)."""
+        return bool(self.settings.policy_servers()) and self.settings.train.weight_transport == "disk"
+
+    def checkpoint_due_after_publish(self, version: int) -> bool:
+        """Whether `version` is checkpointed once published: every train.checkpoint_every-th version, unless
+        every version was checkpointed before its sync."""
+        return not self.checkpoint_before_sync and version % self.settings.train.checkpoint_every == 0
+
+    def checkpoint_on_stop(self) -> None:
+        """A clean stop leaves the published version's training state on disk (with every rank)."""
+        if self.checkpoint_version != self.version:
+            self.ranks.share(Command("checkpoint"))
+            self.save_published_checkpoint()
+
+    def save_published_checkpoint(self) -> float:
+        """The training state of the published version, written now (every rank its part); its seconds."""
+        started = time.monotonic()
+        self.checkpoint = self.save_checkpoint(self.version)
+        self.checkpoint_version = self.version
+        return time.monotonic() - started
 
     def sync_and_publish(self, batch: BatchReady, step: TrainedStep, trained_key: str,
                          still_held: Callable[[], bool]) -> PolicyUpdated:
-        """Make the fleet serve the step's version and checkpoint it (with a collective transport the fleet
-        first: the checkpoint is for restarts and `serve-policy`, not on the fleet's way), then publish."""
+        """Make the fleet serve the step's version, then publish it. A disk sync needs the version's
+        checkpoint first; otherwise it is written once the version is published, every
+        train.checkpoint_every versions (train_step), off the fleet's way."""
         if not still_held():
             raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not synced")
-        checkpoint_first = self.fleet is None or self.fleet.transport.needs_checkpoint
-        if checkpoint_first:
-            self.checkpoint_step(step)
+        if self.checkpoint_before_sync:
+            started = time.monotonic()
+            self.save_checkpoint(step.version)
+            step.metrics["train/checkpoint_seconds"] = time.monotonic() - started
         self.sync_fleet(step)
-        if not checkpoint_first:
-            self.checkpoint_step(step)
         if not still_held():
             raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not published")
         assert self.bus is not None and self.tracker is not None
-        assert step.checkpoint is not None
-        update = PolicyUpdated(version=step.version, checkpoint_uri=str(step.checkpoint),
+        update = PolicyUpdated(version=step.version, checkpoint_uri=str(self.checkpoint_dir(step.version)),
                                batch_id=batch.batch_id, servers=step.servers,
                                parity_max_abs_diff=step.metrics["sync/parity_max_abs_diff"],
                                loss=step.metrics.get("train/loss", 0.0), trained_samples=step.trained,
                                dropped=step.dropped, metrics=step.metrics)
         publish_update(self.bus, update, trained_key)
-        self.version, self.checkpoint = update.version, step.checkpoint
+        self.version = update.version
+        if self.checkpoint_before_sync:
+            self.checkpoint, self.checkpoint_version = Path(update.checkpoint_uri), update.version
         self.tracker.log(step.metrics, update.version)
         record_published(step)
         return update
-
-    def checkpoint_step(self, step: TrainedStep) -> None:
-        started = time.monotonic()
-        step.checkpoint = self.save_checkpoint(step.version)
-        step.metrics["train/checkpoint_seconds"] = time.monotonic() - started
 
     def sync_fleet(self, step: TrainedStep) -> None:
         """Every server serving the step's version, by the run's transport; its figures in the metrics."""
@@ -309,7 +355,8 @@ class Trainer:
         started = time.monotonic()
         parity = 0.0
         if self.fleet is not None:  # a fleet-less run only writes checkpoints
-            update = WeightUpdate(step.version, checkpoint=step.checkpoint, weights=step.weights)
+            update = WeightUpdate(step.version, checkpoint=self.checkpoint_dir(step.version),
+                                  weights=step.weights)
             parity, step.servers = self.fleet.sync(update, step.probe, step.expected)
             report = self.fleet.last_push
             if report is not None:
@@ -328,11 +375,15 @@ class Trainer:
             if command.kind == "train":
                 batch, rows = command.payload
                 step = self.train(batch, rows)
-                self.save_checkpoint(step.version)  # in step with the leader's, before or after its sync
+                if self.checkpoint_before_sync:
+                    self.save_checkpoint(step.version)  # in step with the leader's
                 command = self.ranks.share()
                 if command.kind == "published":
-                    update = command.payload
-                    self.version, self.checkpoint = update.version, Path(update.checkpoint_uri)
+                    self.version = command.payload.version
+                    if self.checkpoint_due_after_publish(self.version):
+                        self.save_published_checkpoint()  # in step with the leader's
+            if command.kind == "checkpoint":
+                self.save_published_checkpoint()
             if command.kind == "stop":
                 return command.payload
 

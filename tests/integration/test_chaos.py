@@ -11,6 +11,8 @@ import uuid
 import pytest
 
 from rollstream.cli.chaos.harness import ChaosPlan, ChaosRun
+from rollstream.shared.contract.archive import ArchiveReader
+from rollstream.shared.contract.events import decode
 from rollstream.shared.runtime.config import Settings
 
 pytestmark = pytest.mark.integration
@@ -21,15 +23,19 @@ GROUP = 4
 
 
 @pytest.fixture(scope="module")
-def chaos(tmp_path_factory, tiny_model):
+def settings(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("chaos")
-    settings = Settings(
+    return Settings(
         run_id=f"chaos-{uuid.uuid4().hex[:8]}", storage_uri=str(root / "runs"), model={"path": tiny_model},
         data={"samples_per_prompt": GROUP, "synthetic_sandbox_every": 2},
         rollout={"max_tokens": 12, "concurrency": 8},
         train={"batch_size": BATCH, "total_versions": VERSIONS, "max_staleness": 1, "learning_rate": 1e-3},
         bus={"reclaim_idle_ms": 5000}, reward={"grade_timeout_s": 90}, recorder={"flush_s": 1.0},
     )
+
+
+@pytest.fixture(scope="module")
+def chaos(settings):
     plan = ChaosPlan(seed=7, kills_per_service=1, redis_restarts=1, vllm_restarts=1, pauses=1, interval_s=3.0)
     run = ChaosRun(settings, plan, on_event=print)
     try:
@@ -48,6 +54,19 @@ def test_every_part_was_hit_and_restarted(chaos):
         assert chaos.summary["restarts"].get(process, 0) >= 1
     assert {"redis redis", "vllm vllm"} <= injected
     assert any(kind.startswith("pause agent-runner") for kind in injected)
+
+
+def test_the_trainer_and_the_vllm_server_were_killed_in_the_middle_of_a_weight_sync(chaos, settings):
+    """With the collective transport (the default) both ends of a broadcast die while it is under way; every
+    version is published all the same, each served with the trainer's logprobs."""
+    assert settings.train.weight_transport == "collective"
+    timed = {f"{f.kind} {f.target}": f.mid_sync for f in chaos.faults if f.done and f.mid_sync is not None}
+    assert timed == {"vllm vllm": True, "crash trainer": True}
+    updates = [decode(entry.fields).payload
+               for entry in ArchiveReader(settings.storage_uri, settings.run_id).entries("policy")]
+    assert [update.version for update in updates] == list(range(1, VERSIONS + 1))
+    assert all(update.servers and update.parity_max_abs_diff <= settings.train.parity_tolerance
+               for update in updates)
 
 
 def test_nothing_admitted_is_lost_or_trained_twice_and_nothing_is_left_pending(chaos):

@@ -1,11 +1,13 @@
 """kill -9 of the trainer at random points of a run loses and repeats no batch.
 
 The same recorded batches are trained twice on the real Redis: once by a trainer left alone, once by
-a trainer that is SIGKILLed again and again (mid-step, mid-checkpoint, between batches) and restarted.
-The killed run must publish every policy version once, from every batch once, in order, and end
-with the same weights as the undisturbed run: a batch trained twice, or an optimizer state lost,
-would change them. Then the same batches on two DeepSpeed ranks (gloo), one rank killed mid-run: the
-group starts again and ends where the one torch process ended.
+a trainer that is SIGKILLed again and again (mid-step, mid-checkpoint, between batches) and restarted,
+writing a checkpoint only every third version (train.checkpoint_every), so that a restart trains the
+versions published since its newest checkpoint again. The killed run must publish every policy version once,
+from every batch once, in order, and end with the same weights as the undisturbed run: a batch trained
+twice, a replay that differs, or an optimizer state lost, would change them. Then the same batches on two
+DeepSpeed ranks (gloo, a checkpoint every second version), one rank killed mid-run: the group starts again
+and ends where the one torch process ended.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def kill_one_rank(launcher: subprocess.Popen, rank: int) -> None:
 
 
 def train_run(root: Path, model: Path, batches: list[BatchReady], redis_url: str, kills: int, seed: int,
-              backend: str = "torch", ranks: int = 1):
+              backend: str = "torch", ranks: int = 1, checkpoint_every: int = 1):
     """Train the batches; `kills` times the trainer is SIGKILLed and started again (with several ranks: one
     rank is SIGKILLed and the launcher starts the group again)."""
     run_id = f"restart-{uuid.uuid4().hex[:8]}"
@@ -118,7 +120,8 @@ def train_run(root: Path, model: Path, batches: list[BatchReady], redis_url: str
         "model": {"path": str(model)}, "fleet": {"urls": []},
         # every sample stays fresh: this test is about delivery, not staleness
         "train": {"batch_size": ROLLOUTS, "max_staleness": 100, "minibatches": 2, "micro_batch_tokens": 2048,
-                  "learning_rate": 3e-3, "trackers": [], "backend": backend, "ranks": ranks},
+                  "learning_rate": 3e-3, "trackers": [], "backend": backend, "ranks": ranks,
+                  "checkpoint_every": checkpoint_every},
         "data": {"samples_per_prompt": GROUP},
     }))
     for batch in batches:
@@ -156,7 +159,8 @@ def train_run(root: Path, model: Path, batches: list[BatchReady], redis_url: str
     weights = load_file(Path(updates[-1].checkpoint_uri) / "model.safetensors")
     pending = bus.group_lag("batches", "trainer")
     bus.delete_run()
-    return updates, weights, kill_log, pending
+    replayed = sum("replayed a published version" in line for line in log.read_text().splitlines())
+    return updates, weights, kill_log, pending, replayed
 
 
 @pytest.fixture(scope="module")
@@ -168,11 +172,13 @@ def calm_run(recorded_batches, machine_redis_url):
 @pytest.mark.timeout(600)
 def test_kill_9_of_the_trainer_loses_and_repeats_no_batch(recorded_batches, calm_run, machine_redis_url):
     root, model, batches = recorded_batches
-    calm, calm_weights, _, _ = calm_run
-    killed, killed_weights, kill_log, pending = train_run(root, model, batches, machine_redis_url,
-                                                          kills=KILLS, seed=1)
+    calm, calm_weights, _, _, _ = calm_run
+    # a checkpoint every third version: a restart trains the versions published since the newest again
+    killed, killed_weights, kill_log, pending, replayed = train_run(root, model, batches, machine_redis_url,
+                                                                    kills=KILLS, seed=1, checkpoint_every=3)
 
     assert len(kill_log) == KILLS
+    assert replayed >= 1, "no restart trained a published version again"
     for updates in (calm, killed):
         assert [u.version for u in updates] == list(range(1, BATCHES + 1))
         assert [u.batch_id for u in updates] == [b.batch_id for b in batches]
@@ -191,9 +197,10 @@ def test_two_deepspeed_ranks_learn_what_one_torch_trainer_learns_across_a_killed
     SIGKILLed mid-run: the group starts again from its own checkpoint (every rank's engine and optimizer
     state) and ends where the single torch trainer ends, batch by batch."""
     root, model, batches = recorded_batches
-    calm, calm_weights, _, _ = calm_run
-    ranked, ranked_weights, kill_log, pending = train_run(root, model, batches, machine_redis_url, kills=1,
-                                                          seed=2, backend="deepspeed", ranks=2)
+    calm, calm_weights, _, _, _ = calm_run
+    ranked, ranked_weights, kill_log, pending, _ = train_run(root, model, batches, machine_redis_url, kills=1,
+                                                          seed=2, backend="deepspeed", ranks=2,
+                                                          checkpoint_every=2)
     print("largest loss difference:", max(abs(a.loss - b.loss) for a, b in zip(ranked, calm)))
     assert len(kill_log) == 1 and pending == (0, 0)
     assert [u.version for u in ranked] == list(range(1, BATCHES + 1))

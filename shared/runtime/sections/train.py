@@ -63,6 +63,11 @@ class TrainSettings(Section):
     servers must run rollstream's weight-transfer engine (`--weight-transfer-config '{"backend":
     "rollstream"}'`, which rollstream's launchers add) and reach the trainer at sync_address. disk: every
     server reloads the checkpoint from storage it shares with the trainer; works with any vLLM server."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Write the training state (weights the servers and `serve-policy` load, optimizer, RNG) every this many
+    versions, and at a clean stop, once the version is published: off the fleet's way. A restarted trainer
+    trains the batches published since the newest checkpoint again, to the same state. The disk transport
+    checkpoints every version, before its sync."""
     weight_delta: bool = True
     """collective: send only the elements that changed since the version every server holds (whole when that
     would not be smaller). Costs a host copy of the model on the trainer and on each server."""
