@@ -93,8 +93,8 @@ class CollectiveWeightEngine(WeightTransferEngine[CollectiveInitInfo, Collective
         group = GroupAddress.from_json(init_info.group)
         parallel = self.parallel_config
         worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
-        device = self.device if self.device.type == "cuda" else None
-        self.communicator = join(group, init_info.rank_offset + worker_rank, device=device)
+        with self.on_device():  # the RPC's thread need not be on the worker's device
+            self.communicator = join(group, init_info.rank_offset + worker_rank)
         self.keep_base = init_info.keep_base
 
     def start_weight_update(self) -> None:
@@ -140,8 +140,12 @@ class CollectiveWeightEngine(WeightTransferEngine[CollectiveInitInfo, Collective
         assert self.communicator is not None
         for indices in plan_buckets(specs, bucket_bytes):
             buffer = torch.empty(bucket_size(specs, indices), dtype=torch.uint8, device=self.device)
-            self.communicator.broadcast(buffer, 0)
+            with self.on_device():
+                self.communicator.broadcast(buffer, 0)
             yield list(unpack(buffer, [specs[index] for index in indices]))
+
+    def on_device(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def receive_full(self, specs: list[TensorSpec], bucket_bytes: int) -> None:
         self.base = {}

@@ -54,15 +54,28 @@ class Communicator(Protocol):
     def close(self) -> None: ...
 
 
-class GlooCommunicator:
+class TorchCommunicator:
+    """A torch process group made directly on a TCP store (not torch.distributed's default group, which the
+    trainer's ranks and vLLM's workers each have for themselves): ProcessGroupGloo on CPUs, ProcessGroupNCCL
+    on GPUs. The same calls on both; only the group's class and the tensors' device differ."""
+
     def __init__(self, group: GroupAddress, rank: int) -> None:
-        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+        from torch.distributed import PrefixStore, TCPStore
 
         timeout = datetime.timedelta(seconds=group.timeout_s)
         self.store = TCPStore(group.address, group.port, group.world_size, is_master=rank == 0,
                               timeout=timeout, wait_for_workers=False)
-        self.group = ProcessGroupGloo(PrefixStore(f"rollstream-weights/{group.generation}", self.store), rank,
-                                      group.world_size, timeout)
+        prefixed = PrefixStore(f"rollstream-weights/{group.generation}", self.store)
+        if group.communication == "gloo":
+            from torch.distributed import ProcessGroupGloo
+
+            self.group = ProcessGroupGloo(prefixed, rank, group.world_size, timeout)
+        else:
+            from torch.distributed import ProcessGroupNCCL
+
+            options = ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = ProcessGroupNCCL(prefixed, rank, group.world_size, options)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         from torch.distributed import BroadcastOptions
@@ -70,35 +83,17 @@ class GlooCommunicator:
         options = BroadcastOptions()
         options.rootRank = src
         self.group.broadcast([tensor], options).wait()
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
 
     def close(self) -> None:
-        self.group = None  # gloo's connections close with the group object, the store's with the store
+        self.group = None  # the group's connections close with the group object, the store's with the store
         self.store = None
 
 
-class NcclCommunicator:
-    def __init__(self, group: GroupAddress, rank: int, device: torch.device | int) -> None:
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        stateless = StatelessProcessGroup.create(host=group.address, port=group.port, rank=rank,
-                                                 world_size=group.world_size,
-                                                 store_timeout=int(group.timeout_s))
-        self.communicator = PyNcclCommunicator(stateless, device=device)
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.communicator.broadcast(tensor, src=src, stream=torch.cuda.current_stream())
-        torch.cuda.current_stream().synchronize()
-
-    def close(self) -> None:
-        self.communicator.destroy()
-
-
-def join(group: GroupAddress, rank: int, device: torch.device | int | None = None) -> Communicator:
+def join(group: GroupAddress, rank: int) -> Communicator:
     """This process's place in `group` at `rank` (0 hosts the rendezvous); blocks until every rank has joined,
-    or the group's timeout."""
-    if group.communication == "gloo":
-        return GlooCommunicator(group, rank)
-    if group.communication == "nccl":
-        return NcclCommunicator(group, rank, torch.cuda.current_device() if device is None else device)
-    raise ValueError(f"unknown weight-sync communication {group.communication!r}: gloo or nccl")
+    or the group's timeout. With nccl, the broadcast tensors must be on this process's current CUDA device."""
+    if group.communication not in ("gloo", "nccl"):
+        raise ValueError(f"unknown weight-sync communication {group.communication!r}: gloo or nccl")
+    return TorchCommunicator(group, rank)

@@ -248,6 +248,8 @@ class CollectiveTransport(WeightTransport):
         for indices in plan_buckets(specs, self.bucket_bytes):
             buffer = pack(tensors[index] for index in indices)
             assert buffer.numel() == bucket_size(specs, indices)
+            if self.communication == "nccl":  # NCCL sends from the GPU: one copy up per bucket
+                buffer = buffer.cuda()
             self.communicator.broadcast(buffer, 0)
 
     def close(self) -> None:

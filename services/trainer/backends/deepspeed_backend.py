@@ -266,7 +266,9 @@ class DeepSpeedBackend:
 
     def serving_weights(self):
         if self.settings.zero_stage == 3:
-            # every rank holds a part of each parameter: gathered here, with every rank taking part
+            # every rank holds a part of each parameter: gathered here, with every rank taking part, one
+            # module's parameters at a time onto rank 0's host memory (DeepSpeed's consolidated 16-bit state
+            # dict), so the accelerators never hold the whole model
             state = self.full_state_dict()
             return None if state is None else (lambda: state.items())
         return state_dict_weights(self.engine.module) if self.rank == 0 else None
