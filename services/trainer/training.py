@@ -26,6 +26,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollstream.services.trainer.batch_intake import (
     BatchRejected,
@@ -52,6 +53,9 @@ from rollstream.shared.inference.serving_weights import copy_tokenizer_files
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage, replace_dir
 from rollstream.shared.runtime.tracking import Tracker
+
+if TYPE_CHECKING:
+    from rollstream.shared.inference.weight_transport import Weights
 
 __all__ = ["BatchRejected", "Trainer", "is_stale", "last_own_update", "row_problem"]
 """Trainer, and the names main.py, the vLLM launcher's resume and the chaos audit import from here."""
@@ -98,11 +102,35 @@ class Trainer:
         if replay:
             self.replay(replay)
         self.fleet: FleetSync | None = None
-        if settings.policy_servers() and ranks.leader:
+        # what every rank takes part in before the leader's first sync (a forward, ZeRO-3's gather)
+        start = self.sync_payload() if settings.policy_servers() else None
+        if start is not None and ranks.leader:
             assert bus is not None, "the leading rank publishes: it needs the bus"
             self.fleet = FleetSync(settings)
             for url in self.fleet.urls:
                 bus.redis.hsetnx(FLEET_VERSIONS.key(bus.keys), url, self.version)
+            self.take_over_fleet(*start)
+
+    def sync_payload(self) -> tuple[list[float], Weights | None]:
+        """The trainer's logprobs of the probe, and with a collective transport its weights: what a sync of
+        the current model needs, computed with every rank."""
+        collective = self.settings.train.weight_transport == "collective"
+        return self.trainer_logprobs(self.probe), self.backend.serving_weights() if collective else None
+
+    def take_over_fleet(self, expected: list[float], weights: Weights | None) -> None:
+        """A starting trainer's first word to the fleet. With a collective transport: a sync of the version it
+        starts from, which forms the group, sets the base of the next delta, and makes whole and resumes a
+        server that a trainer killed in the middle of a broadcast left paused half-loaded. With the disk
+        transport: servers left paused are resumed."""
+        from rollstream.shared.inference.weight_transport import WeightUpdate
+
+        assert self.fleet is not None and self.bus is not None
+        if weights is None:
+            self.fleet.resume_left_paused()
+            return
+        _, servers = self.fleet.sync(WeightUpdate(self.version, weights=weights), self.probe, expected)
+        for url in servers:
+            self.bus.redis.hset(FLEET_VERSIONS.key(self.bus.keys), url, self.version)
 
     def replay(self, batches: Sequence[tuple[BatchReady, list[BatchRow]]]) -> None:
         """Train again, in order, the batches published after the newest checkpoint (train.checkpoint_every
@@ -154,10 +182,7 @@ class Trainer:
             self.probe = (fresh or usable)[0].tokens[:PROBE_TOKENS]
         # the leader's parity check, and the weights a collective sync sends: what every rank takes part in
         # (ZeRO-3 gathers the weights for them)
-        expected = self.trainer_logprobs(self.probe) if self.settings.policy_servers() else []
-        weights = None
-        if self.settings.policy_servers() and self.settings.train.weight_transport == "collective":
-            weights = self.backend.serving_weights()
+        expected, weights = self.sync_payload() if self.settings.policy_servers() else ([], None)
         return TrainedStep(version=self.version + 1, probe=self.probe, trained=len(fresh), dropped=dropped,
                            expected=expected, weights=weights, metrics=metrics, staleness=staleness)
 

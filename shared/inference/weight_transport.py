@@ -201,8 +201,10 @@ class CollectiveTransport(WeightTransport):
             info["base_version"] = self.base_version
         started = time.monotonic()
         await fleet_step(fleet, urls, "pause", "/pause", params={"mode": "keep"})
+        loading = False
         try:
             await fleet_step(fleet, urls, "start_weight_update", "/start_weight_update")
+            loading = True
             receiving = [asyncio.create_task(fleet.weight_step(url, "update_weights", "/update_weights",
                                                                json={"update_info": info}))
                          for url in urls]
@@ -214,10 +216,14 @@ class CollectiveTransport(WeightTransport):
                     task.cancel()
             await fleet_step(fleet, urls, "finish_weight_update", "/finish_weight_update",
                              json={"weight_version": str(update.version)})
+            loading = False
             await fleet_step(fleet, urls, "reset_prefix_cache", "/reset_prefix_cache")
         finally:
-            await asyncio.gather(*(fleet.weight_step(url, "resume", "/resume") for url in urls),
-                                 return_exceptions=True)
+            # A server whose load began and did not finish holds some layers of no version at all: it stays
+            # paused until a sync loads it whole (the next attempt's), or it is restarted.
+            if not loading:
+                await asyncio.gather(*(fleet.weight_step(url, "resume", "/resume") for url in urls),
+                                     return_exceptions=True)
         paused = time.monotonic() - started
         if self.delta:
             self.base, self.base_version = new, update.version
