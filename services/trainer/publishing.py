@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 POLICY_VERSION = Gauge("rollstream_trainer_policy_version", "The policy version this trainer last published.")
 PHASE_SECONDS = Histogram("rollstream_trainer_phase_seconds",
                           "Time of each phase of a version: train (the optimizer steps over a batch), "
-                          "checkpoint, sync (every fleet server serving it).", ["phase"],
+                          "checkpoint (its training state written: before a disk sync, or once published "
+                          "every train.checkpoint_every versions), sync (every fleet server serving it).",
+                          ["phase"],
                           buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900))
 STEP_STATS = Gauge("rollstream_trainer_step_stat",
                    "The last version's training statistics, averaged over its optimizer steps: loss, "
@@ -45,6 +47,11 @@ STALENESS = Histogram("rollstream_trainer_sample_staleness_versions",
                       "Versions between the policy a trained sample was generated with and the one it "
                       "trains.",
                       buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+SYNC_STATS = Gauge("rollstream_trainer_sync_stat",
+                   "The last version's weight sync: bytes (what the trainer sent: the whole model, or a "
+                   "delta's indices and values; a disk sync sends none), changed_fraction (of the model's "
+                   "elements at the serving dtype, since the version before), delta (1 when it went as a "
+                   "delta), paused_seconds (the longest a server was paused for it).", ["stat"])
 PARITY = Gauge("rollstream_trainer_sync_parity_max_abs_diff",
                "Largest gap between a fleet server's and the trainer's logprobs of the probe after the last "
                "sync.")
@@ -83,6 +90,10 @@ def publish_update(bus: Bus, update: PolicyUpdated, trained_key: str) -> None:
     pipe.execute()
 
 
+def record_checkpoint(seconds: float) -> None:
+    PHASE_SECONDS.labels("checkpoint").observe(seconds)
+
+
 def record_published(step: TrainedStep) -> None:
     """The published version's figures, as Prometheus series."""
     metrics = step.metrics
@@ -94,6 +105,8 @@ def record_published(step: TrainedStep) -> None:
     for key, value in metrics.items():
         if key.startswith("train/") and not key.endswith("_seconds"):
             STEP_STATS.labels(key.removeprefix("train/")).set(value)
+        if key in ("sync/bytes", "sync/changed_fraction", "sync/delta", "sync/paused_seconds"):
+            SYNC_STATS.labels(key.removeprefix("sync/")).set(value)
     SAMPLES.labels("trained").inc(step.trained)
     for reason, count in step.dropped.items():
         SAMPLES.labels(f"dropped_{reason}").inc(count)

@@ -41,6 +41,7 @@ from rollstream.services.trainer.publishing import (
     TrainedStep,
     last_own_update,
     publish_update,
+    record_checkpoint,
     record_published,
 )
 from rollstream.services.trainer.ranks import Command, Ranks
@@ -310,7 +311,7 @@ class Trainer:
             raise
         self.ranks.share(Command("published", update))
         if self.checkpoint_due_after_publish(update.version):
-            self.save_published_checkpoint()
+            record_checkpoint(self.save_published_checkpoint())
         return update
 
     def back_to_published(self, why: str) -> None:

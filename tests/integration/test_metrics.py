@@ -51,6 +51,8 @@ def test_each_service_counts_its_own_work(run):
     assert total(shown["trainer"], "rollstream_trainer_samples_total", outcome="trained") > 0
     syncs = total(shown["trainer"], "rollstream_trainer_phase_seconds_count", phase="sync")
     assert syncs == DEPLOYED_VERSIONS
+    # the last version's collective broadcast: the whole model, or a delta of it
+    assert total(shown["trainer"], "rollstream_trainer_sync_stat", stat="bytes") > 0
     assert total(shown["recorder"], "rollstream_recorder_entries_total", outcome="archived") > 0
 
 
