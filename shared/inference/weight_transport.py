@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from rollstream.shared.errors import WeightSyncError
@@ -158,17 +159,20 @@ class CollectiveTransport(WeightTransport):
             return PushReport({url: failure for url in urls}, "full")
 
     async def form_group(self, fleet: FleetClient, urls: tuple[str, ...]) -> None:
-        """A new generation of the group: every server told to join it, the trainer joining as rank 0."""
+        """A new generation of the group: every worker of every server told to join it at its rank (a
+        server's workers follow each other, after the servers before it), the trainer joining as rank 0."""
         self.leave_group()
         self.generation += 1
-        group = GroupAddress(self.communication, self.address, free_port(), world_size=len(urls) + 1,
+        workers = await asyncio.gather(*(server_workers(url, self.timeout_s) for url in urls))
+        offsets = [1 + sum(workers[:index]) for index in range(len(urls))]
+        group = GroupAddress(self.communication, self.address, free_port(), world_size=1 + sum(workers),
                              generation=self.generation, timeout_s=self.timeout_s)
         joining = [asyncio.create_task(fleet.weight_step(url, "init_weight_transfer_engine",
                                                          "/init_weight_transfer_engine",
                                                          json={"init_info": {"group": group.to_json(),
-                                                                             "rank_offset": 1 + index,
+                                                                             "rank_offset": offset,
                                                                              "keep_base": self.delta}}))
-                   for index, url in enumerate(urls)]
+                   for url, offset in zip(urls, offsets, strict=True)]
         joined = asyncio.ensure_future(asyncio.to_thread(join, group, 0))
         # left behind when a server fails first: its rendezvous ends by the group's timeout, unheard
         joined.add_done_callback(lambda task: task.cancelled() or task.exception())
@@ -269,6 +273,21 @@ async def fleet_step(fleet: FleetClient, urls: Sequence[str], step: str, path: s
     failed = next((result for result in results if isinstance(result, BaseException)), None)
     if failed is not None:
         raise failed
+
+
+async def server_workers(url: str, timeout_s: float) -> int:
+    """How many workers a vLLM server runs (tensor x pipeline x data parallel), each a rank of the group: from
+    its /server_info (a development endpoint, as the weight-update ones are)."""
+    async with httpx.AsyncClient(timeout=timeout_s) as http:
+        try:
+            response = await http.get(f"{url}/server_info", params={"config_format": "json"})
+            response.raise_for_status()
+            parallel = response.json()["vllm_config"]["parallel_config"]
+            return (int(parallel["tensor_parallel_size"]) * int(parallel["pipeline_parallel_size"])
+                    * int(parallel["data_parallel_size"]))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise WeightSyncError(f"{url}: cannot read how many workers it runs from /server_info: "
+                                  f"{type(exc).__name__}: {exc}") from exc
 
 
 def free_port() -> int:
