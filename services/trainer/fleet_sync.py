@@ -1,8 +1,11 @@
 """The fleet as the leading trainer rank syncs it (services/trainer/training.py): every policy server made
 to serve a new version, and checked to serve the trainer's logprobs.
 
-FleetSync.sync waits for every server to answer (one restarting is waited for, up to FLEET_WAIT_S), tries
-a failed sync again for SYNC_RETRY_S (a server shutting down refuses /pause before it stops answering),
+FleetSync.sync waits for every server to answer (one restarting is waited for, up to FLEET_WAIT_S): the
+servers of fleet.urls and the policy groups and, with fleet.registry, those registered at that moment
+(shared/inference/fleet_registry.py), so that a server that joined since the last version takes this one (a
+collective sync forms its group anew and sends it the whole model) and one that left is not waited for. It
+tries a failed sync again for SYNC_RETRY_S (a server shutting down refuses /pause before it stops answering),
 pushes the version with the run's transport (train.weight_transport: a collective broadcast, or every server
 reloading the checkpoint, train.sync_concurrency at a time; shared/inference/weight_transport.py), and raises
 ParityError (a StopConsuming for main.py) when one serves other logprobs of the probe than the trainer
@@ -49,7 +52,8 @@ class ParityError(RollstreamError, RuntimeError):
 
 
 class FleetSync:
-    """The run's policy servers (settings.policy_servers()), synced by the leading rank alone."""
+    """The run's policy servers (listed in the settings, and with fleet.registry those registered), synced by
+    the leading rank alone."""
 
     def __init__(self, settings: Settings) -> None:
         from rollstream.shared.inference.fleet import FleetClient
@@ -91,23 +95,25 @@ class FleetSync:
         is waited for, not counted as a failed sync. StopConsuming when none has answered for FLEET_WAIT_S."""
         deadline, waiting = time.monotonic() + FLEET_WAIT_S, False
         while True:
-            answers = self.loop.run(self._health())
-            up = [url for url, healthy in zip(self.fleet.urls, answers) if healthy]
+            up = self.loop.run(self._answering())
             if up:
                 if waiting:
                     log.info("fleet servers answer again", extra={"servers": up})
                 return up
             if time.monotonic() > deadline:
                 raise StopConsuming(f"no fleet server has answered for {FLEET_WAIT_S:.0f}s: "
-                                    f"{', '.join(self.fleet.urls)}")
+                                    f"{', '.join(self.fleet.urls) or 'none is listed or registered'}")
             if not waiting:
                 log.warning("waiting for a fleet server to answer before the weight sync",
                             extra={"servers": self.fleet.urls})
                 waiting = True
             time.sleep(FLEET_RECHECK_S)
 
-    async def _health(self) -> list[bool]:
-        return list(await asyncio.gather(*(self.fleet.health(url) for url in self.fleet.urls)))
+    async def _answering(self) -> list[str]:
+        """The fleet's servers that answer /health now; the registry is read first (refresh_members)."""
+        urls = await self.fleet.refresh_members()
+        answers = await asyncio.gather(*(self.fleet.health(url) for url in urls))
+        return [url for url, healthy in zip(urls, answers, strict=True) if healthy]
 
     async def push(self, update: WeightUpdate, probe: list[int], expected: list[float],
                    urls: list[str]) -> tuple[float, list[str]]:
