@@ -21,8 +21,12 @@ to its last answer, the trainer's broadcast, the probe), and the same buckets br
 between plain processes, without vLLM (the wire's own time on this machine).
 
     python bench/bench_weight_transport.py [--shapes 128x2 1024x4 2048x4] [--fleets 1 4] [--rounds 3]
-                                           [--changed 0.01] [--bucket-mb 256] [--no-wire] [--workdir DIR]
-                                           [--smoke] [--json PATH]
+                                           [--changed 0.01] [--bucket-mb 256 [MB ...]] [--no-wire]
+                                           [--workdir DIR] [--smoke] [--json PATH]
+        # several --bucket-mb: each collective path measured at each bucket size
+        # (2048x4 --fleets 4 --bucket-mb 32 256 1024: where the bucket size moves the time)
+    The full default takes about 13 minutes on 2 cores, most of it starting the 12 servers: bench/run_all.py
+    needs --timeout 1200 for it.
     python bench/bench_weight_transport.py --fleet-url URL [URL ...] --model models/tiny-llama
         # running servers of --model: only its shape is measured, and they serve --model again at the end
 """
