@@ -90,6 +90,8 @@ class Benchmark:
     """Its option naming the Redis it uses, given run_all's --redis."""
     read_figures: Callable[[str], tuple[list[dict], list[str]]] | None = None
     """For a script without --json: its figures and notes from its output."""
+    full_run_s: float = 0.0
+    """The seconds its full run needs when that is more than --timeout (servers of three model sizes)."""
 
     def command(self, smoke: bool, fleet_url: str | None, redis_url: str | None) -> list[str]:
         command = [sys.executable, str(BENCH / self.script), *(self.smoke_args if smoke else self.args)]
@@ -113,7 +115,8 @@ BENCHMARKS = (
     Benchmark("data-path", "bench_data_path.py"),
     Benchmark("weight-sync", "bench_weight_sync.py"),
     Benchmark("checkpoint-sync", "bench_checkpoint_sync.py", ("--shapes", "128x2", "1024x4", "2048x4")),
-    Benchmark("weight-transport", "bench_weight_transport.py", ("--shapes", "128x2", "1024x4", "2048x4")),
+    Benchmark("weight-transport", "bench_weight_transport.py", ("--shapes", "128x2", "1024x4", "2048x4"),
+              full_run_s=1500),
     Benchmark("grading", "bench_grading.py", ("--jobs", "12")),
     Benchmark("agent-runner", "bench_agent_runner.py",
               ("--episodes", "128", "--rounds", "3", "--warmup-passes", "1"), takes_fleet=True),
@@ -394,7 +397,8 @@ def main() -> None:
         for benchmark in benchmarks:
             command = benchmark.command(args.smoke, args.fleet_url, args.redis)
             print(f"=== {benchmark.name}: {shown(command)}", flush=True)
-            outcomes.append(run(benchmark, command, args.timeout, Path(tmp)))
+            timeout_s = args.timeout if args.smoke else max(args.timeout, benchmark.full_run_s)
+            outcomes.append(run(benchmark, command, timeout_s, Path(tmp)))
             done = outcomes[-1]
             print(f"=== {benchmark.name}: {done.status} after {seconds(done.seconds)}", flush=True)
     if args.update and out is not None and out.exists():

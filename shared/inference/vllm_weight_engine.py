@@ -136,13 +136,21 @@ class CollectiveWeightEngine(WeightTransferEngine[CollectiveInitInfo, Collective
         self.base_version = update_info.version if self.keep_base else None
 
     def buckets(self, specs: list[TensorSpec], bucket_bytes: int):
-        """Each bucket the trainer broadcasts, received: its (name, tensor) pairs, views of its buffer."""
+        """Each bucket the trainer broadcasts, received: its (name, tensor) pairs, views of its buffer. The
+        next bucket is already arriving while the caller loads one."""
         assert self.communicator is not None
+        received = None
         for indices in plan_buckets(specs, bucket_bytes):
             buffer = torch.empty(bucket_size(specs, indices), dtype=torch.uint8, device=self.device)
             with self.on_device():
-                self.communicator.broadcast(buffer, 0)
-            yield list(unpack(buffer, [specs[index] for index in indices]))
+                arrived = self.communicator.start_broadcast(buffer, 0)
+            if received is not None:
+                yield received
+            with self.on_device():
+                arrived()
+            received = list(unpack(buffer, [specs[index] for index in indices]))
+        if received is not None:
+            yield received
 
     def on_device(self) -> contextlib.AbstractContextManager:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 import torch
@@ -48,8 +49,12 @@ class GroupAddress:
 
 
 class Communicator(Protocol):
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """Rank `src`'s tensor into every other rank's (same size and dtype), in place."""
+    def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Callable[[], None]:
+        """Begin putting rank `src`'s tensor into every other rank's (same size and dtype), in place; returns
+        what waits until it is there. Broadcasts begun one after another complete in that order on every
+        rank, so a rank may work on one tensor while the next arrives."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None: ...
 
     def close(self) -> None: ...
 
@@ -77,14 +82,22 @@ class TorchCommunicator:
             options._timeout = timeout
             self.group = ProcessGroupNCCL(prefixed, rank, group.world_size, options)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Callable[[], None]:
         from torch.distributed import BroadcastOptions
 
         options = BroadcastOptions()
         options.rootRank = src
-        self.group.broadcast([tensor], options).wait()
-        if tensor.is_cuda:
-            torch.cuda.current_stream(tensor.device).synchronize()
+        work = self.group.broadcast([tensor], options)
+
+        def wait() -> None:
+            work.wait()
+            if tensor.is_cuda:
+                torch.cuda.current_stream(tensor.device).synchronize()
+
+        return wait
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.start_broadcast(tensor, src)()
 
     def close(self) -> None:
         self.group = None  # the group's connections close with the group object, the store's with the store

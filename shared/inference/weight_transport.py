@@ -180,7 +180,7 @@ class CollectiveTransport(WeightTransport):
             # a server that cannot be told to join fails the group at once, not after the rendezvous timeout
             done, _ = await asyncio.wait([joined, *joining], return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
-                task.result()
+                raise_with_hint(task)
             self.communicator = joined.result()
         finally:
             for task in joining:
@@ -197,8 +197,14 @@ class CollectiveTransport(WeightTransport):
 
     async def send(self, fleet: FleetClient, urls: tuple[str, ...], update: WeightUpdate) -> PushReport:
         assert update.weights is not None
-        new = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in update.weights()}
+        live = {name: tensor.detach() for name, tensor in update.weights()}
+        # the next delta's base is a host copy; without deltas the tensors go out from where they are
+        new = live
+        if self.delta:
+            new = {name: tensor.to("cpu", copy=True).contiguous() for name, tensor in live.items()}
         kind, specs, tensors, fraction = self.plan(new)
+        if kind == "full":
+            tensors = list(live.values())
         info: dict[str, Any] = {"kind": kind, "specs": [spec.to_json() for spec in specs],
                                 "bucket_bytes": self.bucket_bytes, "version": update.version}
         if kind == "delta":
@@ -255,12 +261,19 @@ class CollectiveTransport(WeightTransport):
 
     def broadcast(self, specs: list[TensorSpec], tensors: list[torch.Tensor]) -> None:
         assert self.communicator is not None
+        sent = None
         for indices in plan_buckets(specs, self.bucket_bytes):
-            buffer = pack(tensors[index] for index in indices)
+            buffer = pack(tensors[index] for index in indices)  # while the bucket before is on its way
             assert buffer.numel() == bucket_size(specs, indices)
-            if self.communication == "nccl":  # NCCL sends from the GPU: one copy up per bucket
+            if self.communication == "nccl" and not buffer.is_cuda:  # a delta's, made on the host
                 buffer = buffer.cuda()
-            self.communicator.broadcast(buffer, 0)
+            elif self.communication == "gloo" and buffer.is_cuda:
+                buffer = buffer.cpu()
+            if sent is not None:
+                sent()
+            sent = self.communicator.start_broadcast(buffer, 0)
+        if sent is not None:
+            sent()
 
     def close(self) -> None:
         self.leave_group()
@@ -273,6 +286,17 @@ async def fleet_step(fleet: FleetClient, urls: Sequence[str], step: str, path: s
     failed = next((result for result in results if isinstance(result, BaseException)), None)
     if failed is not None:
         raise failed
+
+
+def raise_with_hint(task: asyncio.Future) -> None:
+    """A joining step's failure, told what to do when the server has no weight-transfer engine."""
+    failure = task.exception()
+    if failure is not None and "weight_transfer_config" in str(failure):
+        raise WeightSyncError(f"{failure}: a collective sync needs rollstream's engine in every server: "
+                              "start it with --weight-transfer-config '{\"backend\": \"rollstream\"}' "
+                              "where rollstream is installed (rollstream serve-policy does), or set "
+                              "train.weight_transport=disk") from failure
+    task.result()
 
 
 async def server_workers(url: str, timeout_s: float) -> int:
