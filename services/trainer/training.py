@@ -104,7 +104,7 @@ class Trainer:
             self.replay(replay)
         self.fleet: FleetSync | None = None
         # what every rank takes part in before the leader's first sync (a forward, ZeRO-3's gather)
-        start = self.sync_payload() if settings.policy_servers() else None
+        start = self.sync_payload() if settings.fleet.has_policy_servers else None
         if start is not None and ranks.leader:
             assert bus is not None, "the leading rank publishes: it needs the bus"
             self.fleet = FleetSync(settings)
@@ -183,7 +183,7 @@ class Trainer:
             self.probe = (fresh or usable)[0].tokens[:PROBE_TOKENS]
         # the leader's parity check, and the weights a collective sync sends: what every rank takes part in
         # (ZeRO-3 gathers the weights for them)
-        expected, weights = self.sync_payload() if self.settings.policy_servers() else ([], None)
+        expected, weights = self.sync_payload() if self.settings.fleet.has_policy_servers else ([], None)
         return TrainedStep(version=self.version + 1, probe=self.probe, trained=len(fresh), dropped=dropped,
                            expected=expected, weights=weights, metrics=metrics, staleness=staleness)
 
@@ -326,7 +326,7 @@ class Trainer:
     @property
     def checkpoint_before_sync(self) -> bool:
         """Whether every version is checkpointed before its sync: the servers load it from there (disk)."""
-        return bool(self.settings.policy_servers()) and self.settings.train.weight_transport == "disk"
+        return self.settings.fleet.has_policy_servers and self.settings.train.weight_transport == "disk"
 
     def checkpoint_due_after_publish(self, version: int) -> bool:
         """Whether `version` is checkpointed once published: every train.checkpoint_every-th version, unless
