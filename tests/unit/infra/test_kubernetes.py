@@ -44,7 +44,8 @@ COMPOSE_ONLY = {"ops", "prometheus", "grafana"}
 monitoring scrapes the services' /metrics (their `health` ports), so compose's monitoring profile has no
 counterpart here."""
 HOST_SPECIFIC = {"RS_FLEET__URLS", "RS_CONSOLE__HEALTH_URLS"}
-"""Compose names its one server by its network alias; here each pod of the vllm StatefulSet has its URL
+"""Compose lists no server (they register) unless RS_FLEET_URLS names vLLM's GPU image by its network alias;
+here the GPU overlay lists each pod of the vllm StatefulSet by its URL
 (test_the_settings_urls_reach_what_serves_them). The console asks compose's services by their names, which
 resolve to every replica; here no Service stands for those pods (Kubernetes probes them itself)."""
 OVERLAY_SETTINGS = {"overlays/external-redis": {"RS_REDIS_URL"}}
@@ -527,8 +528,8 @@ def serves(rendered: Rendered, service: dict, port: int) -> list[str]:
 
 def test_the_settings_urls_reach_what_serves_them(rendered, monkeypatch):
     """RS_REDIS_URL and RS_GATEWAY__URL name Services in front of Redis and the gateway (on the port the
-    gateway serves); RS_FLEET__URLS names every vLLM server by its pod: a headless Service governs the
-    StatefulSet, one URL per replica."""
+    gateway serves); rollstream's vLLM servers register in the fleet, and RS_FLEET__URLS names every server of
+    vLLM's own image by its pod: a headless Service governs the StatefulSet, one URL per replica."""
     settings = settings_of(rendered.settings(), monkeypatch)
     services = rendered.of("Service")
     redis = urlsplit(settings.redis_url)
@@ -541,8 +542,10 @@ def test_the_settings_urls_reach_what_serves_them(rendered, monkeypatch):
     args = main_container("vllm", vllm)["args"]
     port, governing = int(args[args.index("--port") + 1]), services[vllm["spec"]["serviceName"]]
     assert governing["spec"]["clusterIP"] == "None" and serves(rendered, governing, port) == ["vllm"]
-    assert settings.fleet.urls == [f"http://vllm-{i}.{vllm['spec']['serviceName']}:{port}"
-                                   for i in range(vllm["spec"]["replicas"])]
+    # the servers register themselves (fleet.registry), or are listed where they cannot (vLLM's own image)
+    listed = [] if main_container("vllm", vllm)["image"].startswith("rollstream-") else [
+        f"http://vllm-{i}.{vllm['spec']['serviceName']}:{port}" for i in range(vllm["spec"]["replicas"])]
+    assert settings.fleet.registry and settings.fleet.urls == listed
     for name, workload in rendered.workloads().items():  # /healthz where the probes and scrapers look
         ports = {p["containerPort"] for p in main_container(name, workload).get("ports", [])}
         if workload["kind"] != "Job" and name not in ("redis", "vllm"):
