@@ -15,6 +15,7 @@ stopped cleanly leaves the fleet at once.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -140,7 +141,9 @@ def test_a_server_started_mid_way_joins_the_fleet_and_the_next_sync_and_leaves_b
             with second:
                 assert two.url not in {member.url for member in registry.members()}  # loading: not yet
                 second.wait_healthy(timeout_s=600)
+                healthy = time.monotonic()
                 until(loop, lambda: two.url in fleet.urls, 30, "the fleet client to take the new server")
+                joined_s = time.monotonic() - healthy
                 assert bus.fleet_versions()[two.url] == 0  # the version it loaded, which it recorded
                 assert two.url in served_by(loop, fleet, 24)
 
@@ -149,10 +152,16 @@ def test_a_server_started_mid_way_joins_the_fleet_and_the_next_sync_and_leaves_b
                 assert trainer.last_push.kind == "full"  # a new group: the newcomer gets the whole model
 
                 second.kill()
+                killed = time.monotonic()
                 wait_for(lambda: second.exit_code() is not None, 30, "the killed server to exit")
                 parity, synced = sync_version(trainer, model, 3)
                 assert synced == [one.url] and parity < TOLERANCE
                 until(loop, lambda: fleet.urls == [one.url], 3 * TTL_S + 10, "the killed server to leave")
+                # for the record (-s), not a check: a join takes the server's next beat and the client's next
+                # reading; a leave, the registration's time to live
+                print(f"\njoined the fleet client {joined_s:.1f} s after /health answered; left it "
+                      f"{time.monotonic() - killed:.1f} s after SIGKILL (member_ttl_s {TTL_S}, "
+                      f"members_refresh_s {settings.fleet.members_refresh_s})")
                 assert registry.members() == [one]
                 assert served_by(loop, fleet, 8) == {one.url}
         finally:
