@@ -193,8 +193,10 @@ class FleetClient:
         """Reads what each server not met yet serves, from its /v1/models: the model's name and context
         length, the context then being what a turn there is held to. Returns, for each server still not met,
         why (one that did not answer is put in its cool-down, takes no turn, and is asked again after it).
-        FleetSettingsError when a server disagrees with the settings (the client's model or its group's
-        max_model_len); the requests call this first, so a server is met before its first turn."""
+        FleetSettingsError when a listed server disagrees with the settings (the client's model or its
+        group's max_model_len); a registered one that does is left out of the fleet, with an error in the
+        log, until it registers anew. The requests call this first, so a server is met before its first
+        turn."""
         self._follow_registry()
         async with self._meeting:  # concurrent first requests wait for one reading
             urls = self.servers.to_meet()
@@ -211,7 +213,11 @@ class FleetClient:
                         raise answer
                     self.servers.meet(url, answer)
                 except FleetSettingsError as exc:
-                    disagreements.append(str(exc))
+                    if url in self.listed:
+                        disagreements.append(str(exc))
+                    else:  # one server that joined wrongly must not stop the fleet
+                        self.servers.refuse(url, str(exc))
+                        self._drop(url)
             if disagreements:
                 raise FleetSettingsError("\n".join(disagreements))
             return dict(self.servers.not_met)
@@ -261,15 +267,18 @@ class FleetClient:
         """The fleet's servers become those listed and the registered `members` (FleetServers.follow)."""
         joined, left = self.servers.follow(members, self.listed, self.member_groups)
         for url in left:
-            self.urls.remove(url)
-            self.server_load.pop(url, None)
-            if not self.in_flight.get(url):
-                self.in_flight.pop(url, None)
+            self._drop(url)
         for url in joined:
             self.urls.append(url)
             self.in_flight.setdefault(url, 0)
             self.server_load[url] = None
             self._generation_urls[url] = httpx.URL(f"{url}/v1/completions")
+
+    def _drop(self, url: str) -> None:
+        self.urls.remove(url)
+        self.server_load.pop(url, None)
+        if not self.in_flight.get(url):
+            self.in_flight.pop(url, None)
 
     def _follow_registry(self) -> None:
         """With a registry: read it in the background from the first call on a running loop until aclose()."""

@@ -215,8 +215,10 @@ class FleetServers:
                groups: Mapping[str | None, ServerGroup]) -> tuple[list[str], list[str]]:
         """The servers become those `listed` and the registered `members` (fleet_registry.py), each member in
         the group of `groups` it names; returns the servers that joined and those that left. A member naming a
-        group that is not there is left out, with a warning."""
+        group that is not there, or refused (`refuse`), is left out until it registers anew."""
         registered = {member.url: member for member in members if member.url not in listed}
+        for url in [url for url in self._refused if url not in registered]:
+            del self._refused[url]  # it left: it may come back as it should be
         left = [url for url in self.group_of if url not in listed and url not in registered]
         for url in left:
             self.leave(url)
@@ -224,18 +226,25 @@ class FleetServers:
         joined = []
         for url, member in registered.items():
             group = groups.get(member.group)
+            if url in self._refused or url in self.group_of:
+                continue
             if group is None:
-                why = (f"{url} registered in the policy group {member.group!r}, which fleet.groups does not "
-                       "have as a policy group: it takes no turn and is not synced")
-                if self._refused.get(url) != why:
-                    log.warning(why, extra={"server": url})
-                self._refused[url] = why
-            elif url not in self.group_of:
-                self.join(url, group)
-                joined.append(url)
-                log.info("a policy server joined the fleet",
-                         extra={"server": url, "group": group.name, "version": member.version})
+                self.refuse(url, f"{url} registered in the policy group {member.group!r}, which fleet.groups "
+                                 "does not have as a policy group")
+                continue
+            self.join(url, group)
+            joined.append(url)
+            log.info("a policy server joined the fleet",
+                     extra={"server": url, "group": group.name, "version": member.version})
         return joined, left
+
+    def refuse(self, url: str, why: str) -> None:
+        """A registered server is left out of the fleet (it takes no turn and is not synced) until it leaves
+        the registry and registers anew: its settings are not the run's."""
+        log.error(f"a registered policy server is left out of the fleet: {why}", extra={"server": url})
+        self._refused[url] = why
+        if url in self.group_of:
+            self.leave(url)
 
     def join(self, url: str, group: ServerGroup) -> None:
         """`url` joins the fleet in `group` (a registered server): it is met before its first turn."""

@@ -176,3 +176,30 @@ def test_a_registry_that_cannot_be_read_leaves_the_fleet_as_it_was_and_says_so_o
         urls, served = asyncio.run(go())
     assert urls == [server.url] and served == {server.url}
     assert caplog.text.count("the fleet's registry could not be read") == 1
+
+
+def test_a_member_that_serves_another_model_is_left_out_and_the_fleet_goes_on_until_it_registers_anew(
+        settings_of, registry, servers, caplog):
+    good, wrong = servers(), servers(served_name="another-model")
+    registry.register(FleetMember(good.url, 0))
+
+    async def go():
+        async with FleetClient.for_run(settings_of()) as fleet:
+            assert await servers_of(fleet, 2) == {good.url}
+            registry.register(FleetMember(wrong.url, 0))
+            await until(lambda: wrong.url in fleet.urls, "the wrong server to join")
+            assert await servers_of(fleet, 24) == {good.url}  # met at the next turn: every turn still served
+            assert fleet.urls == [good.url] and wrong.requests.get("/v1/completions") is None
+            await asyncio.sleep(10 * REFRESH_S)
+            assert wrong.requests["/v1/models"] == 1  # not met again while it stays registered
+
+            registry.deregister(wrong.url)
+            await asyncio.sleep(10 * REFRESH_S)
+            wrong.models = good.models  # restarted with the run's model, it registers anew
+            registry.register(FleetMember(wrong.url, 0))
+            await until(lambda: wrong.url in fleet.urls, "the server to join once it serves the run's model")
+            return await servers_of(fleet, 24)
+
+    with caplog.at_level(logging.ERROR):
+        assert asyncio.run(go()) == {good.url, wrong.url}
+    assert "left out of the fleet" in caplog.text and "does not serve 'tiny'" in caplog.text
