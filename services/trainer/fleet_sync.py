@@ -18,6 +18,7 @@ Tests: tests/integration/test_trainer_restart.py runs the trainer service agains
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -63,6 +64,19 @@ class FleetSync:
         self.fleet = FleetClient.for_run(settings)
         self.transport = make_transport(settings)
         self.last_push: PushReport | None = None
+
+    def resume_left_paused(self) -> None:
+        """A trainer killed in the middle of a disk sync leaves servers paused: the one that takes over
+        resumes them (they go on serving the version they hold, which FLEET_VERSIONS says; a reload that
+        failed half way stopped its server)."""
+        from rollstream.shared.inference.fleet import WeightSyncError
+
+        async def resume() -> None:
+            for url in self.fleet.urls:
+                with contextlib.suppress(WeightSyncError):
+                    await self.fleet.weight_step(url, "resume", "/resume")
+
+        self.loop.run(resume())
 
     @property
     def urls(self) -> list[str]:
