@@ -379,13 +379,19 @@ def newest_policy(bus: Bus, settings: Settings) -> tuple[Path, int]:
     the newest version the run's trainer published that has one on disk (a PolicyUpdated anyone else wrote
     is passed over; one the recorder trimmed from Redis is read from the archive), or the starting model,
     version 0, before the first.
-    The fleet's version record (Keys.fleet_versions) says the newest version: a server started on anything
-    older would serve other weights than its samples are tagged with, until the trainer's next sync."""
+    With a collective weight sync a version's checkpoint is written once it is published, every
+    train.checkpoint_every versions, and the servers need not share the trainer's storage: the server starts
+    on the newest checkpoint it finds (the starting model when none), records that version as the one it
+    serves (with the fleet's registry) and takes the trainer's next sync. With the disk transport every
+    published version has its checkpoint on the shared storage: VllmStartError when the newest is not on this
+    disk."""
     from rollstream.services.trainer.publishing import newest_checkpointed
 
-    # a version's checkpoint is written once it is published, and only every train.checkpoint_every versions:
-    # the newest one on disk, which the trainer syncs on from its next version
-    _, update, _ = newest_checkpointed(bus, bus.keys.trained_batches, settings.storage_uri)
+    newest, update, _ = newest_checkpointed(bus, bus.keys.trained_batches, settings.storage_uri)
+    if newest is not None and update is not newest and settings.train.weight_transport == "disk":
+        raise VllmStartError(f"policy version {newest.version} of run {settings.run_id!r} is "
+                             f"{newest.checkpoint_uri}, which holds no model here: mount the run's storage "
+                             f"at the trainer's path ({settings.storage_uri})")
     if update is None:
         return Path(settings.model.path), 0
     return Path(update.checkpoint_uri), update.version
