@@ -50,7 +50,8 @@ here the GPU overlay lists each pod of the vllm StatefulSet by its URL
 resolve to every replica; here no Service stands for those pods (Kubernetes probes them itself)."""
 OVERLAY_SETTINGS = {"overlays/external-redis": {"RS_REDIS_URL"}}
 """Settings an overlay sets to its own value."""
-OVERLAY_ENV = {("overlays/gpu", "trainer"): {"RS_TRAIN__RANKS", "RS_TRAIN__BACKEND"}}
+OVERLAY_ENV = {("overlays/gpu", "trainer"): {"RS_TRAIN__RANKS", "RS_TRAIN__BACKEND",
+                                             "RS_TRAIN__WEIGHT_TRANSPORT"}}
 """Variables an overlay adds to a workload that its compose service has not."""
 OVERLAY_LEAVES_OUT = {"overlays/external-redis": {"redis"}}
 VLLM_SERVICE = {"overlays/gpu": "vllm-gpu"}
