@@ -1,7 +1,7 @@
 """What a (re)started vLLM server loads (`rollstream serve-policy`, which Compose runs): the run's newest
-published policy whose checkpoint is on its disk, found in Redis or, once the recorder trimmed it there, in the
-run's archive; the starting model before the first version. Real Redis 7.0 and Valkey, real Parquet archive;
-tests/integration/test_serve_policy.py starts the real vLLM server."""
+published policy whose checkpoint is on its disk, found in Redis or, once the recorder trimmed it there, in
+the run's archive; the starting model before the first version. Real Redis 7.0 and Valkey, real Parquet
+archive; tests/integration/test_serve_policy.py starts the real vLLM server."""
 
 from pathlib import Path
 

@@ -99,8 +99,8 @@ def test_a_server_that_cannot_load_is_left_out_of_the_sync_and_the_others_are_sy
                 await original(url, str(missing) if url == broken else weights_dir)
 
             client.reload_weights = reload
-            diffs, report = await sync_weights(client, DiskTransport(2), WeightUpdate(1, checkpoint=new), PROBE,
-                                               expected_logprobs(new))
+            update, expected = WeightUpdate(1, checkpoint=new), expected_logprobs(new)
+            diffs, report = await sync_weights(client, DiskTransport(2), update, PROBE, expected)
             assert isinstance(report.failures[broken], WeightSyncError)
             assert "reload_weights failed" in str(report.failures[broken])
             assert set(diffs) == set(healthy) == set(report.loaded)
