@@ -21,22 +21,8 @@ from rollstream.shared.inference.fleet import FleetClient, FleetUnavailable
 from rollstream.shared.inference.fleet_registry import FleetMember, FleetRegistry
 from rollstream.shared.runtime.config import Settings
 from tests.support import free_port
-from tests.unit.shared.inference.served_models import VllmLikeServer
 
 REFRESH_S = 0.05
-
-
-@pytest.fixture
-def servers():
-    made: list[VllmLikeServer] = []
-
-    def make(**kwargs) -> VllmLikeServer:
-        made.append(VllmLikeServer(**kwargs))
-        return made[-1]
-
-    yield make
-    for server in made:
-        server.close()
 
 
 @pytest.fixture

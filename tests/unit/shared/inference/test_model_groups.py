@@ -13,20 +13,6 @@ import pytest
 from rollstream.shared.inference.fleet import FleetSettingsError
 from rollstream.shared.inference.model_groups import ModelGroup
 from rollstream.shared.runtime.config import ServerGroupSettings
-from tests.unit.shared.inference.served_models import VllmLikeServer
-
-
-@pytest.fixture
-def servers():
-    made: list[VllmLikeServer] = []
-
-    def make(**kwargs) -> VllmLikeServer:
-        made.append(VllmLikeServer(**kwargs))
-        return made[-1]
-
-    yield make
-    for server in made:
-        server.close()
 
 
 def group(urls: list[str], **settings) -> ModelGroup:
