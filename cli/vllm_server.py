@@ -37,7 +37,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,10 @@ from rollstream.shared.errors import RollstreamError
 from rollstream.shared.inference.fleet_registry import FleetMember
 from rollstream.shared.inference.vllm_fleet_member import member_environment
 from rollstream.shared.runtime.config import Settings, secret_environment
+
+# free_port: what the tests and benches take a server's port from, beside VllmServer
+from rollstream.shared.runtime.network import free_port as free_port
+from rollstream.shared.runtime.network import host_address
 
 START_SLOT_HOLD_S = 600
 """The longest a starting server holds its start slot (cli/cpu_cores.py): the suite's longest health wait; a
@@ -81,13 +84,6 @@ def cpu_build() -> bool:
 
 class VllmStartError(RollstreamError, RuntimeError):
     """The vLLM server exited or did not become healthy; the message ends with the tail of its log."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (another process could still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class VllmServer:
@@ -356,10 +352,7 @@ def advertised_host(listen_host: str) -> str:
     except ValueError:
         return listen_host  # a name
     if address.is_unspecified:
-        try:
-            address = ipaddress.ip_address(socket.gethostbyname(socket.gethostname()))
-        except OSError:
-            address = ipaddress.ip_address("127.0.0.1")
+        address = ipaddress.ip_address(host_address())
     return str(address) if address.version == 4 else f"[{address}]"
 
 

@@ -161,11 +161,8 @@ class FleetSync:
 
 def make_transport(settings: Settings) -> WeightTransport:
     """The run's weight transport (train.weight_transport)."""
-    from rollstream.shared.inference.weight_transport import (
-        CollectiveTransport,
-        DiskTransport,
-        transport_address,
-    )
+    from rollstream.shared.inference.weight_transport import CollectiveTransport, DiskTransport
+    from rollstream.shared.runtime.network import host_address
 
     train = settings.train
     if train.weight_transport == "disk":
@@ -175,6 +172,6 @@ def make_transport(settings: Settings) -> WeightTransport:
         import torch
 
         communication = "nccl" if torch.cuda.is_available() else "gloo"
-    return CollectiveTransport(communication, train.sync_address or transport_address(),
+    return CollectiveTransport(communication, train.sync_address or host_address(),
                                delta=train.weight_delta, bucket_bytes=train.sync_bucket_mb << 20,
                                timeout_s=train.sync_timeout_s)

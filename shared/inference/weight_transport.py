@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -45,6 +44,7 @@ from rollstream.shared.inference.weight_buckets import (
     tensor_delta,
 )
 from rollstream.shared.inference.weight_group import Communication, Communicator, GroupAddress, join
+from rollstream.shared.runtime.network import free_port
 
 log = logging.getLogger("rollstream.weight_sync")
 
@@ -165,7 +165,8 @@ class CollectiveTransport(WeightTransport):
         self.generation += 1
         workers = await asyncio.gather(*(server_workers(url, self.timeout_s) for url in urls))
         offsets = [1 + sum(workers[:index]) for index in range(len(urls))]
-        group = GroupAddress(self.communication, self.address, free_port(), world_size=1 + sum(workers),
+        # the rendezvous listens on every interface: the servers reach it at self.address
+        group = GroupAddress(self.communication, self.address, free_port(""), world_size=1 + sum(workers),
                              generation=self.generation, timeout_s=self.timeout_s)
         joining = [asyncio.create_task(fleet.weight_step(url, "init_weight_transfer_engine",
                                                          "/init_weight_transfer_engine",
@@ -314,15 +315,3 @@ async def server_workers(url: str, timeout_s: float) -> int:
                                   f"{type(exc).__name__}: {exc}") from exc
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def transport_address() -> str:
-    """The address the servers reach this host at: its name's address (a container's own in Compose)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from rollstream.services.trainer.backends.base import (
 )
 from rollstream.shared.inference.serving_weights import add_tensor_copy, tied_head_names
 from rollstream.shared.runtime.config import TrainSettings
+from rollstream.shared.runtime.network import free_port
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def ensure_distributed() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     on_cpu = get_accelerator().device_name() == "cpu"
     # gloo on the CPU whatever is installed: DeepSpeed would switch to oneCCL wherever its bindings happen
     # to be importable.
@@ -129,12 +129,6 @@ def leave_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def deepspeed_config(settings: TrainSettings, hidden_size: int, parameters: int) -> dict:
