@@ -188,12 +188,11 @@ class StepClock:
         return {"prepare": first - push_started, **steps}
 
 
-class TimedCollective(CollectiveTransport):
-    """CollectiveTransport that remembers how long its last push and the trainer's broadcast took."""
+class TimedPush:
+    """Remembers when a transport's last push began and how long it took (put before the transport class)."""
 
     push_started = 0.0
     push_s = 0.0
-    broadcast_s = 0.0
 
     async def push(self, fleet, urls, update):
         self.push_started = time.perf_counter()
@@ -201,6 +200,12 @@ class TimedCollective(CollectiveTransport):
             return await super().push(fleet, urls, update)
         finally:
             self.push_s = time.perf_counter() - self.push_started
+
+
+class TimedCollective(TimedPush, CollectiveTransport):
+    """And how long the trainer's broadcast took."""
+
+    broadcast_s = 0.0
 
     def broadcast(self, specs, tensors) -> None:
         started = time.perf_counter()
@@ -208,16 +213,8 @@ class TimedCollective(CollectiveTransport):
         self.broadcast_s = time.perf_counter() - started
 
 
-class TimedDisk(DiskTransport):
-    push_started = 0.0
-    push_s = 0.0
-
-    async def push(self, fleet, urls, update):
-        self.push_started = time.perf_counter()
-        try:
-            return await super().push(fleet, urls, update)
-        finally:
-            self.push_s = time.perf_counter() - self.push_started
+class TimedDisk(TimedPush, DiskTransport):
+    pass
 
 
 def make_transport(path: str, bucket_bytes: int) -> WeightTransport:
