@@ -138,7 +138,7 @@ class Trainer:
         > 1, or a stop before it was written), and checkpoint the version they lead to: the state a restart
         resumes from is then exactly the last published one. Nothing is synced or published again."""
         for batch, rows in batches:
-            self.version = self.train(batch, rows).version
+            self.version = self.train(batch, rows, for_sync=False).version
             log.info("replayed a published version", extra={"version": self.version,
                                                             "batch_id": batch.batch_id})
         self.checkpoint = self.save_checkpoint(self.version)
@@ -158,7 +158,9 @@ class Trainer:
         """The batch's rows; BatchRejected when its file cannot be read or is not the batch announced."""
         return read_announced_batch(self.storage, batch)
 
-    def train(self, batch: BatchReady, rows: list[BatchRow]) -> TrainedStep:
+    def train(self, batch: BatchReady, rows: list[BatchRow], for_sync: bool = True) -> TrainedStep:
+        """One version from a batch; for_sync: with what its sync needs (the probe's logprobs, the weights),
+        which a version trained again at a restart (replay) is not synced with."""
         started = time.monotonic()
         usable, invalid = usable_rows(rows, self.vocab_size, self.max_positions, self.version)
         fresh, dropped = select_fresh(usable, self.version, self.settings.train.max_staleness)
@@ -183,7 +185,8 @@ class Trainer:
             self.probe = (fresh or usable)[0].tokens[:PROBE_TOKENS]
         # the leader's parity check, and the weights a collective sync sends: what every rank takes part in
         # (ZeRO-3 gathers the weights for them)
-        expected, weights = self.sync_payload() if self.settings.fleet.has_policy_servers else ([], None)
+        with_sync = for_sync and self.settings.fleet.has_policy_servers
+        expected, weights = self.sync_payload() if with_sync else ([], None)
         return TrainedStep(version=self.version + 1, probe=self.probe, trained=len(fresh), dropped=dropped,
                            expected=expected, weights=weights, metrics=metrics, staleness=staleness)
 
