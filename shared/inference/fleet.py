@@ -21,9 +21,8 @@ that an external router (vllm-router, SGLang model gateway) in front of the flee
 stickiness. Requests go through httpx's interface on aiohttp's client (aiohttp_transport.py), a
 generation straight to the transport; its answers are read by vllm_answers.py.
 
-The trainer / fleet controller uses the per-server helpers: `reload_weights()` (pause, reload from an HF
-safetensors directory on the server's filesystem, reset the prefix cache, resume), `prompt_logprobs()`
-(to check logprob parity after a reload) and `health()`. The server needs VLLM_SERVER_DEV_MODE=1.
+The trainer's per-server helpers (weight updates, the parity probe, health) are FleetClient's through
+ServerControl (fleet_control.py).
 
 Library module, not run directly; the integration tests exercise it on real servers:
     python -m pytest tests/unit/shared/inference tests/integration/test_vllm_fleet.py \
@@ -49,6 +48,7 @@ from rollstream.shared.errors import (
     WeightSyncError,
 )
 from rollstream.shared.inference.aiohttp_transport import AiohttpTransport
+from rollstream.shared.inference.fleet_control import ServerControl
 from rollstream.shared.inference.fleet_registry import FleetMember, FleetRegistry, follow_registry
 from rollstream.shared.inference.fleet_routing import (
     ServerLoad,
@@ -95,7 +95,7 @@ REQUEST_SECONDS = Histogram("rollstream_fleet_request_seconds",
                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
 
 
-class FleetClient:
+class FleetClient(ServerControl):
     """Async client over the vLLM servers at `urls`; one instance per process, shared by its tasks."""
 
     def __init__(
@@ -513,60 +513,6 @@ class FleetClient:
         if extra:
             body.update(extra)
         return body
-
-    # -- per-server helpers for the trainer / fleet controller --------------------------------------
-    async def health(self, url: str) -> bool:
-        try:
-            response = await self._http.get(f"{url.rstrip('/')}/health", timeout=5.0)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
-
-    async def prompt_logprobs(self, url: str, prompt_ids: list[int]) -> list[float]:
-        """logprob of prompt token i given tokens < i, for i = 1..n-1 (n-1 values) on server `url`."""
-        body: dict[str, Any] = {"prompt": list(prompt_ids), "max_tokens": 1, "prompt_logprobs": 0}
-        if self.model is not None:
-            body["model"] = self.model
-        response = await self._http.post(f"{url.rstrip('/')}/v1/completions", json=body)
-        if response.status_code != 200:
-            raise FleetRequestError(f"{url} prompt_logprobs: HTTP {response.status_code}: {response.text}")
-        per_position = response.json()["choices"][0]["prompt_logprobs"]
-        if per_position is None or len(per_position) != len(prompt_ids):
-            raise FleetRequestError(f"{url} returned no prompt_logprobs for {len(prompt_ids)} prompt tokens")
-        # Position 0 is null; position i maps str(token id) -> {"logprob", "rank", "decoded_token"}.
-        return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(prompt_ids[1:], per_position[1:])]
-
-    async def reload_weights(self, url: str, weights_dir: str) -> None:
-        """Pause `url`, load the HF safetensors checkpoint at weights_dir (a path on the server), resume.
-
-        In-flight requests are kept (paused, not aborted) and go on with the new weights. A failed reload
-        kills vLLM's engine (observed on vLLM 0.32: EngineDeadError, the server exits), so on failure the
-        server is also marked unhealthy here and has to be restarted.
-        """
-        url = url.rstrip("/")
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
-        await self.weight_step(url, "pause", "/pause", params={"mode": "keep"})
-        try:
-            await self.weight_step(url, "reload_weights", "/collective_rpc", json=rpc)
-            await self.weight_step(url, "reset_prefix_cache", "/reset_prefix_cache")
-        except BaseException as exc:
-            if isinstance(exc, WeightSyncError):
-                self.mark_unhealthy(url, cooldown_s=max(self.servers.cooldown_s, 60.0))
-            try:  # resume anyway; the first error is the one to report
-                await self.weight_step(url, "resume", "/resume")
-            except WeightSyncError:
-                pass
-            raise
-        await self.weight_step(url, "resume", "/resume")
-
-    async def weight_step(self, url: str, step: str, path: str, **kwargs: Any) -> None:
-        """POST one step of a weight update to `url`; WeightSyncError when it fails."""
-        try:
-            response = await self._http.post(f"{url}{path}", **kwargs)
-        except httpx.HTTPError as exc:
-            raise WeightSyncError(f"{url}: {step} failed: {type(exc).__name__}: {exc}") from exc
-        if response.status_code != 200:
-            raise WeightSyncError(f"{url}: {step} failed: HTTP {response.status_code}: {response.text}")
 
 
 def _grouped(urls: list[str], groups: Sequence[ServerGroup] | None) -> list[ServerGroup]:
