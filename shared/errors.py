@@ -23,6 +23,10 @@ class ArchiveError(RollstreamError):
     """A stream archive cannot be read or written as it should (damaged or overlapping parts)."""
 
 
+class UnknownRole(RollstreamError, ValueError):
+    """A sample, a session or a row names a role the run does not have (roles.names)."""
+
+
 class RunDataNotFound(RollstreamError, LookupError):
     """A run or a rollout asked for is in neither Redis nor storage; the message says what is there."""
 

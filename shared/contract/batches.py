@@ -31,7 +31,10 @@ SCHEMA = pa.schema([
     ("reward", pa.float32()),
     ("advantage", pa.float32()),
     ("metadata", pa.string()),
+    ("role", pa.string()),
 ])
+SCHEMA_BEFORE_ROLES = SCHEMA.remove(SCHEMA.get_field_index("role"))
+"""Batches written before rows carried their role: read with every row's role None (the default role)."""
 
 
 @dataclass
@@ -53,6 +56,9 @@ class BatchRow:
     reward: float
     advantage: float
     metadata: dict[str, Any] = field(default_factory=dict)
+    role: str | None = None
+    """The role that sampled the segment and trains on it (TrajectorySegment.role); None: the run's
+    default role. reward and advantage are that role's."""
 
     @property
     def min_policy_version(self) -> int:
@@ -75,7 +81,7 @@ def _record(row: BatchRow) -> dict[str, Any]:
 
 def read_batch(storage: Storage, path: str) -> list[BatchRow]:
     table = storage.read_table(path)
-    if not table.schema.equals(SCHEMA):
+    if not table.schema.equals(SCHEMA) and not table.schema.equals(SCHEMA_BEFORE_ROLES):
         raise ValueError(f"{path}: batch schema differs from this code's: {table.schema}")
     return [BatchRow(**{**record, "metadata": json.loads(record["metadata"])})
             for record in table.to_pylist()]

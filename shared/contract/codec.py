@@ -6,6 +6,8 @@ that document, and a model holds them so, as a read-only list-like PackedArray (
 never unpacks them. `python bench/bench_encoding.py` measures this against JSON lists (smaller and faster to
 decode), `python bench/bench_bus.py` the bus built on it against raw redis-py.
 
+An entry of an earlier schema version of its type (from Event.FIRST_VERSION on) decodes as the current one,
+with the fields added since at their defaults, and its envelope says the current version.
 Decoding rejects, with an `EventDecodeError` that says why, an unknown type, an unknown schema version, and a
 payload that does not validate: besides the field types, counts and indices that cannot be negative (a group
 of 0 samples, a rollout of 0 segments), scores and rewards that are not finite, and token arrays longer than
@@ -89,7 +91,7 @@ def decode_on(stream: StreamName, fields: dict) -> Envelope:
 
 def _checked_decode(fields: dict) -> Envelope:
     """decode() by the checks that say what is wrong with an entry, or take what the fast path did not."""
-    cls, raw = _event_class_and_body(fields)
+    cls, version, raw = _event_class_and_body(fields)
     type_name = cls.TYPE
     try:
         body = _decoder.decode(raw)
@@ -106,14 +108,17 @@ def _checked_decode(fields: dict) -> Envelope:
         raise EventDecodeError(f"malformed {type_name} entry: {why}") from exc
     except (TypeError, ValueError) as exc:  # an after validator's own error: the entry's, not the reader's
         raise EventDecodeError(f"malformed {type_name} body: {type(exc).__name__}: {exc}") from exc
-    if envelope.type != type_name or envelope.schema_version != cls.VERSION:
+    if envelope.type != type_name or envelope.schema_version != version:
         raise EventDecodeError(f"body says {envelope.type} v{envelope.schema_version}, fields say "
-                               f"{type_name} v{cls.VERSION}")
+                               f"{type_name} v{version}")
+    if version != cls.VERSION:  # an earlier version's entry, read as this one: it is this version's event now
+        envelope = msgspec.structs.replace(envelope, schema_version=cls.VERSION)
     return envelope
 
 
-def _event_class_and_body(fields: dict) -> tuple[type[Event], bytes]:
-    """The event class an entry's `type` and `v` name, and its body; EventDecodeError saying what is wrong."""
+def _event_class_and_body(fields: dict) -> tuple[type[Event], int, bytes]:
+    """The event class an entry's `type` names, the schema version its `v` names (one the class reads:
+    Event.FIRST_VERSION to VERSION), and its body; EventDecodeError saying what is wrong."""
     type_name = _text(fields, b"type")
     if type_name is None:
         raise EventDecodeError("entry has no 'type' field")
@@ -121,13 +126,14 @@ def _event_class_and_body(fields: dict) -> tuple[type[Event], bytes]:
     if cls is None:
         raise EventDecodeError(f"unknown event type {type_name!r}")
     version = _text(fields, b"v")
-    if version != str(cls.VERSION):
+    readable = [str(v) for v in range(cls.FIRST_VERSION, cls.VERSION + 1)]
+    if version not in readable:
         raise EventDecodeError(f"{type_name} schema version {version!r} is not supported "
-                               f"(this code reads v{cls.VERSION})")
+                               f"(this code reads v{' to v'.join(dict.fromkeys((readable[0], readable[-1])))})")
     raw = _field(fields, b"body")
     if raw is None:
         raise EventDecodeError(f"{type_name} entry has no 'body' field")
-    return cls, raw.encode() if isinstance(raw, str) else raw
+    return cls, int(version), raw.encode() if isinstance(raw, str) else raw
 
 
 def _field(fields: dict, key: bytes) -> bytes | str | None:

@@ -1,6 +1,6 @@
 """Configuration of a run: one settings model that every service and the local run read, `Settings`: the run's
 own fields (its id, Redis, storage, where services listen) and one section per concern, each in a module of
-its own (sections/: bus, model, fleet, data, rollout, agent, train, grader, reward, recorder, gateway,
+its own (sections/: bus, model, roles, fleet, data, rollout, agent, train, grader, reward, recorder, gateway,
 console, security).
 
 Values come, highest first, from environment variables (`RS_` prefix, `__` between sections:
@@ -19,6 +19,7 @@ from typing import Any, get_args
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_core import to_jsonable_python
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -36,6 +37,7 @@ from rollstream.shared.runtime.sections.grader import GraderSettings
 from rollstream.shared.runtime.sections.model import ModelSettings
 from rollstream.shared.runtime.sections.recorder import RecorderSettings
 from rollstream.shared.runtime.sections.reward import RewardSettings
+from rollstream.shared.runtime.sections.roles import RoleSettings, RolesSettings
 from rollstream.shared.runtime.sections.rollout import RolloutSettings
 from rollstream.shared.runtime.sections.security import SecuritySettings, secret_input
 from rollstream.shared.runtime.sections.train import TrainSettings
@@ -43,7 +45,8 @@ from rollstream.shared.runtime.sections.train import TrainSettings
 __all__ = [
     "Settings", "reference_markdown", "settings_json_without_secrets", "secret_environment", "redact_url",
     # its sections (sections/), in the order Settings holds them
-    "BusSettings", "ModelSettings", "FleetSettings", "ServerGroupSettings", "DataSettings", "RolloutSettings",
+    "BusSettings", "ModelSettings", "RolesSettings", "RoleSettings", "FleetSettings", "ServerGroupSettings",
+    "DataSettings", "RolloutSettings",
     "AgentSettings", "TrainSettings", "GraderSettings", "RewardSettings", "RecorderSettings",
     "GatewaySettings", "ConsoleSettings", "SecuritySettings",
 ]
@@ -82,6 +85,7 @@ class Settings(BaseSettings):
     """Log level of the services."""
     bus: BusSettings = BusSettings()
     model: ModelSettings = ModelSettings()
+    roles: RolesSettings = RolesSettings()
     fleet: FleetSettings = FleetSettings()
     data: DataSettings = DataSettings()
     rollout: RolloutSettings = RolloutSettings()
@@ -137,6 +141,23 @@ class Settings(BaseSettings):
         if self.train.filter_zero_variance and self.data.samples_per_prompt < 2:
             raise ValueError("train.filter_zero_variance needs data.samples_per_prompt >= 2: a group of one "
                              "rollout has no reward variance, so every sample would be filtered out")
+        return self
+
+    @model_validator(mode="after")
+    def _roles_the_model_can_serve(self) -> Settings:
+        roles = self.roles
+        if not self.train.lora:
+            trained = roles.trained
+            if len(trained) > 1:
+                raise ValueError(f"roles {', '.join(trained)} are all trained, but a full fine-tune trains one "
+                                 "policy: set train.lora_rank (e.g. 16) to train an adapter per role")
+            frozen = [name for name, role in roles.names.items() if not role.trained]
+            if frozen:
+                raise ValueError(f"frozen role {frozen[0]!r} is served by the base model, which a full "
+                                 "fine-tune changes: set train.lora_rank to train adapters over a frozen base")
+        if self.model.served_name in roles.names:
+            raise ValueError(f"role {self.model.served_name!r} has the name the base model is served under "
+                             "(model.served_name): the servers could not tell the adapter from the model")
         return self
 
     @classmethod
@@ -264,7 +285,7 @@ def reference_markdown() -> str:
                 walk(annotation, f"{prefix}{name.upper()}__")
                 continue
             default = field.default
-            shown = json.dumps(default) if not isinstance(default, Path) else str(default)
+            shown = json.dumps(to_jsonable_python(default)) if not isinstance(default, Path) else str(default)
             meaning = _markdown_cell(" ".join((field.description or "").split()))
             rows.append(f"| `{prefix}{name.upper()}` | `{shown}` | {meaning} |")
 

@@ -30,8 +30,13 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class Event(BaseModel):
-    """Base of every event payload. `TYPE` names it on the wire, `VERSION` is its schema version."""
+    """Base of every event payload. `TYPE` names it on the wire, `VERSION` is its schema version.
+
+    A version that adds fields (each with a default) still reads the entries of the versions before it, from
+    FIRST_VERSION on: runs recorded by an earlier rollstream replay, their new fields at their defaults. A
+    change that is not such an addition starts a new FIRST_VERSION."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     TYPE: ClassVar[str]
     VERSION: ClassVar[int] = 1
+    FIRST_VERSION: ClassVar[int] = 1

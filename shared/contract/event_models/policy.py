@@ -20,8 +20,10 @@ class PolicyUpdated(Event):
     shows it."""
 
     TYPE = "PolicyUpdated"
+    VERSION = 2  # v2: role_versions
     version: Index
-    """The new version: one more than the last (0 is the starting model)."""
+    """The new version: one more than the last (0 is the starting model). The trainer's step: each batch
+    makes one, whichever roles it trains."""
     checkpoint_uri: str
     """Local directory of its training state (the weights the fleet loads, optimizer, RNG):
     `<run>/checkpoints/v<n>`."""
@@ -41,6 +43,11 @@ class PolicyUpdated(Event):
     `invalid`: rows no model can train on)."""
     metrics: dict[str, float] = {}
     """The step's training metrics (loss terms, importance weights, staleness, timings), as tracked."""
+    role_versions: dict[str, Index] = {}
+    """Each trained role's version after the step (roles.names): a role's grows by one with each batch that
+    trains it, so a role the batch held no sample of keeps its own. The fleet serves each at that version. A
+    run of one full-model role: {role: version}; empty (an update recorded before roles existed): the
+    default role's is `version`."""
 
     @model_validator(mode="before")
     @classmethod

@@ -54,6 +54,7 @@ class PromptIssued(Event, SampleSlot, Grading):
     it."""
 
     TYPE = "PromptIssued"
+    VERSION = 2  # v2: role
     messages: list[dict[str, Any]]
     """Chat messages of the prompt (role, content)."""
     agent: str | None = None
@@ -65,6 +66,9 @@ class PromptIssued(Event, SampleSlot, Grading):
     metadata: dict[str, Any] = Field(default_factory=dict)
     """The dataset row's map (e.g. `grader`, `repo`, `time_budget_s`), for the agent loop and its tools; every
     segment's metadata starts from it."""
+    role: str | None = None
+    """The role the episode's turns take unless its agent loop chooses others (the dataset row's `role`);
+    None: the run's default role (roles.default)."""
 
     @property
     def grader(self) -> dict[str, Any]:

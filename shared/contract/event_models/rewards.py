@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from rollstream.shared.contract.event_models import Count, Event, Finite, Index
 
 
@@ -17,6 +19,7 @@ class RewardAssigned(Event):
     values): `rollstream inspect` and the chaos audits do."""
 
     TYPE = "RewardAssigned"
+    VERSION = 2  # v2: role_rewards, role_advantages
     reward: Finite
     """The rollout's reward, the same for all its segments: its grade's score, a reward function's, or a given
     one."""
@@ -25,6 +28,12 @@ class RewardAssigned(Event):
     source: str
     """Which reward produced it: a reward function's name (reward.function's or the prompt's), `sandbox`,
     `given` (TrajectoryFinished.reward), or `failed` (a failed rollout's 0)."""
+    role_rewards: dict[str, Finite] = Field(default_factory=dict)
+    """The reward of each role of the rollout where the reward function gave one per role (a mapping role ->
+    reward); `reward` is then their mean. Empty: each role's segments have `reward`."""
+    role_advantages: dict[str, Finite] = Field(default_factory=dict)
+    """Each role of the rollout (of its segments) -> its advantage, relative to that role's samples of the
+    group: what its segments are trained with. Empty (a rollout recorded before roles existed): `advantage`."""
 
 
 class RolloutDropped(Event):

@@ -101,6 +101,7 @@ class TrajectorySegment(Event, SampleSlot):
     """
 
     TYPE = "TrajectorySegment"
+    VERSION = 2  # v2: role
     segment_index: Index
     """Its place in the rollout, from 0 (TrajectoryFinished.segment_count says how many)."""
     attempt: str = ""
@@ -123,6 +124,10 @@ class TrajectorySegment(Event, SampleSlot):
     metadata: dict[str, Any] = Field(default_factory=dict)
     """The prompt's metadata and what its producer adds (e.g. `turns`, `tool_calls`, `error`); kept in the
     batch."""
+    role: str | None = None
+    """The role whose policy sampled its turns (roles.names; shared/contract/roles.py), which trains on it;
+    each turn's policy_version is that role's. None: the run's default role (every segment recorded before
+    roles existed)."""
 
     @model_validator(mode="after")
     def _aligned(self) -> TrajectorySegment:

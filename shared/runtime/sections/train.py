@@ -83,6 +83,19 @@ class TrainSettings(Section):
     sync_concurrency: int = Field(16, ge=1)
     """disk: servers a weight sync reloads and probes at once (each paused only while it loads); 1: one by
     one."""
+    lora_rank: int = Field(0, ge=0, le=256)
+    """0: train the whole model (a full fine-tune). Above 0: train a LoRA adapter of this rank per trained
+    role (roles.names) over the frozen base model; the fleet serves the base and every adapter (vLLM's
+    --enable-lora, which rollstream's launchers add) and a weight sync moves only the adapters."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA's scaling numerator: an adapter's update is scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' inputs while training (the servers apply none: above 0 the trainer's
+    logprobs of a batch are not the fleet's)."""
+    lora_target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                      "down_proj"]
+    """The modules each adapter wraps, by name (as peft's target_modules: the attention and MLP projections of
+    Llama-, Qwen- and Mistral-shaped models by default)."""
     seed: int = 0
     """Seed of the trainer."""
 
@@ -92,3 +105,8 @@ class TrainSettings(Section):
             raise ValueError(f"train.ranks={self.ranks} needs train.backend='deepspeed': the torch backend "
                              "trains on one process")
         return self
+
+    @property
+    def lora(self) -> bool:
+        """Whether the trained roles are LoRA adapters (lora_rank > 0), not the whole model."""
+        return self.lora_rank > 0

@@ -164,3 +164,27 @@ def test_a_token_array_longer_than_the_contract_allows_is_rejected_before_it_is_
         decode({**fields, "body": msgspec.msgpack.encode(body)})
     with pytest.raises(ValueError, match="MAX_SEQUENCE_TOKENS"):
         segment(tokens=[0] * n, loss_mask=[0] * n, rollout_logprobs=[0.0] * n)
+
+
+def _as_written_by_version_1(fields: dict, dropped_field: str) -> dict:
+    """The entry a run recorded before `dropped_field` was added to its event (schema v1)."""
+    head = msgspec.msgpack.decode(fields["body"])
+    head["schema_version"] = 1
+    del head["payload"][dropped_field]
+    return {**fields, "v": "1", "body": msgspec.msgpack.encode(head)}
+
+
+def test_an_entry_of_an_earlier_schema_version_decodes_with_the_new_fields_at_their_defaults():
+    fields = encode(make_envelope(segment(role="solver"), run_id="r", rollout_id="ro"))
+    old = _as_written_by_version_1(fields, "role")
+    decoded = decode(old)
+    assert decoded.payload.role is None and decoded.payload.tokens == [5, 6, 7, 8]
+    # it is the current version's event now: written again (a replay), it reads back as one
+    assert decoded.schema_version == type(decoded.payload).VERSION == 2
+    assert decode(encode(decoded)) == decoded
+
+
+def test_a_schema_version_before_the_first_one_read_is_rejected():
+    fields = encode(make_envelope(segment(), run_id="r"))
+    with pytest.raises(EventDecodeError, match=r"schema version '0' is not supported \(this code reads v1 to v2\)"):
+        decode({**fields, "v": "0"})
