@@ -128,8 +128,9 @@ def _event_class_and_body(fields: dict) -> tuple[type[Event], int, bytes]:
     version = _text(fields, b"v")
     readable = [str(v) for v in range(cls.FIRST_VERSION, cls.VERSION + 1)]
     if version not in readable:
+        reads = " to v".join(dict.fromkeys((readable[0], readable[-1])))
         raise EventDecodeError(f"{type_name} schema version {version!r} is not supported "
-                               f"(this code reads v{' to v'.join(dict.fromkeys((readable[0], readable[-1])))})")
+                               f"(this code reads v{reads})")
     raw = _field(fields, b"body")
     if raw is None:
         raise EventDecodeError(f"{type_name} entry has no 'body' field")

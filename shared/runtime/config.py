@@ -149,12 +149,13 @@ class Settings(BaseSettings):
         if not self.train.lora:
             trained = roles.trained
             if len(trained) > 1:
-                raise ValueError(f"roles {', '.join(trained)} are all trained, but a full fine-tune trains one "
-                                 "policy: set train.lora_rank (e.g. 16) to train an adapter per role")
+                raise ValueError(f"roles {', '.join(trained)} are all trained, but a full fine-tune trains "
+                                 "one policy: set train.lora_rank (e.g. 16) to train an adapter per role")
             frozen = [name for name, role in roles.names.items() if not role.trained]
             if frozen:
                 raise ValueError(f"frozen role {frozen[0]!r} is served by the base model, which a full "
-                                 "fine-tune changes: set train.lora_rank to train adapters over a frozen base")
+                                 "fine-tune changes: set train.lora_rank to train adapters over a frozen "
+                                 "base")
         if self.model.served_name in roles.names:
             raise ValueError(f"role {self.model.served_name!r} has the name the base model is served under "
                              "(model.served_name): the servers could not tell the adapter from the model")

@@ -33,7 +33,8 @@ class RewardAssigned(Event):
     reward); `reward` is then their mean. Empty: each role's segments have `reward`."""
     role_advantages: dict[str, Finite] = Field(default_factory=dict)
     """Each role of the rollout (of its segments) -> its advantage, relative to that role's samples of the
-    group: what its segments are trained with. Empty (a rollout recorded before roles existed): `advantage`."""
+    group: what its segments are trained with. Empty (a rollout recorded before roles existed):
+    `advantage`."""
 
 
 class RolloutDropped(Event):

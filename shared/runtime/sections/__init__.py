@@ -1,6 +1,6 @@
 """The sections of the run's settings (config.py's `Settings`), one module per section, each named as its
-field of Settings is (`bus.*`: bus.py's BusSettings, RS_BUS__*): bus, model, roles, fleet, data, rollout, agent,
-train, grader, reward, recorder, gateway, console, security.
+field of Settings is (`bus.*`: bus.py's BusSettings, RS_BUS__*): bus, model, roles, fleet, data, rollout,
+agent, train, grader, reward, recorder, gateway, console, security.
 
 Here: `Section`, the base of every one: unknown fields refused, each field documented by the docstring under
 it (`rollstream config --markdown` prints them as the configuration reference).

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
 from rollstream.shared.runtime.sections import Section
 
