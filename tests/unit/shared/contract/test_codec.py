@@ -186,5 +186,6 @@ def test_an_entry_of_an_earlier_schema_version_decodes_with_the_new_fields_at_th
 
 def test_a_schema_version_before_the_first_one_read_is_rejected():
     fields = encode(make_envelope(segment(), run_id="r"))
-    with pytest.raises(EventDecodeError, match=r"schema version '0' is not supported \(this code reads v1 to v2\)"):
+    with pytest.raises(EventDecodeError,
+                       match=r"schema version '0' is not supported \(this code reads v1 to v2\)"):
         decode({**fields, "v": "0"})

@@ -53,7 +53,8 @@ def test_each_adapters_version_is_recorded_apart_from_the_servers():
 
 @pytest.mark.parametrize(("settings", "error"), [
     ({"roles": {"names": {"a": {}, "b": {}}}}, "a full fine-tune trains one policy: set train.lora_rank"),
-    ({"roles": {"names": {"a": {}, "judge": {"trained": False}}}}, "frozen role 'judge' is served by the base"),
+    ({"roles": {"names": {"a": {}, "judge": {"trained": False}}}},
+     "frozen role 'judge' is served by the base"),
     ({"roles": {"names": {"Planner": {}}}}, "role name 'Planner'"),
     ({"roles": {"names": {"a": {"trained": False}}}, "train": {"lora_rank": 8}}, "has no trained role"),
     ({"roles": {"names": {"a": {}}, "default": "b"}}, "roles.default 'b' is not one of roles.names"),
