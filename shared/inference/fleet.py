@@ -345,10 +345,12 @@ class FleetClient(ServerControl):
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
         extra: Mapping[str, Any] | None = None,
+        model: str | None = None,
     ) -> Completion:
         """Sample up to max_tokens after prompt_ids on the session's server; ids and logprobs as vLLM gave
-        them."""
-        body = self._completion_body(prompt_ids, max_tokens, temperature, stop_token_ids, seed, extra)
+        them. `model`: the model the request names instead of the client's (a role's LoRA adapter, which
+        every policy server serves beside the base model: shared/contract/roles.py)."""
+        body = self._completion_body(prompt_ids, max_tokens, temperature, stop_token_ids, seed, extra, model)
         headers = {name: session_id for name in self.session_headers}
 
         candidates = await self._route_meeting_new_servers(session_id, len(prompt_ids) + max_tokens)
@@ -395,6 +397,7 @@ class FleetClient(ServerControl):
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
         extra: Mapping[str, Any] | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Like complete(), as deltas while vLLM samples them; the last delta has the finish_reason.
 
@@ -406,7 +409,7 @@ class FleetClient(ServerControl):
         when no server is left (the ids yielded before it stand); FleetRequestError for a rejected
         request (a 4xx), on which no server is marked.
         """
-        body = self._completion_body(prompt_ids, max_tokens, temperature, stop_token_ids, seed, extra)
+        body = self._completion_body(prompt_ids, max_tokens, temperature, stop_token_ids, seed, extra, model)
         body["stream"] = True
         headers = {name: session_id for name in self.session_headers}
         yielded: list[int] = []
@@ -495,6 +498,7 @@ class FleetClient(ServerControl):
         stop_token_ids: Sequence[int] | None,
         seed: int | None,
         extra: Mapping[str, Any] | None,
+        model: str | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "prompt": list(prompt_ids),
@@ -504,8 +508,8 @@ class FleetClient(ServerControl):
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
-        if self.model is not None:
-            body["model"] = self.model
+        if model is not None or self.model is not None:
+            body["model"] = model if model is not None else self.model
         if stop_token_ids:
             body["stop_token_ids"] = list(stop_token_ids)
         if seed is not None:
