@@ -28,6 +28,10 @@ class RoleSettings(Section):
     trained: bool = True
     """False: a frozen role, sampled from the base model (train.lora_rank > 0), never trained or synced: a
     judge, a user simulator, a fixed opponent."""
+    reward_function: str | None = None
+    """How the role's samples are scored, when not by the rollout's reward: a reward function (a built-in
+    name or module:function, as reward.function) of the text of the role's last segment in the rollout and the
+    prompt's label. None: the role's samples get the rollout's reward (a team's shared outcome)."""
 
 
 class RolesSettings(Section):
