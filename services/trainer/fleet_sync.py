@@ -7,7 +7,8 @@ servers of fleet.urls and the policy groups and, with fleet.registry, those regi
 collective sync forms its group anew and sends it the whole model) and one that left is not waited for. It
 tries a failed sync again for SYNC_RETRY_S (a server shutting down refuses /pause before it stops answering),
 pushes the version with the run's transport (train.weight_transport: a collective broadcast, or every server
-reloading the checkpoint, train.sync_concurrency at a time; shared/inference/weight_transport.py), and raises
+reloading the checkpoint, train.sync_concurrency at a time; shared/inference/weight_transport.py), or in a
+LoRA run loads each role's adapter (sync_adapters: shared/inference/adapter_sync.py), and raises
 ParityError (a StopConsuming for main.py) when one serves other logprobs of the probe than the trainer
 computed. One event loop serves the fleet client and the transport for the trainer's life: its connections
 belong to it.
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
@@ -30,6 +32,7 @@ from rollstream.shared.errors import RollstreamError
 from rollstream.shared.runtime.config import Settings
 
 if TYPE_CHECKING:
+    from rollstream.shared.inference.adapter_sync import AdapterSyncReport, AdapterUpdate
     from rollstream.shared.inference.weight_transport import PushReport, WeightTransport, WeightUpdate
 
 log = logging.getLogger("trainer")
@@ -42,6 +45,9 @@ SYNC_BACKOFF_MAX_S = 10.0
 FLEET_WAIT_S = 600.0
 FLEET_RECHECK_S = 2.0
 
+
+Synced = tuple[float, list[str]]
+"""What a sync returns: the largest probe difference, and the servers that serve what it synced."""
 
 DROPPED = Counter("rollstream_trainer_sync_servers_left_out_total",
                   "Policy servers a weight sync left out: not answering, or failing their part; each serves "
@@ -64,6 +70,7 @@ class FleetSync:
         self.fleet = FleetClient.for_run(settings)
         self.transport = make_transport(settings)
         self.last_push: PushReport | None = None
+        self.last_adapter_sync: AdapterSyncReport | None = None
 
     def resume_left_paused(self) -> None:
         """A trainer killed in the middle of a disk sync leaves servers paused: the one that takes over
@@ -87,6 +94,18 @@ class FleetSync:
         that serve it. A server that does not answer, or fails its part, is left out of this version (it
         rejoins at the next sync it answers); the fleet must serve a policy before the next one is trained, so
         a sync no server takes stops the trainer once it kept failing (the batch stays pending)."""
+        return self.with_retries(f"v{update.version}",
+                                 lambda answering: self.push(update, probe, expected, answering))
+
+    def sync_adapters(self, updates: list[AdapterUpdate]) -> tuple[float, list[str]]:
+        """Make every answering server serve each role's adapter at its version (a LoRA run: the base model
+        never moves); as sync(), with the same retries and the same leaving out of servers that fail."""
+        what = ", ".join(f"{u.role} v{u.version}" for u in updates)
+        return self.with_retries(what, lambda answering: self.push_adapters(updates, answering))
+
+    def with_retries(self, what: str, push: Callable[[list[str]], Awaitable[Synced]]) -> Synced:
+        """`push` to the answering servers, tried again for SYNC_RETRY_S while it fails; StopConsuming once it
+        kept failing, or at once for a ParityError."""
         from rollstream.shared.inference.fleet import FleetRequestError, WeightSyncError
 
         deadline, attempt = time.monotonic() + SYNC_RETRY_S, 0
@@ -94,10 +113,10 @@ class FleetSync:
             attempt += 1
             answering = self.wait_for_fleet()
             try:
-                return self.loop.run(self.push(update, probe, expected, answering))
+                return self.loop.run(push(answering))
             except (WeightSyncError, FleetRequestError, OSError) as exc:
                 if time.monotonic() >= deadline:
-                    raise StopConsuming(f"weight sync of v{update.version} failed {attempt} times in "
+                    raise StopConsuming(f"weight sync of {what} failed {attempt} times in "
                                         f"{SYNC_RETRY_S:.0f}s: {exc}") from exc
                 log.warning("weight sync failed; retrying", extra={"attempt": attempt, "error": str(exc)})
                 time.sleep(min(2 ** attempt, SYNC_BACKOFF_MAX_S))
@@ -137,21 +156,48 @@ class FleetSync:
         from rollstream.shared.inference.weight_sync import sync_weights
 
         diffs, self.last_push = await sync_weights(self.fleet, self.transport, update, probe, expected, urls)
-        left_out = {url: str(failure) for url, failure in self.last_push.failures.items() if failure}
+        failures = {url: failure for url, failure in self.last_push.failures.items() if failure}
         if not diffs:
-            raise next(failure for failure in self.last_push.failures.values() if failure)
-        left_out.update((url, "not answering") for url in self.fleet.urls if url not in urls)
-        if left_out:
-            DROPPED.inc(len(left_out))
-            log.warning("servers left out of a weight sync: they serve the version once they answer a sync",
-                        extra={"version": update.version, "servers": left_out})
-        tolerance = self.settings.train.parity_tolerance
-        off = [f"{url}: {diff:.2e}" for url, diff in diffs.items() if diff > tolerance]
+            raise next(iter(failures.values()))
+        self.leave_out(f"v{update.version}", failures, urls)
+        off = self.off_parity(diffs)
         if off:
             self.transport.close()  # what the servers hold is not what a delta would be made against
+            tolerance = self.settings.train.parity_tolerance
             raise ParityError(f"prompt logprobs differ from the trainer's after v{update.version} "
                               f"({self.last_push.kind} sync, tolerance {tolerance:g}): {'; '.join(off)}")
         return max(diffs.values()), list(diffs)
+
+    async def push_adapters(self, updates: list[AdapterUpdate], urls: list[str]) -> tuple[float, list[str]]:
+        """Load the adapters each of `urls` does not serve at their version, and check their probes; returns
+        the worst difference (0.0 when no server needed any) and the servers that serve every adapter."""
+        from rollstream.shared.inference.adapter_sync import sync_adapters
+
+        report = await sync_adapters(self.fleet, urls, updates, self.settings.train.sync_concurrency)
+        self.last_adapter_sync = report
+        if not report.serving:
+            raise next(iter(report.failures.values()))
+        what = ", ".join(f"{u.role} v{u.version}" for u in updates)
+        self.leave_out(what, report.failures, urls)
+        off = self.off_parity(report.diffs)
+        if off:
+            raise ParityError(f"prompt logprobs differ from the trainer's after loading the adapters {what} "
+                              f"(tolerance {self.settings.train.parity_tolerance:g}): {'; '.join(off)}")
+        return max(report.diffs.values(), default=0.0), report.serving
+
+    def leave_out(self, what: str, failures: Mapping[str, BaseException], answering: list[str]) -> None:
+        """Count and log the servers a sync of `what` left out: failed, or not answering."""
+        left_out = {url: str(failure) for url, failure in failures.items()}
+        left_out.update((url, "not answering") for url in self.fleet.urls if url not in answering)
+        if left_out:
+            DROPPED.inc(len(left_out))
+            log.warning("servers left out of a weight sync: they serve the version once they answer a sync",
+                        extra={"version": what, "servers": left_out})
+
+    def off_parity(self, diffs: Mapping[str, float]) -> list[str]:
+        """The servers whose probe differs from the trainer's by more than train.parity_tolerance."""
+        tolerance = self.settings.train.parity_tolerance
+        return [f"{url}: {diff:.2e}" for url, diff in diffs.items() if diff > tolerance]
 
     def close(self) -> None:
         self.transport.close()
