@@ -17,10 +17,29 @@ trained on.
 
 `tool_agent` is the built-in loop: generate, parse tool calls, run them (concurrently, bounded),
 append the observations, repeat until the model answers or a budget ends the episode.
+
+Roles (shared/contract/roles.py): every segment is sampled as one role of the run, and trains that role's
+policy. A context samples as its `role`: the episode's (its prompt's `role`; None: roles.default) unless the
+loop chooses another. `sample_turn` names the role's served model in each request (its LoRA adapter, or the
+base model) and records, as each turn's policy_version and policy_version_end, the version of that role's
+policy its server held. A loop plays several roles by running each segment under `ctx.as_role(name)` (or
+`tool_agent(..., role=name)`); the segment records the role's name, and a role the run does not have is an
+UnknownRole error, raised before anything is sampled. A planner then a solver, one rollout of two samples:
+
+    @register_agent("plan_then_solve")
+    async def plan_then_solve(task: Task, ctx: AgentContext) -> list[Segment]:
+        plan = await tool_agent(task, ctx.as_role("planner"))
+        solve = Task([*task.messages, {"role": "assistant", "content": plan.response_text},
+                      {"role": "user", "content": "Now carry out the plan."}], task.label, task.metadata)
+        solution = await tool_agent(solve, ctx.as_role("solver"), segment_index=1)
+        return [plan, solution]
+
+    python -m pytest tests/unit/shared/agent/test_loop_roles.py -q
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +50,9 @@ from prometheus_client import Counter
 from rollstream.shared.agent.tool_calls import ToolCallFormat
 from rollstream.shared.agent.tools import Episode, ToolCall, ToolResult, ToolSet
 from rollstream.shared.contract.events import TrajectoryTool, TrajectoryTurn
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.contract.rollouts import Segment
-from rollstream.shared.errors import TemplateError
+from rollstream.shared.errors import TemplateError, UnknownRole
 
 RETOKENIZATION_MISMATCHES = Counter(
     "rollstream_retokenization_mismatches_total",
@@ -74,10 +94,43 @@ class AgentContext:
     sampling: dict[str, Any] = field(default_factory=dict)
     """Extra sampling parameters for every generation (top_p, stop, logit_bias, ...)."""
     policy_versions: Callable[[], Awaitable[dict[str, int]]] | None = None
-    """Server url -> policy version it serves, read before and after each turn."""
+    """The fleet's versions (run_facts.FLEET_VERSIONS: the whole policy's by server url, an adapter's by
+    `<role>@<url>`), read before and after each turn."""
+    roles: RunRoles | None = None
+    """The run's roles (RunRoles.of(settings)), which a service always gives. None: a context outside a run
+    (a warm-up, a benchmark) that samples the fleet client's own model as the one role there is."""
+    role: str | None = None
+    """The role this context samples as: the episode's, or the one `as_role` chose; None: the default."""
 
     async def versions(self) -> dict[str, int]:
         return await self.policy_versions() if self.policy_versions else {}
+
+    def as_role(self, role: str | None) -> AgentContext:
+        """This context, sampling as `role` (None: the run's default): UnknownRole for one the run does not
+        have."""
+        copy = dataclasses.replace(self, role=role)
+        copy.resolved_role()
+        return copy
+
+    def resolved_role(self) -> str | None:
+        """The name of the role this context samples as (None only without roles)."""
+        if self.roles is None:
+            if self.role is not None:
+                raise UnknownRole(f"role {self.role!r}: this context has no roles to sample it from "
+                                  "(AgentContext.roles)")
+            return None
+        return self.roles.resolve(self.role)
+
+    def served_model(self) -> str | None:
+        """The model a request for this context's turns names (None: the fleet client's own)."""
+        return self.roles.served_model(self.role) if self.roles is not None else None
+
+    def served_version(self, versions: dict[str, int], url: str) -> int:
+        """The version of this context's role's policy that `url` serves, as `versions` (FLEET_VERSIONS) holds
+        it."""
+        if self.roles is None:
+            return versions.get(url, 0)
+        return self.roles.served_version(versions, url, self.role)
 
 
 Agent = Callable[[Task, AgentContext], Awaitable["Segment | list[Segment]"]]
@@ -171,7 +224,8 @@ class TokenTrajectory:
                 "sampled_length": len(self.tokens)}
 
     def segment(self, status: str, response_text: str, turns: list[TrajectoryTurn],
-                tools: list[TrajectoryTool], metadata: dict[str, Any]) -> Segment:
+                tools: list[TrajectoryTool], metadata: dict[str, Any], role: str | None = None) -> Segment:
+        """The segment, as sampled by `role` (AgentContext.resolved_role(); None: the episode's)."""
         mismatch = self.retokenization_mismatch()
         if mismatch:
             RETOKENIZATION_MISMATCHES.inc()
@@ -179,7 +233,7 @@ class TokenTrajectory:
         return Segment(tokens=list(self.tokens), prompt_length=self.prompt_length,
                        loss_mask=list(self.loss_mask), rollout_logprobs=list(self.logprobs),
                        turn_policy_versions=[t.policy_version for t in turns], status=status,
-                       response_text=response_text, turns=turns, tools=tools, metadata=metadata)
+                       response_text=response_text, turns=turns, tools=tools, metadata=metadata, role=role)
 
 
 def _first_difference(a: Sequence, b: Sequence) -> int:
@@ -193,22 +247,25 @@ def _tool_message(result: ToolResult) -> dict[str, Any]:
     return {"role": "tool", "name": result.name, "tool_call_id": result.call_id, "content": result.content}
 
 
-async def _sample_turn(trajectory: TokenTrajectory, ctx: AgentContext, turn: int, segment_index: int,
-                       budget: int) -> tuple[TrajectoryTurn, str]:
-    """Sample one turn from the fleet and append it to the trajectory: the turn's record (with the policy
-    versions its server held before and after) and the text it decodes to."""
+async def sample_turn(trajectory: TokenTrajectory, ctx: AgentContext, turn: int, segment_index: int,
+                      budget: int) -> tuple[TrajectoryTurn, str]:
+    """Sample one turn from the fleet as ctx's role and append it to the trajectory: the turn's record (with
+    the versions of the role's policy its server held before and after) and the text it decodes to."""
+    model = ctx.served_model()
+    named = {"model": model} if model is not None else {}  # none: the fleet's own, as any fleet takes it
     before = await ctx.versions()
     completion = await ctx.fleet.complete(trajectory.tokens, session_id=ctx.session_id,
                                           max_tokens=min(ctx.limits.max_tokens_per_turn, budget),
-                                          temperature=ctx.temperature, extra=ctx.sampling)
+                                          temperature=ctx.temperature, extra=ctx.sampling, **named)
     after = await ctx.versions()
     appended, offset = trajectory.pending_ids, len(trajectory.tokens)
     text = trajectory.append_sampled(completion.token_ids, completion.logprobs)
-    version = before.get(completion.server_url, 0)
+    version = ctx.served_version(before, completion.server_url)
+    # a version the record no longer holds after the turn (its server left the fleet): the one before
+    end = ctx.served_version({**before, **after}, completion.server_url)
     record = TrajectoryTurn(turn=turn, segment_index=segment_index, offset=offset, appended_ids=appended,
                             response_ids=list(completion.token_ids), logprobs=list(completion.logprobs),
-                            policy_version=version,
-                            policy_version_end=after.get(completion.server_url, version),
+                            policy_version=version, policy_version_end=end,
                             finish_reason=completion.finish_reason, server_url=completion.server_url)
     return record, text
 
@@ -222,8 +279,13 @@ def _tool_records(turn: int, calls: Sequence[ToolCall],
 
 
 @register_agent("tool_agent")
-async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0) -> Segment:
-    """Generate; run the tool calls the model makes; append their results; until it answers."""
+async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0,
+                     role: str | None = None) -> Segment:
+    """Generate; run the tool calls the model makes; append their results; until it answers. Sampled as
+    `role` (None: ctx's role), which the segment records."""
+    if role is not None:
+        ctx = ctx.as_role(role)
+    role_name = ctx.resolved_role()  # an unknown role is refused before the tools start
     trajectory = TokenTrajectory(ctx.tokenizer, task.messages, ctx.tools.schemas())
     turns: list[TrajectoryTurn] = []
     tool_calls: list[TrajectoryTool] = []
@@ -235,7 +297,7 @@ async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0) -> S
             budget = ctx.limits.max_total_tokens - len(trajectory.tokens)
             if budget <= 0:
                 break
-            sampled, text = await _sample_turn(trajectory, ctx, turn, segment_index, budget)
+            sampled, text = await sample_turn(trajectory, ctx, turn, segment_index, budget)
             turns.append(sampled)
             parsed = ctx.tool_format.parse(text, turn)
             answer = parsed.content
@@ -260,4 +322,4 @@ async def tool_agent(task: Task, ctx: AgentContext, segment_index: int = 0) -> S
     metadata["tool_errors"] = sum(not call.ok for call in tool_calls)
     if ctx.episode.artifacts:
         metadata["artifacts"] = dict(ctx.episode.artifacts)
-    return trajectory.segment(status, answer, turns, tool_calls, metadata)
+    return trajectory.segment(status, answer, turns, tool_calls, metadata, role=role_name)

@@ -11,7 +11,8 @@ Every execution of a rollout is an attempt of its own (a reclaimed prompt runs a
 which rollout, attempt, segment and turn the event is: `{rollout}:{attempt}:started`,
 `{rollout}:{attempt}:turn:{segment}:{turn}`, `{rollout}:{attempt}:tool:{segment}:{call_id}`,
 `{rollout}:{attempt}:segment:{segment}` and `{rollout}:{attempt}:finished`. Segments and turns are numbered
-by their place in the rollout, whatever their producer called them.
+by their place in the rollout, whatever their producer called them. Each segment carries its role (the
+policy that sampled it): one rollout's segments may belong to several roles.
 
     python -m pytest tests/unit/shared/contract/test_rollouts.py -q
 """
@@ -54,6 +55,8 @@ class Segment:
     turns: list[TrajectoryTurn] = field(default_factory=list)
     tools: list[TrajectoryTool] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    role: str | None = None
+    """The role whose policy sampled its turns (shared/contract/roles.py); None: the run's default role."""
 
     @property
     def response_length(self) -> int:
@@ -98,7 +101,8 @@ def publish_rollout(bus: Bus, pipe, ids: Mapping[str, str | None], grading: Samp
                                   rollout_logprobs=segment.rollout_logprobs,
                                   turn_policy_versions=segment.turn_policy_versions, status=segment.status,
                                   response_text=segment.response_text, sample_index=sample.sample_index,
-                                  group_size=sample.group_size, metadata={**metadata, **segment.metadata}),
+                                  group_size=sample.group_size, metadata={**metadata, **segment.metadata},
+                                  role=segment.role),
                 event_id=f"{prefix}:segment:{index}")
     publish(TrajectoryFinished(**dict(sample), status=finish.status, attempt=attempt,
                                segment_count=len(segments), response_text=finish.response_text,

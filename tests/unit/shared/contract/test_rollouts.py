@@ -79,6 +79,15 @@ def test_every_event_id_names_the_rollout_the_attempt_and_the_events_place(bus):
     assert segments[1].metadata == {"kept": "rollout's", "task": 1}
 
 
+def test_each_segment_carries_its_role_and_one_without_belongs_to_the_default(bus):
+    planner, solver = two_segments()
+    planner.role = "planner"
+    attempt, pipe = publish(bus, [planner, solver])
+    pipe.execute()
+    segments = [d.event for d in bus.read_all("trajectories") if isinstance(d.event, TrajectorySegment)]
+    assert [s.role for s in segments] == ["planner", None]
+
+
 def test_each_publication_is_an_attempt_of_its_own(bus):
     first, pipe = publish(bus, two_segments())
     second, _ = publish(bus, two_segments(), pipe=pipe)
