@@ -60,7 +60,7 @@ def admit_group(bus: Bus, row: PromptRow, group_index: int, first_sample: int, n
         sample_index = first_sample + offset
         event = PromptIssued(sample_index=sample_index, group_size=n, messages=row.messages, label=row.label,
                              reward_fn=row.reward_fn, sandbox_check=row.sandbox_check, agent=row.agent,
-                             tools=row.tools, policy_version=version, metadata=row.metadata)
+                             tools=row.tools, policy_version=version, metadata=row.metadata, role=row.role)
         rollout_id = f"{run}-r{sample_index:07d}"
         bus.publish("prompts", event, pipe=pipe, event_id=f"{rollout_id}:prompt", group_id=group_id,
                     rollout_id=rollout_id, trajectory_id=rollout_id, session_id=rollout_id)

@@ -1,6 +1,7 @@
 """Dispatcher: admits prompt samples into the run under the staleness rule.
 
-Reads the dataset, and emits one PromptIssued per sample, n per prompt group, on `prompts`. A new
+Reads the dataset (a row naming a role the run does not have stops it, with the row named), and emits one
+PromptIssued per sample, n per prompt group, on `prompts`, with the row's role. A new
 group is admitted only while admitted - filtered + n <= (eta + v + 1) x B (v: policy version, B:
 batch size, eta: max staleness), so generation runs at most eta versions ahead of training. Samples
 the reward service filtered out (zero-variance groups, train.filter_zero_variance) never reach a
@@ -25,12 +26,13 @@ from rollstream.services.dispatcher.gate import (
     next_step,
 )
 from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.contract.run_lock import RunLock
 from rollstream.shared.errors import DatasetError
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset
-from rollstream.shared.tasks.rows import PromptRow
+from rollstream.shared.tasks.rows import PromptRow, check_roles
 
 LOCK_TTL_MS = 15_000
 
@@ -44,10 +46,13 @@ ADMITTED_IN_RUN = Gauge("rollstream_dispatcher_run_samples_admitted",
 
 
 def prompt_rows(settings: Settings) -> list[PromptRow]:
+    """The dataset's rows; DatasetError for one the run cannot issue (a role it does not have among them)."""
     if settings.data.path is None:
         return arithmetic_dataset(settings.data.synthetic_prompts, settings.data.seed,
                                   settings.data.synthetic_sandbox_every)
-    return load_dataset(settings.data.path)
+    rows = load_dataset(settings.data.path)
+    check_roles(rows, RunRoles.of(settings), str(settings.data.path))
+    return rows
 
 
 def main() -> None:

@@ -89,17 +89,17 @@ def test_the_gate_waits_while_unfiltered_samples_fill_it(bus):
     assert next_step(gate, admitted=4, filtered=0, group_size=2, policy_version=1, total=8) == "admit"
 
 
-def test_an_admitted_sample_carries_the_rows_agent_tools_and_grading(bus):
+def test_an_admitted_sample_carries_the_rows_agent_tools_role_and_grading(bus):
     from rollstream.shared.tasks.rows import PromptRow
 
     row = PromptRow(messages=[{"role": "user", "content": "What is 2 + 3?"}], label="5",
                     sandbox_check="true", agent="tool_agent", tools=["calculator"],
-                    metadata={"task": "arithmetic"})
+                    metadata={"task": "arithmetic"}, role="solver")
     admit_group(bus, row, group_index=0, first_sample=0, n=2, version=3)
     issued = [d.event for d in bus.read_all("prompts")]
     assert [p.sample_index for p in issued] == [0, 1]
     for prompt in issued:
-        assert (prompt.agent, prompt.tools, prompt.label, prompt.sandbox_check) == (
-            "tool_agent", ["calculator"], "5", "true")
+        assert (prompt.agent, prompt.tools, prompt.label, prompt.sandbox_check, prompt.role) == (
+            "tool_agent", ["calculator"], "5", "true", "solver")
         assert (prompt.policy_version == 3 and prompt.group_size == 2
                 and prompt.metadata == {"task": "arithmetic"})

@@ -47,8 +47,15 @@ def test_parquet_row_with_empty_prompt_is_named(tmp_path):
         load_dataset(path)
 
 
+def test_a_rows_role_is_read_from_its_role_column(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "plan", "role": "planner"},
+                                              {"prompt": "x", "role": ""}])
+    assert [row.role for row in load_dataset(path)] == ["planner", None]
+
+
 @pytest.mark.parametrize("content, message", [
     ("{not json\n", r"line 1: not JSON"),
+    ('{"prompt": "a", "role": ["planner"]}\n', r"row 0: 'role' must be the name of one of the run's roles"),
     ('{"prompt": 5}\n', r"row 0: 'prompt' must be a string or a list"),
     ('[1, 2]\n', r"row 0: expected an object"),
 ])
