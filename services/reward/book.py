@@ -16,23 +16,30 @@ finished with every segment of its attempt and the grade it needs. An arrival ma
 what is stored of it (never from a count kept per arrival, so that an event handled twice, or again after a
 crash, changes nothing), and the two sets' sizes say when the group is complete. The ledger is read whole
 once, to score the group, and the segments once, to batch it; each stored event is kept with the `type`
-and `v` a stream entry has, so it decodes on decode()'s fast path.
+and `v` a stream entry has, so it decodes on decode()'s fast path. The ledger also keeps the role each
+segment names (`role:<segment's field>`; none kept: the default role), so that the group's roles are
+scored without decoding its segments: only those a role's own reward function scores (the role's last in
+each rollout) are read to score it.
 
 Tests: tests/unit/services/reward/test_reward_book.py, tests/unit/services/dispatcher/test_staleness_gate.py
 (filtered groups and the dispatcher's gate) against the local Redis;
-tests/unit/services/reward/test_replay_of_a_recorded_run.py (a run recorded by an earlier book).
+tests/unit/services/reward/test_replay_of_a_recorded_run.py (a run recorded by an earlier book);
+tests/unit/services/reward/test_role_rewards.py (each role's rewards, advantages and rows).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from itertools import takewhile
 
 import redis
 from prometheus_client import Gauge, Histogram
 
-from rollstream.services.reward.scoring import GroupScore, GroupScoring, count_group
+from rollstream.services.reward.scoring import GroupScore, GroupScoring, count_group, segment_field
 from rollstream.shared.contract.batches import BatchRow, write_batch
 from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import (
@@ -48,6 +55,7 @@ from rollstream.shared.contract.events import (
     decode,
     encode,
 )
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.contract.run_facts import FILTERED_SAMPLES
 from rollstream.shared.runtime.config import RewardSettings
 from rollstream.shared.runtime.storage import Storage
@@ -60,6 +68,8 @@ LEDGER_EVENTS = {"finished": TrajectoryFinished, "grade": GradeReported, "gradin
 """The events a group's ledger keeps, by the kind its fields name (`<kind>:<rollout>`); besides them it keeps
 each dropped rollout's cause and reason (`dropped:<rollout>`) and the group's size (GROUP_SIZE_FIELD)."""
 ROLLOUT_FIELDS = (*LEDGER_EVENTS, "dropped")
+ROLE_FIELD_KIND = "role"
+"""A ledger field `role:<rollout>:<attempt>:<index>` holds the role a segment names (where it names one)."""
 GROUP_SIZE_FIELD = "group-size"
 """The group's size as its first TrajectoryFinished says (a group known only from dead letters has none)."""
 _WIRE_FIELDS = {cls: (cls.TYPE.encode(), str(cls.VERSION).encode())
@@ -85,14 +95,17 @@ class RewardBook:
     def __init__(self, bus: Bus, storage: Storage, batch_size: int, advantage_estimator: str = "grpo",
                  filter_zero_variance: bool = False, batch_order: str = _DEFAULTS.batch_order,
                  reward_function: str | None = _DEFAULTS.function, done_ttl_s: int = _DEFAULTS.done_ttl_s,
-                 group_size: int | None = None, grade_timeout_s: float = _DEFAULTS.grade_timeout_s) -> None:
+                 group_size: int | None = None, grade_timeout_s: float = _DEFAULTS.grade_timeout_s,
+                 roles: RunRoles | None = None,
+                 role_reward_functions: Mapping[str, str] | None = None) -> None:
         if batch_order not in BATCH_ORDERS:
             raise ValueError(f"unknown batch order {batch_order!r}; use one of {', '.join(BATCH_ORDERS)}")
         self.bus = bus
         self.storage = storage
         self.batch_size = batch_size
         self.batch_order = batch_order
-        self.scoring = GroupScoring(advantage_estimator, filter_zero_variance, reward_function)
+        self.scoring = GroupScoring(advantage_estimator, filter_zero_variance, reward_function, roles,
+                                    role_reward_functions)
         self.done_ttl_s = done_ttl_s
         self.group_size = group_size
         """Rollouts per group, for a group known only from dead letters (no TrajectoryFinished says it)."""
@@ -113,6 +126,8 @@ class RewardBook:
         pipe = self.bus.redis.pipeline(transaction=True)
         # hsetnx: the first finished attempt of a rollout wins; segments of other attempts are never read.
         pipe.hsetnx(key, field, body)
+        if isinstance(event, TrajectorySegment) and event.role is not None:
+            pipe.hsetnx(self.keys.group(group_id), f"{ROLE_FIELD_KIND}:{field}", event.role)
         if isinstance(event, TrajectoryFinished):
             pipe.hsetnx(self.keys.group(group_id), GROUP_SIZE_FIELD, event.group_size)
         pipe.hmget(self.keys.group(group_id), [f"{kind}:{rollout}" for kind in ROLLOUT_FIELDS])
@@ -164,11 +179,13 @@ class RewardBook:
 
     def load(self, group_id: str) -> dict[str, dict]:
         """The group's ledger: {'finished': {rollout: envelope}, 'grade': {rollout: ...}, 'grading-failed':
-        {rollout: ...}, 'dropped': {rollout: (cause, reason)}}."""
-        out: dict[str, dict] = {kind: {} for kind in ROLLOUT_FIELDS}
+        {rollout: ...}, 'dropped': {rollout: (cause, reason)}, 'role': {segment's field: role it names}}."""
+        out: dict[str, dict] = {kind: {} for kind in (*ROLLOUT_FIELDS, ROLE_FIELD_KIND)}
         for field, body in self.bus.redis.hgetall(self.keys.group(group_id)).items():
             kind, _, rollout = field.decode().partition(":")
-            if kind == "dropped":
+            if kind == ROLE_FIELD_KIND:
+                out[kind][rollout] = body.decode()
+            elif kind == "dropped":
                 cause, _, reason = body.decode(errors="replace").partition("|")
                 out[kind][rollout] = (cause, reason)
             elif kind in LEDGER_EVENTS:  # not GROUP_SIZE_FIELD
@@ -241,7 +258,7 @@ class RewardBook:
         if resolved < ended:
             return False
         state = self.load(group_id)
-        scored = self.scoring.score_group(state)
+        scored = self.scoring.score_group(state, lambda wanted: self.segment_texts(group_id, state, wanted))
         all_finished_at = self.bus.redis.zscore(self.keys.awaiting_grades, group_id)
         self.commit_group(group_id, state["finished"], group_size, scored)
         if all_finished_at is not None:
@@ -256,14 +273,18 @@ class RewardBook:
         its samples back to the dispatcher). One transaction: a crash leaves the group either untouched
         (redone on redelivery) or done."""
         pipe = self.bus.redis.pipeline(transaction=True)
-        kept = zip(score.rollouts, score.rewards, score.advantages, score.sources)
-        for rollout, reward, advantage, source in kept:
+        kept = zip(score.rollouts, score.rewards, score.advantages, score.sources, score.roles)
+        for rollout, reward, advantage, source, roles in kept:
             ids = finished[rollout]
-            self.bus.publish("rewards", RewardAssigned(reward=reward, advantage=advantage, source=source),
-                             pipe=pipe, event_id=f"{rollout}:reward", rollout_id=rollout, group_id=group_id,
-                             trajectory_id=ids.trajectory_id, session_id=ids.session_id)
+            event = RewardAssigned(reward=reward, advantage=advantage, source=source,
+                                   role_rewards={role: s.reward for role, s in roles.items() if s.own},
+                                   role_advantages={role: s.advantage for role, s in roles.items()})
+            self.bus.publish("rewards", event, pipe=pipe, event_id=f"{rollout}:reward", rollout_id=rollout,
+                             group_id=group_id, trajectory_id=ids.trajectory_id, session_id=ids.session_id)
             if not score.filtered:
-                pipe.hset(self.keys.assigned(group_id), rollout, f"{reward!r},{advantage!r}")
+                role_scores = {role: (s.reward, s.advantage) for role, s in roles.items()}
+                pipe.hset(self.keys.assigned(group_id), rollout,
+                          Assigned(reward, advantage, role_scores).encode())
         for rollout, (cause, reason) in sorted(score.drops.items()):
             self.bus.publish("rewards", RolloutDropped(reason=reason, cause=cause), pipe=pipe,
                              event_id=f"{rollout}:dropped", rollout_id=rollout, group_id=group_id)
@@ -287,7 +308,7 @@ class RewardBook:
             pipe.rpush(self.keys.ready_groups, group_id)
             pipe.incrby(self.keys.ready_rollouts, len(score.rollouts))
         pipe.execute()
-        count_group(score)
+        count_group(score, self.scoring.roles)
 
     # ------------------------------------------------------------------------------------ batching
     def release(self) -> int:
@@ -344,10 +365,11 @@ class RewardBook:
                 "rollouts_dropped": {k.decode(): int(v) for k, v in dropped.items()},
                 "groups_waiting_in_order": waiting_in_order, "groups_awaiting_grades": awaiting_grades}
 
-    def batch_rows(self, group_id: str) -> list[BatchRow]:
-        """The group's rows: each segment of the finished attempt of each rollout that counts, in order."""
+    def batch_rows(self, group_id: str) -> tuple[list[BatchRow], dict[str, float]]:
+        """The group's rows: each segment of the finished attempt of each rollout that counts, in order, with
+        its role and that role's reward and advantage; and the reward of each of those rollouts."""
         finished = self.load(group_id)["finished"]
-        assigned = {k.decode(): v.decode().split(",")
+        assigned = {k.decode(): Assigned.decode(v)
                     for k, v in self.bus.redis.hgetall(self.keys.assigned(group_id)).items()}
         # dropped from the group (see RolloutDropped): not assigned
         wanted = [(rollout, index) for rollout in sorted(assigned)
@@ -356,22 +378,36 @@ class RewardBook:
             segment_field(rollout, finished[rollout].payload.attempt, index) for rollout, index in wanted])
         rows = []
         for (rollout, index), body in zip(wanted, bodies):
-            if body is None:
-                raise RuntimeError(f"segment {index} of rollout {rollout!r} of complete group {group_id!r} "
-                                   "is not in the book: its state in Redis was changed outside the reward "
-                                   "service")
-            envelope = decode_stored(TrajectorySegment, body)
+            envelope = self.stored_segment(group_id, rollout, index, body)
             seg: TrajectorySegment = envelope.payload
-            reward, advantage = (float(x) for x in assigned[rollout])
+            role = self.scoring.roles.role_of(seg.role)
+            reward, advantage = assigned[rollout].of_role(role, f"rollout {rollout!r} of group {group_id!r}")
             rows.append(BatchRow(
                 sample_index=seg.sample_index, trajectory_id=envelope.trajectory_id or rollout,
                 rollout_id=rollout, group_id=group_id, session_id=envelope.session_id or rollout,
                 segment_index=index, tokens=seg.tokens, response_length=seg.response_length,
                 loss_mask=seg.loss_mask, rollout_logprobs=seg.rollout_logprobs,
                 turn_policy_versions=seg.turn_policy_versions, status=seg.status, reward=reward,
-                advantage=advantage, metadata=seg.metadata,
+                advantage=advantage, metadata=seg.metadata, role=role,
             ))
-        return rows
+        return rows, {rollout: assigned[rollout].reward for rollout in sorted(assigned)}
+
+    def segment_texts(self, group_id: str, state: dict[str, dict],
+                      wanted: list[tuple[str, int]]) -> list[str]:
+        """The response texts of segments of the group's rollouts' finished attempts, by (rollout, index)."""
+        finished = state["finished"]
+        bodies = self.bus.redis.hmget(self.keys.segments(group_id), [
+            segment_field(rollout, finished[rollout].payload.attempt, index) for rollout, index in wanted])
+        return [self.stored_segment(group_id, rollout, index, body).payload.response_text
+                for (rollout, index), body in zip(wanted, bodies)]
+
+    @staticmethod
+    def stored_segment(group_id: str, rollout: str, index: int, body: bytes | None) -> Envelope:
+        if body is None:
+            raise RuntimeError(f"segment {index} of rollout {rollout!r} of complete group {group_id!r} "
+                               "is not in the book: its state in Redis was changed outside the reward "
+                               "service")
+        return decode_stored(TrajectorySegment, body)
 
     def flush_batches(self, run_id: str) -> list[BatchReady]:
         """Write every full batch of complete groups; returns what was announced."""
@@ -381,32 +417,31 @@ class RewardBook:
             ready = [g.decode() for g in self.bus.redis.lrange(self.keys.ready_groups, 0, -1)]
             rows: list[BatchRow] = []
             taken: list[str] = []
-            rollouts: set[str] = set()
+            rewards: dict[str, float] = {}
             for group_id in ready:
-                group_rows = self.batch_rows(group_id)
+                group_rows, group_rewards = self.batch_rows(group_id)
                 rows.extend(group_rows)
                 taken.append(group_id)
-                rollouts.update(r.rollout_id for r in group_rows)
-                if len(rollouts) >= self.batch_size:
+                rewards.update(group_rewards)
+                if len(rewards) >= self.batch_size:
                     groups_needed = len(taken)
                     break
             if groups_needed is None:
                 raise RuntimeError(f"ready-rollouts counter says {self.batch_size}+ but the ready groups "
-                                   f"hold {len(rollouts)} rollouts")
+                                   f"hold {len(rewards)} rollouts")
             batch_id = "b-" + hashlib.sha1(",".join(taken).encode()).hexdigest()[:16]
             uri = write_batch(self.storage, run_id, batch_id, rows)
-            rewards = {r.rollout_id: r.reward for r in rows}
             event = BatchReady(batch_id=batch_id, uri=uri, sample_count=len(rows), group_ids=taken,
                                min_policy_version=min(r.min_policy_version for r in rows),
                                mean_reward=sum(rewards.values()) / len(rewards))
             pipe = self.bus.redis.pipeline(transaction=True)
             self.bus.publish("batches", event, pipe=pipe, event_id=f"{batch_id}:ready")
             pipe.ltrim(self.keys.ready_groups, groups_needed, -1)
-            pipe.decrby(self.keys.ready_rollouts, len(rollouts))
-            if len(rollouts) > self.batch_size:
+            pipe.decrby(self.keys.ready_rollouts, len(rewards))
+            if len(rewards) > self.batch_size:
                 # Whole groups overshoot B when a group lost rollouts; the dispatcher counts B per batch, so
                 # the surplus goes back like a drop, or the last batch would wait for samples never admitted.
-                pipe.incrby(FILTERED_SAMPLES.key(self.bus.keys), len(rollouts) - self.batch_size)
+                pipe.incrby(FILTERED_SAMPLES.key(self.bus.keys), len(rewards) - self.batch_size)
             for group_id in taken:
                 pipe.delete(self.keys.group(group_id), self.keys.segments(group_id),
                             self.keys.assigned(group_id))
@@ -417,9 +452,39 @@ class RewardBook:
         return announced
 
 
-def segment_field(rollout: str, attempt: str, index: int) -> str:
-    """A segment's field in its group's segments hash."""
-    return f"{rollout}:{attempt}:{index}"
+@dataclass(frozen=True)
+class Assigned:
+    """A rollout's scores as the book keeps them from its group's completion to its batch (Keys.assigned)."""
+
+    reward: float
+    advantage: float
+    roles: dict[str, tuple[float, float]] | None
+    """Each role of the rollout -> (reward, advantage); None: kept by a book from before roles, whose rows
+    all take the rollout's."""
+
+    def encode(self) -> str:
+        roles = {role: list(pair) for role, pair in (self.roles or {}).items()}
+        return json.dumps([self.reward, self.advantage, roles])  # floats as repr: read back exactly
+
+    @classmethod
+    def decode(cls, value: bytes) -> Assigned:
+        text = value.decode()
+        if not text.startswith("["):  # `reward,advantage`
+            reward, advantage = (float(x) for x in text.split(","))
+            return cls(reward, advantage, None)
+        reward, advantage, roles = json.loads(text)
+        return cls(float(reward), float(advantage),
+                   {role: (float(r), float(a)) for role, (r, a) in roles.items()})
+
+    def of_role(self, role: str, rollout: str) -> tuple[float, float]:
+        """(reward, advantage) the role's segments of the rollout are trained with."""
+        if self.roles is None:
+            return self.reward, self.advantage
+        if role not in self.roles:
+            raise RuntimeError(f"{rollout} has a segment of role {role!r}, but its scores have none "
+                               f"({', '.join(self.roles)}): the roles its group's ledger kept differ from "
+                               "its segments'")
+        return self.roles[role]
 
 
 def decode_stored(event_type: type, body: bytes) -> Envelope:

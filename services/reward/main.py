@@ -8,6 +8,14 @@ sandbox grade, it assigns rewards (the grade, or a built-in rule), computes adva
 Whole groups are then packed into Parquet batches of train.batch_size rollouts, written atomically,
 announced with BatchReady.
 
+Every segment belongs to a role (roles.*; TrajectorySegment.role, none named: roles.default), and so does
+its batch row, which is trained with its role's reward and advantage. A role with a reward function of its
+own (roles.names.<role>.reward_function) is rewarded in each rollout with that function of the text of its
+last segment in the rollout and the prompt's label; the other roles take the rollout's reward. Each role's
+advantages are computed over the rollouts of the group that have a segment of it; RewardAssigned carries
+them (role_advantages) beside the rollout's own reward and advantage. A segment of a role the run does not
+have keeps it as written: the trainer refuses it.
+
 Which groups share a batch is set by reward.batch_order. finished (the default): a group is sealed,
 given the next sequence number, when the last of its rollouts' TrajectoryFinished is recorded, and
 complete groups are released to the batches strictly in seal order, so a replay of the same
@@ -18,9 +26,9 @@ a group is batched as soon as it is complete.
 reward.function, when set, scores every rollout that did not fail with that function instead of the
 one its prompt names, without waiting for sandbox grades (to re-score a recorded run).
 
-With train.filter_zero_variance, a group whose rollouts all got the same reward (advantage 0
-everywhere: no learning signal) still gets its RewardAssigned events but is never batched; its
-samples are added to the run's filtered counter, and the dispatcher admits as many again.
+With train.filter_zero_variance, a group in which no role's rewards differ between its rollouts
+(advantage 0 everywhere: no learning signal) still gets its RewardAssigned events but is never batched;
+its samples are added to the run's filtered counter, and the dispatcher admits as many again.
 
 A rollout whose grading failed (GradingFailed: the sandbox could not run, not the rollout's fault or
 merit), one with a dead-lettered event, and one whose grade has not come reward.grade_timeout_s after
@@ -45,8 +53,10 @@ from __future__ import annotations
 import time
 
 from rollstream.services.reward.book import RewardBook
+from rollstream.services.reward.roles import role_reward_functions
 from rollstream.shared.contract.bus import Bus, Delivery, consumer_name, run_consumer
 from rollstream.shared.contract.consumers import consumer_group
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.service import ServiceRuntime
 from rollstream.shared.runtime.storage import Storage
@@ -64,7 +74,8 @@ def main() -> None:
                       settings.train.filter_zero_variance, batch_order=settings.reward.batch_order,
                       reward_function=settings.reward.function, done_ttl_s=settings.reward.done_ttl_s,
                       group_size=settings.data.samples_per_prompt,
-                      grade_timeout_s=settings.reward.grade_timeout_s)
+                      grade_timeout_s=settings.reward.grade_timeout_s, roles=RunRoles.of(settings),
+                      role_reward_functions=role_reward_functions(settings.roles))
     consumer = consumer_name(GROUP.name)
     counts = {"groups_completed": 0, "batches": 0, **book.status()}
 
