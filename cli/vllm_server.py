@@ -52,7 +52,9 @@ from rollstream.cli.child_processes import signal_group, start_child, wait_group
 from rollstream.cli.cpu_cores import CoreLease, StartSlot, cores_per_server, lease_cores, wait_for_start_slot
 from rollstream.cli.vllm_neighbours import describe_machine
 from rollstream.shared.contract.bus import Bus
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.errors import RollstreamError
+from rollstream.shared.inference.adapter_sync import newest_adapters
 from rollstream.shared.inference.fleet_registry import FleetMember
 from rollstream.shared.inference.vllm_fleet_member import member_environment
 from rollstream.shared.runtime.config import Settings, secret_environment
@@ -121,8 +123,9 @@ class VllmServer:
     @classmethod
     def for_run(cls, settings: Settings, model_dir: Path | str, port: int, **options) -> VllmServer:
         """A server of `model_dir` as the run's settings serve its model: its served name, context length and
-        further vLLM arguments (model.vllm_args, then `extra_args`)."""
-        extra_args = (*settings.model.vllm_args, *options.pop("extra_args", ()))
+        further vLLM arguments (model.vllm_args, then `extra_args`), and in a LoRA run the roles' adapters
+        (lora_arguments)."""
+        extra_args = (*lora_arguments(settings), *settings.model.vllm_args, *options.pop("extra_args", ()))
         return cls(model_dir, port, served_model_name=settings.model.served_name,
                    max_model_len=settings.model.max_model_len, extra_args=extra_args, **options)
 
@@ -137,7 +140,8 @@ class VllmServer:
         if group.policy:
             return cls(model_dir or settings.model.path, port, served_model_name=settings.model.served_name,
                        max_model_len=group.max_model_len,
-                       extra_args=(*settings.model.vllm_args, *group.vllm_args, *extra_args), **options)
+                       extra_args=(*lora_arguments(settings), *settings.model.vllm_args, *group.vllm_args,
+                                   *extra_args), **options)
         if group.path is None:
             raise ValueError(f"model group {name!r} names no model to serve: set fleet.groups.{name}.path")
         return cls(group.path, port, served_model_name=group.served_name or name,
@@ -220,6 +224,8 @@ class VllmServer:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")  # a weights path that is not a local dir must not hit the hub
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+        if "--enable-lora" in self.extra_args:  # the trainer loads each role's new adapter version in place
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env.update(self._bind_cores(env))
         return env
 
@@ -367,6 +373,33 @@ def registry_environment(settings: Settings) -> dict[str, str]:
     return {**env, **secret_environment(settings)}
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's --max-lora-rank takes."""
+
+
+def lora_arguments(settings: Settings) -> list[str]:
+    """The vLLM arguments of a policy server of a LoRA run (train.lora_rank > 0): adapters enabled, as many
+    at once as the run has, of its rank, each role's newest adapter on the run's storage loaded from the start
+    (a server restarted mid-run serves them before the trainer's next sync; those not on its disk, or not
+    written yet, the trainer's sync loads). None for a full fine-tune."""
+    if not settings.train.lora:
+        return []
+    adapters = RunRoles.of(settings).adapters
+    rank = min(r for r in VLLM_LORA_RANKS if r >= settings.train.lora_rank)
+    newest = newest_adapters(settings.run_dir(), adapters)
+    modules = [f"{role}={path.resolve()}" for role, (path, _) in newest.items()]
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(len(adapters)),
+            *(("--lora-modules", *modules) if modules else ())]
+
+
+def newest_adapter_versions(settings: Settings, url: str) -> dict[str, int]:
+    """The FLEET_VERSIONS fields of the adapters a policy server at `url` started with (lora_arguments): each
+    role's field -> the version of it that server serves."""
+    roles = RunRoles.of(settings)
+    return {roles.version_field(url, role): version
+            for role, (_, version) in newest_adapters(settings.run_dir(), roles.adapters).items()}
+
+
 def newest_policy(bus: Bus, settings: Settings) -> tuple[Path, int]:
     """(model directory, policy version) a vLLM server must load when it starts or restarts: the checkpoint of
     the newest version the run's trainer published that has one on disk (a PolicyUpdated anyone else wrote
@@ -378,8 +411,11 @@ def newest_policy(bus: Bus, settings: Settings) -> tuple[Path, int]:
     serves (with the fleet's registry) and takes the trainer's next sync. With the disk transport every
     published version has its checkpoint on the shared storage: VllmStartError when the newest is not on this
     disk."""
-    from rollstream.services.trainer.publishing import newest_checkpointed
+    from rollstream.services.trainer.publishing import last_own_update, newest_checkpointed
 
+    if settings.train.lora:  # the base never changes: the roles' adapters come with it (lora_arguments)
+        last = last_own_update(bus, bus.keys.trained_batches, settings.storage_uri)
+        return Path(settings.model.path), last.version if last is not None else 0
     newest, update, _ = newest_checkpointed(bus, bus.keys.trained_batches, settings.storage_uri)
     if newest is not None and update is not newest and settings.train.weight_transport == "disk":
         raise VllmStartError(f"policy version {newest.version} of run {settings.run_id!r} is "

@@ -23,6 +23,25 @@ from rollstream.shared.inference.fleet import FleetClient
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+def adapter_dir(run_dir: Path, role: str, version: int) -> Path:
+    """Where the trainer writes the role's adapter at a version of it, for the servers to load: a directory of
+    its own per version (served_adapters tells a server's version by it)."""
+    return run_dir / "adapters" / role / f"v{version:05d}"
+
+
+def newest_adapters(run_dir: Path, roles: Sequence[str]) -> dict[str, tuple[Path, int]]:
+    """Each role's newest adapter written to the run's storage: role -> (directory, version); a role with none
+    yet (a run before its trainer started) is left out."""
+    found = {}
+    for role in roles:
+        versions = sorted((int(path.name[1:]), path) for path in (run_dir / "adapters" / role).glob("v*")
+                          if path.name[1:].isdigit() and (path / ADAPTER_WEIGHTS).is_file())
+        if versions:
+            version, path = versions[-1]
+            found[role] = (path, version)
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class AdapterUpdate:
     """One role's adapter at one version, as the trainer hands it to the fleet."""

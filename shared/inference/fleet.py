@@ -45,6 +45,7 @@ from prometheus_client import Counter, Histogram
 from rollstream.shared.errors import (
     FleetRequestError,
     FleetUnavailable,
+    RollstreamError,
     WeightSyncError,
 )
 from rollstream.shared.inference.aiohttp_transport import AiohttpTransport
@@ -93,6 +94,10 @@ REQUESTS = Counter("rollstream_fleet_requests_total",
 REQUEST_SECONDS = Histogram("rollstream_fleet_request_seconds",
                             "Wall time of a whole generation request a vLLM server answered.", ["server"],
                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+
+
+class AdapterNotServed(RollstreamError, RuntimeError):
+    """A server answered that it does not serve the adapter a request named (yet)."""
 
 
 class FleetClient(ServerControl):
@@ -378,6 +383,9 @@ class FleetClient(ServerControl):
                 self.mark_unhealthy(url)
                 REQUESTS.labels(url, "failed").inc()
                 continue
+            if self._adapter_not_served(response.status_code, model):
+                failures.append(f"{url} does not serve adapter {model!r} yet: {response.text[:200]}")
+                continue
             if response.status_code != 200:
                 REQUESTS.labels(url, "rejected").inc()
                 raise FleetRequestError(f"{url} rejected the request: HTTP {response.status_code}: "
@@ -439,11 +447,19 @@ class FleetClient(ServerControl):
                         yield delta
                         if delta.finish_reason is not None:
                             return
+            except AdapterNotServed as exc:
+                failures.append(f"{url} after {len(yielded)} tokens: {exc}")
             except (httpx.RequestError, StreamBroken) as exc:
                 failures.append(f"{url} after {len(yielded)} tokens: {type(exc).__name__}: {exc}")
                 self.mark_unhealthy(url)
             finally:
                 self._request_done(url)
+
+    def _adapter_not_served(self, status: int, model: str | None) -> bool:
+        """Whether an answer says the server lacks the adapter the request named: a server that (re)started
+        after the trainer's last sync serves the base model alone until the next sync loads the adapters. The
+        request goes to the next server, and when none serves it the caller waits (FleetUnavailable)."""
+        return status == 404 and model is not None and model != self.model
 
     def _request_done(self, url: str) -> None:
         self.in_flight[url] -= 1
@@ -465,6 +481,8 @@ class FleetClient(ServerControl):
         async with contextlib.aclosing(response):
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
+                if self._adapter_not_served(response.status_code, body.get("model")):
+                    raise AdapterNotServed(f"it does not serve adapter {body['model']!r} yet: {text[:200]}")
                 if response.status_code >= 500:
                     raise StreamBroken(f"HTTP {response.status_code}: {text[:300]}")
                 raise FleetRequestError(f"{url} rejected the request: HTTP {response.status_code}: {text}")

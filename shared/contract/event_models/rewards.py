@@ -29,8 +29,9 @@ class RewardAssigned(Event):
     """Which reward produced it: a reward function's name (reward.function's or the prompt's), `sandbox`,
     `given` (TrajectoryFinished.reward), or `failed` (a failed rollout's 0)."""
     role_rewards: dict[str, Finite] = Field(default_factory=dict)
-    """The reward of each role of the rollout where the reward function gave one per role (a mapping role ->
-    reward); `reward` is then their mean. Empty: each role's segments have `reward`."""
+    """The reward of each role of the rollout that is scored by a reward function of its own
+    (roles.names.<role>.reward_function); the other roles' segments have `reward`, the rollout's. Empty: every
+    role's segments have `reward`."""
     role_advantages: dict[str, Finite] = Field(default_factory=dict)
     """Each role of the rollout (of its segments) -> its advantage, relative to that role's samples of the
     group: what its segments are trained with. Empty (a rollout recorded before roles existed):
