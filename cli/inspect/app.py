@@ -34,6 +34,7 @@ from rollstream.shared.contract.rollout_view import (
     load_decoder,
     load_rollout,
     rollout_document,
+    run_default_role,
     run_model_path,
 )
 from rollstream.shared.contract.run_source import open_run
@@ -102,8 +103,10 @@ def trajectory_command(
     """One rollout turn by turn, its tokens coloured by logprob, reward and batch.
 
     The prompt; every turn's context (dim, not sampled) and sampled tokens coloured by logprob, its policy
-    versions (a sync mid-turn highlighted) and tool calls; the finish, grade, reward and advantage; the batch
-    that took it and the version it trained. Read from Redis and the archive. Unknown rollout: exit 1."""
+    versions (a sync mid-turn highlighted; its role's, as "planner v3", when the rollout has several roles)
+    and tool calls; each segment's role; the finish, grade, reward and advantage (each role's where they
+    differ); the batch that took it and the version it trained. Read from Redis and the archive. Unknown
+    rollout: exit 1."""
     storage = storage or default_storage()
     client = connect(redis_url or default_redis_url())
     try:
@@ -114,7 +117,7 @@ def trajectory_command(
     decoder, why = load_decoder(path)
     if decoder is None:
         err_console.print(f"[yellow]no tokenizer ({path}: {why}): token ids shown[/]", highlight=False)
-    doc = rollout_document(view, decoder)
+    doc = rollout_document(view, decoder, run_default_role(storage, run))
     if as_json:
         print(json.dumps(doc, indent=2, ensure_ascii=False))
     else:

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 from rich.table import Table
@@ -30,13 +30,16 @@ class RunSummary:
     entries: dict[str, int]
     """Entries ever added per stream: XINFO STREAM entries-added when live, else the archive's count."""
     policy_version: int | None
+    role_versions: dict[str, int] = field(default_factory=dict)
+    """Each trained role's version at the latest policy update (PolicyUpdated.role_versions)."""
 
     @property
     def where(self) -> str:
         return where_label(self.in_redis, self.in_archive)
 
 
-def latest_policy_version(bus: Bus | None, reader: ArchiveReader | None) -> int | None:
+def latest_policy_update(bus: Bus | None, reader: ArchiveReader | None) -> PolicyUpdated | None:
+    """The run's newest PolicyUpdated: from Redis while the run is live there, else from its archive."""
     if bus is not None:
         try:
             newest = bus.redis.xrevrange(bus.keys.stream("policy"), count=10)
@@ -48,18 +51,31 @@ def latest_policy_version(bus: Bus | None, reader: ArchiveReader | None) -> int 
             except EventDecodeError:
                 continue
             if isinstance(event, PolicyUpdated):
-                return event.version
+                return event
     if reader is not None and "policy" in reader.streams():
-        version = None
+        latest = None
         for entry in reader.entries("policy"):
             try:
                 event = entry.envelope.payload
             except Exception:
                 continue
             if isinstance(event, PolicyUpdated):
-                version = event.version
-        return version
+                latest = event
+        return latest
     return None
+
+
+def says_more(per_role: dict[str, float], overall: float) -> bool:
+    """Whether values given per role say more than the one overall value: several roles, or one role's value
+    that is not it."""
+    return len(per_role) > 1 or any(value != overall for value in per_role.values())
+
+
+def version_text(version: int, role_versions: dict[str, int]) -> str:
+    """A policy version, with each role's where they say more ("v5 (planner v3, solver v4)")."""
+    if not says_more(role_versions, version):
+        return f"v{version}"
+    return f"v{version} (" + ", ".join(f"{role} v{v}" for role, v in role_versions.items()) + ")"
 
 
 def summarize_run(client: redis.Redis | None, storage_uri: str, run: str, in_redis: bool,
@@ -79,7 +95,9 @@ def summarize_run(client: redis.Redis | None, storage_uri: str, run: str, in_red
         if count is None and stream in archived_streams:
             count = archive_count(reader, stream)
         entries[stream] = count or 0
-    return RunSummary(run, in_redis, in_archive, entries, latest_policy_version(bus, reader))
+    latest = latest_policy_update(bus, reader)
+    return RunSummary(run, in_redis, in_archive, entries, latest.version if latest is not None else None,
+                      dict(latest.role_versions) if latest is not None else {})
 
 
 def collect_runs(client: redis.Redis | None, storage_uri: str) -> list[RunSummary]:
@@ -99,7 +117,7 @@ def runs_table(summaries: list[RunSummary], storage_uri: str = "") -> Table:
     table.add_column("latest version", justify="right")
     for s in summaries:
         table.add_row(s.run, s.where, *(str(s.entries[stream]) for stream in STREAMS),
-                      "-" if s.policy_version is None else f"v{s.policy_version}")
+                      "-" if s.policy_version is None else version_text(s.policy_version, s.role_versions))
     table.caption = ("entries ever added per stream (XINFO STREAM entries-added when live, else the "
                      "archive's count)")
     return table

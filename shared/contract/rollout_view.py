@@ -1,6 +1,10 @@
 """One rollout as plain data: its prompt, every attempt's turns token by token (id, text, loss mask, logprob,
 policy version), tool calls and results, segments, finish, grades, rewards and the batches that took it.
 
+Every segment, turn and batch row names its role (the run's default role's name where the segment names
+none); a turn's policy version is its role's. `roles_shown` says whether the roles are worth showing: the
+rollout's segments are of several roles, or of one that is not the run's default.
+
 `load_rollout` gathers the rollout's events from the run's whole history (Redis and the archive),
 `rollout_document` turns them into plain data: what `rollstream inspect trajectory --json` prints and the
 console's inspector shows. Tokens are decoded with the model's own tokenizer (`load_decoder`); without one
@@ -42,7 +46,11 @@ from rollstream.shared.contract.run_source import (
     open_trainer_logprobs,
 )
 from rollstream.shared.errors import RunDataNotFound
+from rollstream.shared.runtime.sections.roles import RolesSettings
 from rollstream.shared.runtime.storage import Storage
+
+UNNAMED_DEFAULT_ROLE = "default"
+"""What the default role is called where the run's settings are not at hand."""
 
 
 # -------------------------------------------------------------------------------------- tokenizers
@@ -84,16 +92,37 @@ def load_decoder(path: str | Path | None) -> tuple[TokenDecoder | None, str | No
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def run_model_path(storage_uri: str, run: str, default: Path | None) -> Path | None:
-    """The model the run was configured with (<storage>/<run>/config.json), else `default`."""
+def _run_config(storage_uri: str, run: str) -> dict[str, Any] | None:
+    """The settings the run was started with (<storage>/<run>/config.json, written by the local run), or None
+    when it has none or it does not parse."""
     storage = Storage(storage_uri)
     config = storage.path(run, "config.json")
     try:
         if storage.exists(config):
-            return Path(json.loads(storage.read_bytes(config))["model"]["path"])
-    except (OSError, ValueError, KeyError, TypeError):
+            loaded = json.loads(storage.read_bytes(config))
+            return loaded if isinstance(loaded, dict) else None
+    except (OSError, ValueError):
         pass
-    return default
+    return None
+
+
+def run_model_path(storage_uri: str, run: str, default: Path | None) -> Path | None:
+    """The model the run was configured with (<storage>/<run>/config.json), else `default`."""
+    try:
+        return Path((_run_config(storage_uri, run) or {})["model"]["path"])
+    except (KeyError, TypeError):
+        return default
+
+
+def run_default_role(storage_uri: str, run: str) -> str | None:
+    """The default role of the run as configured (<storage>/<run>/config.json's roles), else None."""
+    roles = (_run_config(storage_uri, run) or {}).get("roles")
+    if roles is None:
+        return None
+    try:
+        return RolesSettings.model_validate(roles).default_role
+    except ValueError:  # a config of another version of the settings: the role stays unnamed
+        return None
 
 
 # --------------------------------------------------------------------------------------- trajectory
@@ -188,18 +217,26 @@ def _token_pieces(ids: list[int], decoder: TokenDecoder | None) -> list[str]:
     return [decoder.piece(i) for i in ids] if decoder is not None else [f"{i} " for i in ids]
 
 
-def rollout_document(view: RolloutView, decoder: TokenDecoder | None) -> dict[str, Any]:
-    """Everything about one rollout as plain data (the --json output, and what the render shows)."""
+def rollout_document(view: RolloutView, decoder: TokenDecoder | None,
+                     default_role: str | None = None) -> dict[str, Any]:
+    """Everything about one rollout as plain data (the --json output, and what the render shows).
+    default_role: the run's (roles.default), which a segment naming no role belongs to; None when the run's
+    settings are not at hand (it is then called UNNAMED_DEFAULT_ROLE)."""
+    default = default_role or UNNAMED_DEFAULT_ROLE
     trained = _trained(view)
+    roles = list(dict.fromkeys(segment.payload.role or default
+                               for attempt in view.attempts for segment in attempt.segments))
     return {
         "run": view.run, "rollout_id": view.rollout_id, "group_id": view.group_id,
         "tokenizer": decoder.source if decoder is not None else None,
+        "default_role": default, "roles": roles,
+        "roles_shown": len(roles) > 1 or roles not in ([], [default]),
         "prompt": _prompt_document(view.prompt) if view.prompt is not None else None,
-        "attempts": [_attempt_document(attempt, decoder, trained) for attempt in view.attempts],
+        "attempts": [_attempt_document(attempt, decoder, trained, default) for attempt in view.attempts],
         "grades": [{"event_id": g.event_id, "type": g.type, **g.payload.model_dump(mode="json")}
                    for g in view.grades],
         "rewards": [{"event_id": r.event_id, **r.payload.model_dump(mode="json")} for r in view.rewards],
-        "batches": [_batch_document(envelope, view) for envelope in view.batches],
+        "batches": [_batch_document(envelope, view, default) for envelope in view.batches],
     }
 
 
@@ -208,7 +245,7 @@ def _prompt_document(prompt: Envelope) -> dict[str, Any]:
     return {"event_id": prompt.event_id, "sample_index": p.sample_index, "group_size": p.group_size,
             "messages": p.messages, "label": p.label, "reward_fn": p.reward_fn,
             "sandbox_check": p.sandbox_check, "agent": p.agent, "tools": list(p.tools),
-            "policy_version": p.policy_version, "metadata": p.metadata}
+            "policy_version": p.policy_version, "metadata": p.metadata, "role": p.role}
 
 
 def _trained(view: RolloutView) -> dict[tuple[int, ...], TrainerLogprobs]:
@@ -229,14 +266,16 @@ def _trained(view: RolloutView) -> dict[tuple[int, ...], TrainerLogprobs]:
 
 
 def _attempt_document(attempt: AttemptEvents, decoder: TokenDecoder | None,
-                      trained: dict[tuple[int, ...], TrainerLogprobs]) -> dict[str, Any]:
-    segments = [{"segment_index": s.payload.segment_index, "status": s.payload.status,
-                 "tokens": len(s.payload.tokens), "response_length": s.payload.response_length,
-                 "sampled_tokens": sum(s.payload.loss_mask),
+                      trained: dict[tuple[int, ...], TrainerLogprobs], default_role: str) -> dict[str, Any]:
+    segments = [{"segment_index": s.payload.segment_index, "role": s.payload.role or default_role,
+                 "status": s.payload.status, "tokens": len(s.payload.tokens),
+                 "response_length": s.payload.response_length, "sampled_tokens": sum(s.payload.loss_mask),
                  "turn_policy_versions": s.payload.turn_policy_versions,
                  "response_text": s.payload.response_text, "session_id": s.session_id,
                  "metadata": s.payload.metadata, "shared_prefix": _shared_prefix(s, attempt.segments)}
                 for s in attempt.segments]
+    # a turn's role is its segment's; None while the segment is not published yet (the rollout runs)
+    role_of = {segment["segment_index"]: segment["role"] for segment in segments}
     trainer_of = {s.payload.segment_index: trained[tuple(s.payload.tokens)] for s in attempt.segments
                   if tuple(s.payload.tokens) in trained}
     finished = None
@@ -247,10 +286,13 @@ def _attempt_document(attempt: AttemptEvents, decoder: TokenDecoder | None,
                     "grader": f.grader, "artifacts": f.artifacts, "error": f.error,
                     "needs_grade": f.needs_grade}
     started = attempt.started.payload.server_url if attempt.started is not None else None
-    return {"attempt": attempt.attempt, "server_url": started,
-            "turns": [_turn_document(turn, attempt, decoder, trainer_of.get(turn.payload.segment_index))
-                      for turn in attempt.turns],
-            "segments": segments, "finished": finished}
+    turns = []
+    for turn in attempt.turns:
+        index = turn.payload.segment_index
+        turns.append({**_turn_document(turn, attempt, decoder, trainer_of.get(index)),
+                      "role": role_of.get(index)})
+    return {"attempt": attempt.attempt, "server_url": started, "turns": turns, "segments": segments,
+            "finished": finished}
 
 
 def _shared_prefix(segment: Envelope, segments: list[Envelope]) -> dict[str, int] | None:
@@ -300,18 +342,21 @@ def _turn_document(envelope: Envelope, attempt: AttemptEvents, decoder: TokenDec
     }
 
 
-def _batch_document(envelope: Envelope, view: RolloutView) -> dict[str, Any]:
+def _batch_document(envelope: Envelope, view: RolloutView, default_role: str) -> dict[str, Any]:
     """A batch the rollout's group went into, with the rollout's rows of its file."""
     b: BatchReady = envelope.payload
+    policies = [p.payload for p in view.policies if p.payload.batch_id == b.batch_id]
     entry: dict[str, Any] = {"batch_id": b.batch_id, "uri": b.uri, "sample_count": b.sample_count,
                              "group_ids": b.group_ids, "min_policy_version": b.min_policy_version,
                              "mean_reward": b.mean_reward, "rows": None, "rows_error": None,
-                             "trained_in": [p.payload.version for p in view.policies
-                                            if p.payload.batch_id == b.batch_id]}
+                             "trained_in": [p.version for p in policies],
+                             "policies": [{"version": p.version, "role_versions": dict(p.role_versions)}
+                                          for p in policies]}
     try:
         rows = open_batch_rows(view.storage_uri, view.run, b.uri)
-        entry["rows"] = [{"segment_index": r.segment_index, "tokens": len(r.tokens),
-                          "sampled_tokens": sum(r.loss_mask), "reward": float32_value(r.reward),
+        entry["rows"] = [{"segment_index": r.segment_index, "role": r.role or default_role,
+                          "tokens": len(r.tokens), "sampled_tokens": sum(r.loss_mask),
+                          "reward": float32_value(r.reward),
                           "advantage": float32_value(r.advantage),
                           "turn_policy_versions": r.turn_policy_versions}
                          for r in rows if r.rollout_id == view.rollout_id]

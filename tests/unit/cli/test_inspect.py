@@ -9,6 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
@@ -345,6 +346,9 @@ def test_trajectory_json_has_per_token_ids_text_logprobs_mask_and_versions(bus, 
     assert (batch["batch_id"], batch["group_ids"],
             batch["trained_in"]) == (built.batch_id, [built.group], [1])
     assert [(r["segment_index"], r["advantage"]) for r in batch["rows"]] == [(0, 0.7071)]
+    # a run of one role, without its settings at hand: its role is the unnamed default, not worth showing
+    assert (doc["roles"], doc["roles_shown"]) == (["default"], False)
+    assert [r["role"] for r in batch["rows"]] == ["default"] and attempt["segments"][0]["role"] == "default"
 
 
 def test_trajectory_without_a_tokenizer_shows_ids_and_an_unknown_rollout_lists_real_ones(bus, tmp_path,
@@ -378,6 +382,117 @@ def test_trajectory_shows_a_grading_that_could_not_run_as_such(bus, tmp_path, to
     text = " ".join(rendered(render_rollout(doc)).split())
     assert "GradingFailed the sandbox could not grade it after 4 attempt(s)" in text
     assert "no reward, left out of its group's batch" in text
+
+
+# ----------------------------------------------------------------------------------------------- roles
+TWO_ROLES = {"planner": {}, "solver": {}}
+ROLE_TURNS = {"planner": ((3, 3), (4, 4)), "solver": ((1, 2), (2, 2))}
+"""Each role's segment's turns: (policy_version, policy_version_end) of its role; the solver's weights were
+synced in its first turn."""
+
+
+def publish_role_segment(bus: Bus, ids: dict, index: int, role: str, prompt_ids: list[int],
+                         answer_ids: list[int]) -> BatchRow:
+    """The role's segment (ROLE_TURNS: its turns' versions) on `trajectories`, and its batch row. The
+    planner's names no role: it is the run's default role."""
+    rollout, named = ids["rollout_id"], None if role == "planner" else role
+    for number, (start, end) in enumerate(ROLE_TURNS[role]):
+        turn = TrajectoryTurn(segment_index=index, turn=number, offset=len(prompt_ids),
+                              appended_ids=prompt_ids, response_ids=answer_ids,
+                              logprobs=[-0.1] * len(answer_ids), policy_version=start, policy_version_end=end,
+                              finish_reason="stop", server_url=SERVER)
+        bus.publish("trajectories", turn, event_id=f"{rollout}:a0:turn:{index}:{number}", **ids)
+    tokens = prompt_ids + answer_ids
+    mask = [0] * len(prompt_ids) + [1] * len(answer_ids)
+    logprobs = [0.0] * len(prompt_ids) + [-0.1] * len(answer_ids)
+    versions = [start for start, _ in ROLE_TURNS[role]]
+    segment = TrajectorySegment(segment_index=index, attempt="a0", tokens=tokens,
+                                response_length=len(answer_ids), loss_mask=mask, rollout_logprobs=logprobs,
+                                turn_policy_versions=versions, status="completed", response_text=ANSWER,
+                                sample_index=0, group_size=1, role=named)
+    bus.publish("trajectories", segment, event_id=f"{rollout}:a0:segment:{index}", **ids)
+    return BatchRow(sample_index=0, trajectory_id=rollout, rollout_id=rollout, group_id=ids["group_id"],
+                    session_id=rollout, segment_index=index, tokens=tokens, response_length=len(answer_ids),
+                    loss_mask=mask, rollout_logprobs=logprobs, turn_policy_versions=versions,
+                    status="completed", reward=1.0 - index, advantage=0.5 - index, role=named)
+
+
+def build_two_role_rollout(bus: Bus, storage: str, tokenizer) -> str:
+    """A rollout of a planner segment and a solver segment, rewarded per role, in a batch whose training step
+    gave each role a version; and the run's config.json, whose default role is the planner."""
+    run = bus.keys.run_id
+    rollout, group = f"{run}-r0000000", f"{run}-g000000"
+    ids = {"rollout_id": rollout, "group_id": group, "trajectory_id": rollout, "session_id": rollout}
+    config = {"roles": {"names": TWO_ROLES}, "model": {"path": str(MODEL)}}
+    Storage(storage).write_bytes(json.dumps(config).encode(), run, "config.json")
+    prompt = PromptIssued(sample_index=0, group_size=1, messages=[{"role": "user", "content": QUESTION}],
+                          label="42", policy_version=0)
+    bus.publish("prompts", prompt, event_id=f"{rollout}:prompt", **ids)
+    prompt_ids = encode(tokenizer, f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    rows = [publish_role_segment(bus, ids, index, role, prompt_ids, encode(tokenizer, ANSWER))
+            for index, role in enumerate(ROLE_TURNS)]
+    bus.publish("rewards", RewardAssigned(reward=0.5, advantage=0.0, source="exact_match",
+                                          role_rewards={"planner": 1.0, "solver": 0.0},
+                                          role_advantages={"planner": 0.5, "solver": -0.5}),
+                event_id=f"{rollout}:reward", **ids)
+    uri = write_batch(Storage(storage), run, "b-roles", rows)
+    bus.publish("batches", BatchReady(batch_id="b-roles", uri=uri, sample_count=2, group_ids=[group],
+                                      min_policy_version=1, mean_reward=0.5), event_id="b-roles:ready")
+    update = PolicyUpdated(version=5, checkpoint_uri=f"{storage}/{run}/checkpoints/v5", batch_id="b-roles",
+                           servers=[SERVER], parity_max_abs_diff=0.0, loss=0.1, trained_samples=2,
+                           role_versions={"planner": 4, "solver": 2})
+    bus.publish("policy", update, event_id="policy:v5")
+    return rollout
+
+
+def test_trajectory_of_two_roles_shows_each_segments_role_and_each_turns_role_version(bus, tmp_path,
+                                                                                       tokenizer):
+    rollout = build_two_role_rollout(bus, str(tmp_path), tokenizer)
+    view = load_rollout(open_run(bus.redis, str(tmp_path), bus.keys.run_id), rollout)
+    text = " ".join(rendered(render_rollout(rollout_document(view, None, "planner"))).split())
+    assert "roles planner, solver" in text
+    assert "segment 0 turn 0 planner v3 finish" in text and "segment 0 turn 1 planner v4 finish" in text
+    assert "segment 1 turn 0 solver v1 -> v2 (weights synced mid-turn)" in text
+    assert "segment 1 turn 1 solver v2 finish" in text
+    assert "segment 0 (planner): completed" in text and "turn versions planner v3, planner v4" in text
+    assert "segment 1 (solver): completed" in text and "turn versions solver v1, solver v2" in text
+    assert ("RewardAssigned reward 0.5, advantage 0.0, source exact_match; per role: rewards planner 1.0, "
+            "solver 0.0; per role: advantages planner 0.5, solver -0.5") in text
+    assert "trained into v5 (planner v4, solver v2)" in text
+    assert "row segment 0 (planner):" in text and "row segment 1 (solver):" in text
+
+    # the CLI names the default role as the run's config.json does
+    result = runner.invoke(inspect_app, ["trajectory", bus.keys.run_id, rollout, "--json",
+                                         *base_args(bus, tmp_path)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert (doc["default_role"], doc["roles"], doc["roles_shown"]) == ("planner", ["planner", "solver"], True)
+    (attempt,) = doc["attempts"]
+    assert [(t["role"], t["policy_version"]) for t in attempt["turns"]] == [
+        ("planner", 3), ("planner", 4), ("solver", 1), ("solver", 2)]
+    assert [(r["role"], r["advantage"]) for r in doc["batches"][0]["rows"]] == [("planner", 0.5),
+                                                                                ("solver", -0.5)]
+
+    (summary,) = [s for s in collect_runs(bus.redis, str(tmp_path)) if s.run == bus.keys.run_id]
+    assert row_cells(rendered(runs_table([summary])), bus.keys.run_id)[-1] == "v5 (planner v4, solver v2)"
+
+
+def test_a_rollout_of_one_role_other_than_the_default_shows_it(bus, tmp_path, tokenizer):
+    rollout = build_two_role_rollout(bus, str(tmp_path), tokenizer)
+    view = load_rollout(open_run(bus.redis, str(tmp_path), bus.keys.run_id), rollout)
+    for attempt in view.attempts:  # the planner's segment and turns left out: the solver's alone remain
+        attempt.segments = [s for s in attempt.segments if s.payload.role == "solver"]
+        attempt.turns = [t for t in attempt.turns if t.payload.segment_index == 1]
+    # the solver scored by a reward function of its own; its advantage the rollout's
+    (reward,) = view.rewards
+    view.rewards = [msgspec.structs.replace(reward, payload=reward.payload.model_copy(
+        update={"role_rewards": {"solver": 0.25}, "role_advantages": {"solver": 0.0}}))]
+    doc = rollout_document(view, None, "planner")
+    assert (doc["roles"], doc["roles_shown"]) == (["solver"], True)
+    text = " ".join(rendered(render_rollout(doc)).split())
+    assert "segment 1 turn 1 solver v2 finish" in text
+    assert "advantage 0.0, source exact_match; per role: rewards solver 0.25" in text
+    assert "per role: advantages" not in text
 
 
 # ---------------------------------------------------------------------------------------------- diff
