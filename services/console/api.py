@@ -1,11 +1,16 @@
 """The console's HTTP API: the page, and the JSON it polls.
 
     GET /                          the page (console.html: HTML and plain JavaScript, no data; open)
-    GET /api/overview              services and replicas with their health, consumer groups and their
-                                   consumers, streams (length, lag, pending, events per minute), dead letters
-    GET /api/curves                reward and staleness per policy version, mean reward per minute
-    GET /api/rollouts?limit=N      the latest finished rollouts with status, grade, reward (N: 1 to 500)
-    GET /api/rollouts/{rollout}    one rollout for the inspector; 404 saying which rollouts there are
+    GET /api/overview              services and replicas with their health (a policy server's with the
+                                   version of the policy and of each adapter it serves), consumer groups and
+                                   their consumers, streams (length, lag, pending, events per minute), dead
+                                   letters
+    GET /api/curves                reward and staleness per policy version (with each role's version),
+                                   mean reward per minute
+    GET /api/rollouts?limit=N      the latest finished rollouts with status, grade, reward (each role's, where
+                                   the roles have their own) (N: 1 to 500)
+    GET /api/rollouts/{rollout}    one rollout for the inspector (each segment's role, each turn's version as
+                                   its role's); 404 saying which rollouts there are
 
 The /api routes ask for security.http_token as `Authorization: Bearer` when it is set (401 without it, 403
 with another: shared/runtime/health_api.py's rules); the page takes the token from its URL's fragment
@@ -122,7 +127,7 @@ async def rollout(rollout_id: str, state: ConsoleState = Depends(state_of)) -> C
 
     def load() -> dict[str, Any]:
         source = open_run(state.bus.redis, settings.storage_uri, settings.run_id)
-        return inspect_rollout(source, rollout_id, state.decoder)
+        return inspect_rollout(source, rollout_id, state.decoder, settings.roles.default_role)
 
     return ConsoleJSON(await asyncio.to_thread(load))
 

@@ -51,9 +51,11 @@ def replay_commands(run: str, rollout_id: str, sandboxed: bool) -> list[str]:
     return [replay, f"rollstream inspect trajectory {shlex.quote(target)} {shlex.quote(rollout_id)}"]
 
 
-def inspect_rollout(source: RunSource, rollout_id: str, decoder: TokenDecoder | None) -> dict[str, Any]:
-    """Everything the inspector shows of one rollout; RunDataNotFound when the run has none of that id."""
-    doc = rollout_document(load_rollout(source, rollout_id), decoder)
+def inspect_rollout(source: RunSource, rollout_id: str, decoder: TokenDecoder | None,
+                    default_role: str | None = None) -> dict[str, Any]:
+    """Everything the inspector shows of one rollout; RunDataNotFound when the run has none of that id.
+    default_role: the run's (roles.default), whose name a segment naming no role is shown with."""
+    doc = rollout_document(load_rollout(source, rollout_id), decoder, default_role)
     sandboxed = False
     for attempt in doc["attempts"]:
         finished = attempt["finished"] or {}

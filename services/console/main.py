@@ -1,7 +1,8 @@
-"""Console: one run, live, in a web page: its services and replicas with their health, its streams (length,
-lag and pending per consumer group, events per minute), reward and staleness curves, dead letters, and a
-rollout inspector (tokens coloured by loss mask and logprob, the policy version of every turn, tool calls and
-results, a coding task's diff, the sandbox's output and each test's result, the samples a gateway session
+"""Console: one run, live, in a web page: its services and replicas with their health (a policy server's with
+the version of the policy and of each role's adapter it serves), its streams (length, lag and pending per
+consumer group, events per minute), reward and staleness curves, dead letters, and a rollout inspector (tokens
+coloured by loss mask and logprob, each segment's role and every turn's policy version, its role's, tool calls
+and results, a coding task's diff, the sandbox's output and each test's result, the samples a gateway session
 became, the command that replays it). It only reads: every stream of the run, and the run's files in storage.
 
     open http://127.0.0.1:8400/#token=<RS_SECURITY__HTTP_TOKEN>     (no token set: http://127.0.0.1:8400/)

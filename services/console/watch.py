@@ -5,10 +5,11 @@ history.
     throughput   every stream's entries of the last THROUGHPUT_WINDOW_MS, counted per minute from their ids'
                  timestamps (LiveTail: the live stream, first its last window, then what comes)
     rollouts     the RECENT_ROLLOUTS latest finished rollouts (TrajectoryFinished) with their grade (grades),
-                 reward and advantage or why they were dropped (rewards)
-    curves       per policy version: its batch's mean reward, the staleness of its samples, the loss; and the
-                 mean reward per minute (the whole history of `rewards`, `batches` and `policy`, trimmed part
-                 from the archive: StreamHistory)
+                 reward and advantage (and each role's, where the rollout's roles have their own) or why
+                 they were dropped (rewards)
+    curves       per policy version: each role's version after it, its batch's mean reward, the staleness of
+                 its samples, the loss; and the mean reward per minute (the whole history of `rewards`,
+                 `batches` and `policy`, trimmed part from the archive: StreamHistory)
     dead         the newest DEAD_SHOWN dead letters with their errors, and how many there were
 
     python -m pytest tests/unit/services/console -q
@@ -184,7 +185,8 @@ class RunWatch:
     def _history_event(self, envelope) -> None:
         event = envelope.payload
         if isinstance(event, RewardAssigned):
-            self._outcome(envelope.rollout_id, reward=event.reward, advantage=event.advantage)
+            self._outcome(envelope.rollout_id, reward=event.reward, advantage=event.advantage,
+                          role_rewards=dict(event.role_rewards), role_advantages=dict(event.role_advantages))
             bucket = self.reward_minutes.setdefault(int(envelope.time // 60), [0.0, 0])
             bucket[0] += event.reward
             bucket[1] += 1
@@ -200,7 +202,8 @@ class RunWatch:
         trainer's own measure; the batch's oldest turn when the trainer gave none)."""
         batch = self.batches.get(event.batch_id)
         oldest = event.version - 1 - batch.min_policy_version if batch is not None else None
-        return {"version": event.version, "time": at, "batch_id": event.batch_id,
+        return {"version": event.version, "role_versions": dict(event.role_versions), "time": at,
+                "batch_id": event.batch_id,
                 "batch_mean_reward": batch.mean_reward if batch is not None else None,
                 "staleness_mean": event.metrics.get("samples/staleness_mean"),
                 "staleness_max": event.metrics.get("samples/staleness_max", oldest),

@@ -1,6 +1,6 @@
-"""The console's tests' fixtures: a small run published through the Bus on the machine's Redis
+"""The console's tests' fixtures: a small run of two roles published through the Bus on the machine's Redis
 (published_run.py), and a real `rollstream-console` process showing it, with an HTTP token, its own /healthz
-as one of the services it asks and a closed port as another."""
+as one of the services it asks, a closed port as another, and a policy server on a closed port."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from rollstream.shared.contract.bus import Bus
 from tests.support import free_port, stop_process_group, wait_for
-from tests.unit.services.console.published_run import PublishedRun, publish_run
+from tests.unit.services.console.published_run import ROLES, PublishedRun, publish_run
 
 TOKEN = f"console-token-{uuid.uuid4().hex}"
 
@@ -45,7 +45,8 @@ def published(machine_redis_url, tiny_model, tmp_path_factory):
     bus = Bus.connect(machine_redis_url, f"test-console-{uuid.uuid4().hex[:8]}", ride_out_outages=False)
     try:
         yield publish_run(bus, tmp_path_factory.mktemp("console-runs"),
-                          lambda text: tokenizer.encode(text, add_special_tokens=False).ids)
+                          lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+                          f"http://127.0.0.1:{free_port()}")
     finally:
         bus.delete_run()
         bus.redis.close()
@@ -56,7 +57,8 @@ def console(published, machine_redis_url, tiny_model, tmp_path_factory):
     port, health_port, closed_port = free_port(), free_port(), free_port()
     env = {name: value for name, value in os.environ.items() if not name.startswith("RS_")}
     env.update(RS_REDIS_URL=machine_redis_url, RS_RUN_ID=published.run, RS_STORAGE_URI=published.storage,
-               RS_MODEL__PATH=str(tiny_model), RS_FLEET__URLS="[]", RS_SECURITY__HTTP_TOKEN=TOKEN,
+               RS_MODEL__PATH=str(tiny_model), RS_FLEET__URLS=json.dumps([published.fleet_url]),
+               RS_ROLES__NAMES=json.dumps(ROLES), RS_TRAIN__LORA_RANK="8", RS_SECURITY__HTTP_TOKEN=TOKEN,
                RS_CONSOLE__PORT=str(port), RS_HEALTH_PORT=str(health_port),
                RS_CONSOLE__HEALTH_URLS=json.dumps({"console": f"http://127.0.0.1:{health_port}",
                                                    "reward": f"http://127.0.0.1:{closed_port}"}))

@@ -8,8 +8,13 @@ gateway publish theirs), its files go to a real storage folder.
                 test passed, one failed, the sandbox's output stored as the grade's log
     session     a gateway session that became two samples: the second forks from the first's prompt
     dropped     a rollout the sandbox could not grade, dropped from its group
-    and an agent-runner consumer holding a prompt, and an entry of `grades` that does not decode,
-    dead-lettered by the reward group.
+    roles       a rollout of two roles: a planner segment (naming no role: the run's default, planner) and a
+                solver segment, each with turns at versions of its own role, rewarded per role
+    and an agent-runner consumer holding a prompt, an entry of `grades` that does not decode, dead-lettered
+    by the reward group, and the fleet's versions: one server holding the whole policy and an adapter of
+    each role.
+
+The run has two roles (ROLES, trained as LoRA adapters); policy version 1 trained the planner only.
 """
 
 from __future__ import annotations
@@ -33,10 +38,15 @@ from rollstream.shared.contract.events import (
     RewardAssigned,
     RolloutDropped,
     SampleGrading,
+    TrajectoryFinished,
+    TrajectorySegment,
+    TrajectoryStarted,
     TrajectoryTool,
     TrajectoryTurn,
 )
+from rollstream.shared.contract.roles import version_field
 from rollstream.shared.contract.rollouts import RolloutFinish, Segment, publish_rollout
+from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 from rollstream.shared.runtime.storage import Storage
 
 SERVER = "http://127.0.0.1:8000"
@@ -52,6 +62,14 @@ SANDBOX_OUTPUT = "test_add PASSED\ntest_sub FAILED: assert add(1, -1) == 2\n"
 TESTS = {"tests/test_calc.py::test_add": "passed", "tests/test_calc.py::test_sub": "failed"}
 FORKED_ANSWER = "Forty-two."
 AGENT_RUNNER = "agent-runner-host-4242"
+ROLES = {"planner": {}, "solver": {}}
+"""The run's roles (roles.names); the first, planner, is its default."""
+ROLE_TURN_VERSIONS = {"planner": (3, 4), "solver": (1, 2)}
+"""Each role's versions of its segment's two turns in the `roles` rollout."""
+ROLE_REWARDS = {"planner": 1.0, "solver": 0.0}
+ROLE_ADVANTAGES = {"planner": 0.5, "solver": -0.5}
+FLEET_VERSIONS_HELD = {None: 5, "planner": 3, "solver": 4}
+"""The fleet's one server: the whole policy's version (None) and each adapter's."""
 
 
 @dataclass
@@ -59,8 +77,9 @@ class PublishedRun:
     run: str
     storage: str
     rollouts: dict[str, str]
-    """calculator, coding, session, dropped -> rollout id."""
+    """calculator, coding, session, dropped, roles -> rollout id."""
     batch_id: str
+    fleet_url: str
 
 
 def _turn(number: int, offset: int, appended: list[int], response: list[int], logprob: float,
@@ -150,6 +169,42 @@ class RunBuilder:
         self.bus.publish("grades", GradingFailed(reason="cannot be graded: no sandbox", attempts=3), **ids)
         self.bus.publish("rewards", RolloutDropped(reason="grading failed", cause="grading_failed"), **ids)
 
+    def roles(self, rollout: str, group: str) -> None:
+        """A planner segment, then a solver segment, each turn at its role's version. The planner's names no
+        role: it is the run's default role's."""
+        ids, answer = self.ids(rollout, group), self.encode(ANSWER)
+        prompt = PromptIssued(sample_index=0, group_size=1, messages=[{"role": "user", "content": QUESTION}],
+                              label="42", policy_version=0)
+        self.bus.publish("prompts", prompt, **ids, event_id=f"{rollout}:prompt")
+        prefix = f"{rollout}:a0"
+        self.bus.publish("trajectories", TrajectoryStarted(sample_index=0, server_url=SERVER), **ids,
+                         event_id=f"{prefix}:started")
+        for index, role in enumerate(ROLE_TURN_VERSIONS):
+            turns = [_turn(number, len(self.prompt_ids), self.prompt_ids, answer, -0.2, (version, version))
+                     .model_copy(update={"segment_index": index})
+                     for number, version in enumerate(ROLE_TURN_VERSIONS[role])]
+            for turn in turns:
+                self.bus.publish("trajectories", turn, **ids, event_id=f"{prefix}:turn:{index}:{turn.turn}")
+            segment = _segment(turns, [], ANSWER)
+            self.bus.publish("trajectories", TrajectorySegment(
+                segment_index=index, attempt="a0", tokens=segment.tokens,
+                response_length=segment.response_length, loss_mask=segment.loss_mask,
+                rollout_logprobs=segment.rollout_logprobs, turn_policy_versions=segment.turn_policy_versions,
+                status="completed", response_text=ANSWER, sample_index=0, group_size=1,
+                role=None if index == 0 else role), **ids, event_id=f"{prefix}:segment:{index}")
+        finished = TrajectoryFinished(status="completed", attempt="a0", segment_count=2, group_size=1,
+                                      sample_index=0, response_text=ANSWER, label="42")
+        self.bus.publish("trajectories", finished, **ids, event_id=f"{prefix}:finished")
+        reward = RewardAssigned(reward=0.5, advantage=0.0, source="exact_match", role_rewards=ROLE_REWARDS,
+                                role_advantages=ROLE_ADVANTAGES)
+        self.bus.publish("rewards", reward, event_id=f"{rollout}:reward", **ids)
+
+    def fleet_versions(self, url: str) -> None:
+        """What the trainer records of the server: the whole policy's version, and each adapter's."""
+        self.bus.redis.hset(FLEET_VERSIONS.key(self.bus.keys),
+                            mapping={version_field(url, role): version
+                                     for role, version in FLEET_VERSIONS_HELD.items()})
+
     def reward(self, rollout: str, group: str, reward: float, advantage: float) -> None:
         self.bus.publish("rewards", RewardAssigned(reward=reward, advantage=advantage, source="exact_match"),
                          event_id=f"{rollout}:reward", **self.ids(rollout, group))
@@ -175,7 +230,8 @@ class RunBuilder:
                                                  batch_id=batch_id, servers=[SERVER], parity_max_abs_diff=0.0,
                                                  loss=0.25, trained_samples=1, dropped={"stale": 2},
                                                  metrics={"samples/staleness_mean": 0.5,
-                                                          "samples/staleness_max": 1.0}),
+                                                          "samples/staleness_max": 1.0},
+                                                 role_versions={"planner": 1, "solver": 0}),
                          event_id="policy:v1")
         return batch_id
 
@@ -190,15 +246,17 @@ class RunBuilder:
         self.bus.consume("grades", "reward", "reward-host-7", block_ms=1)
 
 
-def publish_run(bus: Bus, storage: Path, encode) -> PublishedRun:
+def publish_run(bus: Bus, storage: Path, encode, fleet_url: str) -> PublishedRun:
     builder = RunBuilder(bus, str(storage), encode)
     run = bus.keys.run_id
-    names = ("calculator", "coding", "session", "dropped")
+    names = ("calculator", "coding", "session", "dropped", "roles")
     rollouts = {name: f"{run}-r{index:07d}" for index, name in enumerate(names)}
     segment = builder.calculator(rollouts["calculator"], f"{run}-g000000")
     builder.coding(rollouts["coding"], f"{run}-g000001")
     builder.session(rollouts["session"], f"{run}-g000001")
     builder.dropped(rollouts["dropped"], f"{run}-g000001")
+    builder.roles(rollouts["roles"], f"{run}-g000002")
     batch_id = builder.batch(rollouts["calculator"], f"{run}-g000000", segment)
     builder.consumers_and_dead_letters()
-    return PublishedRun(run, str(storage), rollouts, batch_id)
+    builder.fleet_versions(fleet_url)
+    return PublishedRun(run, str(storage), rollouts, batch_id, fleet_url)

@@ -32,7 +32,10 @@ from tests.unit.services.console.published_run import (
     AGENT_RUNNER,
     ANSWER,
     DIFF,
+    FLEET_VERSIONS_HELD,
     FORKED_ANSWER,
+    ROLE_ADVANTAGES,
+    ROLE_REWARDS,
     SANDBOX_OUTPUT,
     TESTS,
     TRAINER_GAP,
@@ -64,7 +67,7 @@ def test_overview_shows_replicas_consumers_streams_throughput_and_dead_letters(c
     streams = {row["stream"]: row for row in overview["streams"]}
     prompts = streams["prompts"]
     (runners,) = [g for g in prompts["groups"] if g["name"] == "agent-runner"]
-    assert (runners["lag"], runners["pending"]) == (3, 1)
+    assert (runners["lag"], runners["pending"]) == (4, 1)
     assert [(m["name"], m["pending"]) for m in runners["members"]] == [(AGENT_RUNNER, 1)]
     assert runners["members"][0]["idle_ms"] >= 0
     trajectories = streams["trajectories"]
@@ -77,13 +80,25 @@ def test_overview_shows_replicas_consumers_streams_throughput_and_dead_letters(c
     assert "unknown event type 'NoSuchEvent'" in letter["error"]
 
 
+def test_the_fleet_view_gives_each_server_the_version_of_its_policy_and_of_each_adapter(console):
+    """FLEET_VERSIONS holds a server's adapters under `<role>@<url>`: they are that server's, not servers."""
+    replicas = console.get("/api/overview").json()["replicas"]
+    (server,) = [row for row in replicas if row["service"] == "vllm"]
+    assert server["replica"] == server["url"] == console.published.fleet_url
+    assert server["facts"] == {"policy_version": FLEET_VERSIONS_HELD[None],
+                               "adapter_versions": {"planner": FLEET_VERSIONS_HELD["planner"],
+                                                    "solver": FLEET_VERSIONS_HELD["solver"]}}
+    assert server["status"] == "unreachable"  # nothing listens there
+
+
 def test_curves_give_reward_and_staleness_per_version_and_reward_per_minute(console):
     curves = console.get("/api/curves").json()
     (version,) = curves["versions"]
     assert (version["version"], version["batch_mean_reward"], version["loss"]) == (1, 1.0, 0.25)
     assert (version["staleness_mean"], version["staleness_max"], version["dropped_stale"]) == (0.5, 1.0, 2)
+    assert version["role_versions"] == {"planner": 1, "solver": 0}
     (minute,) = curves["reward_per_minute"]
-    assert minute["count"] == 3 and minute["mean"] == pytest.approx(0.5)
+    assert minute["count"] == 4 and minute["mean"] == pytest.approx(0.5)
     assert curves["batches_waiting"] == []
 
 
@@ -91,7 +106,7 @@ def test_rollouts_list_the_latest_first_with_status_grade_and_reward(console):
     rollouts = console.published.rollouts
     listed = console.get("/api/rollouts").json()["rollouts"]
     assert [row["rollout_id"] for row in listed] == [rollouts[name] for name in
-                                                     ("dropped", "session", "coding", "calculator")]
+                                                     ("roles", "dropped", "session", "coding", "calculator")]
     by_id = {row["rollout_id"]: row for row in listed}
     calculator, coding = by_id[rollouts["calculator"]], by_id[rollouts["coding"]]
     assert calculator["reward"] == 1.0 and calculator["status"] == "completed"
@@ -99,6 +114,9 @@ def test_rollouts_list_the_latest_first_with_status_grade_and_reward(console):
     assert by_id[rollouts["dropped"]]["dropped"] == "grading_failed"
     assert by_id[rollouts["dropped"]]["grade"] == "could not grade"
     assert by_id[rollouts["session"]]["session_id"] == "sess-42"
+    two_roles = by_id[rollouts["roles"]]
+    assert (two_roles["role_rewards"], two_roles["role_advantages"]) == (ROLE_REWARDS, ROLE_ADVANTAGES)
+    assert calculator["role_rewards"] == calculator["role_advantages"] == {}
     assert len(console.get("/api/rollouts", limit=2).json()["rollouts"]) == 2
 
 
@@ -137,6 +155,28 @@ def test_the_inspector_has_tokens_tools_versions_and_the_batch(console):
     assert batch["trained_in"] == [1] and [row["reward"] for row in batch["rows"]] == [1.0]
     assert doc["replay"][0].startswith(f"rollstream replay {console.published.run} --to ")
     assert "--services reward" in doc["replay"][0]
+
+
+def test_the_inspector_shows_each_segments_role_and_each_turns_version_as_its_roles(console):
+    doc = console.get(f"/api/rollouts/{console.published.rollouts['roles']}").json()
+    # the planner's segment names no role: it is the run's default role's, by that role's name
+    assert (doc["default_role"], doc["roles"], doc["roles_shown"]) == ("planner", ["planner", "solver"], True)
+    (attempt,) = doc["attempts"]
+    # ROLE_TURN_VERSIONS: the planner's turns at its v3 and v4, the solver's at its v1 and v2
+    assert [(s["segment_index"], s["role"], s["turn_policy_versions"]) for s in attempt["segments"]] == [
+        (0, "planner", [3, 4]), (1, "solver", [1, 2])]
+    assert [(t["segment_index"], t["role"], t["policy_version"]) for t in attempt["turns"]] == [
+        (0, "planner", 3), (0, "planner", 4), (1, "solver", 1), (1, "solver", 2)]
+    (reward,) = doc["rewards"]
+    assert (reward["role_rewards"], reward["role_advantages"]) == (ROLE_REWARDS, ROLE_ADVANTAGES)
+
+
+def test_a_rollout_of_the_default_role_alone_does_not_show_roles(console):
+    doc = console.get(f"/api/rollouts/{console.published.rollouts['calculator']}").json()
+    assert (doc["roles"], doc["roles_shown"]) == (["planner"], False)
+    (batch,) = doc["batches"]
+    assert batch["policies"] == [{"version": 1, "role_versions": {"planner": 1, "solver": 0}}]
+    assert [row["role"] for row in batch["rows"]] == ["planner"]
 
 
 def test_the_inspector_has_a_coding_rollouts_diff_sandbox_output_and_tests(console):

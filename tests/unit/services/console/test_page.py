@@ -47,3 +47,36 @@ def test_the_page_lists_a_rollout_and_the_inspector_shows_its_tokens_tool_call_a
         expect(inspection.locator(".diff-add")).to_have_text("+def add(a, b): return a + b")
         expect(inspection).to_contain_text("test_sub FAILED")  # the sandbox's output
         expect(inspection).to_contain_text("--services sandbox-grader,reward")
+
+
+def test_the_page_shows_each_roles_segments_versions_rewards_and_the_fleets_adapters(console):
+    rollouts = console.published.rollouts
+    with chromium_page() as page:
+        page.goto(f"{console.url}#token={TOKEN}")
+        # the server's adapters are its own, not servers of the fleet
+        server = page.locator("#replicas tr", has_text=console.published.fleet_url)
+        expect(server).to_contain_text("policy_version: 5, adapters: planner v3, solver v4")
+        expect(page.locator("#replicas")).not_to_contain_text("planner@")
+        expect(page.locator("#batches-waiting")).to_contain_text("latest policy v1 (planner v1, solver v0)")
+
+        row = page.locator(f"#rollout-list tr[data-rollout='{rollouts['roles']}']")
+        expect(row).to_contain_text("reward 0.500 (planner 1.000, solver 0.000), "
+                                    "advantage planner 0.500, solver -0.500")
+        row.click()
+        inspection = page.locator("#inspection")
+        expect(inspection).to_contain_text("roles planner, solver")
+        heads = inspection.locator(".turn-head")
+        expect(heads).to_have_count(4)
+        for index, (segment, version) in enumerate([(0, "planner v3"), (0, "planner v4"), (1, "solver v1"),
+                                                    (1, "solver v2")]):
+            expect(heads.nth(index)).to_contain_text(f"segment {segment} · turn {index % 2} · {version} ·")
+        expect(inspection.locator("tr", has_text="solver v1 solver v2")).to_contain_text("solver")
+        expect(inspection).to_contain_text("rewards per role: planner 1, solver 0")
+        expect(inspection).to_contain_text("advantages per role: planner 0.5, solver -0.5")
+
+        # a rollout of the default role alone reads as one policy's; its batch trained into each role's
+        # version
+        page.locator(f"#rollout-list tr[data-rollout='{rollouts['calculator']}']").click()
+        expect(inspection).to_contain_text("policy v0 → v1 (weights synced mid-turn)")
+        expect(inspection).to_contain_text("trained into v1 (planner v1, solver v0)")
+        expect(inspection).not_to_contain_text("roles planner")
