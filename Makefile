@@ -115,7 +115,7 @@ deepspeed-ops: | $(VENV)/.installed
 	  load_shared_memory_op()"
 
 run: setup
-	$(VENV)/bin/rollstream run
+	$(VENV)/bin/rollstream run $(if $(EXAMPLE),--example $(EXAMPLE))
 
 # Two pytest workers: most of the suite waits (on servers, sandboxes, a run's next version), so two share the
 # machine's cores better than one; a module's tests stay on one worker (tests/conftest.py). The slowest

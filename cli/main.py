@@ -262,6 +262,9 @@ def run(
     run_id: RunId = None,
     fleet_url: FleetUrls = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 1800.0,
+    example: Annotated[str | None, typer.Option(
+        help="Run an example instead of the calculator task (cli/examples.py): relay (a planner and a "
+             "solver, two LoRA adapters trained together).")] = None,
 ) -> None:
     """Train locally: embedded Redis (unless RS_REDIS_URL), vLLM on the CPU, every service as a process.
 
@@ -272,7 +275,17 @@ def run(
     from rollstream.shared.errors import DatasetError, SandboxError
     from rollstream.shared.runtime.config import Settings
 
-    settings = Settings(run_id=run_id or time.strftime("run-%Y%m%d-%H%M%S"))
+    run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    if example is None:
+        settings = Settings(run_id=run_id)
+    else:
+        from rollstream.cli.examples import example_settings
+
+        try:
+            settings = example_settings(example, run_id)
+        except ValueError as exc:
+            console.print(f"[bold red]{escape(str(exc))}[/]", markup=True)
+            raise typer.Exit(2) from None
     if versions is not None:
         settings = with_train(settings, total_versions=versions)
     local = LocalRun(settings, fleet_urls=fleet_url)
