@@ -5,7 +5,7 @@ the rest) and the dataset it writes into the run's folder.
 - `relay`: two roles, a planner and a solver, as two LoRA adapters of the tiny model served by the one vLLM
   server, each trained on its own turns with its own reward (shared/agent/environments/relay.py).
 
-    python -m pytest tests/unit/cli/test_examples.py -q
+    python -m pytest tests/unit/shared/agent/test_relay.py -q
 """
 
 from __future__ import annotations
