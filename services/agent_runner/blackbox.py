@@ -17,8 +17,8 @@ One episode:
    snapshot, coding.get_workspace), and its sandbox is prepared (agent_sandbox.py: the backend, the task's
    image, built now when docker has not got it yet, so that building it costs the agent none of its budget);
 2. a gateway session is opened (POST /v1/sessions) with the prompt's ids, sample index, group size, label,
-   reward function, sandbox check and grader, the rollout's sampling settings (a seed of the rollout's own
-   when rollout.seed is set) and the time budget;
+   reward function, sandbox check and grader, the prompt's role, the rollout's sampling settings (a seed of
+   the rollout's own when rollout.seed is set) and the time budget;
 3. the command line runs as `/bin/sh -c COMMAND` in the task's sandbox (agent_sandbox.py: bubblewrap or
    docker, agent.command_sandbox, default grader.backend), never on the host: the repository at the task's
    WORKDIR (a Harbor task's, e.g. /app; /workspace otherwise) is its working directory, it has no network but
@@ -34,6 +34,11 @@ One episode:
        ANTHROPIC_BASE_URL                 the session's Anthropic base URL, http://127.0.0.1:18300/s/{session}
        ROLLSTREAM_SESSION_ID              the session
        ROLLSTREAM_MODEL                   the served model's name (model.served_name)
+       ROLLSTREAM_ROLE                    the session's role (the prompt's, else roles.default): its turns
+                                          are sampled as it and train it
+       ROLLSTREAM_ROLES                   the run's roles, comma-separated: a request that names one as its
+                                          model (a sub-agent configured so) is sampled as that role and
+                                          trains it, in conversations of its own (services/gateway)
        ROLLSTREAM_TASK                    the instruction: the prompt's last user message, without the
                                           note on the coding tools, which such an agent does not have
        ROLLSTREAM_TASK_FILE               a file holding the same text, /rollstream/episode/task.md
@@ -91,6 +96,7 @@ from rollstream.shared.agent.environments.coding_workspace import (
 )
 from rollstream.shared.agent.tools import Episode
 from rollstream.shared.contract.events import PromptIssued
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.sandbox.base import SandboxResult
@@ -192,6 +198,7 @@ class BlackBoxRunner:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.roles = RunRoles.of(settings)
         # a sandbox's run blocks its thread for the whole episode: on the loop's default executor (a few
         # threads) the episodes would starve every other to_thread call of the agent-runner (acks, claims)
         self.sandbox_threads = ThreadPoolExecutor(max_workers=settings.rollout.concurrency,
@@ -262,7 +269,7 @@ class BlackBoxRunner:
                 "sandbox_check": prompt.sandbox_check, "grader": dict(prompt.metadata.get("grader") or {}),
                 "metadata": dict(prompt.metadata),
                 "sampling": {"temperature": rollout.temperature, "max_tokens": rollout.max_tokens, **seed},
-                "time_budget_s": budget_s}
+                "time_budget_s": budget_s, "role": self.roles.resolve(prompt.role)}
 
     async def episode(self, prompt: PromptIssued, episode: Episode, sandbox: AgentSandbox, command: str,
                       session: dict[str, Any], deadline: float, budget_s: float) -> Outcome:
@@ -271,7 +278,8 @@ class BlackBoxRunner:
         task = instruction(prompt.messages)
         sandbox.write_task(task)
         model = settings.model.served_name
-        env = {**sandbox.environment(), **agent_environment(session, model, task)}
+        env = {**sandbox.environment(), **agent_environment(session, model, task),
+               **role_environment(self.roles, prompt.role)}
         filled = command.replace("{task_file}", shlex.quote(TASK_FILE)).replace("{model}", shlex.quote(model))
         async with SessionForwarder(sandbox.socket_path, settings.gateway.url, session["session_id"]):
             loop = asyncio.get_running_loop()
@@ -299,6 +307,11 @@ def agent_environment(session: dict[str, Any], model: str, task: str) -> dict[st
             "OPENAI_API_KEY": session["api_key"], "ANTHROPIC_BASE_URL": base_url,
             "ANTHROPIC_API_KEY": session["api_key"], "ROLLSTREAM_SESSION_ID": session["session_id"],
             "ROLLSTREAM_MODEL": model, "ROLLSTREAM_TASK": task, "ROLLSTREAM_TASK_FILE": TASK_FILE}
+
+
+def role_environment(roles: RunRoles, role: str | None) -> dict[str, str]:
+    """The session's role and the run's roles, as the command's environment names them."""
+    return {"ROLLSTREAM_ROLE": roles.resolve(role), "ROLLSTREAM_ROLES": ",".join(roles.names)}
 
 
 def outcome_of(result: SandboxResult, budget_s: float, log_file: Path) -> tuple[str, str | None]:

@@ -19,9 +19,16 @@ does not answer is waited for like the fleet: the prompt is kept and run again o
 black-box agents run under docker, the agent-runner first removes the containers that agent-runners
 killed on this host left behind.
 
+An episode samples as its prompt's role (none named: roles.default) unless its loop chooses others
+(shared/agent/loop.py: the loop is given the run's roles); each segment is published under its role's name,
+the episode's where the loop named none.
+
 One entry's failure is that entry's: an entry on `prompts` that is no PromptIssued is dead-lettered by the
 bus as it is read, and one without the rollout and group ids a sample needs is dead-lettered here, each at
-once with the reason; an episode that raises leaves its prompt pending, to be retried and dead-lettered after
+once with the reason; so is an episode that names a role the run does not have (its prompt's, or one its
+loop asked for or gave a segment), which every try would refuse the same: the reward service then leaves its
+rollout out of its group, with the reason, and gives its slot back (no reward is made up for it). An episode
+that raises anything else leaves its prompt pending, to be retried and dead-lettered after
 bus.max_deliveries.
 
     rollstream-agent-runner      # configured by RS_* variables or RS_CONFIG_FILE
@@ -30,6 +37,7 @@ bus.max_deliveries.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 
@@ -52,8 +60,9 @@ from rollstream.shared.agent.tools import (
 from rollstream.shared.contract.bus import ENVELOPE_IDS, Bus, Delivery, consumer_name
 from rollstream.shared.contract.consumers import consumer_group
 from rollstream.shared.contract.events import PromptIssued, SampleGrading, encode
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.contract.rollouts import RolloutFinish, Segment, publish_rollout
-from rollstream.shared.errors import FleetUnavailable
+from rollstream.shared.errors import FleetUnavailable, UnknownRole
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.metrics import watch_consumer_group
 from rollstream.shared.runtime.service import ServiceRuntime
@@ -100,6 +109,7 @@ class EpisodeRunner:
                              max_tokens_per_turn=settings.rollout.max_tokens,
                              max_total_tokens=settings.agent.max_total_tokens)
         self.blackbox = BlackBoxRunner(settings)
+        self.roles = RunRoles.of(settings)
 
     async def fleet_versions(self) -> dict[str, int]:
         return await asyncio.to_thread(self.bus.fleet_versions)
@@ -109,6 +119,7 @@ class EpisodeRunner:
         ids = {name: getattr(delivery.envelope, name) for name in ENVELOPE_IDS}
         agent_name = prompt.agent or self.settings.agent.default
         started = time.monotonic()
+        self.roles.resolve(prompt.role)  # a role the run does not have: refused before anything runs
         if agent_name == COMMAND_AGENT:  # the gateway publishes its trajectory, and counts its turns
             status = await self.blackbox.run(prompt, ids)
             EPISODES.labels(agent_name, status).inc()
@@ -145,13 +156,15 @@ class EpisodeRunner:
         ctx = AgentContext(fleet=self.fleet, tokenizer=self.tokenizer, tools=tools,
                            tool_format=self.tool_format, limits=self.limits, episode=episode,
                            session_id=session_id, temperature=self.settings.rollout.temperature,
-                           policy_versions=self.fleet_versions)
+                           policy_versions=self.fleet_versions, roles=self.roles, role=prompt.role)
         task = Task(messages=prompt.messages, label=prompt.label, metadata=dict(prompt.metadata))
         result = await agent(task, ctx)
         segments = result if isinstance(result, list) else [result]
         if not segments:
             raise ValueError(f"agent {agent_name} returned no segment")
-        return segments
+        # a segment that names no role is the episode's; each is published under its role's name
+        return [dataclasses.replace(segment, role=self.roles.resolve(
+            segment.role if segment.role is not None else prompt.role)) for segment in segments]
 
 
 class Replica:
@@ -231,6 +244,14 @@ class Replica:
                 await self.wait_until(self.fleet_answers, "the vLLM fleet", str(exc))
             except GatewayUnavailable as exc:  # the machinery's failure too
                 await self.wait_until(self.runner.blackbox.gateway_answers, "the gateway", str(exc))
+            except UnknownRole as exc:
+                # The prompt's or its loop's error, the same on every replica and every try: no sample of it
+                # could be trained, so its rollout leaves its group now, with the reason (not a reward of 0).
+                await asyncio.to_thread(self.bus.dead_letter, PROMPTS, GROUP.name, delivery.entry_id,
+                                        encode(delivery.envelope), 1, f"{type(exc).__name__}: {exc}")
+                self.runtime.log.error("episode refused: it names a role the run does not have",
+                                       extra={"rollout_id": delivery.envelope.rollout_id, "error": str(exc)})
+                return False
             except Exception as exc:
                 self.bus.record_failure(delivery, GROUP.name, f"{type(exc).__name__}: {exc}")
                 self.runtime.log.exception("episode failed; prompt stays pending for retry",

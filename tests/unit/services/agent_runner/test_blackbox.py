@@ -27,11 +27,17 @@ from typing import Self
 import pytest
 
 from rollstream.services.agent_runner.agent_sandbox import AgentSandbox
-from rollstream.services.agent_runner.blackbox import BlackBoxRunner, GatewayRefused, GatewayUnavailable
+from rollstream.services.agent_runner.blackbox import (
+    BlackBoxRunner,
+    GatewayRefused,
+    GatewayUnavailable,
+    role_environment,
+)
 from rollstream.services.agent_runner.main import EpisodeRunner
 from rollstream.shared.agent.environments.coding import Workspace
 from rollstream.shared.contract.bus import Bus, Delivery
 from rollstream.shared.contract.events import PromptIssued, make_envelope
+from rollstream.shared.errors import UnknownRole
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.tasks.prompts import TOOLS_NOTE
@@ -197,6 +203,18 @@ def task_prompt(command: str | None = None, **metadata) -> PromptIssued:
 IDS = {"trajectory_id": "r7", "rollout_id": "r7", "group_id": "g2", "session_id": "r7"}
 
 
+def test_a_prompts_role_opens_its_session_for_that_role_and_the_agent_is_told_the_runs_roles(tmp_path):
+    settings = Settings(roles={"names": {"planner": {}, "solver": {}}}, train={"lora_rank": 8})
+    runner = BlackBoxRunner(settings)
+    prompt = task_prompt("agent").model_copy(update={"role": "solver"})
+    assert runner.session_request(prompt, IDS, 60)["role"] == "solver"
+    assert runner.session_request(task_prompt("agent"), IDS, 60)["role"] == "planner"  # roles.default
+    assert role_environment(runner.roles, "solver") == {"ROLLSTREAM_ROLE": "solver",
+                                                        "ROLLSTREAM_ROLES": "planner,solver"}
+    with pytest.raises(UnknownRole, match="role 'coder' is not one of this run's roles"):
+        runner.session_request(prompt.model_copy(update={"role": "coder"}), IDS, 60)
+
+
 def our_workspaces() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob(f"rs-ws-{os.getpid()}-*"))
 
@@ -224,11 +242,11 @@ def test_the_agent_runs_in_the_workspace_through_its_session_and_the_session_fin
 
     (opened,) = gateway.opened
     keys = ("rollout_id", "group_id", "trajectory_id", "sample_index", "group_size", "label", "reward_fn",
-            "sandbox_check", "grader", "time_budget_s")
+            "sandbox_check", "grader", "time_budget_s", "role")
     assert {key: opened[key] for key in keys} == {
         "rollout_id": "r7", "group_id": "g2", "trajectory_id": "r7", "sample_index": 3, "group_size": 4,
         "label": None, "reward_fn": "exact_match", "sandbox_check": None, "grader": GRADER,
-        "time_budget_s": 45.0}
+        "time_budget_s": 45.0, "role": "policy"}
     assert opened["sampling"] == {"temperature": 0.7, "max_tokens": 48}
     assert opened["metadata"]["grader"] == GRADER
 
@@ -243,6 +261,7 @@ def test_the_agent_runs_in_the_workspace_through_its_session_and_the_session_fin
     assert env["ROLLSTREAM_TASK"] == INSTRUCTION == report["task_file_text"]
     assert report["argv"] == [env["ROLLSTREAM_TASK_FILE"], "tiny-served"]
     assert env["ROLLSTREAM_TASK_FILE"] == "/rollstream/episode/task.md"
+    assert env["ROLLSTREAM_ROLE"] == env["ROLLSTREAM_ROLES"] == "policy"
     assert env["PATH"].startswith("/opt/agent/bin:/opt/agent/node_modules/.bin:")
     assert "ROLLSTREAM_TEST_SECRET" not in env and not any(name.startswith("RS_") for name in env)
     assert report["cwd"] == "/workspace" and env["HOME"] == "/home/agent"

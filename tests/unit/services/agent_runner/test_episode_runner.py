@@ -98,7 +98,7 @@ def test_the_events_carry_the_segments_and_the_prompts_grading(published):
                           turn_policy_versions=[1, 1], status="completed", response_text="half way",
                           sample_index=5, group_size=4, metadata={"grader": GRADER, "shared": "segment's",
                                                                   "source": "unit",
-                                                  "compacted": True}),
+                                                  "compacted": True}, role="policy"),
         TrajectoryTurn(turn=0, segment_index=1, offset=2, appended_ids=[1, 9], response_ids=[8],
                        logprobs=[-0.5], policy_version=2, policy_version_end=3, finish_reason="stop",
                        server_url="http://b"),
@@ -106,7 +106,8 @@ def test_the_events_carry_the_segments_and_the_prompts_grading(published):
                           loss_mask=[0, 0, 1], rollout_logprobs=[0.0, 0.0, -0.5], turn_policy_versions=[2],
                           status="truncated", response_text="5", sample_index=5, group_size=4,
                           metadata={"grader": GRADER, "shared": "final's", "source": "unit",
-                                    "artifacts": {"diff": "runs/r9.diff"}, "error": "out of turns"}),
+                                    "artifacts": {"diff": "runs/r9.diff"}, "error": "out of turns"},
+                          role="policy"),  # the run's one role, by name: the segments named none
         TrajectoryFinished(status="truncated", attempt=attempt, segment_count=2, group_size=4, sample_index=5,
                            sandbox_check="test -f done", grader=GRADER, response_text="5", label="5",
                            reward_fn="exact_match", reward=None, artifacts={"diff": "runs/r9.diff"},
