@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from rollstream.services.gateway.apis.errors import RequestError, anthropic_error, openai_error
-from rollstream.shared.errors import FleetRequestError, FleetUnavailable, TemplateError
+from rollstream.shared.errors import FleetRequestError, FleetUnavailable, TemplateError, UnknownRole
 from rollstream.shared.inference.fleet_servers import FleetSettingsError
 
 
@@ -61,6 +61,11 @@ async def unrenderable(request: Request, exc: TemplateError) -> JSONResponse:
     return error_response(api_of(request.url.path), 400, f"the chat template cannot render this: {exc}")
 
 
+async def unknown_role(request: Request, exc: UnknownRole) -> JSONResponse:
+    # a session created for a role that the gateway's settings no longer have (settings changed since)
+    return error_response(api_of(request.url.path), 400, f"this session's role cannot be sampled: {exc}")
+
+
 def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(RequestValidationError, invalid_body)
@@ -68,3 +73,4 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(FleetRequestError, refused)
     app.add_exception_handler(FleetSettingsError, misconfigured)
     app.add_exception_handler(TemplateError, unrenderable)
+    app.add_exception_handler(UnknownRole, unknown_role)

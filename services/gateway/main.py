@@ -7,7 +7,8 @@ key, and finishes it (optionally with a reward); the gateway then publishes the 
 `trajectories` like any other rollout (samples.py), and the rest of the pipeline grades, rewards and trains
 them.
 
-    POST   /v1/sessions                     create: ids, grader, sampling defaults, time budget -> URLs, key
+    POST   /v1/sessions                     create: ids, grader, role, sampling defaults, time budget -> URLs,
+                                            key
     GET    /v1/sessions/{id}                read
     POST   /v1/sessions/{id}/finish         finish: status, reward, artifacts -> samples published
     DELETE /v1/sessions/{id}                discard (nothing published)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,14 +134,19 @@ class History:
     keys: list[str]
     conversation: list[str]
     answered: list[str]
+    named_role: str | None = None
+    """The role of the run the request's model names, whose conversations are apart from its session's own
+    (conversation_keys); None: the session's role."""
 
     @classmethod
-    def of(cls, request: ChatRequest) -> History:
+    def of(cls, request: ChatRequest, roles: Collection[str] = ()) -> History:
+        """The request's history; `roles`: the run's roles, which its model may name."""
         tools = tools_key(request.tools)
+        named_role = request.model if request.model in roles else None
         keys = [turn_key(m) for m in request.messages]
-        conversation = conversation_keys(tools, keys)
+        conversation = conversation_keys(tools, keys, named_role)
         answered = [conversation[i] for i, m in enumerate(request.messages) if m["role"] == "assistant"]
-        return cls(tools, keys, conversation, answered)
+        return cls(tools, keys, conversation, answered, named_role)
 
 
 @dataclass
@@ -155,6 +161,8 @@ class PlannedTurn:
     """The template renders the history this turn continues differently from the ids recorded for it (a
     Qwen3-style template drops earlier turns' reasoning once a new user message follows); the prompt is
     the recorded ids all the same: they are what the model saw and sampled."""
+    named_role: str | None = None
+    """History.named_role: the role the request names instead of its session's."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -184,6 +192,7 @@ async def plan_turn(template: ChatTemplate, store: SessionStore, session: Sessio
         planned = _render_turn(*work)
     else:
         planned = await asyncio.to_thread(_render_turn, *work)
+    planned.named_role = history.named_role
     length = len(planned.prompt_ids)
     if length > max_prompt_tokens:
         raise RequestError(400, f"the prompt is {length} tokens; this gateway takes at most "
@@ -213,4 +222,5 @@ def _render_turn(template: ChatTemplate, request: ChatRequest, history: History,
 
 def answer_key(request: ChatRequest, planned: PlannedTurn, answer: dict[str, Any]) -> str:
     """The node key of the conversation this turn's answer closes."""
-    return conversation_keys(tools_key(request.tools), [*planned.conversation, turn_key(answer)])[-1]
+    return conversation_keys(tools_key(request.tools), [*planned.conversation, turn_key(answer)],
+                             planned.named_role)[-1]

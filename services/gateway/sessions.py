@@ -18,6 +18,11 @@ then every message up to and including the assistant message the gateway answere
 history edited, compacted or branched past a node forks there (a second child), or starts a new root
 when nothing matches. At finish every leaf (a node without a child) is one training sample; they share
 the session's rollout id.
+
+A session is created for a role of the run (SessionSpec.role), and each node records the role that sampled
+it: the session's, or the one its request's model named (a sub-agent's). The node keys of a turn whose
+request names a role are digests with that role in them, so that a conversation of one role never continues
+another's: every sample is of one role.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ class SessionSpec(SessionGrading):
     """Defaults for every turn: temperature, max_tokens, top_p, seed (a request's own values win), and
     min_tokens, ignore_eos (passed to vLLM)."""
     time_budget_s: float | None = None
+    role: str | None = None
+    """The role its turns are sampled as and train (its name; None: a session created before roles, the run's
+    default), unless a request's model names another role of the run (turns.turn_role)."""
 
 
 @dataclass
@@ -98,7 +106,7 @@ class Session:
 
     def describe(self) -> dict[str, Any]:
         return {"session_id": self.spec.session_id, "status": self.status, "turns": self.turns,
-                "rollout_id": self.spec.rollout_id, "group_id": self.spec.group_id,
+                "rollout_id": self.spec.rollout_id, "group_id": self.spec.group_id, "role": self.spec.role,
                 "created_at": self.created_at, "deadline": self.deadline, "ends_at": self.ends_at}
 
 
@@ -122,6 +130,9 @@ class TurnNode(msgspec.Struct, frozen=True):
     created_at: float
     history_rewritten: bool = False
     """The prompt continued recorded ids that the template now renders differently (prompts.PlannedTurn)."""
+    role: str | None = None
+    """The role that sampled it (None: a node recorded before roles, the session's). A chain never mixes
+    roles: a turn of another role than its session's has node keys of its own (conversation_keys)."""
 
     def as_turn(self, number: int, segment_index: int, offset: int) -> TrajectoryTurn:
         """This node as turn `number` of a sample (segment `segment_index`) whose tokens have its response
@@ -145,9 +156,12 @@ def _optional_float(raw: bytes | None) -> float | None:
     return None if raw is None else float(raw)
 
 
-def conversation_keys(tools_key: str, message_keys: list[str]) -> list[str]:
-    """The node key of every prefix of the conversation: keys[i] closes messages[: i + 1]."""
-    running = hashlib.blake2b(tools_key.encode(), digest_size=16)
+def conversation_keys(tools_key: str, message_keys: list[str], role: str | None = None) -> list[str]:
+    """The node key of every prefix of the conversation: keys[i] closes messages[: i + 1]. `role`: the role a
+    request names (its model) instead of its session's, whose conversations are apart from the session's own:
+    the same messages sampled as another role are another sample."""
+    seed = tools_key if role is None else f"{role}\x00{tools_key}"
+    running = hashlib.blake2b(seed.encode(), digest_size=16)
     keys = []
     for key in message_keys:
         running.update(b"\x00" + key.encode())
@@ -306,20 +320,25 @@ class SessionStore:
             key = node.parent
         return out[::-1]
 
-    async def add_turn(self, session_id: str, key: str, node: TurnNode) -> bool:
+    async def add_turn(self, session_id: str, key: str, node: TurnNode, version_field: str | None = None,
+                       synced: bool = True) -> bool:
         """Record a sampled turn; False when the session is no longer open (finished meanwhile). The same
         conversation sampled twice to the same answer keeps the first. Its policy_version_end is the version
-        the fleet's record gives its server (node.server_url) as it is recorded: the version after the
-        generation; the node's own where the record has none."""
+        the fleet's record holds under `version_field` (RunRoles.version_field: the node's role's policy on
+        its server; None: the whole policy's, node.server_url) as it is recorded: the version after the
+        generation; the node's own where the record has none, or where its role is never `synced` (a
+        frozen role)."""
         # Redis lets a script name only keys its user may write, and the gateway's may only read the fleet's
         # record: it is read beside the script, in the same round trip, and the node amended in the rare turn
         # that a weight sync of its server ended during.
         keys = _session_keys(self.bus.keys, session_id)
         encoded = _encoder.encode(node)
         args = (key, encoded, node.parent, self._expire_at_ms(None))
-        version, recorded = await self.round_trips.run(
-            ("HGET", FLEET_VERSIONS.key(self.bus.keys), node.server_url),
-            ("EVALSHA", _ADD_TURN_SCRIPT.sha, len(keys), *keys, *args))
+        version_read: list[Command] = [("HGET", FLEET_VERSIONS.key(self.bus.keys),
+                                        version_field or node.server_url)] if synced else []
+        replies = await self.round_trips.run(*version_read,
+                                             ("EVALSHA", _ADD_TURN_SCRIPT.sha, len(keys), *keys, *args))
+        version, recorded = replies if synced else (None, *replies)
         if isinstance(recorded, NoScriptError):  # a Redis that restarted has none
             recorded = await self._script(_ADD_TURN_SCRIPT, keys, args)
         for reply in (version, recorded):

@@ -1,6 +1,9 @@
 """The sessions API, for whoever runs the agent: create a session, read it, finish it (its samples are then
 published: samples.py) or delete it. Every route asks for security.http_token when it is set.
 
+A session is created for a role of the run (`role`; none: roles.default): its turns are sampled as that
+role and train it. A role the run does not have is a 400 that names the run's roles.
+
     python -m pytest tests/unit/services/gateway/test_gateway_app.py -q
 """
 
@@ -19,6 +22,7 @@ from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.app_state import AppState, app_state
 from rollstream.services.gateway.samples import publish_samples
 from rollstream.services.gateway.sessions import SessionGrading, SessionSpec
+from rollstream.shared.errors import UnknownRole
 from rollstream.shared.runtime.health_api import auth_failure
 
 SESSIONS_CREATED = Counter("rollstream_gateway_sessions_created_total", "Sessions this replica created")
@@ -48,6 +52,8 @@ class SessionCreate(SessionGrading):
     metadata: dict[str, Any] = {}
     sampling: SamplingDefaults = SamplingDefaults()
     time_budget_s: float | None = Field(None, gt=0)
+    role: str | None = Field(None, min_length=1, max_length=64)
+    """The role of the run its turns are sampled as and train (roles.names); None: roles.default."""
 
 
 class SessionFinish(BaseModel):
@@ -70,12 +76,16 @@ async def create_session(body: SessionCreate, authorization: str | None = Header
                          state: AppState = Depends(app_state)) -> dict[str, Any]:
     check_admin(state, authorization)
     session_id = body.session_id or uuid.uuid4().hex
+    try:
+        role = state.gateway.roles.resolve(body.role)
+    except UnknownRole as exc:
+        raise RequestError(400, str(exc), param="role") from exc
     spec = SessionSpec(rollout_id=body.rollout_id, group_id=body.group_id,
                        trajectory_id=body.trajectory_id or body.rollout_id, session_id=session_id,
                        sample_index=body.sample_index, group_size=body.group_size, label=body.label,
                        reward_fn=body.reward_fn, sandbox_check=body.sandbox_check, grader=body.grader,
                        metadata=body.metadata, sampling=body.sampling.model_dump(exclude_none=True),
-                       time_budget_s=body.time_budget_s)
+                       time_budget_s=body.time_budget_s, role=role)
     created = await state.store.create(spec)
     if created is None:
         raise RequestError(409, f"session {session_id} exists already", kind="invalid_request_error")

@@ -9,7 +9,10 @@ whole generation in one response (no chunk per token to send, parse and decode),
 path as one delta: both record the same ids. A turn whose client went away before the end is not recorded:
 the agent never saw that answer.
 
-The policy versions are read from the fleet version record before and after the generation, as the
+A turn is sampled as a role of the run (`turn_role`): its session's, or the one its request's model names
+(a sub-agent's requests may name another role than the agent's). The request to the fleet names the role's
+served model (its LoRA adapter, or the base model), and the turn's node records its role. The versions of
+that role's policy are read from the fleet version record before and after the generation, as the
 agent-runner does for its own turns, so a turn sampled across a weight sync says so: before, with the
 session (SessionStore.get), after, as the turn is recorded (SessionStore.add_turn).
 
@@ -42,6 +45,7 @@ from rollstream.services.gateway.apis.errors import RequestError
 from rollstream.services.gateway.apis.streaming import THINK_OPEN, TurnStreamParser
 from rollstream.services.gateway.prompts import ChatTemplate, History, PlannedTurn, answer_key, plan_turn
 from rollstream.services.gateway.sessions import Session, SessionStore, TurnNode
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.inference.fleet import StreamDelta
 from rollstream.shared.runtime.config import Settings
 
@@ -103,6 +107,16 @@ class Gateway:
     template: ChatTemplate
     fleet: Any
     """rollstream.shared.inference.fleet.FleetClient"""
+    roles: RunRoles = field(init=False)
+    """The run's roles, from `settings`."""
+
+    def __post_init__(self) -> None:
+        self.roles = RunRoles.of(self.settings)
+
+
+def turn_role(roles: RunRoles, session: Session, planned: PlannedTurn) -> str:
+    """The role a turn is sampled as and trains: the one its request's model names, else its session's."""
+    return roles.resolve(planned.named_role or session.spec.role)
 
 
 def sampling_for(session: Session, request: ChatRequest, settings: Settings, prompt_tokens: int,
@@ -177,7 +191,8 @@ async def run_turn(gateway: Gateway, session: Session, request: ChatRequest, his
     limits = gateway.settings.gateway
     planned = await plan_turn(template, gateway.store, session, request, history, limits.max_prompt_tokens,
                               limits.on_rewritten_history)
-    events = _generation(gateway, session, request, api, planned, started, answer_out)
+    role = turn_role(gateway.roles, session, planned)
+    events = _generation(gateway, session, request, api, planned, role, started, answer_out)
     return Turn(len(planned.prompt_ids), events)
 
 
@@ -201,7 +216,7 @@ class SampledTurn:
 
 
 async def _generation(gateway: Gateway, session: Session, request: ChatRequest, api: str,
-                      planned: PlannedTurn, started: float,
+                      planned: PlannedTurn, role: str, started: float,
                       answer_out: Answer | None) -> AsyncIterator[StreamEvent]:
     context = await gateway.fleet.longest_context()
     sampling = sampling_for(session, request, gateway.settings, len(planned.prompt_ids), context)
@@ -212,7 +227,8 @@ async def _generation(gateway: Gateway, session: Session, request: ChatRequest, 
     generate_with = gateway.fleet.stream if request.stream else whole_generation(gateway.fleet)
     async for delta in generate_with(planned.prompt_ids, max_tokens=sampling["max_tokens"],
                                      temperature=sampling["temperature"], session_id=session.spec.session_id,
-                                     seed=sampling["seed"], extra=sampling["extra"]):
+                                     seed=sampling["seed"], extra=sampling["extra"],
+                                     model=gateway.roles.served_model(role)):
         sampled.add(delta)
         for event in parser.feed(text.push(list(delta.token_ids))):
             yield event
@@ -226,7 +242,8 @@ async def _generation(gateway: Gateway, session: Session, request: ChatRequest, 
     if answer_out is not None:
         answer_out.content, answer_out.calls, answer_out.reasoning = content, calls, reasoning
     answer = assistant_message(content, calls, reasoning)
-    await _record_turn(gateway, session, planned, sampled, answer_key(request, planned, answer), content)
+    await _record_turn(gateway, session, planned, sampled, answer_key(request, planned, answer), content,
+                       role)
     TURNS.labels(api=api, stream=str(request.stream).lower()).inc()
     SAMPLED_TOKENS.inc(len(sampled.ids))
     if not planned.prefix_ids:
@@ -238,17 +255,20 @@ async def _generation(gateway: Gateway, session: Session, request: ChatRequest, 
 
 
 async def _record_turn(gateway: Gateway, session: Session, planned: PlannedTurn, sampled: SampledTurn,
-                       key: str, content: str) -> None:
-    """Records the turn in its session as its node; 410 when the session was finished meanwhile."""
+                       key: str, content: str, role: str) -> None:
+    """Records the turn in its session as its node, with the versions of its role's policy; 410 when the
+    session was finished meanwhile."""
     # A failover mid-stream: the versions of the first server before, of the last one after (add_turn).
-    version = session.fleet_versions.get(sampled.servers[0], 0) if sampled.servers else 0
+    roles = gateway.roles
+    version = roles.served_version(session.fleet_versions, sampled.servers[0], role) if sampled.servers else 0
+    server_url = sampled.servers[-1] if sampled.servers else ""
     node = TurnNode(parent=planned.parent, appended_ids=planned.appended_ids, response_ids=sampled.ids,
                     logprobs=sampled.logprobs, policy_version=version, policy_version_end=version,
-                    finish_reason=sampled.finish_reason,
-                    server_url=sampled.servers[-1] if sampled.servers else "", response_text=content,
-                    created_at=time.time(), history_rewritten=planned.history_rewritten)
+                    finish_reason=sampled.finish_reason, server_url=server_url, response_text=content,
+                    created_at=time.time(), history_rewritten=planned.history_rewritten, role=role)
     session_id = session.spec.session_id
-    if not await gateway.store.add_turn(session_id, key, node):
+    if not await gateway.store.add_turn(session_id, key, node, roles.version_field(server_url, role),
+                                        synced=roles.is_trained(role)):
         raise RequestError(410, f"session {session_id} was finished while this turn ran; the turn is not "
                                 "recorded")
 

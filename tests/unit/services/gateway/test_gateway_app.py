@@ -4,97 +4,25 @@ max_tokens is held to the context, and a Codex turn sent back continues the sess
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
 import time
-from collections.abc import Callable
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from rollstream.services.gateway.agent_api import IGNORED_TOOLS_HEADER
-from rollstream.services.gateway.main import build_app
 from rollstream.services.gateway.prompts import ChatTemplate
-from rollstream.services.gateway.sessions import SessionStore
-from rollstream.services.gateway.turns import Gateway, prompt_opens_reasoning
+from rollstream.services.gateway.turns import prompt_opens_reasoning
 from rollstream.shared.contract.events import TrajectorySegment
-from rollstream.shared.contract.redis_round_trips import connect_round_trips
-from rollstream.shared.inference.fleet import StreamDelta
-from rollstream.shared.runtime.config import Settings
+from tests.unit.services.gateway.scripted_app import CONTEXT, MODEL
 
-MODEL = Path(__file__).resolve().parents[4] / "models" / "tiny-llama-warm"
 pytestmark = pytest.mark.skipif(not (MODEL / "tokenizer.json").exists(),
                                 reason="the tiny model is built by make setup")
-CONTEXT = 4096
-"""The context the scripted fleet's servers report: model.max_model_len (1024) does not limit a turn."""
 SCHEMA = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
           "properties": {"path": {"type": "string"}}, "required": ["path"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def template():
-    from transformers import AutoTokenizer
-
-    return ChatTemplate(AutoTokenizer.from_pretrained(MODEL))
-
-
-class ScriptedFleet:
-    """Stands in for the vLLM fleet: each generation samples the next of `texts`, tokenized with the served
-    tokenizer and closed with the end-of-turn token, a few ids a delta; `asked` keeps each request, `during`
-    runs while it samples. Its servers hold `context` tokens."""
-
-    def __init__(self, template: ChatTemplate) -> None:
-        self.template = template
-        self.context = CONTEXT
-        self.texts: list[str] = []
-        self.asked: list[dict[str, Any]] = []
-        self.during: Callable[[], object] = lambda: None
-
-    def _sample(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        self.during()
-        ids = self.template.encode(self.texts.pop(0)) + [self.template.tokenizer.eos_token_id]
-        self.asked.append({"prompt_ids": list(prompt_ids), "max_tokens": max_tokens, "response_ids": ids})
-        return ids
-
-    async def longest_context(self) -> int:
-        return self.context
-
-    async def stream(self, prompt_ids: list[int], *, max_tokens: int, **sampling: Any):
-        ids = self._sample(prompt_ids, max_tokens)
-        for start in range(0, len(ids), 3):
-            piece = ids[start:start + 3]
-            yield StreamDelta(token_ids=piece, logprobs=[-0.5] * len(piece), server_url="http://vllm",
-                              finish_reason="stop" if start + 3 >= len(ids) else None)
-
-    async def complete(self, prompt_ids: list[int], *, max_tokens: int, **sampling: Any):
-        ids = self._sample(prompt_ids, max_tokens)
-        return SimpleNamespace(token_ids=ids, logprobs=[-0.5] * len(ids), server_url="http://vllm",
-                               finish_reason="stop")
-
-
-@pytest.fixture
-def gateway_app(bus, template, redis_url):
-    """Makes the app, with the settings given, and its client, entered: one event loop serves every request,
-    as uvicorn's does, and it holds the store's asyncio Redis client."""
-    with contextlib.ExitStack() as stack:
-        def make(**overrides: Any) -> tuple[TestClient, ScriptedFleet, SessionStore]:
-            settings = Settings(model={"path": str(MODEL)}, **overrides)
-            fleet = ScriptedFleet(template)
-            limits = settings.gateway
-            store = SessionStore(bus, connect_round_trips(redis_url, ride_out_outages=False),
-                                 limits.session_ttl_s, limits.finish_grace_s)
-            gateway = Gateway(settings=settings, store=store, template=template, fleet=fleet)
-            app = build_app(gateway, SimpleNamespace(log=logging.getLogger("gateway-test")))
-            client = stack.enter_context(TestClient(app))
-            stack.callback(client.portal.call, store.aclose)  # on the client's loop, before it ends
-            return client, fleet, store
-
-        yield make
 
 
 def open_session(client: TestClient) -> tuple[str, dict[str, str]]:
