@@ -8,22 +8,25 @@ Tests: tests/unit/cli/test_run_preflight.py.
 
 from __future__ import annotations
 
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.errors import BackendUnavailable, SandboxError
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.sandbox.backends import probe_sandbox
 from rollstream.shared.tasks.datasets import arithmetic_dataset, load_dataset_and_swebench_rows
+from rollstream.shared.tasks.rows import check_roles
 from rollstream.shared.tasks.swebench import SweTask
 
 
 def check_sandbox(settings: Settings, services: tuple[str, ...]) -> list[SweTask]:
-    """Load the dataset (DatasetError when it is bad) and, when a sandbox-grader will grade some of its
-    rows, make a real sandbox of the grader's backend here (probe_sandbox): BackendUnavailable with the
-    backend's reason and what to do otherwise. A run without a working sandbox would only collect
-    ungradable rollouts. Returns the dataset's SWE-bench rows ([] for any other dataset), for
-    prepare_task_environments."""
+    """Load the dataset (DatasetError when it is bad, or a row names a role the run does not have) and, when a
+    sandbox-grader will grade some of its rows, make a real sandbox of the grader's backend here
+    (probe_sandbox): BackendUnavailable with the backend's reason and what to do otherwise. A run without a
+    working sandbox would only collect ungradable rollouts. Returns the dataset's SWE-bench rows ([] for any
+    other dataset), for prepare_task_environments."""
     tasks: list[SweTask] = []
     if settings.data.path is not None:
         rows, tasks = load_dataset_and_swebench_rows(settings.data.path)
+        check_roles(rows, RunRoles.of(settings), str(settings.data.path))
     else:
         rows = arithmetic_dataset(settings.data.synthetic_prompts, settings.data.seed,
                                   settings.data.synthetic_sandbox_every)
