@@ -117,6 +117,7 @@ BENCHMARKS = (
     Benchmark("checkpoint-sync", "bench_checkpoint_sync.py", ("--shapes", "128x2", "1024x4", "2048x4")),
     Benchmark("weight-transport", "bench_weight_transport.py", ("--shapes", "128x2", "1024x4", "2048x4"),
               full_run_s=1500),
+    Benchmark("adapter-sync", "bench_adapter_sync.py", ("--shapes", "1024x4", "2048x4")),
     Benchmark("grading", "bench_grading.py", ("--jobs", "12")),
     Benchmark("agent-runner", "bench_agent_runner.py",
               ("--episodes", "128", "--rounds", "3", "--warmup-passes", "1"), takes_fleet=True),
