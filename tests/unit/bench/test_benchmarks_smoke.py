@@ -71,6 +71,14 @@ def test_weight_transport_against_disk_on_a_running_server(vllm_url, tiny_model,
     assert changed is not None and 0.5 < float(changed.group(1)) < 2, done.output[-3000:]
 
 
+def test_adapter_sync_against_a_full_sync(tmp_path):
+    """Starts its own server: a LoRA run's, with adapters enabled. Every version's parity is checked (else it
+    fails); an adapter moves less than the model."""
+    done = run_smoke("bench_adapter_sync.py", tmp_path)
+    moved = [f for f in done.figures if f["unit"] == "MiB"]
+    assert moved and all(f["value"] < f["baseline"] for f in moved), done.figures
+
+
 def test_grading_per_backend(tmp_path):
     if REAL_BWRAP is None:
         pytest.skip("bubblewrap (bwrap) is not installed: make setup installs it")
