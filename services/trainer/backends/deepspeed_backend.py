@@ -131,6 +131,18 @@ def leave_distributed() -> None:
         dist.destroy_process_group()
 
 
+def rank_device() -> torch.device:
+    """The device of this process's rank (its LOCAL_RANK's accelerator, made the current one), or the CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    accelerator.set_device(local_rank)
+    return torch.device(accelerator.device_name(local_rank))
+
+
 def deepspeed_config(settings: TrainSettings, hidden_size: int, parameters: int) -> dict:
     """The DeepSpeed config: fp32, the caller's gradient accumulation, clipping to train.grad_clip."""
     bucket = max(1, min(_DEFAULT_BUCKET, hidden_size * hidden_size))
@@ -192,19 +204,12 @@ class DeepSpeedBackend:
     def __init__(self, settings: TrainSettings, model_path: Path) -> None:
         import deepspeed
         import torch.distributed as dist
-        from deepspeed.accelerator import get_accelerator
 
         ensure_distributed()
         self.settings = settings
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        accelerator = get_accelerator()
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if accelerator.device_name() == "cpu":
-            self.device = torch.device("cpu")
-        else:
-            accelerator.set_device(local_rank)
-            self.device = torch.device(accelerator.device_name(local_rank))
+        self.device = rank_device()
 
         module = load_model(Path(model_path), torch.device("cpu"))
         parameters = sum(p.numel() for p in module.parameters())

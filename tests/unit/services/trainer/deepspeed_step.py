@@ -6,7 +6,8 @@ backend: DeepSpeed sets up process-global state (torch.distributed), so each Dee
 processes of its own.
 
     python tests/unit/services/trainer/deepspeed_step.py '{"task": TASK, ...}'
-    (TASK: train, resume, ranks, torch or torch_ranks; see main())
+    (TASK: train, resume, ranks, torch or torch_ranks; lora, lora_resume or lora_ranks for the LoRA backends;
+    see main() and lora_main())
 
 writes its results as JSON to the path given as "result" ("{rank}" in it becomes the process's rank).
 """
@@ -32,6 +33,18 @@ RANKS_MICRO_BATCH_TOKENS = 29
 PAD_ID = 0
 VOCAB = 352
 PROBE = [3, 17, 250, 9, 41, 120, 77, 5]
+
+
+LORA_ROLES = ("planner", "solver")
+LORA_STEPS = (("planner", 0), ("solver", 1), ("planner", 1))
+"""A LoRA run's steps: (the role trained, the seed of its rows); the solver's step comes between the
+planner's two, whose second must not see it."""
+
+
+def lora_settings(backend: str, zero_stage: int = 2) -> TrainSettings:
+    # an adapter starts as the base (its B is zero): a learning rate that moves it visibly in a step
+    return TrainSettings(backend=backend, zero_stage=zero_stage, learning_rate=1e-3, grad_clip=1.0,
+                         lora_rank=8, lora_alpha=16)
 
 
 def settings(backend: str, zero_stage: int = 2) -> TrainSettings:
@@ -106,8 +119,51 @@ def train(backend, cfg: TrainSettings, saves: list[str]) -> dict:
     return out
 
 
+def lora_train(backend, cfg: TrainSettings, steps, saves: dict[int, str], *, rank: int = 0,
+               world_size: int = 1, micro_batch_tokens: int = MICRO_BATCH_TOKENS) -> dict:
+    """LORA_STEPS (from the index of the first of `steps`), each on its role's adapter; saved after the steps
+    `saves` names; each role's probe logprobs at the end."""
+    out: dict = {}
+    for index, (role, seed) in steps:
+        backend.use_role(role)
+        out[f"step{index}"] = train_step(backend, synthetic_rows(seed), cfg, rank=rank, world_size=world_size,
+                                         micro_batch_tokens=micro_batch_tokens)
+        if index in saves:
+            backend.save(Path(saves[index]))
+    for role in LORA_ROLES:
+        backend.use_role(role)
+        out[f"probe_{role}"] = sequence_logprobs(backend.model, PROBE)
+    return out
+
+
+def lora_main(spec: dict) -> dict:
+    """The LoRA tasks: lora (LORA_STEPS, saved after the second and the third), lora_resume (the third step
+    from the second's save), lora_ranks (LORA_STEPS over the ranks' shares, saved at the end); on the torch
+    backend where spec["backend"] says so."""
+    from rollstream.services.trainer.backends.factory import make_backend
+
+    cfg = lora_settings(spec.get("backend", "deepspeed"), spec.get("zero_stage", 2))
+    torch.manual_seed(cfg.seed)  # as the trainer seeds it: the adapters' initial weights are drawn from it
+    backend = make_backend(cfg, Path(spec["model"]), LORA_ROLES)
+    steps = list(enumerate(LORA_STEPS))
+    if spec["task"] == "lora":
+        return lora_train(backend, cfg, steps, {1: spec["saves"][0], 2: spec["saves"][1]})
+    if spec["task"] == "lora_resume":
+        backend.load_training_state(Path(spec["checkpoint"]))
+        return lora_train(backend, cfg, steps[2:], {2: spec["save"]})
+    if spec["task"] == "lora_ranks":
+        rank, world_size = getattr(backend, "rank", 0), getattr(backend, "world_size", 1)
+        out = lora_train(backend, cfg, steps, {len(steps) - 1: spec["save"]}, rank=rank,
+                         world_size=world_size, micro_batch_tokens=RANKS_MICRO_BATCH_TOKENS)
+        return {"rank": rank, "world_size": world_size, **out}
+    raise ValueError(f"unknown task {spec['task']!r}")
+
+
 def main(spec: dict) -> dict:
     from rollstream.services.trainer.backends.deepspeed_backend import DeepSpeedBackend
+
+    if spec["task"].startswith("lora"):
+        return lora_main(spec)
 
     # The torch backend's steps in a process of their own (with CUDA_VISIBLE_DEVICES='': on the CPU).
     if spec["task"] in ("torch", "torch_ranks"):
