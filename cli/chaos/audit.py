@@ -52,6 +52,7 @@ from rollstream.shared.contract.events import (
     RolloutDropped,
     TrajectoryFinished,
 )
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox.docker import DockerBackend
@@ -63,9 +64,9 @@ EXPIRY_ROUNDING_S = 0.001
 """Keys expire at whole milliseconds."""
 DROP_CAUSES: tuple[tuple[str, ...], ...] = (
     ("grading_failed", "grade_timeout"), ("stale",), ("dead_lettered",), ("batch_dead_lettered",),
-    ("filtered",))
+    ("filtered",), ("frozen",))
 """Drop causes bounded together (a lost grade ends as one or the other of the first two)."""
-BATCHED_DROP_CAUSES = ("stale", "batch_dead_lettered")
+BATCHED_DROP_CAUSES = ("stale", "batch_dead_lettered", "frozen")
 """Drop causes of rollouts whose rows are in a batch: the trainer left them out as too old, or dead-lettered
 the batch. The others are the reward service's (RolloutDropped): never batched."""
 DROP_REASONS_KEPT = 5
@@ -118,7 +119,8 @@ def drop_bound(faults: Iterable[tuple[str, str]], settings: Settings,
     batches entry a batch (B + G - 1).
 
     filtered: the run's own rule (train.filter_zero_variance), no fault's doing: unbounded when it is
-    on, none otherwise.
+    on, none otherwise. frozen: a rollout whose every segment is of a frozen role (roles.names), never
+    trained by the run's own settings: unbounded.
     """
     faults = list(faults)
     largest_batch = settings.train.batch_size + settings.data.samples_per_prompt - 1
@@ -137,6 +139,7 @@ def drop_bound(faults: Iterable[tuple[str, str]], settings: Settings,
         "dead_lettered": sum(lost_entries(s) for s in ("agent-runner", "sandbox-grader", "reward")),
         "batch_dead_lettered": lost_entries("trainer") * largest_batch,
         "filtered": None if settings.train.filter_zero_variance else 0,
+        "frozen": None,
     }
 
 
@@ -205,7 +208,10 @@ class AuditReport:
     left_out_invalid: int = 0
     """Admitted rollouts with a row the trainer left out as invalid (row_problem): never trained."""
     rows: dict[str, int] = field(default_factory=dict)
-    """Rows of trained batches by what the trainer did with them: trained, stale, invalid."""
+    """Rows of trained batches by what the trainer did with them: trained, stale, invalid, frozen (a frozen
+    role's), unknown_role (a role the run does not have)."""
+    rows_by_role: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The same, per role (as the row names it; None: the run's default role)."""
     lost: list[str] = field(default_factory=list)
     """Admitted rollouts in no batch and not dropped, or batched without all the segments of an attempt."""
     duplicated: list[str] = field(default_factory=list)
@@ -284,17 +290,20 @@ class AuditReport:
 
 
 def audit_run(bus: Bus, storage_uri: str, max_staleness: int, sandbox_queue: str = "sandbox", *,
-              limits: RowLimits, leave_out: Collection[tuple[str, str]] = frozenset()) -> AuditReport:
+              limits: RowLimits, leave_out: Collection[tuple[str, str]] = frozenset(),
+              roles: RunRoles | None = None) -> AuditReport:
     """What the run kept (see the module docstring). leave_out: (stream, entry id) of entries written into
     the run from outside (poison): what became of the run's own rollouts is read as if they had never been
-    written, though they count among the entries added and in the archive's check."""
+    written, though they count among the entries added and in the archive's check. roles: the run's
+    (RunRoles.of(settings)); None: one trained role, the whole policy."""
     history = {stream: run_events(bus, stream, storage_uri, leave_out) for stream in STREAMS}
     admitted = Counter(d.envelope.rollout_id for d in history["prompts"] if isinstance(d.event, PromptIssued))
     report = AuditReport(events=_entries_added(bus), admitted=len(admitted), trained=0, dropped={})
     report.admitted_twice = sorted(r for r, n in admitted.items() if n > 1)
     updates = [d.event for d in history["policy"] if isinstance(d.event, PolicyUpdated)]
     _check_versions(report, updates)
-    row_fates = _batch_row_fates(report, history, updates, Storage(storage_uri), max_staleness, limits)
+    row_fates = _batch_row_fates(report, history, updates, Storage(storage_uri), max_staleness, limits,
+                                 roles or ONE_POLICY)
     segment_counts, finished = _finished_attempts(history)
     _account_admitted(report, admitted, row_fates, _drop_causes(history), segment_counts)
     report.never_admitted = sorted(set(row_fates) - set(admitted))
@@ -327,10 +336,12 @@ def _check_versions(report: AuditReport, updates: list[PolicyUpdated]) -> None:
 
 def _batch_row_fates(report: AuditReport, history: dict[StreamName, list[Delivery]],
                      updates: list[PolicyUpdated], storage: Storage, max_staleness: int,
-                     limits: RowLimits) -> RowFates:
+                     limits: RowLimits, roles: RunRoles) -> RowFates:
     """The fate of every row of every announced batch; notes the batches no PolicyUpdated trained, those the
-    trainer counted otherwise, and the trained batches' rows by fate."""
+    trainer counted otherwise, and the trained batches' rows by fate, and by role and fate."""
     update_of = {u.batch_id: u for u in updates}
+    trained_from = _role_versions_before(updates, roles)
+    by_role: dict[str, Counter[str]] = defaultdict(Counter)
     batch_entries = {d.entry_id: d.event for d in history["batches"] if isinstance(d.event, BatchReady)}
     dead_batches = {d.event.entry_id for d in history["dead"]
                     if isinstance(d.event, DeadLettered) and d.event.stream == "batches"}
@@ -347,32 +358,61 @@ def _batch_row_fates(report: AuditReport, history: dict[StreamName, list[Deliver
             else:
                 report.batches_not_trained.append(batch.batch_id)
             continue
-        fates = _trained_row_fates(read_batch(storage, batch.uri), update, max_staleness, limits, row_fates)
+        fates = _trained_row_fates(read_batch(storage, batch.uri), trained_from[batch.batch_id],
+                                   max_staleness, limits, roles, row_fates, by_role)
         rows.update(fates)
-        said = {"trained": update.trained_samples, "stale": update.dropped.get("stale", 0),
-                "invalid": update.dropped.get("invalid", 0)}
+        said = {"trained": update.trained_samples,
+                **{fate: update.dropped.get(fate, 0) for fate in ROW_FATES[1:]
+                   if fate in ROW_FATES[:3] or fate in update.dropped or fates[fate]}}
         if said != {fate: fates[fate] for fate in said}:
             report.trainer_disagrees.append(f"{batch.batch_id} (rows: {dict(fates)}, PolicyUpdated: {said})")
-    report.rows = {fate: rows[fate] for fate in ("trained", "stale", "invalid")}
+    # a run's roles' fates (frozen, unknown_role) only where it has such rows
+    report.rows = {fate: rows[fate] for fate in ROW_FATES if fate in rows or fate in ROW_FATES[:3]}
+    report.rows_by_role = {role: dict(fates) for role, fates in sorted(by_role.items())}
     return row_fates
 
 
-def _trained_row_fates(rows: list[BatchRow], update: PolicyUpdated, max_staleness: int, limits: RowLimits,
-                       row_fates: RowFates) -> Counter[str]:
-    """Adds the fate of each row of a batch `update` trained to row_fates; the rows by fate."""
-    # the trainer's rules, in its order: rows no model can train on are left out as invalid, then,
-    # of the others, those generated before version - 1 - max_staleness as stale
-    trained_on = update.version - 1
+ROW_FATES = ("trained", "stale", "invalid", "frozen", "unknown_role")
+"""What the trainer does with a row of a batch it trains (PolicyUpdated.dropped counts all but trained)."""
+ONE_POLICY = RunRoles(names=("policy",), trained=("policy",), default="policy", lora=False, base_model="")
+"""The roles of a run that has none configured: one trained role, the whole policy."""
+
+
+def _role_versions_before(updates: list[PolicyUpdated], roles: RunRoles) -> dict[str, dict[str, int]]:
+    """Each trained batch -> each trained role's version the trainer trained it from (the version before the
+    update that trained it; a full fine-tune's one role is the trainer's step)."""
+    before: dict[str, dict[str, int]] = {}
+    current = dict.fromkeys(roles.trained, 0)
+    for update in sorted(updates, key=lambda u: u.version):
+        before[update.batch_id] = dict(current) if roles.lora else {roles.default: update.version - 1}
+        current.update(update.role_versions or {roles.default: update.version})
+    return before
+
+
+def _trained_row_fates(rows: list[BatchRow], trained_from: dict[str, int], max_staleness: int,
+                       limits: RowLimits, roles: RunRoles, row_fates: RowFates,
+                       by_role: dict[str, Counter[str]]) -> Counter[str]:
+    """Adds the fate of each row of a trained batch to row_fates (and by_role); the rows by fate.
+    trained_from: each trained role's version the batch was trained from."""
+    # the trainer's rules, in its order: a row of a role the run does not have, or of a frozen role, is left
+    # out as such; of a trained role's rows, those no model can train on as invalid, then, of the others,
+    # those generated more than max_staleness versions of their role before the role's version as stale
     fates: Counter[str] = Counter()
     for row in rows:
-        if row_problem(row, limits.vocab_size, limits.max_positions, trained_on) is not None:
+        role = row.role if row.role in roles.names else roles.default if row.role is None else None
+        if role is None:
+            fate = "unknown_role"
+        elif role not in trained_from:
+            fate = "frozen"
+        elif row_problem(row, limits.vocab_size, limits.max_positions, trained_from[role]) is not None:
             fate = "invalid"
-        elif is_stale(row, trained_on, max_staleness):
+        elif is_stale(row, trained_from[role], max_staleness):
             fate = "stale"
         else:
             fate = "trained"
         row_fates[row.rollout_id][row.segment_index].append(fate)
         fates[fate] += 1
+        by_role[row.role or roles.default][fate] += 1
     return fates
 
 
@@ -423,11 +463,13 @@ def _account_admitted(report: AuditReport, admitted: Iterable[str], row_fates: R
                                f"its attempts had {sorted(counts)})")
             continue
         fates = {fate for fates in segments.values() for fate in fates}
-        if "invalid" in fates:
+        if fates & {"invalid", "unknown_role"}:
             report.left_out_invalid += 1
-        elif fates != {"trained"}:
-            dropped[min(fates - {"trained"})] += 1
-        else:
+        elif fates - {"trained", "frozen"}:
+            dropped[min(fates - {"trained", "frozen"})] += 1
+        elif "trained" not in fates:  # every segment of it a frozen role's
+            dropped["frozen"] += 1
+        else:  # its trained roles' segments trained (a frozen role's never are)
             report.trained += 1
     report.dropped = dict(dropped)
 

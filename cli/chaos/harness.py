@@ -35,6 +35,7 @@ import psutil
 from rollstream.cli.chaos.audit import AuditReport, RowLimits, audit_blackbox, audit_run, drop_bound
 from rollstream.cli.local_run import LocalRun, needs_gateway
 from rollstream.services.gateway.sessions import open_sessions
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.runtime.config import Settings
 
 WASTEFUL_CAUSES = ("stale", "dead_lettered", "grade_timeout", "grading_failed", "batch_dead_lettered")
@@ -166,7 +167,8 @@ class ChaosRun:
             time.sleep(self.settings.recorder.flush_s + 1)
             local.wait_drained(timeout_s=60)
             audit = audit_run(local.bus, self.settings.storage_uri, self.settings.train.max_staleness,
-                              self.settings.grader.queue, limits=RowLimits.of_model(self.settings.model.path))
+                              self.settings.grader.queue, limits=RowLimits.of_model(self.settings.model.path),
+                              roles=RunRoles.of(self.settings))
             faults = [(f.kind, local.service_of.get(f.target, f.target)) for f in self.faults if f.done]
             audit.check_drops(drop_bound(faults, self.settings, local.replicas))
             # an exit after the last supervision round counts as much as one during the run

@@ -29,6 +29,7 @@ from rollstream.shared.contract.events import (
     TrajectoryFinished,
     TrajectoryTurn,
 )
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 
@@ -44,7 +45,7 @@ def main() -> None:
         return read_history(bus, stream, storage_uri)
 
     audit = audit_run(bus, storage_uri, settings.train.max_staleness, settings.grader.queue,
-                      limits=RowLimits.of_model(settings.model.path))
+                      limits=RowLimits.of_model(settings.model.path), roles=RunRoles.of(settings))
     report: dict = {"run_id": settings.run_id, "audit": asdict(audit), "problems": audit.problems()}
     prompts = [d for d in history("prompts") if isinstance(d.event, PromptIssued)]
     report["rollout_of_entry"] = {d.entry_id: d.envelope.rollout_id for d in prompts}

@@ -12,6 +12,7 @@ The audit of a whole run under fault injection is tests/integration/test_chaos.p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from rollstream.shared.contract.events import (
     RolloutDropped,
     TrajectoryFinished,
 )
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.runtime.config import BusSettings, Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox.host_uids import process_uids
@@ -85,7 +87,7 @@ def row(rollout: str, segment: int = 0, tokens: tuple[int, ...] = (1, 2, 3)) -> 
 
 
 def train(bus: Bus, storage_uri: str, version: int, rows: list[BatchRow], trained: int,
-          dropped: dict[str, int] | None = None) -> None:
+          dropped: dict[str, int] | None = None, role_versions: dict[str, int] | None = None) -> None:
     """A batch of `rows`, and the trainer's PolicyUpdated for it saying `trained` rows were trained."""
     batch_id = f"b{version}"
     uri = write_batch(Storage(storage_uri), bus.keys.run_id, batch_id, rows)
@@ -94,14 +96,15 @@ def train(bus: Bus, storage_uri: str, version: int, rows: list[BatchRow], traine
                                       mean_reward=1.0))
     bus.publish("policy", PolicyUpdated(version=version, checkpoint_uri=f"/ckpt/v{version}",
                                         batch_id=batch_id, servers=[], parity_max_abs_diff=0.0, loss=0.0,
-                                        trained_samples=trained, dropped=dropped or {}))
+                                        trained_samples=trained, dropped=dropped or {},
+                                        role_versions=role_versions or {}))
 
 
-def audit(bus: Bus, storage_uri: str, leave_out: set[tuple[str, str]] = frozenset()):
+def audit(bus: Bus, storage_uri: str, leave_out: set[tuple[str, str]] = frozenset(), roles=None):
     """The audit once every consumer group has read everything (nothing is left pending)."""
     for stream, group in CONSUMER_GROUPS:
         bus.redis.xgroup_create(bus.keys.stream(stream), group, id="$", mkstream=True)
-    return audit_run(bus, storage_uri, MAX_STALENESS, limits=LIMITS, leave_out=leave_out)
+    return audit_run(bus, storage_uri, MAX_STALENESS, limits=LIMITS, leave_out=leave_out, roles=roles)
 
 
 def test_a_segment_in_two_rows_of_one_batch_or_of_two_batches_is_a_duplicate_and_fan_out_is_not(bus,
@@ -205,7 +208,8 @@ def test_the_drop_bound_follows_the_faults_injected():
     settings = chaos_settings()
     replicas = {"agent-runner": 2, "sandbox-grader": 1}
     assert drop_bound([], settings, replicas) == {"grading_failed + grade_timeout": 0, "stale": 0,
-                                                  "dead_lettered": 0, "batch_dead_lettered": 0, "filtered": 0}
+                                                  "dead_lettered": 0, "batch_dead_lettered": 0, "filtered": 0,
+                                                  "frozen": None}
     faults = [("horse", "sandbox work-horse"), ("crash", "sandbox-grader"), ("redis", "redis"),
               ("crash", "reward"), ("crash", "dispatcher"), ("pause", "agent-runner")]
     bound = drop_bound(faults, settings, replicas)
@@ -351,3 +355,39 @@ def test_an_exit_the_supervisor_restarted_stays_on_record(supervised):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert [e.process for e in supervised.unexpected_exits()] == ["reward"]
+
+
+
+def test_a_two_role_run_is_audited_per_role_each_row_against_its_own_roles_version(bus, tmp_path):
+    """The planner's rows are judged stale by the planner's versions, the solver's by the solver's; a frozen
+    role's rows are never trained, and a rollout of only such rows is dropped as frozen; every fate is
+    counted per role."""
+    roles = RunRoles.of(Settings(roles={"names": {"planner": {}, "solver": {}, "critic": {"trained": False}}},
+                                 train={"lora_rank": 8}))
+    runs = str(tmp_path)
+    for rollout in ("r1", "r2", "r3", "critic-only"):
+        admit(bus, rollout, segments=2)
+
+    def role_row(rollout: str, segment: int, role: str | None, version: int) -> BatchRow:
+        return dataclasses.replace(row(rollout, segment), role=role, turn_policy_versions=[version])
+
+    # v1 and v2 train the planner alone (None: the default role, the planner): planner at 2, solver at 0
+    train(bus, runs, 1, [role_row("r1", 0, None, 0), role_row("r1", 1, "critic", 0)], trained=1,
+          dropped={"frozen": 1}, role_versions={"planner": 1, "solver": 0})
+    train(bus, runs, 2, [role_row("critic-only", 0, "critic", 0), role_row("critic-only", 1, "critic", 0)],
+          trained=0, dropped={"frozen": 2}, role_versions={"planner": 1, "solver": 0})
+    train(bus, runs, 3, [role_row("r2", 0, "planner", 1), role_row("r2", 1, "solver", 0)], trained=2,
+          role_versions={"planner": 2, "solver": 1})
+    # at planner v2, a planner row sampled at v0 is two versions old (eta 1): stale; the solver's row of the
+    # same turn version is trained, its role being at v1
+    train(bus, runs, 4, [role_row("r3", 0, "planner", 0), role_row("r3", 1, "solver", 0)], trained=1,
+          dropped={"stale": 1}, role_versions={"planner": 2, "solver": 2})
+
+    report = audit(bus, runs, roles=roles)
+    assert report.problems() == [] and report.trainer_disagrees == []
+    assert (report.trained, report.dropped) == (2, {"frozen": 1, "stale": 1})
+    assert report.rows == {"trained": 4, "stale": 1, "invalid": 0, "frozen": 3}
+    assert report.rows_by_role == {"critic": {"frozen": 3}, "planner": {"trained": 2, "stale": 1},
+                                   "solver": {"trained": 2}}
+    # read as a run of one role, the same rows would not add up: the audit needs the run's roles
+    assert audit_run(bus, runs, MAX_STALENESS, limits=LIMITS).trainer_disagrees
