@@ -205,7 +205,8 @@ class ChaosRun:
             if fault.done and name in self.local.restart_due:
                 fault.done, fault.note = False, "already down"
             if fault.done and self.local.service_of[name] == "trainer":
-                fault.mid_sync = fault.done = self.wait_for_sync()
+                fault.mid_sync = self.wait_for_sync()
+                fault.done = fault.mid_sync is not False
             if fault.done:
                 self.paused.pop(name, None)
                 self.local.crash(name)
@@ -216,7 +217,8 @@ class ChaosRun:
         elif kind == "redis":
             self.restart_redis()
         elif kind == "vllm":
-            fault.mid_sync = fault.done = self.wait_for_sync()
+            fault.mid_sync = self.wait_for_sync()
+            fault.done = fault.mid_sync is not False
             if fault.done:
                 self.local.restart_vllm(kill=True)
         elif kind == "pause":
@@ -253,10 +255,14 @@ class ChaosRun:
             time.sleep(0.1)
         return 0
 
-    def wait_for_sync(self) -> bool:
+    def wait_for_sync(self) -> bool | None:
         """Wait up to SYNC_WAIT_S for the vLLM server to be paused for a weight sync (it is paused only then:
-        a disk reload, or a collective broadcast); whether it was."""
+        a disk reload, or a collective broadcast); whether it was. None, at once, in a LoRA run: an adapter is
+        loaded between two engine steps, without a pause to wait for."""
         import httpx
+
+        if self.settings.train.lora:
+            return None
 
         server = self.local.servers.vllm
         deadline = time.monotonic() + SYNC_WAIT_S
