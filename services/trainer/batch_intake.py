@@ -3,23 +3,28 @@ event announces, and of its rows those the next policy may learn from.
 
 read_announced_batch reads the batch file and checks that it is the batch the event announces
 (BatchRejected otherwise: that entry's failure, retried and then dead-lettered, while the trainer goes on).
-usable_rows leaves out the rows no model could train on (row_problem: token ids outside the vocabulary,
-longer than the model's positions, misaligned, non-finite or from a policy version not published yet:
-dropped as `invalid`, each logged), and select_fresh the samples older than eta versions (is_stale, which
-the chaos audit applies too).
+take_rows sorts the rows by role (BatchRow.role, None the default role): a row of a frozen role is left out
+(`frozen`: never trained), one of a role the run does not have too (`unknown_role`, logged as an error that
+names the run's roles). Of each trained role's rows, usable_rows leaves out those no model could train on
+(row_problem: token ids outside the vocabulary, longer than the model's positions, misaligned, non-finite or
+from a version of the role's policy not published yet: dropped as `invalid`, each logged), and select_fresh
+the samples older than eta versions of their role's policy (is_stale, which the chaos audit applies too).
 
-Tests: tests/unit/services/trainer/test_batch_checks.py.
+Tests: tests/unit/services/trainer/test_batch_checks.py, test_lora_trainer.py (the roles).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from rollstream.shared.contract.batches import BatchRow, read_batch
 from rollstream.shared.contract.events import BatchReady
-from rollstream.shared.errors import RollstreamError
+from rollstream.shared.contract.roles import RunRoles
+from rollstream.shared.errors import RollstreamError, UnknownRole
 from rollstream.shared.runtime.storage import Storage
 
 log = logging.getLogger("trainer")
@@ -102,3 +107,49 @@ def select_fresh(rows: list[BatchRow], version: int,
     out per reason."""
     fresh = [r for r in rows if not is_stale(r, version, max_staleness)]
     return fresh, ({"stale": len(rows) - len(fresh)} if len(fresh) < len(rows) else {})
+
+
+@dataclass
+class Intake:
+    """A batch's rows as the trainer takes them, by trained role (in the run's order of its roles, the same on
+    every rank)."""
+
+    fresh: dict[str, list[BatchRow]]
+    """The rows each role's policy learns from."""
+    usable: dict[str, list[BatchRow]]
+    """The rows any model could train on, stale ones included (a probe's candidates)."""
+    dropped: dict[str, int]
+    """Rows left out, by reason: frozen, unknown_role, invalid, stale."""
+
+
+def take_rows(rows: list[BatchRow], roles: RunRoles, role_versions: dict[str, int], vocab_size: int,
+              max_positions: int | None, max_staleness: int) -> Intake:
+    """The rows each trained role learns from: its own, usable (row_problem, against the role's version) and
+    not stale by the role's version (is_stale); the others counted by reason."""
+    by_role: dict[str, list[BatchRow]] = {role: [] for role in roles.trained}
+    dropped: Counter[str] = Counter()
+    unknown: dict[str | None, tuple[int, str]] = {}
+    for row in rows:
+        try:
+            role = roles.resolve(row.role)
+        except UnknownRole as exc:
+            count, _ = unknown.get(row.role, (0, ""))
+            unknown[row.role] = (count + 1, str(exc))
+            continue
+        if role in by_role:
+            by_role[role].append(row)
+        else:
+            dropped["frozen"] += 1
+    for role, (count, error) in unknown.items():
+        log.error("batch rows of a role this run does not have left out", extra={"role": role, "rows": count,
+                                                                                  "error": error})
+        dropped["unknown_role"] += count
+    intake = Intake(fresh={}, usable={}, dropped={})
+    for role, role_rows in by_role.items():
+        usable, invalid = usable_rows(role_rows, vocab_size, max_positions, role_versions[role])
+        fresh, left_out = select_fresh(usable, role_versions[role], max_staleness)
+        intake.usable[role], intake.fresh[role] = usable, fresh
+        dropped["invalid"] += invalid
+        dropped.update(left_out)
+    intake.dropped = {reason: count for reason, count in dropped.items() if count}
+    return intake

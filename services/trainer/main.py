@@ -10,6 +10,9 @@ exists. For each batch (services/trainer/training.py):
      checkpoint of the new version;
   4. per vLLM server, train.sync_concurrency at once: pause (in-flight requests keep going), reload, reset the
      prefix cache, resume, then compare the server's prompt logprobs on a probe with the trainer's own;
+     a LoRA run (train.lora_rank > 0) trains one adapter per role instead, each on its role's samples with an
+     optimizer of its own, writes each new version of an adapter for the servers and has every server load
+     the adapters it does not serve yet, each then probed under its role's name (see training.py);
   5. only when every server is within train.parity_tolerance: publish PolicyUpdated (with the step's
      metrics) and mark the batch trained, in one transaction; metrics go to the trackers.
 
@@ -119,6 +122,7 @@ def lead(settings: Settings, ranks: Ranks) -> None:
         runtime.status["policy_version"] = update.version
         runtime.log.info("policy updated", extra={"version": update.version, "loss": round(update.loss, 5),
                                                   "parity_max_abs_diff": update.parity_max_abs_diff,
+                                                  "role_versions": update.role_versions,
                                                   "trained": update.trained_samples,
                                                   "dropped": update.dropped})
 

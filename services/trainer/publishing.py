@@ -3,7 +3,8 @@ starts.
 
 TrainedStep is a batch trained on, not yet served by the fleet (nor, with a collective sync, checkpointed).
 Once the fleet serves it, publish_update sends PolicyUpdated with the batch marked trained and each server's
-version recorded (FLEET_VERSIONS), in one transaction, and record_published sets the version's Prometheus
+version recorded (FLEET_VERSIONS: the trainer's version under the server's URL and, in a LoRA run, each
+adapter's version under its field), in one transaction, and record_published sets the version's Prometheus
 series.
 last_own_update finds the newest PolicyUpdated this run's trainer published (its batch is in the trained
 set), on the `policy` stream or in the run's archive: the version a restarted trainer resumes; resume_point
@@ -21,8 +22,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from rollstream.services.trainer.role_versions import ROLE_VERSIONS_FILE, AdapterStates
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import BatchReady, PolicyUpdated, decode
+from rollstream.shared.contract.roles import version_field
 from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 
 if TYPE_CHECKING:
@@ -77,17 +80,37 @@ class TrainedStep:
     metrics: dict[str, float] = field(default_factory=dict)
     staleness: list[int] = field(default_factory=list)
     """Of each trained sample: versions between the policy that generated it and the one it trained."""
+    role_versions: dict[str, int] = field(default_factory=dict)
+    """Every trained role's version after the step."""
+    probes: dict[str, list[int]] = field(default_factory=dict)
+    """A LoRA run's: each adapter's probe."""
+    role_expected: dict[str, list[float]] = field(default_factory=dict)
+    """A LoRA run's: the trainer's logprobs of each adapter's probe with that adapter."""
+    adapter_states: AdapterStates = field(default_factory=dict)
+    """A LoRA run's: the adapters of the roles the step trained (on the leading rank), to be written for the
+    servers."""
 
 
-def publish_update(bus: Bus, update: PolicyUpdated, trained_key: str) -> None:
+def publish_update(bus: Bus, update: PolicyUpdated, trained_key: str, adapters: tuple[str, ...] = ()) -> None:
     """PolicyUpdated on `policy`, its batch added to the trained set and each of its servers recorded as
-    serving its version: all or nothing, so a restart never finds a version half published."""
+    serving its version (and each of `adapters`, a LoRA run's roles, at the role's version): all or nothing,
+    so a restart never finds a version half published."""
     pipe = bus.redis.pipeline(transaction=True)
     bus.publish("policy", update, pipe=pipe, event_id=f"policy:v{update.version}")
     pipe.sadd(trained_key, update.batch_id)
-    for url in update.servers:
-        pipe.hset(FLEET_VERSIONS.key(bus.keys), url, update.version)
+    record_fleet_versions(pipe, bus, update.servers, update.version, update.role_versions, adapters)
     pipe.execute()
+
+
+def record_fleet_versions(client, bus: Bus, servers: list[str], version: int, role_versions: dict[str, int],
+                          adapters: tuple[str, ...]) -> None:
+    """Record in FLEET_VERSIONS (with `client`: Redis or a pipeline) that `servers` serve the trainer's
+    `version` and each adapter at its role's version."""
+    key = FLEET_VERSIONS.key(bus.keys)
+    for url in servers:
+        client.hset(key, url, version)
+        for role in adapters:
+            client.hset(key, version_field(url, role), role_versions[role])
 
 
 def record_checkpoint(seconds: float) -> None:
@@ -103,7 +126,8 @@ def record_published(step: TrainedStep) -> None:
         if key in metrics:
             PHASE_SECONDS.labels(phase).observe(metrics[key])
     for key, value in metrics.items():
-        if key.startswith("train/") and not key.endswith("_seconds"):
+        # one series per statistic: a role's own (train/<role>/loss) go to the trackers only
+        if key.startswith("train/") and not key.endswith("_seconds") and key.count("/") == 1:
             STEP_STATS.labels(key.removeprefix("train/")).set(value)
         if key in ("sync/bytes", "sync/changed_fraction", "sync/delta", "sync/paused_seconds"):
             SYNC_STATS.labels(key.removeprefix("sync/")).set(value)
@@ -183,8 +207,10 @@ def newest_checkpointed(bus: Bus, trained_key: str, storage_uri: str | None
 
 
 def has_checkpoint(update: PolicyUpdated) -> bool:
-    """Whether the version's checkpoint is on disk (written whole: under a temporary name, then renamed)."""
-    return Path(update.checkpoint_uri, "config.json").is_file()
+    """Whether the version's checkpoint is on disk (written whole: under a temporary name, then renamed): the
+    model's (config.json) or a LoRA run's adapters (with their roles' versions)."""
+    directory = Path(update.checkpoint_uri)
+    return (directory / "config.json").is_file() or (directory / ROLE_VERSIONS_FILE).is_file()
 
 
 def resume_point(bus: Bus, trained_key: str, storage_uri: str | None) -> ResumePoint:

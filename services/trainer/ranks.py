@@ -5,8 +5,10 @@ Redis and the fleet.
 (launch_ranks); under a launcher of the user's own (torchrun or DeepSpeed's, over several nodes) each process
 reads RANK and WORLD_SIZE. The leader holds the run's lock, consumes `batches`, checks each batch and hands
 its rows to every rank (Command); every rank trains its share of each minibatch's micro-batches and takes part
-in the collective steps (the checkpoint's gathering under ZeRO-3, the probe's forward); then the leader syncs
-the fleet, publishes, and tells the others what became of the version. A rank that fails ends the group: the
+in the collective steps (the checkpoint's gathering under ZeRO-3, the probe's forward), walking a batch's
+roles in the run's order of them (a LoRA run: each role's adapter has an engine of its own, whose steps every
+rank takes together); then the leader syncs the fleet, publishes, and tells the others what became of the
+version. A rank that fails ends the group: the
 launcher starts every rank again, and they resume exactly from the last published version.
 
 Tests: tests/integration/test_trainer_restart.py (two ranks through the service, one of them killed).

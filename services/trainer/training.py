@@ -2,12 +2,22 @@
 publish PolicyUpdated. main.py wires it to the `batches` stream.
 
 Trainer.train_step takes a batch through every step: load_batch reads the batch file the event announces,
-train leaves out the rows no model could train on and those older than eta versions
-(services/trainer/batch_intake.py), optimize takes train.minibatches optimizer steps (services/trainer/ppo.py)
-on the backend (services/trainer/backends/), keeping the trainer's logprobs of each segment for the console
-(services/trainer/segment_logprobs.py), save_checkpoint writes the training state, the fleet is made to
+train sorts the rows by role and leaves out those of no trained role, those no model could train on and those
+older than eta versions of their role (services/trainer/batch_intake.py), then each role present trains on
+its own rows: train.minibatches optimizer steps (services/trainer/optimizing.py, services/trainer/ppo.py) on
+the backend (services/trainer/backends/), keeping the trainer's logprobs of each segment for the console
+(services/trainer/segment_logprobs.py); save_checkpoint writes the training state, the fleet is made to
 serve it and checked against the trainer's logprobs of a probe (services/trainer/fleet_sync.py), and
-PolicyUpdated goes out with the batch marked trained (services/trainer/publishing.py).
+PolicyUpdated goes out with the batch marked trained and every role's version
+(services/trainer/publishing.py, services/trainer/role_versions.py).
+
+A full fine-tune (train.lora_rank 0) trains the whole model, its one role's version being the trainer's. A
+LoRA run trains one adapter per trained role over the frozen base, each with an optimizer of its own (the
+backend's use_role), its reference (a KL term) the base itself; a role's version grows only with a batch
+that trained it. Each version of a role's adapter is written where the servers load it from, and the
+fleet's sync makes every server serve every role's adapter at its version (the base never moves; see
+services/trainer/adapter_fleet.py); a checkpoint (the adapters, their optimizer states, the roles' versions)
+follows train.checkpoint_every, whatever the transport.
 A step that fails after it may have changed the model puts back the state of the last published
 version before the error goes on, so that a retry, or the next batch, starts from it; with several ranks the
 whole group stops instead, and its launcher starts it again from that version.
@@ -28,13 +38,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollstream.services.trainer.adapter_fleet import AdapterFleet
 from rollstream.services.trainer.batch_intake import (
     BatchRejected,
     is_stale,
     read_announced_batch,
     row_problem,
-    select_fresh,
-    usable_rows,
+    take_rows,
 )
 from rollstream.services.trainer.fleet_sync import FleetSync
 from rollstream.services.trainer.publishing import (
@@ -45,10 +55,17 @@ from rollstream.services.trainer.publishing import (
     record_published,
 )
 from rollstream.services.trainer.ranks import Command, Ranks
-from rollstream.services.trainer.segment_logprobs import SegmentLogprobs, keep_logprobs, record_logprobs
+from rollstream.services.trainer.role_versions import (
+    next_role_versions,
+    role_versions_of,
+    starting_role_versions,
+    write_role_versions,
+)
+from rollstream.services.trainer.segment_logprobs import SegmentLogprobs, record_logprobs
 from rollstream.shared.contract.batches import BatchRow
 from rollstream.shared.contract.bus import Bus, StopConsuming
 from rollstream.shared.contract.events import BatchReady, PolicyUpdated
+from rollstream.shared.contract.roles import RunRoles
 from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 from rollstream.shared.inference.serving_weights import copy_tokenizer_files
 from rollstream.shared.runtime.config import Settings
@@ -66,7 +83,7 @@ log = logging.getLogger("trainer")
 PROBE_TOKENS = 256
 
 
-class Trainer:
+class Trainer(AdapterFleet):
     """One rank of the trainer. `start` is the PolicyUpdated to resume from (None: the starting model); the
     leader (ranks.leader) alone has the bus and the fleet, syncs and publishes (services/trainer/ranks.py)."""
 
@@ -79,6 +96,7 @@ class Trainer:
 
         self.torch = torch
         self.settings = settings
+        self.roles = RunRoles.of(settings)
         self.bus = bus
         self.storage = storage
         self.ranks = ranks
@@ -86,16 +104,18 @@ class Trainer:
         self.checkpoint = Path(start.checkpoint_uri) if start else None
         """The newest training state on disk, of version self.checkpoint_version; None: the starting model."""
         self.checkpoint_version = self.version
+        self.role_versions = starting_role_versions(start, self.checkpoint, self.roles)
+        """Every trained role's published version."""
         self.load_state()
         config = self.backend.model.config
         self.pad_id = config.pad_token_id or 0
         self.vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", None)
-        self.probe = list(range(1, 17))
-        """Token ids the fleet's logprobs are checked on after a sync: the last batch's first usable row,
-        so a batch with none (every row left out) is checked on the one before."""
+        self.probes = {role: list(range(1, 17)) for role in self.roles.trained}
+        """Token ids the fleet's logprobs of each role are checked on after a sync: the last batch's first
+        usable row of the role, so a batch with none (every row left out) is checked on the one before."""
         self.reference = None
-        if settings.train.kl_coef > 0:
+        if settings.train.kl_coef > 0 and not self.roles.lora:  # a LoRA run's reference is its base
             self.reference = load_model(Path(settings.model.path), self.backend.device).eval()
             self.reference.requires_grad_(False)
         self.tracker = (Tracker(settings.train.trackers, settings.run_id, settings.run_dir(),
@@ -103,6 +123,9 @@ class Trainer:
         if replay:
             self.replay(replay)
         self.fleet: FleetSync | None = None
+        if self.roles.lora:
+            self.start_adapters()
+            return
         # what every rank takes part in before the leader's first sync (a forward, ZeRO-3's gather)
         start = self.sync_payload() if settings.fleet.has_policy_servers else None
         if start is not None and ranks.leader:
@@ -111,6 +134,11 @@ class Trainer:
             for url in self.fleet.urls:
                 bus.redis.hsetnx(FLEET_VERSIONS.key(bus.keys), url, self.version)
             self.take_over_fleet(*start)
+
+    @property
+    def probe(self) -> list[int]:
+        """A full fine-tune's probe: its one role's."""
+        return self.probes[self.roles.default]
 
     def sync_payload(self) -> tuple[list[float], Weights | None]:
         """The trainer's logprobs of the probe, and with a collective transport its weights: what a sync of
@@ -138,18 +166,23 @@ class Trainer:
         > 1, or a stop before it was written), and checkpoint the version they lead to: the state a restart
         resumes from is then exactly the last published one. Nothing is synced or published again."""
         for batch, rows in batches:
-            self.version = self.train(batch, rows, for_sync=False).version
+            step = self.train(batch, rows, for_sync=False)
+            self.version, self.role_versions = step.version, step.role_versions
             log.info("replayed a published version", extra={"version": self.version,
                                                             "batch_id": batch.batch_id})
         self.checkpoint = self.save_checkpoint(self.version)
         self.checkpoint_version = self.version
 
     def load_state(self) -> None:
-        """The backend at the newest checkpoint's version: weights, optimizer and RNG state."""
+        """The backend at the newest checkpoint's version: weights (a LoRA run's adapters over the base),
+        optimizer and RNG state."""
         from rollstream.services.trainer.backends.factory import make_backend
 
         self.torch.manual_seed(self.settings.train.seed)
-        self.backend = make_backend(self.settings.train, self.checkpoint or Path(self.settings.model.path))
+        model = Path(self.settings.model.path)
+        if self.checkpoint is not None and not self.roles.lora:  # a full fine-tune's checkpoint is a model
+            model = self.checkpoint
+        self.backend = make_backend(self.settings.train, model, self.roles.adapters)
         if self.checkpoint is not None:
             self.backend.load_training_state(self.checkpoint)
 
@@ -159,111 +192,112 @@ class Trainer:
         return read_announced_batch(self.storage, batch)
 
     def train(self, batch: BatchReady, rows: list[BatchRow], for_sync: bool = True) -> TrainedStep:
-        """One version from a batch; for_sync: with what its sync needs (the probe's logprobs, the weights),
-        which a version trained again at a restart (replay) is not synced with."""
+        """One version from a batch; for_sync: with what its sync needs (the probes' logprobs, the weights or
+        the trained adapters), which a version trained again at a restart (replay) is not synced with."""
         started = time.monotonic()
-        usable, invalid = usable_rows(rows, self.vocab_size, self.max_positions, self.version)
-        fresh, dropped = select_fresh(usable, self.version, self.settings.train.max_staleness)
-        if invalid:
-            dropped["invalid"] = invalid
-        # rows without a sampled token weigh nothing; a batch of only such rows has no loss to step on
+        cfg = self.settings.train
+        intake = take_rows(rows, self.roles, self.role_versions, self.vocab_size, self.max_positions,
+                           cfg.max_staleness)
         before: SegmentLogprobs = {}
-        metrics = self.optimize(fresh, before) if any(any(row.loss_mask) for row in fresh) else {}
+        metrics, trained = self.optimize_roles(intake.fresh, before)
+        fresh = [row for role_rows in intake.fresh.values() for row in role_rows]
         if before and self.ranks.leader:
             metrics["train/logprob_gap_abs_mean"] = record_logprobs(
                 self.storage, self.settings.run_id, batch.batch_id, self.version, fresh, before)
-        staleness = [self.version - r.min_policy_version for r in fresh]
+        staleness = [self.role_versions[role] - row.min_policy_version
+                     for role, role_rows in intake.fresh.items() for row in role_rows]
         metrics.update({
             "train/step_seconds": time.monotonic() - started,
             "samples/trained": len(fresh),
-            "samples/dropped_stale": dropped.get("stale", 0),
+            "samples/dropped_stale": intake.dropped.get("stale", 0),
             "samples/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "samples/staleness_max": max(staleness, default=0),
             "reward/batch_mean": batch.mean_reward,
         })
-        if fresh or usable:
-            self.probe = (fresh or usable)[0].tokens[:PROBE_TOKENS]
-        # the leader's parity check, and the weights a collective sync sends: what every rank takes part in
-        # (ZeRO-3 gathers the weights for them)
-        with_sync = for_sync and self.settings.fleet.has_policy_servers
-        expected, weights = self.sync_payload() if with_sync else ([], None)
-        return TrainedStep(version=self.version + 1, probe=self.probe, trained=len(fresh), dropped=dropped,
-                           expected=expected, weights=weights, metrics=metrics, staleness=staleness)
+        if len(self.roles.trained) > 1:
+            metrics.update({f"samples/{role}/trained": len(role_rows)
+                            for role, role_rows in intake.fresh.items()})
+        for role, usable in intake.usable.items():
+            if intake.fresh[role] or usable:
+                self.probes[role] = (intake.fresh[role] or usable)[0].tokens[:PROBE_TOKENS]
+        step = TrainedStep(version=self.version + 1, probe=self.probe, trained=len(fresh),
+                           dropped=intake.dropped, expected=[], metrics=metrics, staleness=staleness,
+                           probes=dict(self.probes),
+                           role_versions=next_role_versions(self.role_versions, trained, self.roles,
+                                                            self.version + 1))
+        if for_sync:
+            # the leader's parity check, and the weights a collective sync sends or the adapters written for
+            # the servers: what every rank takes part in (ZeRO-3 gathers the weights for them)
+            self.add_sync_payload(step, trained)
+        return step
+
+    def add_sync_payload(self, step: TrainedStep, trained: list[str]) -> None:
+        """What the step's sync needs, computed with every rank: the probes' logprobs (with a fleet), and the
+        weights of a collective sync or the trained roles' adapters."""
+        with_fleet = self.settings.fleet.has_policy_servers
+        if self.roles.lora:
+            step.role_expected = self.adapters_logprobs() if with_fleet else {}
+            step.adapter_states = self.adapter_states(trained)
+        elif with_fleet:
+            step.expected, step.weights = self.sync_payload()
+
+    def optimize_roles(self, fresh: dict[str, list[BatchRow]],
+                       logprobs_before: SegmentLogprobs) -> tuple[dict[str, float], list[str]]:
+        """Train each role on its own fresh rows, in the run's order of its roles (every rank's); returns the
+        step metrics (averaged over every optimizer step, and per role where the run has several) and the
+        roles trained: those with a sampled token."""
+        from rollstream.services.trainer.optimizing import mean_stats
+
+        steps: list[dict[str, float]] = []
+        metrics: dict[str, float] = {}
+        trained = []
+        for role, rows in fresh.items():
+            # rows without a sampled token weigh nothing; a role with only such rows has no loss to step on
+            if not any(any(row.loss_mask) for row in rows):
+                continue
+            if self.roles.lora:
+                self.backend.use_role(role)
+            role_steps = self.optimizer_steps(rows, logprobs_before)
+            trained.append(role)
+            steps += role_steps
+            if len(self.roles.trained) > 1:
+                metrics.update(mean_stats(role_steps, f"train/{role}/"))
+        metrics.update(mean_stats(steps, "train/"))
+        return metrics, trained
 
     def optimize(self, rows: list[BatchRow],
                  logprobs_before: SegmentLogprobs | None = None) -> dict[str, float]:
-        """train.minibatches optimizer steps over the rows; returns the averaged step metrics.
-        logprobs_before, on the leader: filled with the trainer's logprobs of each segment (rollout id,
-        segment index) before the batch's first update, where it computes them anyway (every minibatch with
-        decoupled PPO, else the first)."""
-        from rollstream.services.trainer.ppo import (
-            make_micro_batches,
-            merge_stats,
-            policy_loss,
-            split_minibatches,
-            token_logprobs,
-        )
+        """train.minibatches optimizer steps over the rows (of the backend's active role); returns the
+        averaged step metrics (on the leader)."""
+        from rollstream.services.trainer.optimizing import mean_stats
 
-        cfg, backend = self.settings.train, self.backend
-        # each rank runs its share of every minibatch's micro-batches; only the real ones count in the stats
-        parts = split_minibatches(rows, cfg.minibatches)
-        plan = [self.ranks.own_share(make_micro_batches(part, cfg.loss_aggregation, cfg.micro_batch_tokens,
-                                                        self.pad_id, backend.device))
-                for part in parts]
-        before: SegmentLogprobs = {}
-        self.score_before_update(plan, parts, before)
-        per_step: list[dict[str, float]] = []
-        for index, (micros, real) in enumerate(plan):
-            stats = []
-            for micro in micros:
-                logprobs = token_logprobs(backend.model, micro)
-                if index == 0:
-                    keep_logprobs(before, parts[0], micro, logprobs.detach())
-                if cfg.decoupled and micro.prox_logprobs is None:
-                    micro.prox_logprobs = logprobs.detach()
-                loss, micro_stats = policy_loss(logprobs, micro, clip_eps=cfg.clip_eps,
-                                                decoupled=cfg.decoupled,
-                                                importance_weight_cap=cfg.importance_weight_cap,
-                                                kl_coef=cfg.kl_coef)
-                backend.backward(loss)
-                stats.append(micro_stats)
-            every_rank = [s for rank_stats in self.ranks.gather(stats[:real]) for s in rank_stats]
-            grad_norm = backend.step()
-            if self.ranks.leader:
-                per_step.append({**merge_stats(every_rank), "grad_norm": grad_norm,
-                                 "micro_batches": len(every_rank)})
-        for rank_before in self.ranks.gather(before):
-            if logprobs_before is not None:
-                logprobs_before.update(rank_before)
-        if not per_step:  # a rank that leads nothing reports nothing
-            return {}
-        return {f"train/{key}": sum(step[key] for step in per_step) / len(per_step) for key in per_step[0]
-                if key != "weight"}
+        return mean_stats(self.optimizer_steps(rows, logprobs_before), "train/")
 
-    def score_before_update(self, plan: list[tuple[list, int]], parts: list[list[BatchRow]],
-                            before: SegmentLogprobs) -> None:
-        """Set, on each micro-batch of the plan, the logprobs its loss compares with that must come before
-        the batch's first update: the proximal ones (decoupled PPO, kept in `before`) and the reference
-        model's (with a KL term)."""
+    def optimizer_steps(self, rows: list[BatchRow],
+                        logprobs_before: SegmentLogprobs | None = None) -> list[dict[str, float]]:
+        from rollstream.services.trainer.optimizing import optimizer_steps
+
+        reference = self.reference_logprobs if self.settings.train.kl_coef > 0 else None
+        return optimizer_steps(self.backend, self.settings.train, self.ranks, self.pad_id, rows, reference,
+                               logprobs_before)
+
+    def reference_logprobs(self, micro) -> object:
+        """The reference model's logprobs of a micro-batch (without gradient): the starting model's, or in a
+        LoRA run the base's (the model with its adapters disabled)."""
         from rollstream.services.trainer.ppo import token_logprobs
 
-        cfg, backend = self.settings.train, self.backend
-        with self.torch.no_grad():  # every minibatch is clipped against the policy before the first update
-            for index, (micros, _) in enumerate(plan):
-                for micro in micros:
-                    # the first minibatch's own forward runs before any update: its detached logprobs are it
-                    if cfg.decoupled and index > 0:
-                        micro.prox_logprobs = token_logprobs(backend.model, micro)
-                        keep_logprobs(before, parts[index], micro, micro.prox_logprobs)
-                    if self.reference is not None:
-                        micro.ref_logprobs = token_logprobs(self.reference, micro)
+        with self.torch.no_grad():
+            if self.roles.lora:
+                with self.backend.base_model() as base:
+                    return token_logprobs(base, micro)
+            return token_logprobs(self.reference, micro)
 
     def checkpoint_dir(self, version: int) -> Path:
         return self.storage.local_path(self.settings.run_id, "checkpoints", f"v{version:05d}")
 
-    def save_checkpoint(self, version: int) -> Path:
-        """Write the training state of `version`: every rank its part, the leader the files the fleet
-        loads."""
+    def save_checkpoint(self, version: int, role_versions: dict[str, int] | None = None) -> Path:
+        """Write the training state of `version` (with its roles' versions: the published ones unless given):
+        every rank its part, the leader the files the fleet loads."""
         final = self.checkpoint_dir(version)
         temp = final.with_name(final.name + ".tmp")
         if self.ranks.leader:
@@ -272,7 +306,10 @@ class Trainer:
         self.ranks.barrier()
         self.backend.save(temp)
         if self.ranks.leader:
-            copy_tokenizer_files(Path(self.settings.model.path), temp)
+            if self.roles.lora:  # the base is model.path: only the adapters are the run's
+                write_role_versions(temp, role_versions or self.role_versions)
+            else:
+                copy_tokenizer_files(Path(self.settings.model.path), temp)
             replace_dir(temp, final)
         return final
 
@@ -328,8 +365,10 @@ class Trainer:
 
     @property
     def checkpoint_before_sync(self) -> bool:
-        """Whether every version is checkpointed before its sync: the servers load it from there (disk)."""
-        return self.settings.fleet.has_policy_servers and self.settings.train.weight_transport == "disk"
+        """Whether every version is checkpointed before its sync: the servers load it from there (disk). A
+        LoRA run's servers load the adapters, which are written for them anyway."""
+        train = self.settings.train
+        return self.settings.fleet.has_policy_servers and train.weight_transport == "disk" and not train.lora
 
     def checkpoint_due_after_publish(self, version: int) -> bool:
         """Whether `version` is checkpointed once published: every train.checkpoint_every-th version, unless
@@ -352,15 +391,20 @@ class Trainer:
     def sync_and_publish(self, batch: BatchReady, step: TrainedStep, trained_key: str,
                          still_held: Callable[[], bool]) -> PolicyUpdated:
         """Make the fleet serve the step's version, then publish it. A disk sync needs the version's
-        checkpoint first; otherwise it is written once the version is published, every
-        train.checkpoint_every versions (train_step), off the fleet's way."""
+        checkpoint first, a LoRA sync the trained adapters written for the servers; otherwise the checkpoint
+        is written once the version is published, every train.checkpoint_every versions (train_step), off the
+        fleet's way."""
         if not still_held():
             raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not synced")
         if self.checkpoint_before_sync:
             started = time.monotonic()
-            self.save_checkpoint(step.version)
+            self.save_checkpoint(step.version, step.role_versions)
             step.metrics["train/checkpoint_seconds"] = time.monotonic() - started
-        self.sync_fleet(step)
+        if self.roles.lora:
+            self.write_adapters(step.adapter_states, step.role_versions)
+            self.sync_adapters(step)
+        else:
+            self.sync_fleet(step)
         if not still_held():
             raise StopConsuming(f"another trainer holds the run's lock: v{step.version} is not published")
         assert self.bus is not None and self.tracker is not None
@@ -368,9 +412,9 @@ class Trainer:
                                batch_id=batch.batch_id, servers=step.servers,
                                parity_max_abs_diff=step.metrics["sync/parity_max_abs_diff"],
                                loss=step.metrics.get("train/loss", 0.0), trained_samples=step.trained,
-                               dropped=step.dropped, metrics=step.metrics)
-        publish_update(self.bus, update, trained_key)
-        self.version = update.version
+                               dropped=step.dropped, metrics=step.metrics, role_versions=step.role_versions)
+        publish_update(self.bus, update, trained_key, self.roles.adapters)
+        self.version, self.role_versions = update.version, dict(step.role_versions)
         if self.checkpoint_before_sync:
             self.checkpoint, self.checkpoint_version = Path(update.checkpoint_uri), update.version
         self.tracker.log(step.metrics, update.version)
@@ -405,10 +449,11 @@ class Trainer:
                 batch, rows = command.payload
                 step = self.train(batch, rows)
                 if self.checkpoint_before_sync:
-                    self.save_checkpoint(step.version)  # in step with the leader's
+                    self.save_checkpoint(step.version, step.role_versions)  # in step with the leader's
                 command = self.ranks.share()
                 if command.kind == "published":
                     self.version = command.payload.version
+                    self.role_versions = role_versions_of(command.payload, self.roles)
                     if self.checkpoint_due_after_publish(self.version):
                         self.save_published_checkpoint()  # in step with the leader's
             if command.kind == "checkpoint":
@@ -421,4 +466,3 @@ class Trainer:
             self.fleet.close()
         if self.tracker is not None:
             self.tracker.close()
-
