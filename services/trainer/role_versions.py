@@ -64,8 +64,9 @@ def write_role_versions(directory: Path, versions: dict[str, int]) -> None:
 
 
 def adapter_dir(storage: Storage, run_id: str, role: str, version: int) -> Path:
-    """Where the servers load the role's adapter at `version` from (absolute: as the servers name it)."""
-    return storage.local_path(run_id, "adapters", role, f"v{version:05d}").absolute()
+    """Where the servers load the role's adapter at `version` from: its whole path, links resolved, as a
+    server started on it names it (cli/vllm_server.py), so that the sync finds the directory it serves."""
+    return storage.local_path(run_id, "adapters", role, f"v{version:05d}").resolve()
 
 
 def publish_adapter(storage: Storage, run_id: str, role: str, version: int, write) -> Path:

@@ -101,7 +101,8 @@ def test_each_published_version_serves_every_role_s_adapter_with_the_trainer_s_l
     trainer = Trainer(settings, storage, None, bus=bus)
     try:
         # at its start the trainer made the server serve both roles' adapters, at version 0
-        assert served_adapters(trainer, url) == {role: str(settings.run_dir() / "adapters" / role / "v00000")
+        run_dir = settings.run_dir().resolve()
+        assert served_adapters(trainer, url) == {role: str(run_dir / "adapters" / role / "v00000")
                                                  for role in ROLES}
         plan = [("planner", "solver"), ("planner",), ("solver", "planner")]
         updates: list[PolicyUpdated] = []
@@ -131,13 +132,13 @@ def check_served_version(trainer: Trainer, settings: Settings, model: Path, url:
     """The server serves every role's adapter at the update's version, with the trainer's logprobs."""
     assert update.servers == [url]
     assert update.parity_max_abs_diff <= settings.train.parity_tolerance
-    directories = {role: settings.run_dir() / "adapters" / role / f"v{update.role_versions[role]:05d}"
-                   for role in ROLES}
+    adapters = settings.run_dir().resolve() / "adapters"
+    directories = {role: adapters / role / f"v{update.role_versions[role]:05d}" for role in ROLES}
     assert served_adapters(trainer, url) == {role: str(path) for role, path in directories.items()}
     recorded = {key.decode(): int(value)
                 for key, value in trainer.bus.redis.hgetall(FLEET_VERSIONS.key(trainer.bus.keys)).items()}
-    adapters = {f"{role}@{url}": update.role_versions[role] for role in ROLES}
-    assert recorded == {url: update.version, **adapters}
+    fields = {f"{role}@{url}": update.role_versions[role] for role in ROLES}
+    assert recorded == {url: update.version, **fields}
     base = served(url, "tiny", PROBE)
     for role, directory in directories.items():
         on_server, in_peft = served(url, role, PROBE), adapter_logprobs(model, directory, PROBE)
