@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rollstream.shared.contract.events import PolicyUpdated
 from rollstream.shared.contract.roles import RunRoles
+from rollstream.shared.inference.adapter_sync import adapter_dir as version_dir
 from rollstream.shared.runtime.storage import Storage, replace_dir
 
 ROLE_VERSIONS_FILE = "role_versions.json"
@@ -66,7 +67,7 @@ def write_role_versions(directory: Path, versions: dict[str, int]) -> None:
 def adapter_dir(storage: Storage, run_id: str, role: str, version: int) -> Path:
     """Where the servers load the role's adapter at `version` from: its whole path, links resolved, as a
     server started on it names it (cli/vllm_server.py), so that the sync finds the directory it serves."""
-    return storage.local_path(run_id, "adapters", role, f"v{version:05d}").resolve()
+    return version_dir(storage.local_path(run_id), role, version).resolve()
 
 
 def publish_adapter(storage: Storage, run_id: str, role: str, version: int, write) -> Path:
