@@ -151,3 +151,33 @@ def test_adapters_load_in_place_by_version_and_serve_token_exact_turns(lora_serv
             assert max(abs(a - b) for a, b in zip(solver, base, strict=True)) > 10 * TOLERANCE
 
     asyncio.run(scenario())
+
+
+def test_each_adapters_parity_probe_is_right_while_the_server_generates_for_both(lora_server, peft_model):
+    """A probe's prompt logprobs under an adapter, asked while the server samples turns of both adapters and
+    of the base model: vLLM's CPU build computed the output head's LoRA share of those rows with the indices
+    of the sampled requests and died on the shapes (shared/inference/vllm_lora_logits.py). Each probe is the
+    trainer's, and the server answers on."""
+    settings, server = lora_server
+    updates = [save_version(peft_model, settings.run_dir(), role, 5) for role in ROLES]
+
+    async def scenario() -> None:
+        async with FleetClient([server.url], model="tiny") as fleet:
+            await sync_adapters(fleet, [server.url], updates)
+
+            async def turn(model: str | None, index: int):
+                return await fleet.complete(list(PROBE[:5 + index]), max_tokens=24, temperature=1.0,
+                                            session_id=f"busy-{index}", model=model)
+
+            async def probe(update: AdapterUpdate) -> float:
+                served = await fleet.prompt_logprobs(server.url, list(update.probe), model=update.role)
+                return max(abs(a - b) for a, b in zip(served, update.expected, strict=True))
+
+            for _ in range(3):
+                results = await asyncio.gather(
+                    *(turn(model, i) for i, model in enumerate(["planner", "solver", None, "planner"])),
+                    *(probe(update) for update in updates))
+                assert all(diff <= TOLERANCE for diff in results[4:]), results[4:]
+            assert await fleet.health(server.url)
+
+    asyncio.run(scenario())
