@@ -47,18 +47,28 @@ EXAMPLES: dict[str, Callable[[], Example]] = {"relay": _relay}
 
 
 def example_settings(name: str, run_id: str, **more: Any) -> Settings:
-    """The settings of the example `name` for run `run_id`, its dataset written to the run's folder
+    """The settings of the example `name` for run `run_id`, with `more` (fields and sections, as Settings
+    takes them; a section's fields merge into the example's), its dataset written to the run's folder
     (data.path); ValueError naming the examples for an unknown one."""
     if name not in EXAMPLES:
         raise ValueError(f"no example {name!r}; the examples: {', '.join(sorted(EXAMPLES))}")
     example = EXAMPLES[name]()
-    settings = Settings(run_id=run_id, **example.settings, **more)
+    fields = _merged(example.settings, {"run_id": run_id, **more})
+    settings = Settings(**fields)
     path = settings.run_dir() / f"{name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = example.dataset(settings.data.seed)
     path.write_text("".join(json.dumps(_record(row)) + "\n" for row in rows))
-    return Settings(run_id=run_id, **example.settings, **more,
-                    data={**settings.data.model_dump(mode="json"), "path": str(path)})
+    return Settings(**_merged(fields, {"data": {"path": str(path)}}))
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `over`'s fields, sections merged field by field (over's win)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
 
 
 def _record(row) -> dict[str, Any]:
