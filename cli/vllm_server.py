@@ -52,7 +52,7 @@ from rollstream.cli.child_processes import signal_group, start_child, wait_group
 from rollstream.cli.cpu_cores import CoreLease, StartSlot, cores_per_server, lease_cores, wait_for_start_slot
 from rollstream.cli.vllm_neighbours import describe_machine
 from rollstream.shared.contract.bus import Bus
-from rollstream.shared.contract.roles import RunRoles
+from rollstream.shared.contract.roles import RunRoles, version_field
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.inference.adapter_sync import newest_adapters
 from rollstream.shared.inference.fleet_registry import FleetMember
@@ -119,15 +119,21 @@ class VllmServer:
         self.log_path = Path(log_path) if log_path else None
         self._proc: subprocess.Popen | None = None
         self._log_file = None
+        self.adapter_versions: dict[str, int] = {}
+        """In a LoRA run, each role's adapter the server starts with -> its version (policy_adapters)."""
 
     @classmethod
     def for_run(cls, settings: Settings, model_dir: Path | str, port: int, **options) -> VllmServer:
         """A server of `model_dir` as the run's settings serve its model: its served name, context length and
         further vLLM arguments (model.vllm_args, then `extra_args`), and in a LoRA run the roles' adapters
         (lora_arguments)."""
-        extra_args = (*lora_arguments(settings), *settings.model.vllm_args, *options.pop("extra_args", ()))
-        return cls(model_dir, port, served_model_name=settings.model.served_name,
-                   max_model_len=settings.model.max_model_len, extra_args=extra_args, **options)
+        adapters = policy_adapters(settings)
+        extra_args = (*lora_arguments(settings, adapters), *settings.model.vllm_args,
+                      *options.pop("extra_args", ()))
+        server = cls(model_dir, port, served_model_name=settings.model.served_name,
+                     max_model_len=settings.model.max_model_len, extra_args=extra_args, **options)
+        server.adapter_versions = {role: version for role, (_, version) in adapters.items()}
+        return server
 
     @classmethod
     def for_group(cls, settings: Settings, name: str, port: int, model_dir: Path | str | None = None,
@@ -138,14 +144,23 @@ class VllmServer:
         group = settings.fleet.groups[name]
         extra_args = options.pop("extra_args", ())
         if group.policy:
-            return cls(model_dir or settings.model.path, port, served_model_name=settings.model.served_name,
-                       max_model_len=group.max_model_len,
-                       extra_args=(*lora_arguments(settings), *settings.model.vllm_args, *group.vllm_args,
-                                   *extra_args), **options)
+            adapters = policy_adapters(settings)
+            server = cls(model_dir or settings.model.path, port, served_model_name=settings.model.served_name,
+                         max_model_len=group.max_model_len,
+                         extra_args=(*lora_arguments(settings, adapters), *settings.model.vllm_args,
+                                     *group.vllm_args, *extra_args), **options)
+            server.adapter_versions = {role: version for role, (_, version) in adapters.items()}
+            return server
         if group.path is None:
             raise ValueError(f"model group {name!r} names no model to serve: set fleet.groups.{name}.path")
         return cls(group.path, port, served_model_name=group.served_name or name,
                    max_model_len=group.max_model_len, extra_args=(*group.vllm_args, *extra_args), **options)
+
+    def version_fields(self, version: int) -> dict[str, int]:
+        """What it serves, as the fleet's versions record it (run_facts.FLEET_VERSIONS): the policy's
+        `version`, and each adapter it starts with at its version."""
+        return {self.url: version, **{version_field(self.url, role): adapter_version
+                                      for role, adapter_version in self.adapter_versions.items()}}
 
     @property
     def url(self) -> str:
@@ -158,7 +173,7 @@ class VllmServer:
         interface) and its port; the settings the registration reads go into its environment. Returns the
         member it registers as."""
         member = FleetMember(settings.fleet.advertise_url or f"http://{advertised_host(self.host)}:{self.port}",
-                             version, group)
+                             version, group, adapters=tuple(sorted(self.adapter_versions.items())))
         self.extra_env.update(member_environment(member))
         self.extra_env.update(registry_environment(settings))
         return member
@@ -377,27 +392,26 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM's --max-lora-rank takes."""
 
 
-def lora_arguments(settings: Settings) -> list[str]:
+def policy_adapters(settings: Settings) -> dict[str, tuple[Path, int]]:
+    """The adapters a policy server of a LoRA run starts with: each role's newest on the run's storage, role
+    -> (directory, version) (a server restarted mid-run serves them before the trainer's next sync; those not
+    on its disk, or not written yet, the sync loads). None for a full fine-tune."""
+    if not settings.train.lora:
+        return {}
+    return newest_adapters(settings.run_dir(), RunRoles.of(settings).adapters)
+
+
+def lora_arguments(settings: Settings, adapters: dict[str, tuple[Path, int]]) -> list[str]:
     """The vLLM arguments of a policy server of a LoRA run (train.lora_rank > 0): adapters enabled, as many
-    at once as the run has, of its rank, each role's newest adapter on the run's storage loaded from the start
-    (a server restarted mid-run serves them before the trainer's next sync; those not on its disk, or not
-    written yet, the trainer's sync loads). None for a full fine-tune."""
+    at once as the run has roles to train, of its rank, `adapters` (policy_adapters) loaded from the start.
+    None for a full fine-tune."""
     if not settings.train.lora:
         return []
-    adapters = RunRoles.of(settings).adapters
     rank = min(r for r in VLLM_LORA_RANKS if r >= settings.train.lora_rank)
-    newest = newest_adapters(settings.run_dir(), adapters)
-    modules = [f"{role}={path.resolve()}" for role, (path, _) in newest.items()]
-    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(len(adapters)),
+    at_once = len(RunRoles.of(settings).adapters)
+    modules = [f"{role}={path.resolve()}" for role, (path, _) in adapters.items()]
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(at_once),
             *(("--lora-modules", *modules) if modules else ())]
-
-
-def newest_adapter_versions(settings: Settings, url: str) -> dict[str, int]:
-    """The FLEET_VERSIONS fields of the adapters a policy server at `url` started with (lora_arguments): each
-    role's field -> the version of it that server serves."""
-    roles = RunRoles.of(settings)
-    return {roles.version_field(url, role): version
-            for role, (_, version) in newest_adapters(settings.run_dir(), roles.adapters).items()}
 
 
 def newest_policy(bus: Bus, settings: Settings) -> tuple[Path, int]:

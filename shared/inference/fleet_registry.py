@@ -49,6 +49,9 @@ class FleetMember:
     """The policy version it loaded when it started (the fleet's version record says what it serves now)."""
     group: str | None = None
     """The policy group of fleet.groups it belongs to; None: the policy's main servers, fleet.urls'."""
+    adapters: tuple[tuple[str, int], ...] = ()
+    """In a LoRA run, each role's adapter it loaded when it started, with its version (the fleet's version
+    record says what it serves now); not part of its registration."""
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)

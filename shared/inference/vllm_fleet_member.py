@@ -32,6 +32,7 @@ import time
 
 import httpx
 
+from rollstream.shared.contract.roles import version_field
 from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 from rollstream.shared.inference.fleet_registry import FleetMember, FleetRegistry
 
@@ -46,7 +47,8 @@ _started = False
 
 def member_environment(member: FleetMember) -> dict[str, str]:
     """What a launcher adds to a vLLM server's environment for it to register as `member`."""
-    fields = {"url": member.url, "version": member.version, "group": member.group}
+    fields = {"url": member.url, "version": member.version, "group": member.group,
+              "adapters": dict(member.adapters)}
     return {MEMBER_VARIABLE: json.dumps(fields)}
 
 
@@ -54,7 +56,8 @@ def member_from_environment(value: str) -> FleetMember:
     """The member MEMBER_VARIABLE names; ValueError that says what is wrong with it."""
     try:
         fields = json.loads(value)
-        return FleetMember(fields["url"], fields["version"], fields.get("group"))
+        return FleetMember(fields["url"], fields["version"], fields.get("group"),
+                           tuple(sorted((fields.get("adapters") or {}).items())))
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{MEMBER_VARIABLE}={value!r} is not the JSON of a fleet member "
                          f'({{"url": "http://host:port", "version": N, "group": null}}): {exc}') from exc
@@ -101,8 +104,11 @@ def keep_membership(registry: FleetRegistry, member: FleetMember) -> None:
 
 
 def join(registry: FleetRegistry, member: FleetMember) -> None:
-    """The version `member` serves recorded, then `member` registered."""
-    registry.redis.hset(FLEET_VERSIONS.key(registry.keys), member.url, member.version)
+    """The versions `member` serves recorded (the policy's, and each adapter's it started with), then `member`
+    registered."""
+    served = {member.url: member.version,
+              **{version_field(member.url, role): version for role, version in member.adapters}}
+    registry.redis.hset(FLEET_VERSIONS.key(registry.keys), mapping=served)
     registry.register(member)
     say("registered in the run's fleet", run_id=registry.keys.run_id, url=member.url, version=member.version,
         group=member.group)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.cli.vllm_server import VllmServer, lora_arguments
+from rollstream.cli.vllm_server import VllmServer, lora_arguments, policy_adapters
 from rollstream.shared.errors import FleetUnavailable
 from rollstream.shared.inference.adapter_sync import (
     AdapterUpdate,
@@ -95,11 +95,13 @@ def lora_server(tiny_model, peft_model, tmp_path_factory):
 
 def test_a_server_of_a_lora_run_starts_with_the_roles_newest_adapters(lora_server):
     settings, server = lora_server
-    arguments = lora_arguments(settings)
+    arguments = lora_arguments(settings, policy_adapters(settings))
     assert arguments[:6] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules"]
     assert newest_adapters(settings.run_dir(), ROLES) == {
         "planner": (adapter_dir(settings.run_dir(), "planner", 0), 0)}
     assert server.environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # what it serves, as the fleet's versions record it: the planner's v0 beside the policy's version
+    assert server.version_fields(3) == {server.url: 3, f"planner@{server.url}": 0}
 
 
 def test_adapters_load_in_place_by_version_and_serve_token_exact_turns(lora_server, peft_model):

@@ -91,3 +91,32 @@ def test_the_advertised_host_is_the_listening_address_or_for_every_interface_thi
 def test_a_member_variable_that_is_not_a_member_says_what_it_should_be(value):
     with pytest.raises(ValueError, match=f"{MEMBER_VARIABLE}=.* is not the JSON of a fleet member"):
         member_from_environment(value)
+
+
+def test_a_server_of_a_lora_run_starts_with_each_roles_newest_adapter_and_records_their_versions(
+        bus, redis_url, tmp_path, caught_exec):
+    """It loads, from the start, each role's newest adapter on the run's storage, and once registered the
+    fleet's versions say which version of each it serves."""
+    from rollstream.shared.inference.adapter_sync import ADAPTER_WEIGHTS, adapter_dir
+    from rollstream.shared.inference.fleet_registry import FleetRegistry
+    from rollstream.shared.inference.vllm_fleet_member import join
+
+    settings = settings_of(bus, redis_url, tmp_path, registry=True, advertise_url="http://vllm-1:8000")
+    settings = Settings(**{**settings.model_dump(), "roles": {"names": {"planner": {}, "solver": {}}},
+                           "train": {"lora_rank": 8}})
+    for role, version in (("planner", 1), ("planner", 4), ("solver", 2)):
+        directory = adapter_dir(settings.run_dir(), role, version)
+        directory.mkdir(parents=True)
+        (directory / ADAPTER_WEIGHTS).write_bytes(b"")
+    with pytest.raises(Exec) as caught:
+        exec_newest_policy(settings, 8000)
+    command, env = caught.value.args
+    assert command[command.index("--lora-modules") + 1:][:2] == [
+        f"planner={adapter_dir(settings.run_dir(), 'planner', 4).resolve()}",
+        f"solver={adapter_dir(settings.run_dir(), 'solver', 2).resolve()}"]
+    assert command[command.index("--max-loras") + 1] == "2"
+    member = member_from_environment(env[MEMBER_VARIABLE])
+    assert member == FleetMember("http://vllm-1:8000", 0, adapters=(("planner", 4), ("solver", 2)))
+    join(FleetRegistry(bus.redis, bus.keys, ttl_s=30), member)
+    assert bus.fleet_versions() == {"http://vllm-1:8000": 0, "planner@http://vllm-1:8000": 4,
+                                    "solver@http://vllm-1:8000": 2}
