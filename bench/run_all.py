@@ -141,6 +141,8 @@ BENCHMARKS = (
     Benchmark("vllm-start", "bench_vllm_start.py"),
     Benchmark("vllm-binding", "bench_vllm_binding.py"),
     Benchmark("learning", "bench_learning.py", ("--versions", "20", "--window", "5"), takes_fleet=True),
+    # the relay's two roles against a control whose planner is frozen (each run starts its LoRA server)
+    Benchmark("roles-learning", "bench_roles_learning.py", ("--versions", "31", "--window", "5")),
 )
 
 

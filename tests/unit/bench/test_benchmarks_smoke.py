@@ -123,6 +123,25 @@ def test_learning_against_its_control(vllm_url, tiny_model, tmp_path):
     assert [f["unit"] for f in done.figures] == ["reward"]
 
 
+def test_roles_learning_against_a_frozen_planner(tmp_path):
+    """Starts its own servers: two relay runs, each with a LoRA server. Each role is scored in every
+    run and window, and the control's planner never trained (else the bench fails)."""
+    warm = MODELS / "tiny-llama-warm"
+    if not (warm / "config.json").exists():
+        pytest.skip("the warm-started tiny model is built by make setup")
+    done = run_smoke("bench_roles_learning.py", tmp_path, "--model", str(warm))
+    assert [(f["what"].split(":")[0], f["baseline_what"]) for f in done.figures] == [
+        ("planner trained", "control (planner frozen), same versions"),
+        ("solver beside a trained planner", "control (solver beside the frozen planner), same versions")]
+    control = re.search(r"^\[control\] 3 versions in .*; the roles' versions at the end: (.*)$", done.output,
+                        re.M)
+    assert control is not None and "solver" in control.group(1) and "planner" not in control.group(1)
+    table = [line.split() for line in done.notes[0].splitlines()[2:6]]
+    assert [row[:2] for row in table] == [["planner", "both"], ["planner", "control"], ["solver", "both"],
+                                          ["solver", "control"]]
+    assert all(0 <= float(value) <= 1 for row in table for value in row[2:4]), done.notes
+
+
 def test_vllm_start_compiled_against_eager(tiny_model, tmp_path):
     done = run_smoke("bench_vllm_start.py", tmp_path, "--model", str(tiny_model))
     assert [f["baseline_what"] for f in done.figures] == ["compiled (-O2)", "compiled (-O2)"]
