@@ -220,7 +220,9 @@ class Trainer(AdapterFleet):
         for role, usable in intake.usable.items():
             if intake.fresh[role] or usable:
                 self.probes[role] = (intake.fresh[role] or usable)[0].tokens[:PROBE_TOKENS]
-        step = TrainedStep(version=self.version + 1, probe=self.probe, trained=len(fresh),
+        # a LoRA step syncs each adapter on its own probe (step.probes); its default role may be frozen
+        step = TrainedStep(version=self.version + 1, probe=[] if self.roles.lora else self.probe,
+                           trained=len(fresh),
                            dropped=intake.dropped, expected=[], metrics=metrics, staleness=staleness,
                            probes=dict(self.probes),
                            role_versions=next_role_versions(self.role_versions, trained, self.roles,

@@ -266,3 +266,14 @@ def test_a_lora_run_s_kl_reference_is_the_base_model_itself(tmp_path, tiny_model
         base = token_logprobs(load_model(tiny_model, torch.device("cpu")), micro)
         assert torch.allclose(run.trainer.reference_logprobs(micro), base, atol=1e-6)
         assert not torch.allclose(token_logprobs(run.trainer.backend.model, micro), base, atol=1e-4)
+
+
+def test_a_run_whose_default_role_is_frozen_trains_its_other_roles(tmp_path, tiny_model, bus):
+    """The default role (the first listed) frozen, as a control that keeps one role at its start: the others
+    train, each on its own probe, and the frozen role's rows are left out."""
+    settings = Settings(run_id=bus.keys.run_id, storage_uri=str(tmp_path), model={"path": str(tiny_model)},
+                        fleet={"urls": []}, roles={"names": {"judge": {"trained": False}, "solver": {}}},
+                        train={"lora_rank": 8, "trackers": [], "learning_rate": 1e-3})
+    run = Run(settings, bus)
+    update = run.step([row("r0", None, 0), row("r1", "solver", 1)])
+    assert (update.trained_samples, update.dropped, update.role_versions) == (1, {"frozen": 1}, {"solver": 1})
