@@ -81,10 +81,6 @@ def relay_settings(label: str, args: argparse.Namespace, storage: Path) -> Setti
     train = {**example.train.model_dump(), "total_versions": args.versions, "trackers": [],
              "batch_size": args.batch_size, "learning_rate": args.learning_rate}
     roles = example.roles.model_dump()
-    # The relay's loop names the role of each of its segments, so the default role samples nothing; it is
-    # the solver in both runs because the trainer's step reads the default role's probe, which a frozen
-    # role does not have.
-    roles["default"] = SOLVER
     if label == "control":
         roles["names"][PLANNER]["trained"] = False
     # built again rather than copied: the roles and LoRA settings are validated together
