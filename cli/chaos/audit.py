@@ -52,7 +52,7 @@ from rollstream.shared.contract.events import (
     RolloutDropped,
     TrajectoryFinished,
 )
-from rollstream.shared.contract.roles import RunRoles
+from rollstream.shared.contract.roles import ONE_POLICY, RunRoles
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox.docker import DockerBackend
@@ -374,8 +374,6 @@ def _batch_row_fates(report: AuditReport, history: dict[StreamName, list[Deliver
 
 ROW_FATES = ("trained", "stale", "invalid", "frozen", "unknown_role")
 """What the trainer does with a row of a batch it trains (PolicyUpdated.dropped counts all but trained)."""
-ONE_POLICY = RunRoles(names=("policy",), trained=("policy",), default="policy", lora=False, base_model="")
-"""The roles of a run that has none configured: one trained role, the whole policy."""
 
 
 def _role_versions_before(updates: list[PolicyUpdated], roles: RunRoles) -> dict[str, dict[str, int]]:

@@ -19,13 +19,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from rollstream.services.reward.rewards import RewardFunction, advantages, resolve_reward_function
-from rollstream.shared.contract.roles import RunRoles
+from rollstream.shared.contract.roles import ONE_POLICY, RunRoles
 from rollstream.shared.errors import UnknownRole
-from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.sections.roles import RolesSettings
 
-SINGLE_ROLE = RunRoles.of(Settings.model_construct())
-"""The roles of a run that configures none: the one default role (a book built without settings)."""
 UNKNOWN_ROLE_LABEL = "unknown"
 """The metric label of a role the run does not have: a segment's role is not a label's to multiply."""
 
@@ -70,7 +67,7 @@ class RoleScoring:
 
     def __init__(self, roles: RunRoles | None = None, reward_functions: Mapping[str, str] | None = None,
                  advantage_estimator: str = "grpo") -> None:
-        self.roles = roles or SINGLE_ROLE
+        self.roles = roles or ONE_POLICY  # a book built without settings
         self.reward_functions = dict(reward_functions or {})
         self.advantage_estimator = advantage_estimator
         self.scores: dict[str, RewardFunction] = {}

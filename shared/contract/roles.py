@@ -79,6 +79,11 @@ class RunRoles:
         return versions.get(self.version_field(url, role), 0)
 
 
+ONE_POLICY = RunRoles.of(Settings.model_construct())
+"""The roles of a run that configures none (the defaults, read from no environment): one trained role, the
+whole policy."""
+
+
 def version_field(url: str, adapter: str | None) -> str:
     """The field of FLEET_VERSIONS for the whole policy (adapter None) or an adapter served by `url`."""
     return url if adapter is None else f"{adapter}@{url}"
