@@ -47,7 +47,7 @@ from rollstream.cli.restart_policy import (
 from rollstream.cli.run_preflight import check_sandbox, prepare_task_environments
 from rollstream.cli.run_progress import Progress, ProgressReader, backlog, run_summary
 from rollstream.cli.run_servers import RunServers, with_fleet_urls
-from rollstream.cli.vllm_server import VllmServer, free_port, newest_policy
+from rollstream.cli.vllm_server import VllmServer, free_port, newest_policy, published_roles
 from rollstream.shared.contract.bus import STREAMS, Bus
 from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 from rollstream.shared.errors import RollstreamError
@@ -391,7 +391,7 @@ class LocalRun:
                 vllm.stop()
             self.record_exit("vllm", None, injected=True)
         model, version = newest_policy(self.bus, self.settings)
-        vllm = self.servers.restart_vllm(self.settings, model)
+        vllm = self.servers.restart_vllm(self.settings, model, published_roles(self.bus, self.settings))
         self.bus.redis.hset(FLEET_VERSIONS.key(self.bus.keys), mapping=vllm.version_fields(version))
         self.restarts["vllm"] = self.restarts.get("vllm", 0) + 1
         if wait:

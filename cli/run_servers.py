@@ -80,11 +80,14 @@ class RunServers:
             groups[name] = groups[name].model_copy(update={"urls": [server.url]})
         return settings.model_copy(update={"fleet": settings.fleet.model_copy(update={"groups": groups})})
 
-    def restart_vllm(self, settings: Settings, model: Path | str) -> VllmServer:
-        """Start the policy's vLLM server again on its port with `model` (stopped first if it still runs)."""
+    def restart_vllm(self, settings: Settings, model: Path | str,
+                     published_roles: dict[str, int] | None = None) -> VllmServer:
+        """Start the policy's vLLM server again on its port with `model` (stopped first if it still runs), and
+        in a LoRA run the roles' adapters of the versions `published_roles` (cli/vllm_server.py)."""
         assert self.vllm is not None
         self.vllm.stop()
-        self.vllm = VllmServer.for_run(settings, model, self.vllm.port, log_path=self.log_dir / "vllm.log")
+        self.vllm = VllmServer.for_run(settings, model, self.vllm.port, log_path=self.log_dir / "vllm.log",
+                                       published_roles=published_roles)
         self.vllm.start()
         return self.vllm
 

@@ -127,7 +127,7 @@ class VllmServer:
         """A server of `model_dir` as the run's settings serve its model: its served name, context length and
         further vLLM arguments (model.vllm_args, then `extra_args`), and in a LoRA run the roles' adapters
         (lora_arguments)."""
-        adapters = policy_adapters(settings)
+        adapters = policy_adapters(settings, options.pop("published_roles", None))
         extra_args = (*lora_arguments(settings, adapters), *settings.model.vllm_args,
                       *options.pop("extra_args", ()))
         server = cls(model_dir, port, served_model_name=settings.model.served_name,
@@ -143,8 +143,9 @@ class VllmServer:
         policy, `model_dir` (default: model.path) served as model.served_name."""
         group = settings.fleet.groups[name]
         extra_args = options.pop("extra_args", ())
+        published_roles = options.pop("published_roles", None)
         if group.policy:
-            adapters = policy_adapters(settings)
+            adapters = policy_adapters(settings, published_roles)
             server = cls(model_dir or settings.model.path, port, served_model_name=settings.model.served_name,
                          max_model_len=group.max_model_len,
                          extra_args=(*lora_arguments(settings, adapters), *settings.model.vllm_args,
@@ -392,13 +393,28 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM's --max-lora-rank takes."""
 
 
-def policy_adapters(settings: Settings) -> dict[str, tuple[Path, int]]:
-    """The adapters a policy server of a LoRA run starts with: each role's newest on the run's storage, role
-    -> (directory, version) (a server restarted mid-run serves them before the trainer's next sync; those not
-    on its disk, or not written yet, the sync loads). None for a full fine-tune."""
+def policy_adapters(settings: Settings,
+                    published: Mapping[str, int] | None = None) -> dict[str, tuple[Path, int]]:
+    """The adapters a policy server of a LoRA run starts with: each role's newest on the run's storage, of a
+    version no newer than `published` (the roles' versions of the run's last PolicyUpdated, published_roles;
+    None: any), role -> (directory, version). A server restarted mid-run serves them before the trainer's next
+    sync; those not on its disk, or not written yet, the sync loads. None for a full fine-tune."""
     if not settings.train.lora:
         return {}
-    return newest_adapters(settings.run_dir(), RunRoles.of(settings).adapters)
+    return newest_adapters(settings.run_dir(), RunRoles.of(settings).adapters, published)
+
+
+def published_roles(bus: Bus, settings: Settings) -> dict[str, int] | None:
+    """In a LoRA run, each trained role's version the run's trainer published last (0 each before its first
+    version); None otherwise, and for an update recorded before roles existed."""
+    from rollstream.services.trainer.publishing import last_own_update
+
+    if not settings.train.lora:
+        return None
+    last = last_own_update(bus, bus.keys.trained_batches, settings.storage_uri)
+    if last is None:
+        return dict.fromkeys(RunRoles.of(settings).adapters, 0)
+    return dict(last.role_versions) or None
 
 
 def lora_arguments(settings: Settings, adapters: dict[str, tuple[Path, int]]) -> list[str]:
@@ -452,11 +468,13 @@ def exec_newest_policy(settings: Settings, port: int, extra_args: Sequence[str] 
         raise VllmStartError(f"policy version {version} of run {settings.run_id!r} is {model}, which holds "
                              "no model here: mount the run's storage at the trainer's path "
                              f"({settings.storage_uri})")
+    published = published_roles(bus, settings)
     if group is None:
-        server = VllmServer.for_run(settings, model, port, extra_args=extra_args, host=settings.listen_host)
+        server = VllmServer.for_run(settings, model, port, extra_args=extra_args, host=settings.listen_host,
+                                    published_roles=published)
     else:
         server = VllmServer.for_group(settings, group, port, model, extra_args=extra_args,
-                                      host=settings.listen_host)
+                                      host=settings.listen_host, published_roles=published)
     member = server.join_fleet(settings, version, group) if settings.fleet.registry else None
     print(json.dumps({"message": "serving the newest policy", "run_id": settings.run_id, "version": version,
                       "model": str(model), "joins_the_fleet_as": member and member.url}),

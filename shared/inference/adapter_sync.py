@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rollstream.shared.inference.fleet import FleetClient
@@ -29,13 +29,18 @@ def adapter_dir(run_dir: Path, role: str, version: int) -> Path:
     return run_dir / "adapters" / role / f"v{version:05d}"
 
 
-def newest_adapters(run_dir: Path, roles: Sequence[str]) -> dict[str, tuple[Path, int]]:
-    """Each role's newest adapter written to the run's storage: role -> (directory, version); a role with none
-    yet (a run before its trainer started) is left out."""
+def newest_adapters(run_dir: Path, roles: Sequence[str],
+                    published: Mapping[str, int] | None = None) -> dict[str, tuple[Path, int]]:
+    """Each role's newest adapter written to the run's storage, of a version no newer than `published`'s (the
+    roles' versions the trainer published last; None: any): role -> (directory, version). A role with none
+    yet (a run before its trainer started) is left out. The trainer writes a version before its sync, so the
+    newest on disk may be one it never published."""
     found = {}
     for role in roles:
+        newest = None if published is None else published.get(role, 0)
         versions = sorted((int(path.name[1:]), path) for path in (run_dir / "adapters" / role).glob("v*")
-                          if path.name[1:].isdigit() and (path / ADAPTER_WEIGHTS).is_file())
+                          if path.name[1:].isdigit() and (path / ADAPTER_WEIGHTS).is_file()
+                          and (newest is None or int(path.name[1:]) <= newest))
         if versions:
             version, path = versions[-1]
             found[role] = (path, version)
