@@ -35,10 +35,11 @@ from rollstream.services.trainer.backends.deepspeed_backend import (
     rank_device,
 )
 from rollstream.services.trainer.backends.lora import (
-    ADAPTER_WEIGHTS,
     ADAPTERS_DIR,
     RoleAdapters,
+    RoleSwitching,
     read_adapter,
+    saved_adapter,
     with_adapters,
     write_adapter,
 )
@@ -66,7 +67,7 @@ class RoleEngines(torch.nn.Module):
             return getattr(self.__dict__["adapters"].model, name)
 
 
-class DeepSpeedLoraBackend:
+class DeepSpeedLoraBackend(RoleSwitching):
     def __init__(self, settings: TrainSettings, model_path: Path, roles: tuple[str, ...]) -> None:
         import deepspeed
         import torch.distributed as dist
@@ -89,13 +90,6 @@ class DeepSpeedLoraBackend:
         self.engines = engines
         self.model = RoleEngines(engines, self.adapters)
         self.use_role(roles[0])
-
-    @property
-    def roles(self) -> tuple[str, ...]:
-        return self.adapters.roles
-
-    def use_role(self, role: str) -> None:
-        self.adapters.use(role)
 
     def backward(self, loss: torch.Tensor) -> None:
         # as DeepSpeedBackend.backward: ZeRO's mean over the ranks turned back into the sum
@@ -149,10 +143,8 @@ class DeepSpeedLoraBackend:
     def load_training_state(self, directory: Path) -> None:
         active = self.adapters.active
         for role in self.roles:
-            saved = Path(directory) / ADAPTERS_DIR / role
-            if not (saved / ADAPTER_WEIGHTS).exists():
-                log.warning("the checkpoint has no adapter of this role: it starts from the base",
-                            extra={"role": role, "directory": str(directory)})
+            saved = saved_adapter(directory, role)
+            if saved is None:
                 continue
             self.use_role(role)
             with self.gathered(role, modify=True):

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import torch
 
+from rollstream.shared.inference.adapter_sync import ADAPTER_WEIGHTS
 from rollstream.shared.runtime.config import TrainSettings
 
+log = logging.getLogger("trainer")
+
 ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTERS_DIR = "adapters"
 """A LoRA checkpoint's folder of adapters: one folder per role, with the role's optimizer state."""
 
@@ -105,6 +108,31 @@ class RoleAdapters:
         with torch.no_grad():
             for name, parameter in parameters.items():
                 parameter.copy_(state[name].to(parameter.device, parameter.dtype))
+
+
+class RoleSwitching:
+    """What both LoRA backends do the same with their RoleAdapters (`adapters`): name their roles, and make
+    one the active one."""
+
+    adapters: RoleAdapters
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return self.adapters.roles
+
+    def use_role(self, role: str) -> None:
+        self.adapters.use(role)
+
+
+def saved_adapter(directory: Path, role: str) -> Path | None:
+    """The role's folder in the checkpoint `directory`; None when the checkpoint has no adapter of the role
+    (said in the log): the role starts from the base."""
+    saved = Path(directory) / ADAPTERS_DIR / role
+    if (saved / ADAPTER_WEIGHTS).exists():
+        return saved
+    log.warning("the checkpoint has no adapter of this role: it starts from the base",
+                extra={"role": role, "directory": str(directory)})
+    return None
 
 
 def write_adapter(model: torch.nn.Module, role: str, state: dict[str, torch.Tensor], directory: Path) -> None:

@@ -12,7 +12,6 @@ with this one's), tests/unit/services/trainer/test_lora_backends.py (the adapter
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,10 +25,11 @@ from rollstream.services.trainer.backends.base import (
     state_dict_weights,
 )
 from rollstream.services.trainer.backends.lora import (
-    ADAPTER_WEIGHTS,
     ADAPTERS_DIR,
     RoleAdapters,
+    RoleSwitching,
     read_adapter,
+    saved_adapter,
     with_adapters,
     write_adapter,
 )
@@ -37,8 +37,6 @@ from rollstream.shared.inference.serving_weights import write_serving_checkpoint
 from rollstream.shared.runtime.config import TrainSettings
 
 OPTIMIZER_FILE = "optimizer.pt"
-
-log = logging.getLogger("trainer")
 
 
 class TorchBackend:
@@ -72,7 +70,7 @@ class TorchBackend:
         return state_dict_weights(self.model)
 
 
-class TorchLoraBackend:
+class TorchLoraBackend(RoleSwitching):
     """One LoRA adapter per role over the frozen base model, each with an Adam of its own. A checkpoint holds
     adapters/<role>/ (the adapter in peft's format and optimizer.pt) per role and the RNG state; not the base,
     which is model.path."""
@@ -86,13 +84,6 @@ class TorchLoraBackend:
         self.optimizers = {role: torch.optim.Adam(parameters.values(), lr=settings.learning_rate)
                            for role, parameters in self.adapters.parameters.items()}
         self.use_role(roles[0])
-
-    @property
-    def roles(self) -> tuple[str, ...]:
-        return self.adapters.roles
-
-    def use_role(self, role: str) -> None:
-        self.adapters.use(role)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -122,10 +113,8 @@ class TorchLoraBackend:
 
     def load_training_state(self, directory: Path) -> None:
         for role in self.roles:
-            saved = directory / ADAPTERS_DIR / role
-            if not (saved / ADAPTER_WEIGHTS).exists():
-                log.warning("the checkpoint has no adapter of this role: it starts from the base",
-                            extra={"role": role, "directory": str(directory)})
+            saved = saved_adapter(directory, role)
+            if saved is None:
                 continue
             self.adapters.load(role, read_adapter(saved, self.settings))
             if (saved / OPTIMIZER_FILE).exists():
