@@ -53,6 +53,7 @@ from rollstream.shared.contract.events import (
     TrajectoryFinished,
 )
 from rollstream.shared.contract.roles import ONE_POLICY, RunRoles
+from rollstream.shared.errors import UnknownRole
 from rollstream.shared.runtime.config import Settings
 from rollstream.shared.runtime.storage import Storage
 from rollstream.shared.sandbox.docker import DockerBackend
@@ -397,7 +398,10 @@ def _trained_row_fates(rows: list[BatchRow], trained_from: dict[str, int], max_s
     # those generated more than max_staleness versions of their role before the role's version as stale
     fates: Counter[str] = Counter()
     for row in rows:
-        role = row.role if row.role in roles.names else roles.default if row.role is None else None
+        try:
+            role = roles.resolve(row.role)
+        except UnknownRole:
+            role = None
         if role is None:
             fate = "unknown_role"
         elif role not in trained_from:
