@@ -127,13 +127,9 @@ class VllmServer:
         """A server of `model_dir` as the run's settings serve its model: its served name, context length and
         further vLLM arguments (model.vllm_args, then `extra_args`), and in a LoRA run the roles' adapters
         (lora_arguments)."""
-        adapters = policy_adapters(settings, options.pop("published_roles", None))
-        extra_args = (*lora_arguments(settings, adapters), *settings.model.vllm_args,
-                      *options.pop("extra_args", ()))
-        server = cls(model_dir, port, served_model_name=settings.model.served_name,
-                     max_model_len=settings.model.max_model_len, extra_args=extra_args, **options)
-        server.adapter_versions = {role: version for role, (_, version) in adapters.items()}
-        return server
+        extra_args = options.pop("extra_args", ())
+        return cls._of_policy(settings, model_dir, port, settings.model.max_model_len, extra_args,
+                              options.pop("published_roles", None), **options)
 
     @classmethod
     def for_group(cls, settings: Settings, name: str, port: int, model_dir: Path | str | None = None,
@@ -145,17 +141,25 @@ class VllmServer:
         extra_args = options.pop("extra_args", ())
         published_roles = options.pop("published_roles", None)
         if group.policy:
-            adapters = policy_adapters(settings, published_roles)
-            server = cls(model_dir or settings.model.path, port, served_model_name=settings.model.served_name,
-                         max_model_len=group.max_model_len,
-                         extra_args=(*lora_arguments(settings, adapters), *settings.model.vllm_args,
-                                     *group.vllm_args, *extra_args), **options)
-            server.adapter_versions = {role: version for role, (_, version) in adapters.items()}
-            return server
+            return cls._of_policy(settings, model_dir or settings.model.path, port, group.max_model_len,
+                                  (*group.vllm_args, *extra_args), published_roles, **options)
         if group.path is None:
             raise ValueError(f"model group {name!r} names no model to serve: set fleet.groups.{name}.path")
         return cls(group.path, port, served_model_name=group.served_name or name,
                    max_model_len=group.max_model_len, extra_args=(*group.vllm_args, *extra_args), **options)
+
+    @classmethod
+    def _of_policy(cls, settings: Settings, model_dir: Path | str, port: int, max_model_len: int,
+                   extra_args: Sequence[str], published_roles: Mapping[str, int] | None,
+                   **options) -> VllmServer:
+        """A server of the policy: in a LoRA run with the roles' adapters (policy_adapters, of the versions
+        `published_roles`) enabled and loaded, then model.vllm_args, then `extra_args`."""
+        adapters = policy_adapters(settings, published_roles)
+        server = cls(model_dir, port, served_model_name=settings.model.served_name,
+                     max_model_len=max_model_len, **options,
+                     extra_args=(*lora_arguments(settings, adapters), *settings.model.vllm_args, *extra_args))
+        server.adapter_versions = {role: version for role, (_, version) in adapters.items()}
+        return server
 
     def version_fields(self, version: int) -> dict[str, int]:
         """What it serves, as the fleet's versions record it (run_facts.FLEET_VERSIONS): the policy's
