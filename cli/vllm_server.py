@@ -52,7 +52,7 @@ from rollstream.cli.child_processes import signal_group, start_child, wait_group
 from rollstream.cli.cpu_cores import CoreLease, StartSlot, cores_per_server, lease_cores, wait_for_start_slot
 from rollstream.cli.vllm_neighbours import describe_machine
 from rollstream.shared.contract.bus import Bus
-from rollstream.shared.contract.roles import RunRoles, version_field
+from rollstream.shared.contract.roles import RunRoles, served_versions
 from rollstream.shared.errors import RollstreamError
 from rollstream.shared.inference.adapter_sync import newest_adapters
 from rollstream.shared.inference.fleet_registry import FleetMember
@@ -164,8 +164,7 @@ class VllmServer:
     def version_fields(self, version: int) -> dict[str, int]:
         """What it serves, as the fleet's versions record it (run_facts.FLEET_VERSIONS): the policy's
         `version`, and each adapter it starts with at its version."""
-        return {self.url: version, **{version_field(self.url, role): adapter_version
-                                      for role, adapter_version in self.adapter_versions.items()}}
+        return served_versions(self.url, version, self.adapter_versions)
 
     @property
     def url(self) -> str:

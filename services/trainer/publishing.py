@@ -25,7 +25,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from rollstream.services.trainer.role_versions import ROLE_VERSIONS_FILE, AdapterStates
 from rollstream.shared.contract.bus import Bus
 from rollstream.shared.contract.events import BatchReady, PolicyUpdated, decode
-from rollstream.shared.contract.roles import version_field
+from rollstream.shared.contract.roles import served_versions
 from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 
 if TYPE_CHECKING:
@@ -106,11 +106,9 @@ def record_fleet_versions(client, bus: Bus, servers: list[str], version: int, ro
                           adapters: tuple[str, ...]) -> None:
     """Record in FLEET_VERSIONS (with `client`: Redis or a pipeline) that `servers` serve the trainer's
     `version` and each adapter at its role's version."""
-    key = FLEET_VERSIONS.key(bus.keys)
+    served = {role: role_versions[role] for role in adapters}
     for url in servers:
-        client.hset(key, url, version)
-        for role in adapters:
-            client.hset(key, version_field(url, role), role_versions[role])
+        client.hset(FLEET_VERSIONS.key(bus.keys), mapping=served_versions(url, version, served))
 
 
 def record_checkpoint(seconds: float) -> None:

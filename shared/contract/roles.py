@@ -89,6 +89,12 @@ def version_field(url: str, adapter: str | None) -> str:
     return url if adapter is None else f"{adapter}@{url}"
 
 
+def served_versions(url: str, version: int, adapters: Mapping[str, int]) -> dict[str, int]:
+    """The FLEET_VERSIONS fields of a server at `url` that serves the policy's `version` and each adapter of
+    `adapters` (role -> version) at its version."""
+    return {url: version, **{version_field(url, role): adapter for role, adapter in adapters.items()}}
+
+
 def split_version_field(field: str) -> tuple[str, str | None]:
     """(url, adapter or None) of a FLEET_VERSIONS field."""
     adapter, at, url = field.partition("@")

@@ -32,7 +32,7 @@ import time
 
 import httpx
 
-from rollstream.shared.contract.roles import version_field
+from rollstream.shared.contract.roles import served_versions
 from rollstream.shared.contract.run_facts import FLEET_VERSIONS
 from rollstream.shared.inference.fleet_registry import FleetMember, FleetRegistry
 
@@ -106,8 +106,7 @@ def keep_membership(registry: FleetRegistry, member: FleetMember) -> None:
 def join(registry: FleetRegistry, member: FleetMember) -> None:
     """The versions `member` serves recorded (the policy's, and each adapter's it started with), then `member`
     registered."""
-    served = {member.url: member.version,
-              **{version_field(member.url, role): version for role, version in member.adapters}}
+    served = served_versions(member.url, member.version, dict(member.adapters))
     registry.redis.hset(FLEET_VERSIONS.key(registry.keys), mapping=served)
     registry.register(member)
     say("registered in the run's fleet", run_id=registry.keys.run_id, url=member.url, version=member.version,
